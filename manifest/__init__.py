@@ -1,0 +1,38 @@
+"""The signed Merkle manifest: format, signatures, verification, audit.
+
+Trust logic (`_canonical`, `_records`, `_merkle`, `_envelope`, `_document`) takes bytes and keys, never
+paths; `_io`, `_files`, `_scan`, `_state` and `audit` are the I/O around it. Where a shard is verified:
+`shardtool.manifest._files.read_verified`.
+"""
+
+from shardtool.manifest._document import (
+    FORMAT,
+    Manifest,
+    VerifiedManifest,
+    build_manifest,
+    check_freshness,
+    decode_manifest,
+    describe_head,
+    entry_bytes,
+    verify_manifest,
+)
+from shardtool.manifest._envelope import PAYLOAD_TYPE, Envelope, Signature, pae, verify_envelope
+from shardtool.manifest._files import read_verified
+from shardtool.manifest._io import (
+    MANIFEST_NAME,
+    default_manifest_path,
+    hash_directory,
+    load_manifest,
+    load_verified_manifest,
+    save_manifest,
+)
+from shardtool.manifest._records import KINDS, Entry, Head
+from shardtool.manifest._scan import classify
+from shardtool.manifest._state import check_and_record, default_state_dir
+
+__all__ = [
+    "FORMAT", "KINDS", "MANIFEST_NAME", "PAYLOAD_TYPE", "Entry", "Envelope", "Head", "Manifest", "Signature",
+    "VerifiedManifest", "build_manifest", "check_and_record", "check_freshness", "classify", "decode_manifest",
+    "default_manifest_path", "default_state_dir", "describe_head", "entry_bytes", "hash_directory", "load_manifest",
+    "load_verified_manifest", "pae", "read_verified", "save_manifest", "verify_envelope", "verify_manifest",
+]

@@ -1,0 +1,174 @@
+"""The manifest file: a DSSE envelope over the signed head, plus the entry list it commits to.
+
+File layout (canonical msgpack): {"format": FORMAT, "envelope": {...}, "entries": [bin, ...]}, each
+entry a canonical msgpack map kept as raw bytes. Verification never parses an entry before the Merkle
+root recomputed over those raw bytes matches the signed head: verify, then parse.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from shardtool.errors import ExpiredError, ManifestFormatError, MerkleProofError
+from shardtool.keys import PublicKey
+from shardtool.manifest import _canonical
+from shardtool.manifest._envelope import PAYLOAD_TYPE, Envelope, verify_envelope
+from shardtool.manifest._merkle import blake3_256, leaf_hash, root_from_leaf_hashes
+from shardtool.manifest._records import MAX_ENTRIES, Entry, Head
+
+FORMAT = "shardtool-manifest-v1"
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+MAX_ENTRY_BYTES = 2048
+CLOCK_SKEW = 300  # seconds a manifest's `created` may lie ahead of our clock
+DAY = 86_400
+
+
+def entry_bytes(entry: Entry) -> bytes:
+    """Canonical encoding of one entry: the Merkle leaf data."""
+    return _canonical.encode(entry.to_dict())
+
+
+def entries_root(raw_entries: Sequence[bytes]) -> bytes:
+    return root_from_leaf_hashes(blake3_256, [leaf_hash(blake3_256, e) for e in raw_entries])
+
+
+def _path_key(entry: Entry) -> bytes:
+    return entry.path.encode("utf-8")
+
+
+def _check_order(entries: Sequence[Entry]) -> None:
+    for prev, cur in zip(entries, entries[1:]):
+        if _path_key(prev) == _path_key(cur):
+            raise ManifestFormatError(f"duplicate path {cur.path!r}")
+        if _path_key(prev) > _path_key(cur):
+            raise ManifestFormatError(f"entries are not sorted by path ({prev.path!r} before {cur.path!r})")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A decoded manifest. Until `verify_manifest` returned it, nothing in it is trusted."""
+
+    envelope: Envelope
+    head: Head
+    entries: tuple[Entry, ...]
+
+    def to_bytes(self) -> bytes:
+        return _canonical.encode({"format": FORMAT, "envelope": self.envelope.to_dict(),
+                                  "entries": [entry_bytes(e) for e in self.entries]})
+
+    def entry(self, path: str) -> Entry:
+        for e in self.entries:
+            if e.path == path:
+                return e
+        raise KeyError(path)
+
+    def with_envelope(self, envelope: Envelope) -> "Manifest":
+        return Manifest(envelope, self.head, self.entries)
+
+
+def build_manifest(entries: Iterable[Entry], *, model_id: str, version: int = 1, expires_in_days: int = 365,
+                   contract: Mapping[str, int] | None = None, now: int | None = None) -> Manifest:
+    """An unsigned manifest over `entries` (sorted here by path; duplicates are an error)."""
+    ordered = tuple(sorted(entries, key=_path_key))
+    _check_order(ordered)
+    if len(ordered) > MAX_ENTRIES:
+        raise ManifestFormatError(f"{len(ordered)} entries, at most {MAX_ENTRIES} allowed")
+    if isinstance(expires_in_days, bool) or not isinstance(expires_in_days, int) or not 1 <= expires_in_days <= 36500:
+        raise ManifestFormatError(f"expires_in_days must be an integer in [1, 36500], got {expires_in_days!r}")
+    created = int(time.time()) if now is None else now
+    head = Head(model_id=model_id, version=version, created=created, expires=created + expires_in_days * DAY,
+                entry_count=len(ordered), merkle_root=entries_root([entry_bytes(e) for e in ordered]),
+                contract=contract)
+    envelope = Envelope(PAYLOAD_TYPE, _canonical.encode(head.to_dict()), ())
+    return Manifest(envelope, head, ordered)
+
+
+def _split_document(data: bytes) -> tuple[Envelope, list[bytes]]:
+    """The envelope and the raw entry byte strings; nothing inside either is interpreted yet."""
+    doc = _canonical.decode(data, max_size=MAX_MANIFEST_BYTES, what="manifest")
+    d = _canonical.take_fields(doc, ("format", "envelope", "entries"), "manifest")
+    if d["format"] != FORMAT:
+        raise ManifestFormatError(f"manifest format is {d['format']!r}, expected {FORMAT!r}")
+    raw_entries = d["entries"]
+    if not isinstance(raw_entries, list) or len(raw_entries) > MAX_ENTRIES:
+        raise ManifestFormatError(f"manifest entries must be a list of at most {MAX_ENTRIES} items")
+    for i, raw in enumerate(raw_entries):
+        if not isinstance(raw, bytes) or len(raw) > MAX_ENTRY_BYTES:
+            raise ManifestFormatError(f"entry {i} must be binary of at most {MAX_ENTRY_BYTES} bytes")
+    return Envelope.from_dict(d["envelope"]), raw_entries
+
+
+def _parse_head(payload: bytes) -> Head:
+    return Head.from_dict(_canonical.decode(payload, max_size=64 * 1024, what="head"))
+
+
+def _parse_entries(head: Head, raw_entries: list[bytes]) -> tuple[Entry, ...]:
+    """Authenticate the raw entries against the head (count, then Merkle root), then parse them."""
+    if len(raw_entries) != head.entry_count:
+        raise MerkleProofError(f"manifest lists {len(raw_entries)} entries, the signed head says {head.entry_count}")
+    root = entries_root(raw_entries)
+    if root != head.merkle_root:
+        raise MerkleProofError(f"entry list hashes to root {root.hex()}, the signed head says {head.merkle_root.hex()}")
+    entries = tuple(Entry.from_dict(_canonical.decode(raw, max_size=MAX_ENTRY_BYTES, what=f"entry {i}"))
+                    for i, raw in enumerate(raw_entries))
+    _check_order(entries)
+    return entries
+
+
+def decode_manifest(data: bytes) -> Manifest:
+    """Strictly decode a manifest WITHOUT checking signatures: for publishers (sign) and inspection only."""
+    envelope, raw_entries = _split_document(data)
+    if envelope.payload_type != PAYLOAD_TYPE:
+        raise ManifestFormatError(f"payloadType is {envelope.payload_type!r}, expected {PAYLOAD_TYPE!r}")
+    head = _parse_head(envelope.payload)
+    return Manifest(envelope, head, _parse_entries(head, raw_entries))
+
+
+@dataclass(frozen=True)
+class VerifiedManifest:
+    """A manifest whose signatures, threshold, entry list and freshness have been checked."""
+
+    head: Head
+    entries: tuple[Entry, ...]
+    signers: tuple[PublicKey, ...]
+
+    def by_path(self) -> dict[str, Entry]:
+        return {e.path: e for e in self.entries}
+
+
+def check_freshness(head: Head, now: int) -> None:
+    """Freeze defence: refuse an expired manifest, and one created in the future beyond clock skew."""
+    if head.expires <= now:
+        raise ExpiredError(f"manifest version {head.version} expired at {_iso(head.expires)} (now {_iso(now)})",
+                           hint="the publisher must re-sign a fresh manifest")
+    if head.created > now + CLOCK_SKEW:
+        raise ExpiredError(f"manifest claims to be created at {_iso(head.created)}, in the future (now {_iso(now)})")
+
+
+def _iso(t: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def verify_manifest(data: bytes, trusted: Sequence[PublicKey], threshold: int, *, now: int | None = None) -> VerifiedManifest:
+    """Verify manifest bytes: signatures and threshold, payload type, head, entries vs root, freshness.
+
+    Rollback is checked by the caller against its state (see `_state`), since it needs stored history.
+    """
+    envelope, raw_entries = _split_document(data)
+    payload, signers = verify_envelope(envelope, trusted, threshold)
+    head = _parse_head(payload)
+    entries = _parse_entries(head, raw_entries)
+    check_freshness(head, int(time.time()) if now is None else now)
+    return VerifiedManifest(head, entries, signers)
+
+
+def head_digest(head: Head) -> bytes:
+    return blake3_256(_canonical.encode(head.to_dict()))
+
+
+def describe_head(head: Head) -> dict[str, Any]:
+    return {"model_id": head.model_id, "version": head.version, "created": _iso(head.created),
+            "expires": _iso(head.expires), "entry_count": head.entry_count, "merkle_root": head.merkle_root.hex(),
+            "hash_alg": head.hash_alg, "contract": dict(head.contract) if head.contract else None}

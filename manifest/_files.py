@@ -1,0 +1,146 @@
+"""Reading model files safely: open beneath the model directory without following links, and hand out
+only bytes that were hashed and matched the manifest (no second read, no shared mmap after the check).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+
+from shardtool.errors import DigestMismatchError, StorageError, VerificationError
+from shardtool.manifest._records import Entry
+
+CHUNK = 8 * 1024 * 1024
+PARALLEL_HASH_MIN = 4 * 1024 * 1024  # below this, BLAKE3's own threads cost more than they save
+
+
+class NotARegularFileError(VerificationError):
+    """Where the manifest lists a file there is a symlink, directory, FIFO, socket or device."""
+
+    def __init__(self, message: str, *, path: str | None = None, finding: str = "not-a-regular-file"):
+        self.finding = finding
+        super().__init__(message, path=path)
+
+
+class MissingFileError(VerificationError):
+    """A file the manifest lists is not there."""
+
+
+def open_beneath(root: Path, relpath: str) -> int:
+    """Open `root/relpath` read-only, refusing a symlink at any component, and return a file descriptor
+    of a regular file. `relpath` must already be a checked manifest path (no `..`, not absolute)."""
+    parts = relpath.split("/")
+    try:
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise StorageError(f"cannot open model directory: {e.strerror}", path=str(root)) from e
+    try:
+        for part in parts[:-1]:
+            try:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+            except OSError as e:
+                _raise_open_error(e, relpath, component=part)
+            os.close(dir_fd)
+            dir_fd = nxt
+        try:
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError as e:
+            _raise_open_error(e, relpath)
+    finally:
+        os.close(dir_fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotARegularFileError(f"is a {_describe_mode(st.st_mode)}, expected a regular file", path=relpath)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _describe_mode(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"), (stat.S_ISLNK, "symlink")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _raise_open_error(e: OSError, relpath: str, component: str | None = None) -> None:
+    where = f" (at {component!r})" if component else ""
+    if e.errno == errno.ENOENT:
+        raise MissingFileError(f"file is missing{where}", path=relpath) from None
+    if e.errno == errno.ELOOP:
+        raise NotARegularFileError(f"is a symlink{where}; links are not followed", path=relpath,
+                                   finding="symlink") from None
+    if e.errno == errno.ENOTDIR:
+        raise NotARegularFileError(f"a path component is not a directory{where}", path=relpath) from None
+    raise StorageError(f"cannot open: {e.strerror}{where}", path=relpath) from e
+
+
+def _read_exact(fd: int, size: int, relpath: str) -> bytes:
+    with os.fdopen(fd, "rb", closefd=False) as fh:
+        data = fh.read(size)
+        extra = fh.read(1)
+    if len(data) != size or extra:
+        actual = len(data) + len(extra)
+        raise DigestMismatchError(f"size changed while reading: expected {size} bytes, read {actual}{'+' if extra else ''}",
+                                  path=relpath, expected=str(size), actual=str(actual))
+    return data
+
+
+def digest_bytes(data: bytes | memoryview) -> bytes:
+    threads = blake3.blake3.AUTO if len(data) >= PARALLEL_HASH_MIN else 1
+    return blake3.blake3(data, max_threads=threads).digest()
+
+
+def read_verified(root: Path, entry: Entry) -> bytes:
+    """The whole file `entry.path` in private memory, returned only if its size and BLAKE3 match `entry`.
+
+    The bytes returned are the bytes hashed: callers parse and use exactly these, never a fresh read.
+    """
+    fd = open_beneath(Path(root), entry.path)
+    try:
+        size = os.fstat(fd).st_size
+        if size != entry.size:
+            raise DigestMismatchError(f"size is {size} bytes, manifest says {entry.size}", path=entry.path,
+                                      expected=str(entry.size), actual=str(size))
+        try:
+            data = _read_exact(fd, entry.size, entry.path)
+        except OSError as e:
+            raise StorageError(f"read failed: {e.strerror}", path=entry.path) from e
+    finally:
+        os.close(fd)
+    actual = digest_bytes(data)
+    if actual != entry.digest:
+        raise DigestMismatchError(f"BLAKE3 is {actual.hex()}, manifest says {entry.digest.hex()}", path=entry.path,
+                                  expected=entry.digest.hex(), actual=actual.hex())
+    return data
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    size: int
+    digest: bytes
+    changed: bool  # size or mtime moved while hashing: the digest describes no single version of the file
+
+
+def digest_fd(fd: int, buffer: bytearray | None = None) -> FileDigest:
+    """Stream-hash an open file with a reusable buffer; for audits, where the bytes are not used after."""
+    before = os.fstat(fd)
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if before.st_size >= 4 * PARALLEL_HASH_MIN else 1)
+    buf = buffer if buffer is not None else bytearray(CHUNK)
+    view = memoryview(buf)
+    total = 0
+    while True:
+        n = os.readv(fd, [view])
+        if n == 0:
+            break
+        hasher.update(view[:n])
+        total += n
+    after = os.fstat(fd)
+    changed = (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or total != after.st_size
+    return FileDigest(total, hasher.digest(), changed)

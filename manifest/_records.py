@@ -1,0 +1,195 @@
+"""Manifest records: frozen, validated dataclasses with one canonical dict form each.
+
+`from_dict` pops the keys it knows and rejects whatever is left: a field we do not understand is
+never silently ignored in signed data.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from shardtool.errors import ManifestFormatError
+from shardtool.manifest._canonical import take_fields
+from shardtool.manifest._paths import check_relpath
+
+FORMAT_VERSION = 1
+HEAD_TYPE = "shardtool/manifest-head"
+HASH_ALG = "blake3"
+DIGEST_SIZE = 32
+KINDS = ("expert", "trunk", "config", "tokenizer", "other")
+
+MAX_LAYER = 65_535
+MAX_EXPERT = 1_048_575
+MAX_FILE_SIZE = 2**50  # 1 PiB: far beyond any shard, well inside int64
+MAX_ENTRIES = 2_000_000
+MAX_VERSION = 2**63 - 1
+MAX_TIME = 2**40  # seconds since the epoch; year ~36800
+MAX_CONTRACT_KEYS = 64
+MAX_CONTRACT_VALUE = 2**63 - 1
+_MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/+:@-]{0,255}")
+_CONTRACT_KEY = re.compile(r"[a-z0-9_]{1,64}")
+
+
+def _int(d: dict, key: str, lo: int, hi: int, what: str) -> int:
+    value = d.pop(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ManifestFormatError(f"{what}.{key} must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ManifestFormatError(f"{what}.{key} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _optional_int(d: dict, key: str, lo: int, hi: int, what: str) -> int | None:
+    if d.get(key) is None:
+        d.pop(key)
+        return None
+    return _int(d, key, lo, hi, what)
+
+
+@dataclass(frozen=True, order=True)
+class Entry:
+    """One file of the model directory. Ordered by path, which is also the Merkle leaf order."""
+
+    path: str
+    kind: str
+    size: int
+    digest: bytes = field(repr=False)
+    layer: int | None = None
+    expert: int | None = None
+
+    def __post_init__(self) -> None:
+        check_relpath(self.path)
+        if self.kind not in KINDS:
+            raise ManifestFormatError(f"entry {self.path!r}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or not 0 <= self.size <= MAX_FILE_SIZE:
+            raise ManifestFormatError(f"entry {self.path!r}: size must be an integer in [0, 2^50], got {self.size!r}")
+        if not isinstance(self.digest, bytes) or len(self.digest) != DIGEST_SIZE:
+            raise ManifestFormatError(f"entry {self.path!r}: digest must be {DIGEST_SIZE} bytes")
+        for name, value, hi in (("layer", self.layer, MAX_LAYER), ("expert", self.expert, MAX_EXPERT)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi):
+                raise ManifestFormatError(f"entry {self.path!r}: {name} must be an integer in [0, {hi}], got {value!r}")
+        if self.kind == "expert" and (self.layer is None or self.expert is None):
+            raise ManifestFormatError(f"entry {self.path!r}: an expert entry needs both layer and expert")
+        if self.kind != "expert" and self.expert is not None:
+            raise ManifestFormatError(f"entry {self.path!r}: only expert entries carry an expert index")
+        if self.kind not in ("expert", "trunk") and self.layer is not None:
+            raise ManifestFormatError(f"entry {self.path!r}: only expert and trunk entries carry a layer")
+
+    @property
+    def digest_hex(self) -> str:
+        return self.digest.hex()
+
+    def describe(self) -> str:
+        """`path (expert L3/E17)` style label for messages."""
+        if self.kind == "expert":
+            return f"{self.path} (expert, layer {self.layer}, expert {self.expert})"
+        if self.layer is not None:
+            return f"{self.path} ({self.kind}, layer {self.layer})"
+        return f"{self.path} ({self.kind})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "kind": self.kind, "layer": self.layer, "expert": self.expert,
+                "size": self.size, "digest": self.digest}
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "Entry":
+        d = take_fields(raw, ("path", "kind", "layer", "expert", "size", "digest"), "entry")
+        path, kind, digest = d.pop("path"), d.pop("kind"), d.pop("digest")
+        if not isinstance(kind, str):
+            raise ManifestFormatError(f"entry {path!r}: kind must be a string")
+        if not isinstance(digest, bytes):
+            raise ManifestFormatError(f"entry {path!r}: digest must be binary")
+        size = _int(d, "size", 0, MAX_FILE_SIZE, "entry")
+        layer = _optional_int(d, "layer", 0, MAX_LAYER, "entry")
+        expert = _optional_int(d, "expert", 0, MAX_EXPERT, "entry")
+        return cls(path=path, kind=kind, size=size, digest=digest, layer=layer, expert=expert)
+
+
+def check_contract(contract: Any) -> Mapping[str, int] | None:
+    """The resource contract: a flat map of `[a-z0-9_]{1,64}` -> non-negative int, at most 64 keys."""
+    if contract is None:
+        return None
+    if not isinstance(contract, Mapping):
+        raise ManifestFormatError(f"contract must be a map, got {type(contract).__name__}")
+    if len(contract) > MAX_CONTRACT_KEYS:
+        raise ManifestFormatError(f"contract has {len(contract)} keys, at most {MAX_CONTRACT_KEYS} allowed")
+    for key, value in contract.items():
+        if not isinstance(key, str) or not _CONTRACT_KEY.fullmatch(key):
+            raise ManifestFormatError(f"contract key {key!r} must match [a-z0-9_]{{1,64}}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_CONTRACT_VALUE:
+            raise ManifestFormatError(f"contract value {key}={value!r} must be a non-negative 63-bit integer")
+    return MappingProxyType(dict(sorted(contract.items())))
+
+
+@dataclass(frozen=True)
+class Head:
+    """The signed part, like RFC 9162's signed tree head: it commits to the entries through `merkle_root`."""
+
+    model_id: str
+    version: int
+    created: int
+    expires: int
+    entry_count: int
+    merkle_root: bytes = field(repr=False)
+    contract: Mapping[str, int] | None = None
+    format_version: int = FORMAT_VERSION
+    hash_alg: str = HASH_ALG
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_id, str) or not _MODEL_ID.fullmatch(self.model_id):
+            raise ManifestFormatError(
+                f"model_id must be 1-256 characters of [A-Za-z0-9._/+:@-] starting alphanumeric, got {self.model_id!r}")
+        if self.format_version != FORMAT_VERSION:
+            raise ManifestFormatError(f"format_version {self.format_version!r} is not supported (this tool reads {FORMAT_VERSION})")
+        if self.hash_alg != HASH_ALG:
+            raise ManifestFormatError(f"hash_alg {self.hash_alg!r} is not supported (expected {HASH_ALG!r})")
+        for name, value, lo, hi in (("version", self.version, 1, MAX_VERSION), ("created", self.created, 0, MAX_TIME),
+                                    ("expires", self.expires, 0, MAX_TIME), ("entry_count", self.entry_count, 0, MAX_ENTRIES)):
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ManifestFormatError(f"head.{name} must be an integer in [{lo}, {hi}], got {value!r}")
+        if self.expires <= self.created:
+            raise ManifestFormatError(f"head.expires ({self.expires}) must be later than head.created ({self.created})")
+        if not isinstance(self.merkle_root, bytes) or len(self.merkle_root) != DIGEST_SIZE:
+            raise ManifestFormatError(f"head.merkle_root must be {DIGEST_SIZE} bytes")
+        object.__setattr__(self, "contract", check_contract(self.contract))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": HEAD_TYPE,
+            "format_version": self.format_version,
+            "model_id": self.model_id,
+            "version": self.version,
+            "created": self.created,
+            "expires": self.expires,
+            "entry_count": self.entry_count,
+            "merkle_root": self.merkle_root,
+            "hash_alg": self.hash_alg,
+            "contract": dict(self.contract) if self.contract is not None else None,
+        }
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "Head":
+        d = take_fields(raw, ("type", "format_version", "model_id", "version", "created", "expires", "entry_count",
+                        "merkle_root", "hash_alg", "contract"), "head")
+        if d.pop("type") != HEAD_TYPE:
+            raise ManifestFormatError(f"head.type must be {HEAD_TYPE!r}")
+        format_version = _int(d, "format_version", 0, 2**31, "head")
+        if format_version != FORMAT_VERSION:
+            raise ManifestFormatError(f"head.format_version {format_version} is not supported (this tool reads {FORMAT_VERSION})")
+        root = d.pop("merkle_root")
+        if not isinstance(root, bytes):
+            raise ManifestFormatError("head.merkle_root must be binary")
+        return cls(
+            model_id=d.pop("model_id"),
+            version=_int(d, "version", 1, MAX_VERSION, "head"),
+            created=_int(d, "created", 0, MAX_TIME, "head"),
+            expires=_int(d, "expires", 0, MAX_TIME, "head"),
+            entry_count=_int(d, "entry_count", 0, MAX_ENTRIES, "head"),
+            merkle_root=root,
+            contract=d.pop("contract"),
+            format_version=format_version,
+            hash_alg=d.pop("hash_alg"),
+        )

@@ -1,0 +1,75 @@
+"""Walking a model directory: every entry below it with its type, never following links.
+
+Shared by `shardtool manifest` (which refuses anything but regular files) and `audit` (which reports
+links and special files as findings).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from shardtool.errors import ManifestFormatError, StorageError
+
+_EXPERT = re.compile(r"experts/layer-(\d{3,5})/expert-(\d{4,7})\.safetensors")
+_TRUNK_LAYER = re.compile(r"trunk/layer-(\d{3,5})\.safetensors")
+_CONFIG = {"config.json", "generation_config.json"}
+_TOKENIZER = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+              "tokenizer.model", "added_tokens.json", "chat_template.jinja", "tiktoken.model"}
+
+
+@dataclass(frozen=True)
+class DirItem:
+    relpath: str  # '/'-separated, as found on disk (may be non-canonical: that is for the caller to judge)
+    kind: str  # "file", "symlink", "directory" (only where it replaces a listed file), "special"
+    mode: int
+    size: int
+
+
+def classify(relpath: str) -> tuple[str, int | None, int | None]:
+    """(kind, layer, expert) for a path of the split layout (docs/shard-layout.md); `other` when unknown."""
+    m = _EXPERT.fullmatch(relpath)
+    if m:
+        return "expert", int(m.group(1)), int(m.group(2))
+    m = _TRUNK_LAYER.fullmatch(relpath)
+    if m:
+        return "trunk", int(m.group(1)), None
+    if relpath.startswith("trunk/") and relpath.endswith(".safetensors"):
+        return "trunk", None, None
+    if relpath in _CONFIG:
+        return "config", None, None
+    if relpath in _TOKENIZER:
+        return "tokenizer", None, None
+    return "other", None, None
+
+
+def walk(root: Path) -> Iterator[DirItem]:
+    """Every non-directory below `root`, sorted; symlinks are reported, never followed."""
+    def rec(directory: Path, prefix: str) -> Iterator[DirItem]:
+        try:
+            with os.scandir(directory) as it:
+                items = sorted(it, key=lambda d: d.name.encode("utf-8", "surrogateescape"))
+        except OSError as e:
+            raise StorageError(f"cannot list directory: {e.strerror}", path=str(directory)) from e
+        for d in items:
+            rel = prefix + d.name
+            try:
+                st = d.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # vanished while we listed; the manifest comparison reports it if it mattered
+            if stat.S_ISLNK(st.st_mode):
+                yield DirItem(rel, "symlink", st.st_mode, st.st_size)
+            elif stat.S_ISDIR(st.st_mode):
+                yield from rec(Path(d.path), rel + "/")
+                yield DirItem(rel, "directory", st.st_mode, 0)
+            elif stat.S_ISREG(st.st_mode):
+                yield DirItem(rel, "file", st.st_mode, st.st_size)
+            else:
+                yield DirItem(rel, "special", st.st_mode, 0)
+    if not root.is_dir():
+        raise ManifestFormatError("not a directory", path=str(root))
+    yield from rec(root, "")

@@ -1,0 +1,69 @@
+"""Atomic file writes: temp file in the same directory, fsync, rename, fsync the directory.
+
+A reader (or a crash) sees either the old file or the complete new one, never a prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+from shardtool.errors import StorageError
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: Path | str, mode: int = 0o644, *, overwrite: bool = True) -> Iterator[BinaryIO]:
+    """Yield a binary file; on clean exit it replaces `path` atomically, on error it vanishes.
+
+    With overwrite=False an existing `path` is never replaced (the final step is link(), which
+    fails if the name exists, instead of rename()).
+    """
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise StorageError(f"cannot create a temporary file: {e.strerror}", path=str(directory)) from e
+    tmp = Path(tmp_name)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise StorageError("refusing to overwrite an existing file", path=str(path),
+                                   hint="pass --force to replace it") from None
+            tmp.unlink()
+        _fsync_dir(directory)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        reason = "disk full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        raise StorageError(f"write failed: {reason}", path=str(path)) from e
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def atomic_write_bytes(path: Path | str, data: bytes, mode: int = 0o644, *, overwrite: bool = True) -> None:
+    with atomic_writer(path, mode, overwrite=overwrite) as fh:
+        fh.write(data)

@@ -1,0 +1,36 @@
+"""`shardtool keygen`: an Ed25519 key pair for signing manifests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from shardtool.cli._common import emit_json, say
+
+
+def register(app: typer.Typer) -> None:
+    app.command("keygen")(keygen)
+
+
+def keygen(
+    out: Path = typer.Option(..., "--out", help="Writes OUT.key (private, 0600) and OUT.pub."),
+    no_passphrase: bool = typer.Option(False, "--no-passphrase", help="Store the private key unencrypted."),
+    passphrase_file: Optional[Path] = typer.Option(None, "--passphrase-file", help="First line is the passphrase."),
+    force: bool = typer.Option(False, "--force", help="Replace existing key files."),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON document on stdout."),
+) -> None:
+    """Generate an Ed25519 publisher key pair and print its key ID."""
+    from shardtool import keys
+    from shardtool.cli._passphrase import get_passphrase
+
+    passphrase = None if no_passphrase else get_passphrase(passphrase_file, confirm=True)
+    key = keys.generate()
+    key_path, pub_path = keys.write_keypair(out, key, passphrase, force=force)
+    if json_out:
+        emit_json({"keyid": key.public.keyid, "private_key": str(key_path), "public_key": str(pub_path),
+                   "encrypted": passphrase is not None})
+    else:
+        say(f"wrote {key_path} (private{'' if passphrase else ', UNENCRYPTED'}) and {pub_path}")
+        print(key.public.keyid)

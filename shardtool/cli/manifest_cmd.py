@@ -1,0 +1,163 @@
+"""`shardtool manifest | sign | audit`: build, sign and check the signed manifest of a model directory."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from shardtool.cli._common import emit_json, say
+from shardtool.errors import ShardtoolError, UsageError
+
+MANIFEST_HELP = "Manifest file (default: DIR/manifest.msgpack)."
+
+
+def register(app: typer.Typer) -> None:
+    app.command("manifest")(manifest)
+    app.command("sign")(sign)
+    app.command("audit")(audit)
+
+
+def model_dir(path: Path) -> Path:
+    if not path.exists():
+        raise UsageError("directory does not exist", path=str(path))
+    if not path.is_dir():
+        raise UsageError("not a directory", path=str(path))
+    return path
+
+
+def manifest_path(directory: Path, override: Optional[Path]) -> Path:
+    from shardtool.manifest import default_manifest_path
+    return override if override is not None else default_manifest_path(directory)
+
+
+def relative_inside(directory: Path, path: Path) -> list[str]:
+    """The manifest file's own path relative to DIR, when it lives there (it is not a model file)."""
+    try:
+        return [path.resolve().relative_to(directory.resolve()).as_posix()]
+    except ValueError:
+        return []
+
+
+def manifest(
+    directory: Path = typer.Argument(..., help="Model directory to hash."),
+    model_id: Optional[str] = typer.Option(None, "--model-id", help="Model identifier (default: the directory name)."),
+    version: int = typer.Option(1, "--version", min=1, help="Manifest version; raise it for every release."),
+    expires_in: int = typer.Option(365, "--expires-in", min=1, max=36500, help="Days until the manifest expires."),
+    manifest_file: Optional[Path] = typer.Option(None, "--manifest", help=MANIFEST_HELP),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Hash every file of an existing model directory into an unsigned manifest."""
+    from shardtool.errors import ManifestFormatError
+    from shardtool.manifest import build_manifest, describe_head, hash_directory, save_manifest
+
+    directory = model_dir(directory)
+    out = manifest_path(directory, manifest_file)
+    started = time.monotonic()
+    entries = hash_directory(directory, exclude=relative_inside(directory, out))
+    try:
+        built = build_manifest(entries, model_id=model_id or directory.resolve().name, version=version,
+                               expires_in_days=expires_in)
+    except ManifestFormatError as e:
+        raise UsageError(e.message, path=str(directory)) from e
+    save_manifest(out, built)
+    summary = {"manifest": str(out), "signed": False, **describe_head(built.head),
+               "bytes": sum(e.size for e in built.entries), "seconds": round(time.monotonic() - started, 3)}
+    if json_out:
+        emit_json(summary)
+    say(f"wrote {out}: {len(built.entries)} files, {summary['bytes']} bytes, version {version}, unsigned")
+
+
+def sign(
+    directory: Path = typer.Argument(..., help="Model directory whose manifest to sign."),
+    key: Path = typer.Option(..., "--key", help="Private key file (NAME.key from `shardtool keygen`)."),
+    manifest_file: Optional[Path] = typer.Option(None, "--manifest", help=MANIFEST_HELP),
+    passphrase_file: Optional[Path] = typer.Option(None, "--passphrase-file"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Add a signature over the manifest's head. Several publishers can sign the same manifest."""
+    from shardtool.cli._passphrase import get_passphrase
+    from shardtool.errors import VerificationError
+    from shardtool.keys import load_private_key
+    from shardtool.manifest import load_manifest, save_manifest
+
+    directory = model_dir(directory)
+    path = manifest_path(directory, manifest_file)
+    raw = key.read_bytes() if key.is_file() else b""
+    passphrase = get_passphrase(passphrase_file, confirm=False) if b"ENCRYPTED" in raw else None
+    private = load_private_key(key, passphrase)
+    try:
+        current = load_manifest(path)
+    except VerificationError as e:
+        # For a producing command, a bad input manifest is malformed input (exit 2), not a verdict.
+        raise UsageError(e.message, path=e.path or str(path)) from e
+    signed = current.with_envelope(current.envelope.signed_by(private))
+    save_manifest(path, signed)
+    keyid = private.public.keyid
+    if json_out:
+        emit_json({"manifest": str(path), "keyid": keyid, "signatures": len(signed.envelope.signatures)})
+    say(f"signed {path} with key {keyid} ({len(signed.envelope.signatures)} signature(s) now)")
+
+
+def load_trusted(paths: List[Path]) -> list:
+    from shardtool.keys import load_public_key
+    if not paths:
+        raise UsageError("no trusted public key given", hint="pass --trust KEY.pub (repeatable)")
+    return [load_public_key(p) for p in paths]
+
+
+def audit(
+    directory: Path = typer.Argument(..., help="Model directory (or the subset a node holds)."),
+    trust: List[Path] = typer.Option([], "--trust", help="Trusted public key (repeatable)."),
+    threshold: int = typer.Option(1, "--threshold", help="Distinct trusted keys that must have signed."),
+    manifest_file: Optional[Path] = typer.Option(None, "--manifest", help=MANIFEST_HELP),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Rollback state (default: ~/.local/state/shardtool)."),
+    present_only: bool = typer.Option(False, "--present-only", help="Absent shards are listed, not failures."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, max=64, help="Hashing threads."),
+    json_out: bool = typer.Option(False, "--json", help="Print one report document on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Verify the manifest's signatures, threshold, expiry and rollback floor, then every file."""
+    from shardtool.cli._progress import Progress
+    from shardtool.manifest import check_and_record, default_state_dir, describe_head, load_verified_manifest
+    from shardtool.manifest.audit import audit_directory
+
+    directory = model_dir(directory)
+    trusted = load_trusted(trust)
+    path = manifest_path(directory, manifest_file)
+    started = time.monotonic()
+    try:
+        verified = load_verified_manifest(path, trusted, threshold)
+        check_and_record(state_dir or default_state_dir(), verified.head, trusted)
+    except ShardtoolError as e:
+        if json_out:
+            emit_json({"ok": False, "manifest": str(path), "error": {"class": type(e).__name__, "message": e.one_line()}})
+        raise
+    total = sum(e.size for e in verified.entries)
+    with Progress(total, "audit", enabled=not quiet) as progress:
+        report = audit_directory(directory, verified, ignore=relative_inside(directory, path),
+                                 present_only=present_only, workers=workers, progress=progress.advance)
+    seconds = time.monotonic() - started
+    if json_out:
+        emit_json({"ok": report.ok, "manifest": str(path), "directory": str(directory), "head": describe_head(verified.head),
+                   "signers": [k.keyid for k in verified.signers], "counts": report.counts(),
+                   "files_checked": report.files_checked, "bytes_hashed": report.bytes_hashed,
+                   "absent": report.absent, "seconds": round(seconds, 3),
+                   "findings": [f.to_dict() for f in report.findings]})
+    head = verified.head
+    say(f"manifest {head.model_id} version {head.version}: signed by {len(verified.signers)} trusted key(s) "
+        f"({', '.join(k.keyid for k in verified.signers)}), threshold {threshold}")
+    say(f"checked {report.files_checked} files, {report.bytes_hashed} bytes in {seconds:.2f}s"
+        + (f"; {len(report.absent)} listed shard(s) absent (--present-only)" if present_only else ""))
+    if report.ok:
+        say("audit OK: every file matches the signed manifest")
+        return
+    counts = ", ".join(f"{n} {c}" for c, n in report.counts().items() if n)
+    say(f"audit FAILED: {len(report.findings)} finding(s): {counts}")
+    for finding in report.findings[:20]:
+        say("  " + finding.line())
+    if len(report.findings) > 20:
+        say(f"  ... and {len(report.findings) - 20} more (use --json for all)")
+    raise typer.Exit(1)

@@ -1,0 +1,97 @@
+"""One error hierarchy for the whole tool; the CLI maps each class to an exit code.
+
+Exit codes (STYLE.md rule 7): 0 success, 1 verification failed (the thing is untrustworthy),
+2 usage or malformed input to a producing command, 3 I/O or environment trouble.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_UNTRUSTED = 1
+EXIT_USAGE = 2
+EXIT_IO = 3
+
+
+class ShardtoolError(Exception):
+    """Base class. `str(err)` is one line: what happened, which file, what was expected."""
+
+    exit_code = EXIT_UNTRUSTED
+
+    def __init__(self, message: str, *, path: str | None = None, hint: str | None = None):
+        self.message = message
+        self.path = path
+        self.hint = hint
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        where = f"{self.path}: " if self.path else ""
+        hint = f" ({self.hint})" if self.hint else ""
+        return f"{where}{self.message}{hint}"
+
+
+class UsageError(ShardtoolError):
+    """Bad flags, missing directories, malformed input to a producing command."""
+
+    exit_code = EXIT_USAGE
+
+
+class StorageError(ShardtoolError):
+    """Reading or writing failed for reasons outside the data itself (permissions, disk full)."""
+
+    exit_code = EXIT_IO
+
+
+class VerificationError(ShardtoolError):
+    """The thing being verified is not trustworthy."""
+
+    exit_code = EXIT_UNTRUSTED
+
+
+class ManifestFormatError(VerificationError):
+    """Manifest, envelope, proof or entry bytes that do not decode to exactly one canonical value."""
+
+
+class SignatureError(VerificationError):
+    """A signature does not verify, or a key/signature is malformed."""
+
+
+class ThresholdError(VerificationError):
+    """Fewer distinct trusted keys signed than the threshold requires."""
+
+
+class MerkleProofError(VerificationError):
+    """An inclusion or consistency proof, or an entry list, does not lead to the signed root."""
+
+
+class DigestMismatchError(VerificationError):
+    """A file's size or BLAKE3 digest differs from what the manifest says."""
+
+    def __init__(self, message: str, *, path: str | None = None, expected: str = "", actual: str = "",
+                 hint: str | None = None):
+        self.expected = expected
+        self.actual = actual
+        super().__init__(message, path=path, hint=hint)
+
+
+class RollbackError(VerificationError):
+    """A manifest version lower than one already accepted for this model and key set."""
+
+
+class ExpiredError(VerificationError):
+    """The manifest's `expires` lies in the past (or its `created` lies in the future)."""
+
+
+class CheckpointFormatError(ShardtoolError):
+    """A checkpoint or safetensors file that cannot be parsed safely.
+
+    Malformed input to a producing command (split) is a usage-class error (exit 2); the verifying
+    paths re-raise it as a VerificationError subclass where the bytes were supposed to be signed.
+    """
+
+    exit_code = EXIT_USAGE
+
+
+class KeyFileError(ShardtoolError):
+    """A key file that cannot be read: wrong passphrase, wrong type, unsafe permissions."""
+
+    exit_code = EXIT_USAGE
