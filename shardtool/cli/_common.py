@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Callable
+from typing import Any
 
-import click
 import typer
 
-from shardtool.errors import EXIT_USAGE, ShardtoolError
+from shardtool.errors import EXIT_IO, ShardtoolError
 
 
 def say(message: str) -> None:
@@ -22,26 +21,17 @@ def emit_json(document: Any) -> None:
     sys.stdout.flush()
 
 
-def fail(err: ShardtoolError) -> "typer.Exit":
-    kind = type(err).__name__
-    say(f"shardtool: error: {err.one_line()} [{kind}]")
-    return typer.Exit(err.exit_code)
+def run_app(app: typer.Typer) -> None:
+    """Run a typer app. Usage errors are typer's (exit 2); our errors become one line and their exit code.
 
-
-def run_app(app: typer.Typer | Callable[..., Any]) -> None:
-    """Run a typer app; our errors become one line and an exit code, click usage errors exit 2."""
-    command = typer.main.get_command(app) if isinstance(app, typer.Typer) else app
+    Only ShardtoolError is caught: a programming bug stays a traceback, never a fake verdict.
+    """
+    command = typer.main.get_command(app)
     try:
-        rv = command.main(standalone_mode=False, prog_name=None)
+        command.main(prog_name=app.info.name)
     except ShardtoolError as err:
-        say(f"shardtool: error: {err.one_line()} [{type(err).__name__}]")
+        say(f"{app.info.name}: error: {err.one_line()} [{type(err).__name__}]")
         sys.exit(err.exit_code)
-    except click.exceptions.Abort:
-        say("shardtool: aborted")
-        sys.exit(EXIT_USAGE)
-    except click.exceptions.Exit as ex:
-        sys.exit(ex.exit_code)
-    except click.ClickException as ex:
-        ex.show()
-        sys.exit(EXIT_USAGE)
-    sys.exit(rv if isinstance(rv, int) else 0)
+    except KeyboardInterrupt:
+        say(f"{app.info.name}: interrupted")
+        sys.exit(EXIT_IO)
