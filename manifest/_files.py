@@ -15,7 +15,7 @@ import blake3
 from shardtool.errors import DigestMismatchError, StorageError, VerificationError
 from shardtool.manifest._records import Entry
 
-CHUNK = 8 * 1024 * 1024
+CHUNK = 4 * 1024 * 1024
 PARALLEL_HASH_MIN = 4 * 1024 * 1024  # below this, BLAKE3's own threads cost more than they save
 
 
@@ -31,34 +31,52 @@ class MissingFileError(VerificationError):
     """A file the manifest lists is not there."""
 
 
-def open_beneath(root: Path, relpath: str) -> int:
-    """Open `root/relpath` read-only, refusing a symlink at any component, and return a file descriptor
-    of a regular file. `relpath` must already be a checked manifest path (no `..`, not absolute)."""
-    parts = relpath.split("/")
+def open_dir_beneath(root: Path, reldir: str) -> int:
+    """Open directory `root/reldir` ("" for root itself), refusing a symlink at any component below root."""
     try:
-        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
         raise StorageError(f"cannot open model directory: {e.strerror}", path=str(root)) from e
-    try:
-        for part in parts[:-1]:
-            try:
-                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
-            except OSError as e:
-                _raise_open_error(e, relpath, component=part)
-            os.close(dir_fd)
-            dir_fd = nxt
+    for part in reldir.split("/") if reldir else ():
         try:
-            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         except OSError as e:
-            _raise_open_error(e, relpath)
-    finally:
+            os.close(dir_fd)
+            _raise_open_error(e, reldir, component=part)
         os.close(dir_fd)
+        dir_fd = nxt
+    return dir_fd
+
+
+def open_file_at(dir_fd: int, name: str, relpath: str) -> int:
+    """Open regular file `name` in `dir_fd` without following a link; `relpath` is for messages."""
+    try:
+        # O_NONBLOCK: opening a FIFO planted where a shard should be must not hang us.
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        _raise_open_error(e, relpath)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise NotARegularFileError(f"is a {_describe_mode(st.st_mode)}, expected a regular file", path=relpath)
     os.set_blocking(fd, True)
     return fd
+
+
+def open_beneath(root: Path, relpath: str) -> int:
+    """Open `root/relpath` read-only, refusing a symlink at any component, and return a file descriptor
+    of a regular file. `relpath` must already be a checked manifest path (no `..`, not absolute)."""
+    reldir, _, name = relpath.rpartition("/")
+    try:
+        dir_fd = open_dir_beneath(root, reldir)
+    except (MissingFileError, NotARegularFileError) as e:
+        e.path = relpath
+        e.args = (e.one_line(),)
+        raise
+    try:
+        return open_file_at(dir_fd, name, relpath)
+    finally:
+        os.close(dir_fd)
 
 
 def _describe_mode(mode: int) -> str:
@@ -128,10 +146,20 @@ class FileDigest:
     changed: bool  # size or mtime moved while hashing: the digest describes no single version of the file
 
 
-def digest_fd(fd: int, buffer: bytearray | None = None) -> FileDigest:
-    """Stream-hash an open file with a reusable buffer; for audits, where the bytes are not used after."""
+
+def digest_fd(fd: int, buffer: bytearray | None = None, *, parallel: bool = True) -> FileDigest:
+    """Hash an open file, for audits, where the bytes are not used afterwards.
+
+    Small files: one read. Large files: streamed through a reusable buffer into BLAKE3, with its own
+    threads when `parallel` (callers hashing many files at once give each file one core instead).
+    No mmap: a file truncated while mapped raises SIGBUS, and an audit must survive files that change
+    under it.
+    """
     before = os.fstat(fd)
-    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if before.st_size >= 4 * PARALLEL_HASH_MIN else 1)
+    if before.st_size < CHUNK:
+        data = os.read(fd, before.st_size + 1)
+        return FileDigest(len(data), digest_bytes(data), changed=len(data) != before.st_size)
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if parallel else 1)
     buf = buffer if buffer is not None else bytearray(CHUNK)
     view = memoryview(buf)
     total = 0

@@ -57,7 +57,7 @@ def _split_point(n: int) -> int:
 def inclusion_proof(h: HashFn, leaves: Sequence[bytes], index: int) -> list[bytes]:
     """PATH(index, D[n]) of RFC 9162 §2.1.3.1, over leaf hashes."""
     if not 0 <= index < len(leaves):
-        raise ValueError(f"leaf index {index} outside a tree of size {len(leaves)}")
+        raise MerkleProofError(f"leaf index {index} is outside a tree of size {len(leaves)}")
     proof: list[bytes] = []
     lo, hi = 0, len(leaves)
     # Walk down from the root, collecting the sibling subtree's root at each split; reverse at the end
@@ -114,8 +114,6 @@ def verify_inclusion(h: HashFn, index: int, size: int, leaf: bytes, proof: Seque
 
 def verify_consistency(h: HashFn, size1: int, size2: int, root1: bytes, root2: bytes, proof: Sequence[bytes]) -> None:
     """RFC 9162 §2.1.4.2: raise MerkleProofError unless the tree of size2 extends the tree of size1."""
-    _check_hash(root1, "first root")
-    _check_hash(root2, "second root")
     for i, p in enumerate(proof):
         _check_hash(p, f"proof element {i}")
     if size1 <= 0:
@@ -123,11 +121,15 @@ def verify_consistency(h: HashFn, size1: int, size2: int, root1: bytes, root2: b
     if size2 < size1:
         raise MerkleProofError(f"second tree ({size2}) is smaller than the first ({size1})")
     if size1 == size2:
+        # A tree is consistent with itself: equal sizes need no proof and identical roots, nothing more
+        # (transparency-dev/merkle and its "sizes are equal (one) and proof is empty" vector agree).
         if proof:
             raise MerkleProofError("trees of equal size need an empty consistency proof")
-        if root1 != root2:
+        if not isinstance(root1, bytes) or root1 != root2:
             raise MerkleProofError("trees of equal size have different roots")
         return
+    _check_hash(root1, "first root")
+    _check_hash(root2, "second root")
     if not proof:
         raise MerkleProofError("empty consistency proof for trees of different sizes")
     path = list(proof)

@@ -29,7 +29,8 @@ def check_relpath(path: object) -> str:
         raise ManifestFormatError(f"path longer than {MAX_PATH_BYTES} bytes: {path[:64]!r}...")
     if "\x00" in path:
         raise ManifestFormatError(f"path {path!r} contains NUL")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+    # Category Cc is C0, DEL and C1 (0x80-0x9F: U+009B is a terminal CSI): none belongs in a file name.
+    if any(unicodedata.category(c) == "Cc" for c in path):
         raise ManifestFormatError(f"path {path!r} contains a control character")
     if "\\" in path:
         raise ManifestFormatError(f"path {path!r} contains a backslash; separators must be '/'")

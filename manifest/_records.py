@@ -142,7 +142,7 @@ class Head:
         if not isinstance(self.model_id, str) or not _MODEL_ID.fullmatch(self.model_id):
             raise ManifestFormatError(
                 f"model_id must be 1-256 characters of [A-Za-z0-9._/+:@-] starting alphanumeric, got {self.model_id!r}")
-        if self.format_version != FORMAT_VERSION:
+        if type(self.format_version) is not int or self.format_version != FORMAT_VERSION:  # True == 1
             raise ManifestFormatError(f"format_version {self.format_version!r} is not supported (this tool reads {FORMAT_VERSION})")
         if self.hash_alg != HASH_ALG:
             raise ManifestFormatError(f"hash_alg {self.hash_alg!r} is not supported (expected {HASH_ALG!r})")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -25,9 +24,15 @@ _TOKENIZER = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 @dataclass(frozen=True)
 class DirItem:
     relpath: str  # '/'-separated, as found on disk (may be non-canonical: that is for the caller to judge)
-    kind: str  # "file", "symlink", "directory" (only where it replaces a listed file), "special"
-    mode: int
-    size: int
+    kind: str  # "file", "symlink", "directory", "special"
+    abspath: str
+
+    def size(self) -> int | None:
+        """lstat on demand: the walk itself uses only the directory entry's type, no syscall per file."""
+        try:
+            return os.lstat(self.abspath).st_size
+        except OSError:
+            return None
 
 
 def classify(relpath: str) -> tuple[str, int | None, int | None]:
@@ -58,18 +63,19 @@ def walk(root: Path) -> Iterator[DirItem]:
         for d in items:
             rel = prefix + d.name
             try:
-                st = d.stat(follow_symlinks=False)
-            except FileNotFoundError:
+                if d.is_symlink():
+                    kind = "symlink"
+                elif d.is_dir(follow_symlinks=False):
+                    kind = "directory"
+                elif d.is_file(follow_symlinks=False):
+                    kind = "file"
+                else:
+                    kind = "special"
+            except OSError:
                 continue  # vanished while we listed; the manifest comparison reports it if it mattered
-            if stat.S_ISLNK(st.st_mode):
-                yield DirItem(rel, "symlink", st.st_mode, st.st_size)
-            elif stat.S_ISDIR(st.st_mode):
+            if kind == "directory":
                 yield from rec(Path(d.path), rel + "/")
-                yield DirItem(rel, "directory", st.st_mode, 0)
-            elif stat.S_ISREG(st.st_mode):
-                yield DirItem(rel, "file", st.st_mode, st.st_size)
-            else:
-                yield DirItem(rel, "special", st.st_mode, 0)
+            yield DirItem(rel, kind, d.path)
     if not root.is_dir():
         raise ManifestFormatError("not a directory", path=str(root))
     yield from rec(root, "")

@@ -67,10 +67,10 @@ def _load(path: Path) -> dict:
         if not isinstance(state, dict):
             raise ValueError("not an object")
         for record in state.values():
-            if not (isinstance(record, dict) and isinstance(record.get("version"), int)
+            if not (isinstance(record, dict) and type(record.get("version")) is int
                     and isinstance(record.get("head"), str)):
                 raise ValueError("bad record")
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: json.loads on absurdly nested input
         # A corrupt state file must not silently reset the floor to zero.
         raise StorageError(f"rollback state is corrupt ({e})", path=str(path),
                            hint="inspect or remove it deliberately; removing it forgets every floor") from e
@@ -84,7 +84,7 @@ def check_and_record(state_dir: Path, head: Head, trusted: Sequence[PublicKey]) 
     """
     record_id = trust_set_id(head.model_id, trusted)
     digest = head_digest(head).hex()
-    with _locked(state_dir) as path:
+    with _locked(Path(state_dir)) as path:
         state = _load(path)
         previous = state.get(record_id)
         if previous is not None:

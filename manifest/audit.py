@@ -13,7 +13,16 @@ from typing import Callable, Iterable
 
 from shardtool.errors import ShardtoolError, StorageError
 from shardtool.manifest._document import VerifiedManifest
-from shardtool.manifest._files import CHUNK, MissingFileError, NotARegularFileError, digest_fd, open_beneath
+from shardtool.manifest._files import (
+    CHUNK,
+    FileDigest,
+    MissingFileError,
+    NotARegularFileError,
+    digest_fd,
+    open_beneath,
+    open_dir_beneath,
+    open_file_at,
+)
 from shardtool.manifest._records import Entry
 from shardtool.manifest._scan import walk
 
@@ -64,22 +73,7 @@ def _from_entry(entry: Entry, finding: str, detail: str, **found) -> Finding:
                    expert=entry.expert, expected_size=entry.size, expected_digest=entry.digest.hex(), **found)
 
 
-def check_file(root: Path, entry: Entry, buffer: bytearray | None = None) -> Finding | None:
-    """Hash one listed file and compare; return its finding or None when it matches."""
-    try:
-        fd = open_beneath(root, entry.path)
-    except MissingFileError:
-        return _from_entry(entry, "missing", "listed in the manifest, not on disk")
-    except NotARegularFileError as e:
-        return _from_entry(entry, e.finding, e.message)
-    except StorageError as e:
-        return _from_entry(entry, "unreadable", e.message)
-    try:
-        result = digest_fd(fd, buffer)
-    except OSError as e:
-        return _from_entry(entry, "unreadable", f"read failed: {e.strerror}")
-    finally:
-        os.close(fd)
+def _compare(entry: Entry, result: FileDigest) -> Finding | None:
     if result.changed:
         return _from_entry(entry, "unreadable", "file changed while it was being hashed", found_size=result.size)
     if result.size != entry.size:
@@ -90,6 +84,37 @@ def check_file(root: Path, entry: Entry, buffer: bytearray | None = None) -> Fin
                            f"BLAKE3 {result.digest.hex()}, manifest says {entry.digest.hex()}",
                            found_size=result.size, found_digest=result.digest.hex())
     return None
+
+
+def _open_finding(entry: Entry, err: ShardtoolError) -> Finding:
+    if isinstance(err, MissingFileError):
+        return _from_entry(entry, "missing", "listed in the manifest, not on disk")
+    if isinstance(err, NotARegularFileError):
+        return _from_entry(entry, err.finding, err.message)
+    return _from_entry(entry, "unreadable", err.message)
+
+
+def check_file(root: Path, entry: Entry, buffer: bytearray | None = None, *, dir_fd: int | None = None,
+               parallel: bool = False) -> Finding | None:
+    """Hash one listed file and compare; return its finding or None when it matches.
+
+    `dir_fd`: an already opened (link-free) parent directory, so a batch of files in one directory
+    costs one open each rather than one per path component.
+    """
+    try:
+        if dir_fd is None:
+            fd = open_beneath(root, entry.path)
+        else:
+            fd = open_file_at(dir_fd, entry.path.rpartition("/")[2], entry.path)
+    except ShardtoolError as e:
+        return _open_finding(entry, e)
+    try:
+        result = digest_fd(fd, buffer, parallel=parallel)
+    except OSError as e:
+        return _from_entry(entry, "unreadable", f"read failed: {e.strerror}")
+    finally:
+        os.close(fd)
+    return _compare(entry, result)
 
 
 def audit_directory(root: Path, manifest: VerifiedManifest, *, ignore: Iterable[str] = (),
@@ -112,10 +137,11 @@ def audit_directory(root: Path, manifest: VerifiedManifest, *, ignore: Iterable[
             continue
         if entry is None:
             finding = {"file": "unlisted", "symlink": "symlink", "special": "not-a-regular-file"}[item.kind]
-            detail = {"file": f"present ({item.size} bytes) but not listed in the manifest",
+            size = item.size()
+            detail = {"file": f"present ({size} bytes) but not listed in the manifest",
                       "symlink": "a symlink not listed in the manifest",
                       "special": "a special file not listed in the manifest"}[item.kind]
-            report.findings.append(Finding(path=item.relpath, finding=finding, detail=detail, found_size=item.size))
+            report.findings.append(Finding(path=item.relpath, finding=finding, detail=detail, found_size=size))
         elif item.kind == "symlink":
             report.findings.append(_from_entry(entry, "symlink", "is a symlink; links are not followed"))
         elif item.kind == "special":
@@ -135,28 +161,57 @@ def audit_directory(root: Path, manifest: VerifiedManifest, *, ignore: Iterable[
     return report
 
 
+SMALL_BATCH = 256
+
+
+def _batches(entries: list[Entry]) -> list[list[Entry]]:
+    """Files grouped by directory, at most SMALL_BATCH a batch: one task opens its directory once."""
+    by_dir: dict[str, list[Entry]] = {}
+    for e in entries:
+        by_dir.setdefault(e.path.rpartition("/")[0], []).append(e)
+    out = []
+    for group in by_dir.values():
+        out.extend(group[i:i + SMALL_BATCH] for i in range(0, len(group), SMALL_BATCH))
+    out.sort(key=lambda b: -sum(e.size for e in b))  # largest first: no long task starts last
+    return out
+
+
 def _hash_all(root: Path, entries: list[Entry], workers: int | None, progress, report: AuditReport) -> list[Finding]:
-    """Hash in a thread pool: BLAKE3 and reads release the GIL, so threads keep the disk busy."""
-    workers = workers or min(8, (os.cpu_count() or 2) * 2)
+    """Hash in a thread pool: reads and BLAKE3 release the GIL, so threads keep disk and cores busy.
+
+    Each task is a batch of files from one directory. With fewer large files than workers, each file
+    also gets BLAKE3's own threads so that one huge shard still uses every core.
+    """
+    workers = workers or (os.cpu_count() or 2)
     local = threading.local()
     lock = threading.Lock()
+    parallel = sum(1 for e in entries if e.size >= CHUNK) < workers
 
-    def one(entry: Entry) -> Finding | None:
+    def batch(items: list[Entry]) -> list[Finding]:
         buf = getattr(local, "buf", None)
         if buf is None:
             buf = local.buf = bytearray(CHUNK)
+        found: list[Finding] = []
+        reldir = items[0].path.rpartition("/")[0]
         try:
-            finding = check_file(root, entry, buf)
+            dir_fd = open_dir_beneath(root, reldir)
         except ShardtoolError as e:
-            finding = _from_entry(entry, "unreadable", e.message)
+            found.extend(_open_finding(entry, e) for entry in items)
+            dir_fd = None
+        if dir_fd is not None:
+            try:
+                for entry in items:
+                    finding = check_file(root, entry, buf, dir_fd=dir_fd, parallel=parallel)
+                    if finding is not None:
+                        found.append(finding)
+                    if progress:
+                        progress(entry.size)
+            finally:
+                os.close(dir_fd)
         with lock:
-            report.files_checked += 1
-            report.bytes_hashed += entry.size
-        if progress:
-            progress(entry.size)
-        return finding
+            report.files_checked += len(items)
+            report.bytes_hashed += sum(e.size for e in items)
+        return found
 
-    # Largest first, so one huge file does not start last and leave the other workers idle.
-    ordered = sorted(entries, key=lambda e: -e.size)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return [f for f in pool.map(one, ordered) if f is not None]
+        return [f for found in pool.map(batch, _batches(entries)) for f in found]

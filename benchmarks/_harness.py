@@ -1,0 +1,97 @@
+"""Benchmark harness: run commands alternately, take medians, print ratios against a reference
+measured in the same run. The machine is shared and noisy: trust the ratios, not the absolute times.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+VENV_BIN = Path(sys.executable).parent
+
+
+@dataclass
+class Sample:
+    seconds: float
+    peak_rss_mib: float
+
+
+@dataclass
+class Series:
+    name: str
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(s.seconds for s in self.samples)
+
+    @property
+    def peak_rss_mib(self) -> float:
+        return max(s.peak_rss_mib for s in self.samples)
+
+
+TIME = "/usr/bin/time"
+
+
+def run_command(argv: Sequence[str], *, env: dict | None = None, check: bool = True) -> Sample:
+    """Wall time and peak RSS of one command.
+
+    Peak RSS comes from GNU time's %M where it exists: Linux carries a parent's high-water RSS across
+    fork and exec, so wait4() on a child of this (large) Python process would report our own size.
+    """
+    wrapped = [TIME, "-f", "shardtool-bench-maxrss-kib=%M", *argv] if os.path.exists(TIME) else list(argv)
+    start = time.perf_counter()
+    proc = subprocess.run(wrapped, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+    seconds = time.perf_counter() - start
+    err = proc.stderr.decode(errors="replace")
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {err[-2000:]}")
+    rss_kib = 0.0
+    for line in err.splitlines():
+        if line.startswith("shardtool-bench-maxrss-kib="):
+            rss_kib = float(line.split("=", 1)[1])
+    return Sample(seconds, rss_kib / 1024)
+
+
+def compare(candidates: dict[str, Callable[[], Sample]], repeats: int, *, before_each: Callable[[], None] | None = None
+            ) -> dict[str, Series]:
+    """Run each candidate `repeats` times, interleaved, so drift in machine load hits all of them alike."""
+    series = {name: Series(name) for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            if before_each:
+                before_each()
+            series[name].samples.append(fn())
+    return series
+
+
+def print_table(title: str, series: dict[str, Series], reference: str, *, bytes_total: int | None = None) -> dict:
+    ref = series[reference].median
+    print(f"\n## {title}")
+    print(f"{'what':<28} {'median s':>9} {'ratio':>7} {'GB/s':>7} {'peak RSS MiB':>13}  runs")
+    result = {}
+    for name, s in series.items():
+        gbps = f"{bytes_total / s.median / 1e9:7.2f}" if bytes_total else "      -"
+        ratio = s.median / ref
+        print(f"{name:<28} {s.median:9.3f} {ratio:7.3f} {gbps} {s.peak_rss_mib:13.1f}  "
+              + " ".join(f"{x.seconds:.3f}" for x in s.samples))
+        result[name] = {"median_s": s.median, "ratio_vs_" + reference: ratio, "peak_rss_mib": s.peak_rss_mib}
+    sys.stdout.flush()
+    return result
+
+
+def drop_caches() -> bool:
+    """Cold-cache runs need root and a writable /proc/sys/vm/drop_caches; say so when we cannot."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("3\n")
+        return True
+    except OSError:
+        return False
