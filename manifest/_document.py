@@ -26,8 +26,16 @@ DAY = 86_400
 
 
 def entry_bytes(entry: Entry) -> bytes:
-    """Canonical encoding of one entry: the Merkle leaf data."""
-    return _canonical.encode(entry.to_dict())
+    """Canonical encoding of one entry: the Merkle leaf data (`Entry.to_dict` is already in key order)."""
+    return _canonical.encode_flat(entry.to_dict())
+
+
+def decode_entry(raw: bytes, index: int) -> Entry:
+    """Strictly parse one entry; canonical form is checked by re-encoding the parsed Entry."""
+    entry = Entry.from_dict(_canonical.decode_shallow(raw, max_size=MAX_ENTRY_BYTES, what=f"entry {index}"))
+    if entry_bytes(entry) != raw:
+        raise ManifestFormatError(f"entry {index} ({entry.path!r}) is not in canonical msgpack form")
+    return entry
 
 
 def entries_root(raw_entries: Sequence[bytes]) -> bytes:
@@ -111,8 +119,7 @@ def _parse_entries(head: Head, raw_entries: list[bytes]) -> tuple[Entry, ...]:
     root = entries_root(raw_entries)
     if root != head.merkle_root:
         raise MerkleProofError(f"entry list hashes to root {root.hex()}, the signed head says {head.merkle_root.hex()}")
-    entries = tuple(Entry.from_dict(_canonical.decode(raw, max_size=MAX_ENTRY_BYTES, what=f"entry {i}"))
-                    for i, raw in enumerate(raw_entries))
+    entries = tuple(decode_entry(raw, i) for i, raw in enumerate(raw_entries))
     _check_order(entries)
     return entries
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 import unicodedata
 
 from shardtool.errors import ManifestFormatError
 
 MAX_PATH_BYTES = 1024
 MAX_SEGMENTS = 32
+# Unicode category Cc: C0, DEL and C1 (0x80-0x9F: U+009B is a terminal CSI); none belongs in a file name.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
 def check_relpath(path: object) -> str:
@@ -29,8 +32,7 @@ def check_relpath(path: object) -> str:
         raise ManifestFormatError(f"path longer than {MAX_PATH_BYTES} bytes: {path[:64]!r}...")
     if "\x00" in path:
         raise ManifestFormatError(f"path {path!r} contains NUL")
-    # Category Cc is C0, DEL and C1 (0x80-0x9F: U+009B is a terminal CSI): none belongs in a file name.
-    if any(unicodedata.category(c) == "Cc" for c in path):
+    if _CONTROL.search(path):
         raise ManifestFormatError(f"path {path!r} contains a control character")
     if "\\" in path:
         raise ManifestFormatError(f"path {path!r} contains a backslash; separators must be '/'")

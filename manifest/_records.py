@@ -91,8 +91,9 @@ class Entry:
         return f"{self.path} ({self.kind})"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "kind": self.kind, "layer": self.layer, "expert": self.expert,
-                "size": self.size, "digest": self.digest}
+        # Keys in canonical (bytewise) order, so `encode_flat` can pack this without sorting.
+        return {"digest": self.digest, "expert": self.expert, "kind": self.kind, "layer": self.layer,
+                "path": self.path, "size": self.size}
 
     @classmethod
     def from_dict(cls, raw: Any) -> "Entry":

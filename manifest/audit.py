@@ -161,17 +161,28 @@ def audit_directory(root: Path, manifest: VerifiedManifest, *, ignore: Iterable[
     return report
 
 
-SMALL_BATCH = 256
+BATCH_FILES = 256
+BATCH_BYTES = 16 * 1024 * 1024
 
 
 def _batches(entries: list[Entry]) -> list[list[Entry]]:
-    """Files grouped by directory, at most SMALL_BATCH a batch: one task opens its directory once."""
+    """Files grouped by directory, at most BATCH_FILES or about BATCH_BYTES a batch: a task opens its
+    directory once, yet large files still spread over all workers."""
     by_dir: dict[str, list[Entry]] = {}
     for e in entries:
         by_dir.setdefault(e.path.rpartition("/")[0], []).append(e)
-    out = []
+    out: list[list[Entry]] = []
     for group in by_dir.values():
-        out.extend(group[i:i + SMALL_BATCH] for i in range(0, len(group), SMALL_BATCH))
+        current: list[Entry] = []
+        size = 0
+        for e in group:
+            if current and (len(current) >= BATCH_FILES or size + e.size > BATCH_BYTES):
+                out.append(current)
+                current, size = [], 0
+            current.append(e)
+            size += e.size
+        if current:
+            out.append(current)
     out.sort(key=lambda b: -sum(e.size for e in b))  # largest first: no long task starts last
     return out
 

@@ -1,0 +1,1 @@
+"""The verifying runtime: shard store and the numpy MoE forward pass."""

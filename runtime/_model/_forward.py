@@ -1,0 +1,241 @@
+"""The forward pass over a `WeightProvider`, and `Model`: prefill a prompt, then decode one token at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from itertools import chain
+
+import numpy as np
+
+from shardtool.errors import CheckpointFormatError, UsageError
+
+from ._cache import KVCache
+from ._config import ModelConfig
+from ._dtypes import to_float32, weight_f32
+from ._layers import ExpertFetch, causal_mask, decoder_layer, matmul_t, rms_norm
+from ._rope import cos_sin, inv_freq
+from ._weights import WeightProvider
+
+Shapes = dict[str, tuple[int, ...]]
+
+
+def trunk_shapes(cfg: ModelConfig, layer: int) -> tuple[Shapes, Shapes]:
+    """(required, optional) trunk tensors of decoder layer `layer` and their shapes."""
+    h = cfg.hidden_size
+    req: Shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    opt: Shapes = {}
+    a = "self_attn."
+    if cfg.mla is None:
+        nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        req.update({a + "q_proj.weight": (nh * d, h), a + "k_proj.weight": (kvh * d, h),
+                    a + "v_proj.weight": (kvh * d, h), a + "o_proj.weight": (h, nh * d)})
+        opt.update({a + "q_proj.bias": (nh * d,), a + "k_proj.bias": (kvh * d,), a + "v_proj.bias": (kvh * d,),
+                    a + "o_proj.bias": (h,)})
+        if cfg.qk_norm == "per_head":
+            req.update({a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
+        elif cfg.qk_norm == "full":
+            req.update({a + "q_norm.weight": (nh * d,), a + "k_norm.weight": (kvh * d,)})
+    else:
+        m, nh = cfg.mla, cfg.num_heads
+        dq = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank is None:
+            req[a + "q_proj.weight"] = (nh * dq, h)
+        else:
+            req.update({a + "q_a_proj.weight": (m.q_lora_rank, h), a + "q_a_layernorm.weight": (m.q_lora_rank,),
+                        a + "q_b_proj.weight": (nh * dq, m.q_lora_rank)})
+            opt[a + "q_a_proj.bias"] = (m.q_lora_rank,)
+        req.update({a + "kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
+                    a + "kv_a_layernorm.weight": (m.kv_lora_rank,),
+                    a + "kv_b_proj.weight": (nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+                    a + "o_proj.weight": (h, nh * m.v_head_dim)})
+        opt.update({a + "kv_a_proj_with_mqa.bias": (m.kv_lora_rank + m.qk_rope_head_dim,), a + "o_proj.bias": (h,)})
+    if cfg.moe_layers[layer]:
+        req["mlp.gate.weight"] = (cfg.num_experts, h)
+        if cfg.router == "sigmoid_group":
+            req["mlp.gate.e_score_correction_bias"] = (cfg.num_experts,)
+        shared = {"gated": "mlp.shared_expert.", "plain": "mlp.shared_experts."}.get(cfg.shared_expert)
+        if shared:
+            req.update(_mlp_shapes(shared, cfg.shared_intermediate_size, h))
+        if cfg.shared_expert == "gated":
+            req["mlp.shared_expert_gate.weight"] = (1, h)
+    else:
+        req.update(_mlp_shapes("mlp.", cfg.intermediate_size, h))
+    return req, opt
+
+
+def _mlp_shapes(prefix: str, i: int, h: int) -> Shapes:
+    return {prefix + "gate_proj.weight": (i, h), prefix + "up_proj.weight": (i, h), prefix + "down_proj.weight": (h, i)}
+
+
+def _canonical_trunk_name(name: str) -> str:
+    # Mixtral checkpoints keep the pre-v5 module name for the router.
+    return "mlp." + name[len("block_sparse_moe."):] if name.startswith("block_sparse_moe.") else name
+
+
+def prepare_layer(cfg: ModelConfig, layer: int, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Trunk tensors of one layer as float32 under canonical names, each checked against its expected shape."""
+    by_name = {_canonical_trunk_name(n): n for n in tensors}
+    required, optional = trunk_shapes(cfg, layer)
+    unknown = [n for n in by_name if n not in required and n not in optional
+               and not n.endswith("_scale_inv") and not n.endswith("rotary_emb.inv_freq")]
+    if unknown:
+        raise CheckpointFormatError(f"layer {layer}: unexpected tensors {sorted(unknown)} for a {cfg.model_type} "
+                                    f"layer", hint="the config.json does not describe these weights")
+    out = {}
+    for name, shape in chain(required.items(), optional.items()):
+        source = by_name.get(name)
+        if source is None:
+            if name in required:
+                raise CheckpointFormatError(f"layer {layer}: missing tensor {name}")
+            continue
+        array = weight_f32(tensors, source, cfg.fp8_block)
+        if array.shape != shape:
+            raise CheckpointFormatError(f"layer {layer}: {name} has shape {array.shape}, expected {shape}")
+        out[name] = array
+    return out
+
+
+def _expert_f32(cfg: ModelConfig, layer: int, expert: int,
+                t: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    i, h = cfg.moe_intermediate_size, cfg.hidden_size
+    out = []
+    for name, shape in (("gate_proj.weight", (i, h)), ("up_proj.weight", (i, h)), ("down_proj.weight", (h, i))):
+        if name not in t:
+            raise CheckpointFormatError(f"layer {layer} expert {expert}: missing tensor {name}")
+        a = weight_f32(t, name, cfg.fp8_block)
+        if a.shape != shape:
+            raise CheckpointFormatError(f"layer {layer} expert {expert}: {name} has shape {a.shape}, "
+                                        f"expected {shape}")
+        out.append(a)
+    return out[0], out[1], out[2]
+
+
+class Float32Weights:
+    """The model's view of the provider: float32 conversion, and the optional float32 trunk cache."""
+
+    def __init__(self, cfg: ModelConfig, provider: WeightProvider):
+        self.cfg = cfg
+        self.provider = provider
+        self.keep = bool(getattr(provider, "cache_float32", False))
+        self._layers: dict[int, dict[str, np.ndarray]] = {}
+        self._embed: np.ndarray | None = None
+        self._head: tuple[np.ndarray, np.ndarray] | None = None
+
+    def embed_rows(self, ids: np.ndarray) -> np.ndarray:  # [T] -> [T, H]
+        if self._embed is not None:
+            return self._embed[ids]
+        table = self._embed_table()
+        if self.keep:
+            self._embed = to_float32(table, "model.embed_tokens.weight")
+            return self._embed[ids]
+        return to_float32(table[ids], "model.embed_tokens.weight")  # convert only the rows used
+
+    def _embed_table(self) -> np.ndarray:
+        table = self.provider.embed().get("model.embed_tokens.weight")
+        if table is None:
+            raise CheckpointFormatError("missing tensor model.embed_tokens.weight")
+        if table.shape != (self.cfg.vocab_size, self.cfg.hidden_size):
+            raise CheckpointFormatError(f"model.embed_tokens.weight has shape {table.shape}, expected "
+                                        f"{(self.cfg.vocab_size, self.cfg.hidden_size)}")
+        return table
+
+    def head(self) -> tuple[np.ndarray, np.ndarray]:  # norm [H], lm_head [V, H]
+        if self._head is not None:
+            return self._head
+        t = self.provider.head()
+        if "model.norm.weight" not in t:
+            raise CheckpointFormatError("missing tensor model.norm.weight")
+        norm = weight_f32(t, "model.norm.weight")
+        if norm.shape != (self.cfg.hidden_size,):
+            raise CheckpointFormatError(f"model.norm.weight has shape {norm.shape}, expected "
+                                        f"{(self.cfg.hidden_size,)}")
+        if self.cfg.tie_word_embeddings:
+            lm = self._embed if self._embed is not None else to_float32(self._embed_table(), "embed_tokens")
+        elif "lm_head.weight" in t:
+            lm = weight_f32(t, "lm_head.weight", self.cfg.fp8_block)
+            if lm.shape != (self.cfg.vocab_size, self.cfg.hidden_size):
+                raise CheckpointFormatError(f"lm_head.weight has shape {lm.shape}, expected "
+                                            f"{(self.cfg.vocab_size, self.cfg.hidden_size)}")
+        else:
+            raise CheckpointFormatError("missing tensor lm_head.weight", hint="tie_word_embeddings is false")
+        if self.keep:
+            self._head = (norm, lm)
+        return norm, lm
+
+    def layer(self, layer: int) -> dict[str, np.ndarray]:
+        if layer in self._layers:
+            return self._layers[layer]
+        prepared = prepare_layer(self.cfg, layer, self.provider.layer(layer))
+        if self.keep:
+            self._layers[layer] = prepared
+        return prepared
+
+    def expert_fetch(self, layer: int) -> ExpertFetch:
+        def fetch(ids: Sequence[int]) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+            got = self.provider.experts(layer, ids)
+            missing = [e for e in ids if e not in got]
+            if missing:
+                raise CheckpointFormatError(f"layer {layer}: provider returned no tensors for experts {missing}")
+            return {e: _expert_f32(self.cfg, layer, e, got[e]) for e in ids}
+        return fetch
+
+
+def forward(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndarray, float], ids: np.ndarray,
+            cache: KVCache, *, last_only: bool = False) -> np.ndarray:
+    """# [T] token ids -> logits [T, V] ([1, V] with last_only), appending T positions to `cache`."""
+    t = len(ids)
+    cache.check_room(t)
+    q_pos = cache.length + np.arange(t)
+    cos, sin = cos_sin(rope[0], rope[1], q_pos)
+    kv_len = cache.length + t
+    masks = {w: causal_mask(q_pos, kv_len, w) for w in set(cfg.sliding_windows)}
+    x = weights.embed_rows(ids)
+    for layer in range(cfg.num_layers):
+        def append_kv(*new: np.ndarray, _layer: int = layer) -> tuple[np.ndarray, ...]:
+            return cache.append(_layer, *new)
+        x = decoder_layer(x, weights.layer(layer), cfg, layer, cos, sin, masks[cfg.sliding_windows[layer]],
+                          append_kv, weights.expert_fetch(layer))
+    cache.commit(t)
+    if last_only:
+        x = x[-1:]
+    norm, lm_head = weights.head()
+    return matmul_t(rms_norm(x, norm, cfg.rms_norm_eps), lm_head)
+
+
+class Model:
+    """A decoder over a `WeightProvider`, with its own KV cache.
+
+    `prefill(ids)` starts a new sequence; `decode(id)` extends it by one token. Both return float32 logits.
+    """
+
+    def __init__(self, config: ModelConfig, provider: WeightProvider, *, max_tokens: int | None = None):
+        if not isinstance(provider, WeightProvider):
+            raise UsageError(f"provider {type(provider).__name__} does not implement WeightProvider")
+        self.config = config
+        self.provider = provider
+        self.cache = KVCache(config, max_tokens=max_tokens)
+        self._weights = Float32Weights(config, provider)
+        self._rope = inv_freq(config.rope)
+
+    def prefill(self, ids: Sequence[int], *, last_only: bool = False) -> np.ndarray:
+        """# [T] -> logits [T, V] ([1, V] with last_only); resets the cache first."""
+        tokens = self._check_ids(ids)
+        self.cache.reset()
+        return forward(self.config, self._weights, self._rope, tokens, self.cache, last_only=last_only)
+
+    def decode(self, token_id: int) -> np.ndarray:
+        """# id -> logits [V] for the next position, after everything prefilled or decoded so far."""
+        if self.cache.length == 0:
+            raise UsageError("decode() needs a prefilled prompt; call prefill() first")
+        tokens = self._check_ids([token_id])
+        return forward(self.config, self._weights, self._rope, tokens, self.cache, last_only=True)[0]
+
+    def _check_ids(self, ids: Sequence[int]) -> np.ndarray:
+        tokens = np.asarray(ids)
+        if tokens.ndim != 1 or len(tokens) == 0 or not np.issubdtype(tokens.dtype, np.integer):
+            raise UsageError(f"token ids must be a non-empty 1-D sequence of integers, got an array of "
+                             f"shape {tokens.shape} and dtype {tokens.dtype}")
+        bad = tokens[(tokens < 0) | (tokens >= self.config.vocab_size)]
+        if len(bad):
+            raise UsageError(f"token id {int(bad[0])} is outside the vocabulary of {self.config.vocab_size}")
+        return tokens.astype(np.int64)

@@ -1,0 +1,245 @@
+"""The numerical building blocks of the MoE decoders: pure functions on float32 arrays.
+
+Each mirrors the matching transformers v5 module (named in its docstring); weights come in as
+float32 arrays in `nn.Linear` orientation [out, in].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from ._config import ModelConfig
+from ._rope import apply_rope, apply_rope_interleave
+
+Weights = Mapping[str, np.ndarray]
+# expert ids -> {id: (gate [I, H], up [I, H], down [H, I])} in float32
+ExpertFetch = Callable[[Sequence[int]], Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]]]
+
+MLA_NORM_EPS = 1e-6  # DeepseekV3RMSNorm default; q_a_layernorm / kv_a_layernorm do not get rms_norm_eps
+
+
+def matmul_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """# [m, in], [out, in] -> [m, out]  (x @ w.T)
+
+    One row (every decode step) goes through gemv: OpenBLAS runs a 1-row sgemm multi-threaded, which costs
+    10-100x more than gemv on a small or busy machine.
+    """
+    if x.shape[0] == 1:
+        return (w @ x[0])[None, :]
+    return x @ w.T
+
+
+def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    """# [m, in], [out, in], [out] -> [m, out]"""
+    y = matmul_t(x, w)
+    if b is not None:
+        y += b
+    return y
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """# [..., d], [d] -> [..., d]  (T5/Llama RMSNorm: weight * x * rsqrt(mean(x^2) + eps))"""
+    variance = np.mean(x * x, axis=-1, keepdims=True)
+    return w * (x * (1.0 / np.sqrt(variance + np.float32(eps))))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """# [...] -> [...]; the tanh form never overflows in exp."""
+    return np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * x))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """# [...] -> [...]"""
+    return x * sigmoid(x)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """# [..., n] -> [..., n]"""
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def expert_mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """# [m, H], [I, H], [I, H], [H, I] -> [m, H]  (SwiGLU: down(silu(gate x) * up x))"""
+    return matmul_t(silu(matmul_t(x, gate)) * matmul_t(x, up), down)
+
+
+def causal_mask(q_pos: np.ndarray, kv_len: int, window: int | None) -> np.ndarray | None:
+    """# [T], S -> [T, S] bool (True = may attend), or None when every key is visible.
+
+    Sliding window as transformers' `sliding_window_overlay`: key j is visible from query i when i - j < window.
+    """
+    if len(q_pos) == 1 and (window is None or kv_len <= window):
+        return None
+    k_pos = np.arange(kv_len)
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= q_pos[:, None] - k_pos[None, :] < window
+    return allowed
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
+              mask: np.ndarray | None) -> np.ndarray:
+    """# [T, nh, d], [kvh, S, d], [kvh, S, dv], [T, S] -> [T, nh, dv]
+
+    Grouped-query attention: query head h reads key/value head h // (nh / kvh), as transformers' repeat_kv.
+    """
+    t, nh, d = q.shape
+    kvh, s, dv = v.shape
+    g = nh // kvh
+    qg = q.reshape(t, kvh, g, d).transpose(1, 2, 0, 3).reshape(kvh, g * t, d)
+    scores = (qg @ k.transpose(0, 2, 1)) * np.float32(scale)  # [kvh, g*T, S]
+    if mask is not None:
+        scores = np.where(mask[None, None], scores.reshape(kvh, g, t, s), -np.inf).reshape(kvh, g * t, s)
+    out = softmax(scores) @ v  # [kvh, g*T, dv]
+    return out.reshape(kvh, g, t, dv).transpose(2, 0, 1, 3).reshape(t, nh, dv)
+
+
+def gqa_attention(x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray, sin: np.ndarray,
+                  mask: np.ndarray | None, append_kv: Callable) -> np.ndarray:
+    """# [T, H] -> [T, H]  (Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE self-attention with a KV cache)
+
+    `append_kv(k [kvh, T, d], v [kvh, T, d])` stores this step's keys/values and returns all of them [kvh, S, d].
+    """
+    t = x.shape[0]
+    nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = linear(x, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
+    k = linear(x, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
+    v = linear(x, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
+    if cfg.qk_norm == "full":  # OLMoE: norm over the whole projection, before the head split
+        q = rms_norm(q, w["self_attn.q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["self_attn.k_norm.weight"], cfg.rms_norm_eps)
+    if cfg.clip_qkv is not None:
+        q, k, v = (np.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
+    q, k, v = q.reshape(t, nh, hd), k.reshape(t, kvh, hd), v.reshape(t, kvh, hd)
+    if cfg.qk_norm == "per_head":  # Qwen3: norm over each head's channels
+        q = rms_norm(q, w["self_attn.q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["self_attn.k_norm.weight"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    keys, values = append_kv(k.transpose(1, 0, 2), v.transpose(1, 0, 2))
+    out = attention(q, keys, values, cfg.attn_scale, mask)
+    return linear(out.reshape(t, nh * hd), w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+
+
+def mla_attention(x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray, sin: np.ndarray,
+                  mask: np.ndarray | None, append_kv: Callable) -> np.ndarray:
+    """# [T, H] -> [T, H]  (DeepSeek-V3 multi-head latent attention, DeepseekV3Attention)
+
+    The cache holds the compressed latent c [S, r] and the shared rotary key [S, dr] (`append_kv(c, k_rot)`
+    returns all of them). Instead of expanding c into per-head keys and values with kv_b_proj for every
+    cached token, kv_b_proj is folded into the query and the output ("weight absorption"); the result is
+    the same sum of products in a different order.
+    """
+    m = cfg.mla
+    t, nh = x.shape[0], cfg.num_heads
+    dn, dr, dv, r = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+    if m.q_lora_rank is None:
+        q = linear(x, w["self_attn.q_proj.weight"])
+    else:
+        q_a = linear(x, w["self_attn.q_a_proj.weight"], w.get("self_attn.q_a_proj.bias"))
+        q = linear(rms_norm(q_a, w["self_attn.q_a_layernorm.weight"], MLA_NORM_EPS), w["self_attn.q_b_proj.weight"])
+    q = q.reshape(t, nh, dn + dr)
+    compressed = linear(x, w["self_attn.kv_a_proj_with_mqa.weight"], w.get("self_attn.kv_a_proj_with_mqa.bias"))
+    latent = rms_norm(compressed[:, :r], w["self_attn.kv_a_layernorm.weight"], MLA_NORM_EPS)  # [T, r]
+    rope = apply_rope_interleave if cfg.rope.interleave else apply_rope
+    q_rot = rope(q[:, :, dn:], cos, sin)  # [T, nh, dr]
+    k_rot = rope(compressed[:, None, r:], cos, sin)[:, 0]  # [T, dr], one head shared by all
+    latents, k_rots = append_kv(latent, k_rot)  # [S, r], [S, dr]
+    s = latents.shape[0]
+
+    w_kv = w["self_attn.kv_b_proj.weight"].reshape(nh, dn + dv, r)
+    q_latent = q[:, :, :dn].transpose(1, 0, 2) @ w_kv[:, :dn]  # [nh, T, dn] @ [nh, dn, r] -> [nh, T, r]
+    scores = (q_latent.reshape(nh * t, r) @ latents.T
+              + q_rot.transpose(1, 0, 2).reshape(nh * t, dr) @ k_rots.T).reshape(nh, t, s)
+    scores *= np.float32(cfg.attn_scale)
+    if mask is not None:
+        scores = np.where(mask[None], scores, -np.inf)
+    out_latent = (softmax(scores).reshape(nh * t, s) @ latents).reshape(nh, t, r)
+    out = out_latent @ w_kv[:, dn:].transpose(0, 2, 1)  # [nh, T, r] @ [nh, r, dv] -> [nh, T, dv]
+    out = out.transpose(1, 0, 2).reshape(t, nh * dv)
+    return linear(out, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+
+
+def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """# [T, n] -> [T, k] indices of the k largest (order unspecified, as torch.topk(sorted=False))."""
+    return np.argpartition(-scores, k - 1, axis=-1)[:, :k]
+
+
+def route_softmax_topk(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
+    """# [T, E] -> weights [T, k], expert ids [T, k]  (Mixtral/Qwen/OLMoE TopKRouter)"""
+    probs = softmax(logits)
+    idx = _top_k(probs, k)
+    weights = np.take_along_axis(probs, idx, axis=-1)
+    if norm_topk_prob:
+        weights = weights / np.sum(weights, axis=-1, keepdims=True)
+    return weights, idx
+
+
+def route_deepseek(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, topk_group: int,
+                   norm_topk_prob: bool, scaling: float) -> tuple[np.ndarray, np.ndarray]:
+    """# [T, E], [E] -> weights [T, k], expert ids [T, k]  (DeepseekV3TopkRouter)
+
+    Sigmoid scores; `e_score_correction_bias` only steers selection. Experts are picked from the
+    `topk_group` groups whose two best biased scores sum highest; weights are the unbiased scores.
+    """
+    t, e = logits.shape
+    scores = sigmoid(logits)
+    choice = scores + bias
+    grouped = choice.reshape(t, n_group, e // n_group)
+    group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)  # [T, n_group]
+    groups = _top_k(group_scores, topk_group)
+    group_mask = np.zeros((t, n_group), dtype=bool)
+    np.put_along_axis(group_mask, groups, True, axis=-1)
+    choice = np.where(np.repeat(group_mask, e // n_group, axis=-1), choice, -np.inf)
+    idx = _top_k(choice, k)
+    weights = np.take_along_axis(scores, idx, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (np.sum(weights, axis=-1, keepdims=True) + np.float32(1e-20))
+    return weights * np.float32(scaling), idx
+
+
+def moe_experts(x: np.ndarray, weights: np.ndarray, idx: np.ndarray, fetch: ExpertFetch) -> np.ndarray:
+    """# [T, H], [T, k], [T, k] -> [T, H]: sum over each token's experts of weight * expert(x).
+
+    All experts any token picked are fetched in one call, then each runs once on its tokens.
+    """
+    ids = np.unique(idx)
+    experts = fetch([int(e) for e in ids])
+    out = np.zeros_like(x)
+    for e in ids:
+        tokens, slots = np.nonzero(idx == e)
+        gate, up, down = experts[int(e)]
+        out[tokens] += expert_mlp(x[tokens], gate, up, down) * weights[tokens, slots, None]
+    return out
+
+
+def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch) -> np.ndarray:
+    """# [T, H] -> [T, H]: router -> top-k -> selected experts (+ the family's shared expert)."""
+    logits = matmul_t(x, w["mlp.gate.weight"])  # [T, E]
+    if cfg.router == "sigmoid_group":
+        weights, idx = route_deepseek(logits, w["mlp.gate.e_score_correction_bias"], cfg.top_k, cfg.n_group,
+                                      cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    else:
+        weights, idx = route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
+    out = moe_experts(x, weights.astype(np.float32), idx, fetch)
+    if cfg.shared_expert == "gated":  # Qwen2-MoE: sigmoid(shared_expert_gate x) * shared_expert(x)
+        shared = expert_mlp(x, w["mlp.shared_expert.gate_proj.weight"], w["mlp.shared_expert.up_proj.weight"],
+                            w["mlp.shared_expert.down_proj.weight"])
+        out += sigmoid(matmul_t(x, w["mlp.shared_expert_gate.weight"])) * shared
+    elif cfg.shared_expert == "plain":  # DeepSeek-V3: shared experts always run
+        out += expert_mlp(x, w["mlp.shared_experts.gate_proj.weight"], w["mlp.shared_experts.up_proj.weight"],
+                          w["mlp.shared_experts.down_proj.weight"])
+    return out
+
+
+def decoder_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, cos: np.ndarray, sin: np.ndarray,
+                  mask: np.ndarray | None, append_kv: Callable, fetch: ExpertFetch) -> np.ndarray:
+    """# [T, H] -> [T, H]  (pre-norm residual block: attention, then MoE or dense MLP)"""
+    attend = mla_attention if cfg.mla is not None else gqa_attention
+    h = x + attend(rms_norm(x, w["input_layernorm.weight"], cfg.rms_norm_eps), w, cfg, cos, sin, mask, append_kv)
+    y = rms_norm(h, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    if cfg.moe_layers[layer]:
+        return h + moe_layer(y, w, cfg, fetch)
+    return h + expert_mlp(y, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])

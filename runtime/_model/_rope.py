@@ -1,0 +1,79 @@
+"""Rotary position embedding: frequency tables (default, linear, YaRN) and their application.
+
+Mirrors transformers' `modeling_rope_utils` and each family's `apply_rotary_pos_emb`, in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._config import RopeConfig
+
+
+def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def inv_freq(rope: RopeConfig) -> tuple[np.ndarray, float]:  # -> [dim/2] f32, cos/sin scaling
+    """Inverse frequencies and the factor transformers multiplies cos and sin by."""
+    dim, base = rope.dim, rope.theta
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    pos_freqs = (np.float32(base) ** exponents).astype(np.float32)
+    if rope.kind == "default":
+        return (1.0 / pos_freqs).astype(np.float32), 1.0
+    if rope.kind == "linear":
+        return (1.0 / pos_freqs / np.float32(rope.factor)).astype(np.float32), 1.0
+    # YaRN (arXiv:2309.00071), as transformers' `_compute_yarn_parameters`.
+    factor = rope.factor
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = _yarn_get_mscale(factor, rope.mscale) / _yarn_get_mscale(factor, rope.mscale_all_dim)
+        else:
+            attention_factor = _yarn_get_mscale(factor)
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation_factor = (1 - ramp).astype(np.float32)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (np.float32(factor) * pos_freqs)
+    freqs = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return freqs.astype(np.float32), float(attention_factor)
+
+
+def cos_sin(freqs: np.ndarray, scaling: float, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """# [dim/2], [T] -> cos [T, dim], sin [T, dim] (the angle table repeated twice, as transformers builds it)."""
+    angles = positions.astype(np.float32)[:, None] * freqs[None, :]
+    emb = np.concatenate([angles, angles], axis=-1)
+    return (np.cos(emb) * np.float32(scaling)).astype(np.float32), (np.sin(emb) * np.float32(scaling)).astype(
+        np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """# [T, h, d], [T, d], [T, d] -> [T, h, d]; rotate_half pairs channel i with i + d/2."""
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def apply_rope_interleave(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """# [T, h, d], [T, d], [T, d] -> [T, h, d]; DeepSeek pairs (x0, x1), (x2, x3)...
+
+    Like transformers' `apply_rotary_pos_emb_interleave` the result is de-interleaved (evens, then odds); q and
+    k get the same permutation, so their dot products are unchanged.
+    """
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)

@@ -1,0 +1,63 @@
+"""Choosing the next token from logits (greedy, or temperature + top-p with a seeded generator), and `generate`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from shardtool.errors import UsageError
+
+from ._forward import Model
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    if not (temperature >= 0 and np.isfinite(temperature)):
+        raise UsageError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise UsageError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def sample_token(logits: np.ndarray, *, temperature: float = 0.0, top_p: float = 1.0,
+                 rng: np.random.Generator | None = None) -> int:
+    """# [V] -> token id. temperature 0 is greedy (first maximum, as torch.argmax)."""
+    check_sampling(temperature, top_p)
+    if temperature == 0:
+        return int(np.argmax(logits))
+    if rng is None:
+        raise UsageError("sampling with temperature > 0 needs a random generator (pass a seed)")
+    scaled = logits.astype(np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    sorted_probs = probs[order]
+    # Nucleus: the smallest prefix whose mass reaches top_p (always at least the top token).
+    keep = (np.cumsum(sorted_probs) - sorted_probs) < top_p
+    kept = sorted_probs[keep]
+    return int(order[rng.choice(len(kept), p=kept / kept.sum())])
+
+
+def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
+           top_p: float = 1.0, seed: int | None = None, stop_ids: Sequence[int] | None = None) -> Iterator[int]:
+    """Yield up to `max_new_tokens` new token ids; stops after a stop id (default: the config's eos ids)."""
+    if max_new_tokens < 0:
+        raise UsageError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_sampling(temperature, top_p)
+    stops = set(model.config.eos_token_ids if stop_ids is None else stop_ids)
+    rng = np.random.default_rng(seed)
+    if max_new_tokens == 0:
+        return
+    logits = model.prefill(prompt_ids, last_only=True)[0]
+    for i in range(max_new_tokens):
+        token = sample_token(logits, temperature=temperature, top_p=top_p, rng=rng)
+        yield token
+        if token in stops or i == max_new_tokens - 1:
+            return
+        logits = model.decode(token)
+
+
+def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int | None = None, stop_ids: Sequence[int] | None = None) -> list[int]:
+    """The new token ids (not the prompt), as a list; see `stream`."""
+    return list(stream(model, prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                       stop_ids=stop_ids))
