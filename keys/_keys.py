@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import blake3
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -94,6 +94,8 @@ def _read_small(path: Path, what: str) -> bytes:
 def public_key_from_pem(data: bytes, *, path: str | None = None) -> PublicKey:
     try:
         key = serialization.load_pem_public_key(data)
+    except UnsupportedAlgorithm as e:  # a curve or key type cryptography cannot load (SM2, secp112r1 ...)
+        raise KeyFileError(f"public key type is not supported ({e}), expected Ed25519", path=path) from e
     except (ValueError, TypeError) as e:
         raise KeyFileError("not a PEM public key (expected '-----BEGIN PUBLIC KEY-----')", path=path) from e
     if not isinstance(key, Ed25519PublicKey):
@@ -124,6 +126,9 @@ def load_private_key(path: Path | str, passphrase: bytes | None) -> PrivateKey:
                            hint="use --passphrase-file, SHARDTOOL_PASSPHRASE or a terminal prompt")
     try:
         key = serialization.load_pem_private_key(data, password=passphrase if encrypted else None)
+    except UnsupportedAlgorithm as e:  # a curve, key type or cipher cryptography cannot load
+        raise KeyFileError(f"private key type or encryption is not supported ({e}), expected Ed25519",
+                           path=str(path)) from e
     except (ValueError, TypeError) as e:
         if encrypted:
             raise KeyFileError("wrong passphrase (or a corrupt encrypted key)", path=str(path)) from e

@@ -1,0 +1,78 @@
+"""Fixtures shared by the whole suite: the public test vectors, fixed Ed25519 keys, exact-class raises.
+
+The vectors live in `shared/testdata/` beside the repository checkout (CI clones the repo into another
+folder with a copy of `shared/` next to it), so the path is resolved from this file, never the cwd.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TESTDATA_DIR = (REPO_ROOT / ".." / "shared" / "testdata").resolve()
+_MISSING = f"public test vectors not found at {TESTDATA_DIR} (expected shared/testdata/ beside the repo checkout)"
+
+
+def _load_testdata(name: str) -> Any:
+    return json.loads((TESTDATA_DIR / name).read_text(encoding="utf-8"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "vectors(file, argname, extract): parametrize `argname` with the named cases that "
+        "extract(json_of(shared/testdata/file)) returns as (id, value) pairs",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """One test per vector, named by its id: a failing vector is reported by name, not as 'case 37'."""
+    for marker in metafunc.definition.iter_markers("vectors"):
+        file, argname, extract = marker.args
+        if not (TESTDATA_DIR / file).is_file():
+            metafunc.parametrize(argname, [pytest.param(None, marks=pytest.mark.skip(reason=_MISSING))],
+                                 ids=["missing-testdata"])
+            continue
+        cases = list(extract(_load_testdata(file)))
+        metafunc.parametrize(argname, [value for _, value in cases], ids=[name for name, _ in cases])
+
+
+@pytest.fixture(scope="session")
+def testdata() -> Path:
+    """The folder of public vectors (`shared/testdata/`); skips the test if it is absent."""
+    if not TESTDATA_DIR.is_dir():
+        pytest.skip(_MISSING)
+    return TESTDATA_DIR
+
+
+@pytest.fixture(scope="session")
+def load_testdata(testdata: Path) -> Callable[[str], Any]:
+    return _load_testdata
+
+
+@contextlib.contextmanager
+def _raises_exactly(cls: type[BaseException], match: str | None = None) -> Iterator[pytest.ExceptionInfo]:
+    with pytest.raises(cls, match=match) as info:
+        yield info
+    assert type(info.value) is cls, f"expected exactly {cls.__name__}, got {type(info.value).__name__}: {info.value}"
+
+
+@pytest.fixture(scope="session")
+def raises_exactly() -> Callable[..., contextlib.AbstractContextManager]:
+    """Like pytest.raises, but a subclass is a failure: the tests pin the exact error class."""
+    return _raises_exactly
+
+
+@pytest.fixture(scope="session")
+def ed25519_keys() -> list:
+    """Five fixed Ed25519 keys (shardtool.keys.PrivateKey) from seeds 0x01.., 0x02.., ...: reproducible runs."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from shardtool.keys import PrivateKey
+
+    return [PrivateKey(Ed25519PrivateKey.from_private_bytes(bytes([i]) * 32)) for i in range(1, 6)]
