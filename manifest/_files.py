@@ -115,10 +115,10 @@ def digest_bytes(data: bytes | memoryview) -> bytes:
     return blake3.blake3(data, max_threads=threads).digest()
 
 
-def read_verified(root: Path, entry: Entry) -> bytes:
-    """The whole file `entry.path` in private memory, returned only if its size and BLAKE3 match `entry`.
+def read_unverified(root: Path, entry: Entry) -> bytes:
+    """The whole file `entry.path` in private memory, size-checked but NOT yet digest-checked.
 
-    The bytes returned are the bytes hashed: callers parse and use exactly these, never a fresh read.
+    Only `check_digest` may turn these bytes into something usable; `read_verified` does both.
     """
     fd = open_beneath(Path(root), entry.path)
     try:
@@ -127,16 +127,28 @@ def read_verified(root: Path, entry: Entry) -> bytes:
             raise DigestMismatchError(f"size is {size} bytes, manifest says {entry.size}", path=entry.path,
                                       expected=str(entry.size), actual=str(size))
         try:
-            data = _read_exact(fd, entry.size, entry.path)
+            return _read_exact(fd, entry.size, entry.path)
         except OSError as e:
             raise StorageError(f"read failed: {e.strerror}", path=entry.path) from e
     finally:
         os.close(fd)
+
+
+def check_digest(entry: Entry, data: bytes) -> bytes:
+    """Return `data` if its BLAKE3 is the manifest's digest for `entry`, else raise DigestMismatchError."""
     actual = digest_bytes(data)
     if actual != entry.digest:
         raise DigestMismatchError(f"BLAKE3 is {actual.hex()}, manifest says {entry.digest.hex()}", path=entry.path,
                                   expected=entry.digest.hex(), actual=actual.hex())
     return data
+
+
+def read_verified(root: Path, entry: Entry) -> bytes:
+    """The whole file `entry.path` in private memory, returned only if its size and BLAKE3 match `entry`.
+
+    The bytes returned are the bytes hashed: callers parse and use exactly these, never a fresh read.
+    """
+    return check_digest(entry, read_unverified(root, entry))
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,17 @@ def load_verified_manifest(path: Path, trusted: Sequence[PublicKey], threshold: 
         raise _with_path(e, path)
 
 
+def load_trusted_manifest(path: Path, trusted: Sequence[PublicKey], threshold: int, state_dir: Path | None,
+                          now: int | None = None) -> VerifiedManifest:
+    """Everything audit and the runtime check before touching a model file: signatures, threshold,
+    format, entries vs root, expiry, then the rollback floor (which this call raises on success)."""
+    from shardtool.manifest._state import check_and_record, default_state_dir
+
+    verified = load_verified_manifest(path, trusted, threshold, now=now)
+    check_and_record(state_dir or default_state_dir(), verified.head, trusted)
+    return verified
+
+
 def save_manifest(path: Path, manifest: Manifest) -> None:
     atomic_write_bytes(Path(path), manifest.to_bytes(), mode=0o644)
 

@@ -1,12 +1,148 @@
-"""`verify-and-run`: the verifying MoE runtime (placeholder until its issue lands)."""
+"""`verify-and-run`: memory-budgeted MoE inference that uses no byte it has not verified."""
 
 from __future__ import annotations
 
+import json
+import re
 import sys
+from pathlib import Path
+from typing import List, Optional
 
-from shardtool.errors import EXIT_USAGE
+import typer
+
+from shardtool.cli._common import run_app, say
+from shardtool.errors import UsageError
+
+app = typer.Typer(name="verify-and-run", add_completion=False, pretty_exceptions_enable=False)
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(B|K|KB|KiB|M|MB|MiB|G|GB|GiB|T|TB|TiB)?", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '512MiB', '1.5G', '1000000' -> bytes (K/M/G/T alone are binary units)."""
+    m = _SIZE.fullmatch(text.strip())
+    if not m:
+        raise UsageError(f"--memory-budget {text!r} is not a size (examples: 8GiB, 512MiB, 2000000000)")
+    value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if value <= 0:
+        raise UsageError(f"--memory-budget must be positive, got {text!r}")
+    return value
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--prompt-ids must be comma-separated integers, got {text[:80]!r}") from None
+    if not ids or any(i < 0 for i in ids):
+        raise UsageError("--prompt-ids needs at least one non-negative integer")
+    return ids
+
+
+class _TextStream:
+    """Prints generated text as it is produced: decode the whole sequence, print the new suffix."""
+
+    def __init__(self, session, print_ids: bool):
+        self.session, self.print_ids = session, print_ids
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def __call__(self, token: int) -> None:
+        self.ids.append(token)
+        if self.print_ids:
+            sys.stdout.write(("" if len(self.ids) == 1 else " ") + str(token))
+        else:
+            text = self.session.decode_text(self.ids)
+            # A byte-level token can end inside a UTF-8 character: hold back until it completes.
+            if text.startswith(self.printed) and not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(self.printed):])
+                self.printed = text
+        sys.stdout.flush()
+
+    def finish(self) -> None:
+        if not self.print_ids:
+            sys.stdout.write(self.session.decode_text(self.ids)[len(self.printed):])
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+@app.command()
+def verify_and_run(
+    directory: Path = typer.Argument(..., help="Split model directory (shardtool split)."),
+    trust: List[Path] = typer.Option([], "--trust", help="Trusted public key (repeatable)."),
+    threshold: int = typer.Option(1, "--threshold", help="Distinct trusted keys that must have signed."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text (needs the model's tokenizer.json)."),
+    prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as token ids: 1,2,3."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=0, max=1_000_000),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    memory_budget: str = typer.Option("8GiB", "--memory-budget", help="Cached shards + KV cache + working buffers."),
+    readers: int = typer.Option(2, "--readers", min=1, max=64, help="Reader/verifier threads."),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Rollback state directory."),
+    manifest_file: Optional[Path] = typer.Option(None, "--manifest", help="Manifest (default DIR/manifest.msgpack)."),
+    print_ids: bool = typer.Option(False, "--print-ids", help="Print token ids instead of text."),
+    json_report: Optional[Path] = typer.Option(None, "--json-report", help="Write the run report as JSON here."),
+    verify_all_first: bool = typer.Option(False, "--verify-all-first", help="Check every shard before the first token."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No report on stderr."),
+) -> None:
+    """Verify the signed manifest, then generate, checking every shard's BLAKE3 before its weights are used."""
+    from shardtool._atomic import atomic_write_bytes
+    from shardtool.cli.manifest_cmd import load_trusted, manifest_path, model_dir
+    from shardtool.manifest import load_trusted_manifest
+    from shardtool.runtime._session import Session
+
+    if (prompt is None) == (prompt_ids is None):
+        raise UsageError("give exactly one of --prompt and --prompt-ids")
+    budget = parse_size(memory_budget)
+    directory = model_dir(directory)
+    trusted = load_trusted(trust)
+    verified = load_trusted_manifest(manifest_path(directory, manifest_file), trusted, threshold, state_dir)
+    ids = parse_ids(prompt_ids) if prompt_ids is not None else None
+    max_tokens = (len(ids) if ids else 4096) + max_new_tokens
+    session = Session(directory, verified, budget=budget, max_tokens=max_tokens, readers=readers)
+    try:
+        if ids is None:
+            ids = session.encode(prompt)
+            if len(ids) + max_new_tokens > max_tokens:
+                raise UsageError(f"prompt is {len(ids)} tokens; at most {4096} are supported")
+        if verify_all_first:
+            checked = session.verify_all()
+            if not quiet:
+                say(f"verified all {len(verified.entries)} files ({checked / 2**20:.1f} MiB) before the first token")
+        out = _TextStream(session, print_ids)
+        session.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, on_token=out)
+        out.finish()
+        summary = session.summary()
+    finally:
+        session.close()
+    if json_report is not None:
+        atomic_write_bytes(json_report, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
+    if not quiet:
+        _print_report(summary)
+
+
+def _print_report(s: dict) -> None:
+    def rate(x):
+        return f"{x:.2f}" if x else "-"
+    sec, pt, cache = s["seconds"], s["per_token_seconds"], s["cache"]
+    say(f"verify-and-run: {s['model_id']} v{s['manifest_version']}: {s['prompt_tokens']} prompt + "
+        f"{s['new_tokens']} new tokens; prefill {rate(s['prefill_tokens_per_s'])} tok/s, "
+        f"decode {rate(s['decode_tokens_per_s'])} tok/s")
+    say(f"  per token: read {pt['read'] * 1e3:.2f} ms, verify {pt['verify'] * 1e3:.2f} ms, "
+        f"compute {pt['compute'] * 1e3:.2f} ms (reads and verification overlap compute; waited "
+        f"{sec['waiting_for_shards']:.3f}s in all)")
+    predicted = s["contract_expert_bytes_per_token_cold"]
+    measured = s["decode_expert_bytes_per_token"]
+    say(f"  bytes read: {s['bytes_read'] / 2**20:.1f} MiB ({s['bytes_read_per_token'] / 2**20:.2f} MiB/token); "
+        f"expert bytes per decode token: measured {measured / 2**20 if measured is not None else float('nan'):.2f} MiB, "
+        f"contract (cold) {predicted / 2**20 if predicted else float('nan'):.2f} MiB")
+    say(f"  cache: {cache['hits']} hits, {cache['misses']} misses, {cache['evictions']} evictions; "
+        f"shard cache {s['budget']['shard_cache'] / 2**20:.1f} MiB of budget {s['budget']['total'] / 2**20:.1f} MiB; "
+        f"peak RSS {s['peak_rss_bytes'] / 2**20:.1f} MiB")
 
 
 def main() -> None:
-    print("verify-and-run: not built yet", file=sys.stderr)
-    sys.exit(EXIT_USAGE)
+    run_app(app)

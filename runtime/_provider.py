@@ -1,0 +1,59 @@
+"""Weights for the forward pass, fetched from the verifying shard store by split-layout path
+(docs/shard-layout.md). Prefetches the next layer's trunk while the current layer computes."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from shardtool.errors import VerificationError
+from shardtool.manifest._document import VerifiedManifest
+from shardtool.manifest._records import Entry
+from shardtool.runtime._store import ShardStore
+
+EMBED = "trunk/embed.safetensors"
+HEAD = "trunk/head.safetensors"
+
+
+def trunk_path(layer: int) -> str:
+    return f"trunk/layer-{layer:03d}.safetensors"
+
+
+def expert_path(layer: int, expert: int) -> str:
+    return f"experts/layer-{layer:03d}/expert-{expert:04d}.safetensors"
+
+
+class VerifiedWeights:
+    """A `WeightProvider` whose every array comes from bytes verified against the signed manifest."""
+
+    cache_float32 = False  # float32 copies of the trunk would sit outside the store's budget
+
+    def __init__(self, store: ShardStore, manifest: VerifiedManifest, num_layers: int):
+        self.store = store
+        self.entries = manifest.by_path()
+        self.num_layers = num_layers
+
+    def _entry(self, path: str) -> Entry:
+        entry = self.entries.get(path)
+        if entry is None:
+            raise VerificationError(f"the signed manifest lists no {path}; the model needs it")
+        return entry
+
+    def embed(self) -> Mapping[str, np.ndarray]:
+        return self.store.get(self._entry(EMBED))
+
+    def head(self) -> Mapping[str, np.ndarray]:
+        return self.store.get(self._entry(HEAD))
+
+    def layer(self, layer: int) -> Mapping[str, np.ndarray]:
+        arrays = self.store.get(self._entry(trunk_path(layer)))
+        following = self.entries.get(trunk_path(layer + 1)) if layer + 1 < self.num_layers else self.entries.get(HEAD)
+        if following is not None:
+            self.store.prefetch([following])
+        return arrays
+
+    def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Mapping[str, np.ndarray]]:
+        ids = list(expert_ids)
+        loaded = self.store.get_many([self._entry(expert_path(layer, e)) for e in ids])
+        return dict(zip(ids, loaded))

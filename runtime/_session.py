@@ -1,0 +1,195 @@
+"""One verified inference run: verify the manifest, read config and tokenizer through verification,
+size the shard cache from the memory budget, generate, and measure where the time and bytes went."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from shardtool.errors import UsageError, VerificationError
+from shardtool.manifest._document import VerifiedManifest
+from shardtool.manifest._files import read_verified
+from shardtool.runtime._model import Model, ModelConfig, bytes_per_token, sample_token
+from shardtool.runtime._model._sampling import check_sampling
+from shardtool.runtime._provider import VerifiedWeights
+from shardtool.runtime._store import ShardStore
+
+MAX_CONFIG_BYTES = 1024 * 1024
+MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
+ACTIVATION_RESERVE = 32 * 1024 * 1024
+
+
+def _verified_json(root: Path, manifest: VerifiedManifest, path: str) -> dict:
+    entry = manifest.by_path().get(path)
+    if entry is None:
+        raise VerificationError(f"the signed manifest lists no {path}")
+    if entry.size > MAX_CONFIG_BYTES:
+        raise VerificationError(f"{path} is {entry.size} bytes, more than the {MAX_CONFIG_BYTES}-byte cap", path=path)
+    data = read_verified(root, entry)
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise VerificationError(f"signed {path} is not valid JSON: {e}", path=path) from None
+    if not isinstance(value, dict):
+        raise VerificationError(f"signed {path} is not a JSON object", path=path)
+    return value
+
+
+def load_tokenizer(root: Path, manifest: VerifiedManifest):
+    """The HF tokenizer from the verified tokenizer.json, or None when the model ships none."""
+    entry = manifest.by_path().get("tokenizer.json")
+    if entry is None:
+        return None
+    if entry.size > MAX_TOKENIZER_BYTES:
+        raise VerificationError(f"tokenizer.json is larger than {MAX_TOKENIZER_BYTES} bytes", path=entry.path)
+    from tokenizers import Tokenizer
+
+    data = read_verified(root, entry)
+    try:
+        return Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:  # tokenizers raises plain Exception for malformed JSON
+        raise VerificationError(f"signed tokenizer.json does not load: {str(e)[:200]}", path=entry.path) from None
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    total: int
+    kv_cache: int
+    working: int
+    shard_cache: int
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def plan_budget(budget: int, cfg: ModelConfig, manifest: VerifiedManifest, max_tokens: int, readers: int) -> BudgetPlan:
+    """Split the memory budget: KV cache for the whole sequence, working buffers (float32 copies of the
+    layer being computed, reads in flight, activations), and what remains caches verified shards."""
+    experts = [e.size for e in manifest.entries if e.kind == "expert"]
+    trunk = [e.size for e in manifest.entries if e.kind == "trunk"]
+    largest_expert, largest_trunk = max(experts, default=0), max(trunk, default=0)
+    k = max(cfg.top_k, 1)
+    # A shard's float32 copy is at most 4x its bytes (FP8); in-flight reads hold raw bytes.
+    f32 = 4 * (largest_trunk + k * largest_expert)
+    inflight = readers * max(largest_expert, largest_trunk)
+    kv = 2 * bytes_per_token(cfg) * max_tokens  # the cache grows by doubling
+    working = f32 + inflight + ACTIVATION_RESERVE
+    shard_cache = budget - kv - working
+    need = max(largest_expert, largest_trunk) * (k + 1)
+    if shard_cache < need:
+        raise UsageError(f"memory budget {budget / 2**20:.0f} MiB is too small for this model: KV cache "
+                         f"{kv / 2**20:.1f} MiB + working {working / 2**20:.1f} MiB leave "
+                         f"{shard_cache / 2**20:.1f} MiB for shards, need at least {need / 2**20:.1f} MiB",
+                         hint=f"raise --memory-budget to at least {(kv + working + need) / 2**20:.0f}MiB")
+    return BudgetPlan(budget, kv, working, shard_cache)
+
+
+@dataclass
+class RunReport:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_expert_bytes: int = 0
+    generated: list[int] = field(default_factory=list)
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Session:
+    def __init__(self, root: Path, manifest: VerifiedManifest, *, budget: int, max_tokens: int, readers: int = 2):
+        self.root = Path(root)
+        self.manifest = manifest
+        self.config = ModelConfig.from_hf_config(_verified_json(self.root, manifest, "config.json"))
+        self.tokenizer = load_tokenizer(self.root, manifest)
+        self.plan = plan_budget(budget, self.config, manifest, max_tokens, readers)
+        self.store = ShardStore(self.root, budget_bytes=self.plan.shard_cache, readers=readers)
+        self.weights = VerifiedWeights(self.store, manifest, self.config.num_layers)
+        self.model = Model(self.config, self.weights, max_tokens=max_tokens)
+        self.report = RunReport()
+
+    def close(self) -> None:
+        self.store.close()
+
+    def verify_all(self) -> int:
+        """--verify-all-first: every listed file read and checked before the first token (not cached)."""
+        total = 0
+        for entry in self.manifest.entries:
+            read_verified(self.root, entry)
+            total += entry.size
+        return total
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise UsageError("this model ships no tokenizer.json", hint="pass --prompt-ids")
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True).ids)
+
+    def decode_text(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer else ""
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float, top_p: float,
+                 seed: int | None, on_token: Callable[[int], None]) -> RunReport:
+        check_sampling(temperature, top_p)
+        rng = np.random.default_rng(seed)
+        stops = set(self.config.eos_token_ids)
+        report = self.report
+        report.prompt_tokens = len(prompt_ids)
+        if max_new_tokens <= 0:
+            return report
+        t0 = time.perf_counter()
+        logits = self.model.prefill(prompt_ids, last_only=True)[0]
+        report.prefill_seconds = time.perf_counter() - t0
+        expert_bytes_before = self.store.stats.by_kind.get("expert", 0)
+        for i in range(max_new_tokens):
+            token = sample_token(logits, temperature=temperature, top_p=top_p, rng=rng)
+            report.generated.append(token)
+            report.new_tokens += 1
+            on_token(token)
+            if token in stops or i == max_new_tokens - 1:
+                break
+            t1 = time.perf_counter()
+            logits = self.model.decode(token)
+            report.decode_seconds += time.perf_counter() - t1
+        report.decode_expert_bytes = self.store.stats.by_kind.get("expert", 0) - expert_bytes_before
+        return report
+
+    def summary(self) -> dict:
+        r, s = self.report, self.store.stats
+        decode_steps = max(r.new_tokens - 1, 0)
+        wall = r.prefill_seconds + r.decode_seconds
+        contract = dict(self.manifest.head.contract or {})
+        return {
+            "model_id": self.manifest.head.model_id,
+            "manifest_version": self.manifest.head.version,
+            "prompt_tokens": r.prompt_tokens,
+            "new_tokens": r.new_tokens,
+            "prefill_tokens_per_s": r.prompt_tokens / r.prefill_seconds if r.prefill_seconds else None,
+            "decode_tokens_per_s": decode_steps / r.decode_seconds if r.decode_seconds else None,
+            "seconds": {"prefill": r.prefill_seconds, "decode": r.decode_seconds,
+                        # reader threads overlap with compute and with each other: these are thread-seconds
+                        "read_thread": s.read_seconds, "verify_thread": s.verify_seconds,
+                        "parse_thread": s.parse_seconds, "waiting_for_shards": s.wait_seconds,
+                        "compute": max(wall - s.wait_seconds, 0.0)},
+            "per_token_seconds": {
+                "read": s.read_seconds / max(r.new_tokens, 1), "verify": s.verify_seconds / max(r.new_tokens, 1),
+                "compute": max(wall - s.wait_seconds, 0.0) / max(r.new_tokens, 1)},
+            "verify_share_of_time": s.verify_seconds / wall if wall else None,
+            "bytes_read": s.bytes_read,
+            "bytes_read_per_token": s.bytes_read / max(r.prompt_tokens + r.new_tokens, 1),
+            "decode_expert_bytes_per_token": r.decode_expert_bytes / decode_steps if decode_steps else None,
+            "contract_expert_bytes_per_token_cold": contract.get("expert_bytes_per_token_cold"),
+            "cache": {"hits": s.hits, "misses": s.misses, "evictions": s.evictions,
+                      "peak_cached_bytes": s.peak_cached_bytes},
+            "budget": self.plan.as_dict(),
+            "kv_cache_bytes": self.model.cache.nbytes,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "generated_ids": r.generated,
+        }

@@ -1,0 +1,166 @@
+"""The verifying shard store: the only way weights reach the forward pass.
+
+`get(entry)` reads a shard into private memory, checks size and BLAKE3 against the signed manifest,
+and only then parses those same bytes into read-only arrays. Verified shards live in an LRU cache
+bounded by a byte budget; an evicted shard needed again is read and verified again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from shardtool.errors import CheckpointFormatError, ShardtoolError, VerificationError
+from shardtool.manifest._files import check_digest, read_unverified
+from shardtool.manifest._records import Entry
+
+Arrays = Mapping[str, np.ndarray]
+
+
+class ShardFormatError(VerificationError):
+    """A shard whose bytes match the signed digest but do not parse as safetensors."""
+
+
+@dataclass
+class StoreStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0  # summed over reader threads: they overlap each other and compute
+    verify_seconds: float = 0.0
+    parse_seconds: float = 0.0
+    wait_seconds: float = 0.0  # time the forward pass actually waited for shards
+    peak_cached_bytes: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+def parse_shard(entry: Entry, data: bytes) -> Arrays:
+    """Parse verified bytes. Malformed-but-signed shards fail cleanly as a verification error."""
+    from shardtool.checkpoint._safetensors import parse_safetensors
+
+    try:
+        arrays, _ = parse_safetensors(data)
+    except CheckpointFormatError as e:
+        raise ShardFormatError(f"signed shard is not valid safetensors: {e.message}", path=entry.path) from None
+    return arrays
+
+
+class ShardStore:
+    """LRU cache of verified, parsed shards under `budget_bytes`, with a pool of reader threads."""
+
+    def __init__(self, root: Path, *, budget_bytes: int, readers: int = 2):
+        if budget_bytes <= 0:
+            raise ValueError(f"budget must be positive, got {budget_bytes}")
+        self.root = Path(root)
+        self.budget = budget_bytes
+        self.stats = StoreStats()
+        self._cache: OrderedDict[str, tuple[Arrays, int]] = OrderedDict()
+        self._cached_bytes = 0
+        self._inflight: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="shard-reader")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
+
+    def _load(self, entry: Entry) -> Arrays:
+        """Reader thread: read, verify, parse; then insert into the cache."""
+        try:
+            t0 = time.perf_counter()
+            data = read_unverified(self.root, entry)
+            t1 = time.perf_counter()
+            check_digest(entry, data)
+            t2 = time.perf_counter()
+            arrays = parse_shard(entry, data)
+            t3 = time.perf_counter()
+        except BaseException:
+            with self._lock:
+                self._inflight.pop(entry.path, None)
+            raise
+        with self._lock:
+            s = self.stats
+            s.read_seconds += t1 - t0
+            s.verify_seconds += t2 - t1
+            s.parse_seconds += t3 - t2
+            s.bytes_read += entry.size
+            s.by_kind[entry.kind] = s.by_kind.get(entry.kind, 0) + entry.size
+            self._insert(entry, arrays)
+            self._inflight.pop(entry.path, None)
+        return arrays
+
+    def _insert(self, entry: Entry, arrays: Arrays) -> None:
+        if entry.size > self.budget:
+            return  # used once, never cached: it alone would break the budget
+        while self._cache and self._cached_bytes + entry.size > self.budget:
+            _, (_, size) = self._cache.popitem(last=False)
+            self._cached_bytes -= size
+            self.stats.evictions += 1
+        self._cache[entry.path] = (arrays, entry.size)
+        self._cached_bytes += entry.size
+        self.stats.peak_cached_bytes = max(self.stats.peak_cached_bytes, self._cached_bytes)
+
+    def _future(self, entry: Entry) -> Future | None:
+        """Caller holds the lock. None when cached; otherwise the (new or in-flight) load."""
+        hit = self._cache.get(entry.path)
+        if hit is not None:
+            self._cache.move_to_end(entry.path)
+            return None
+        fut = self._inflight.get(entry.path)
+        if fut is None:
+            fut = self._pool.submit(self._load, entry)
+            self._inflight[entry.path] = fut
+        return fut
+
+    def prefetch(self, entries: Iterable[Entry]) -> None:
+        """Start loading shards in the background; errors surface when they are `get`."""
+        with self._lock:
+            for entry in entries:
+                self._future(entry)
+
+    def get_many(self, entries: list[Entry]) -> list[Arrays]:
+        """All shards, loaded in parallel by the reader pool; raises the first failure."""
+        futures: list[tuple[Entry, Future | None]] = []
+        with self._lock:
+            for entry in entries:
+                fut = self._future(entry)
+                if fut is None:
+                    self.stats.hits += 1
+                else:
+                    self.stats.misses += 1
+                futures.append((entry, fut))
+        out = []
+        t0 = time.perf_counter()
+        try:
+            for entry, fut in futures:
+                if fut is None:
+                    with self._lock:
+                        cached = self._cache.get(entry.path)
+                    if cached is None:  # evicted between our look-up and now: load it again
+                        out.append(self._load(entry))
+                    else:
+                        out.append(cached[0])
+                else:
+                    out.append(fut.result())
+        except ShardtoolError:
+            raise
+        finally:
+            self.stats.wait_seconds += time.perf_counter() - t0
+        return out
+
+    def get(self, entry: Entry) -> Arrays:
+        return self.get_many([entry])[0]
