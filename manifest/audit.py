@@ -117,11 +117,38 @@ def check_file(root: Path, entry: Entry, buffer: bytearray | None = None, *, dir
     return _compare(entry, result)
 
 
+def _link_target_inside(root: Path, relpath: str) -> str | None:
+    """For --follow-symlinks: the link's final target relative to `root`, or None if it leaves `root`."""
+    real_root = os.path.realpath(root)
+    target = os.path.realpath(os.path.join(root, relpath))
+    if os.path.commonpath([real_root, target]) != real_root or target == real_root:
+        return None
+    return os.path.relpath(target, real_root).replace(os.sep, "/")
+
+
+def _check_link(root: Path, entry: Entry) -> Finding | None:
+    target = _link_target_inside(root, entry.path)
+    if target is None:
+        return _from_entry(entry, "symlink", "is a symlink that points outside the model directory")
+    try:
+        fd = open_beneath(root, target)  # the resolved path has no links left; a swapped one is refused
+    except ShardtoolError as e:
+        return _open_finding(entry, e)
+    try:
+        return _compare(entry, digest_fd(fd))
+    except OSError as e:
+        return _from_entry(entry, "unreadable", f"read failed: {e.strerror}")
+    finally:
+        os.close(fd)
+
+
 def audit_directory(root: Path, manifest: VerifiedManifest, *, ignore: Iterable[str] = (),
-                    present_only: bool = False, workers: int | None = None,
+                    present_only: bool = False, follow_symlinks: bool = False, workers: int | None = None,
                     progress: Callable[[int], None] | None = None) -> AuditReport:
     """Compare `root` with `manifest`. `ignore`: relative paths that are not model files (the manifest
-    itself when it lives in `root`). `progress(n)` is called with bytes hashed as they accrue."""
+    itself when it lives in `root`). `follow_symlinks`: a listed path that is a link to a file inside
+    `root` is checked through its target; links leaving `root` stay findings. `progress(n)` is called
+    with bytes hashed as they accrue."""
     listed = manifest.by_path()
     ignored = set(ignore)
     report = AuditReport()
@@ -143,7 +170,13 @@ def audit_directory(root: Path, manifest: VerifiedManifest, *, ignore: Iterable[
                       "special": "a special file not listed in the manifest"}[item.kind]
             report.findings.append(Finding(path=item.relpath, finding=finding, detail=detail, found_size=size))
         elif item.kind == "symlink":
-            report.findings.append(_from_entry(entry, "symlink", "is a symlink; links are not followed"))
+            if follow_symlinks:
+                finding = _check_link(root, entry)
+                report.files_checked += 1
+                if finding is not None:
+                    report.findings.append(finding)
+            else:
+                report.findings.append(_from_entry(entry, "symlink", "is a symlink; links are not followed"))
         elif item.kind == "special":
             report.findings.append(_from_entry(entry, "not-a-regular-file", "is a special file (FIFO, socket or device)"))
     to_hash = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -18,6 +19,8 @@ def register(app: typer.Typer) -> None:
     app.command("manifest")(manifest)
     app.command("sign")(sign)
     app.command("audit")(audit)
+    app.command("prove")(prove)
+    app.command("verify-shard")(verify_shard)
 
 
 def model_dir(path: Path) -> Path:
@@ -115,13 +118,15 @@ def audit(
     manifest_file: Optional[Path] = typer.Option(None, "--manifest", help=MANIFEST_HELP),
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Rollback state (default: ~/.local/state/shardtool)."),
     present_only: bool = typer.Option(False, "--present-only", help="Absent shards are listed, not failures."),
+    follow_symlinks: bool = typer.Option(False, "--follow-symlinks",
+                                         help="Check listed links through their targets, if they stay inside DIR."),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, max=64, help="Hashing threads."),
     json_out: bool = typer.Option(False, "--json", help="Print one report document on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Verify the manifest's signatures, threshold, expiry and rollback floor, then every file."""
     from shardtool.cli._progress import Progress
-    from shardtool.manifest import check_and_record, default_state_dir, describe_head, load_verified_manifest
+    from shardtool.manifest import describe_head, load_trusted_manifest
     from shardtool.manifest.audit import audit_directory
 
     directory = model_dir(directory)
@@ -129,8 +134,7 @@ def audit(
     path = manifest_path(directory, manifest_file)
     started = time.monotonic()
     try:
-        verified = load_verified_manifest(path, trusted, threshold)
-        check_and_record(state_dir or default_state_dir(), verified.head, trusted)
+        verified = load_trusted_manifest(path, trusted, threshold, state_dir)
     except ShardtoolError as e:
         if json_out:
             emit_json({"ok": False, "manifest": str(path), "error": {"class": type(e).__name__, "message": e.one_line()}})
@@ -138,7 +142,8 @@ def audit(
     total = sum(e.size for e in verified.entries)
     with Progress(total, "audit", enabled=not quiet) as progress:
         report = audit_directory(directory, verified, ignore=relative_inside(directory, path),
-                                 present_only=present_only, workers=workers, progress=progress.advance)
+                                 present_only=present_only, follow_symlinks=follow_symlinks, workers=workers,
+                                 progress=progress.advance)
     seconds = time.monotonic() - started
     if json_out:
         emit_json({"ok": report.ok, "manifest": str(path), "directory": str(directory), "head": describe_head(verified.head),
@@ -161,3 +166,90 @@ def audit(
     if len(report.findings) > 20:
         say(f"  ... and {len(report.findings) - 20} more (use --json for all)")
     raise typer.Exit(1)
+
+
+def prove(
+    directory: Path = typer.Argument(..., help="Model directory whose manifest holds the entry."),
+    entry: str = typer.Option(..., "--entry", help="Relative path of the shard, as listed in the manifest."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Proof file (default: stdout)."),
+    manifest_file: Optional[Path] = typer.Option(None, "--manifest", help=MANIFEST_HELP),
+) -> None:
+    """Write a self-contained proof for one shard: signed head, entry, Merkle inclusion path."""
+    from shardtool._atomic import atomic_write_bytes
+    from shardtool.errors import VerificationError
+    from shardtool.manifest import build_proof, load_manifest
+
+    directory = model_dir(directory)
+    path = manifest_path(directory, manifest_file)
+    try:
+        current = load_manifest(path)
+        data = build_proof(current, entry)
+    except VerificationError as e:
+        raise UsageError(e.message, path=e.path or str(path)) from e
+    if out is None:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    else:
+        atomic_write_bytes(out, data)
+        say(f"wrote proof for {entry} ({len(data)} bytes, {len(current.envelope.signatures)} signature(s)) to {out}")
+
+
+def verify_shard(
+    shard: Path = typer.Argument(..., help="The shard file to check."),
+    proof: Path = typer.Option(..., "--proof", help="Proof file from `shardtool prove`."),
+    trust: List[Path] = typer.Option([], "--trust", help="Trusted public key (repeatable)."),
+    threshold: int = typer.Option(1, "--threshold"),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Rollback state directory."),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Check one shard against a proof, without the full manifest."""
+    import os
+
+    from shardtool.errors import DigestMismatchError, StorageError, VerificationError
+    from shardtool.manifest import check_and_record, default_state_dir, verify_proof
+    from shardtool.manifest._files import digest_fd
+    from shardtool.manifest._proof import MAX_PROOF_BYTES
+
+    trusted = load_trusted(trust)
+    try:
+        with open(proof, "rb") as fh:
+            data = fh.read(MAX_PROOF_BYTES + 1)
+    except FileNotFoundError:
+        raise UsageError("proof file not found", path=str(proof)) from None
+    except OSError as e:
+        raise StorageError(f"cannot read proof: {e.strerror}", path=str(proof)) from e
+    try:
+        proven = verify_proof(data, trusted, threshold)
+    except VerificationError as e:
+        raise type(e)(e.message, path=str(proof), hint=e.hint) from e
+    check_and_record(state_dir or default_state_dir(), proven.head, trusted)
+    entry = proven.entry
+    try:
+        fd = os.open(shard, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise UsageError("shard file not found", path=str(shard)) from None
+    except OSError as e:
+        raise StorageError(f"cannot open shard: {e.strerror}", path=str(shard)) from e
+    try:
+        import stat as stat_mod
+        if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
+            raise VerificationError("not a regular file", path=str(shard))
+        os.set_blocking(fd, True)
+        result = digest_fd(fd)
+    finally:
+        os.close(fd)
+    if result.changed:
+        raise VerificationError("file changed while it was being hashed", path=str(shard))
+    if result.size != entry.size:
+        raise DigestMismatchError(f"size is {result.size} bytes, the signed entry {entry.path} says {entry.size}",
+                                  path=str(shard), expected=str(entry.size), actual=str(result.size))
+    if result.digest != entry.digest:
+        raise DigestMismatchError(f"BLAKE3 is {result.digest.hex()}, the signed entry {entry.path} says "
+                                  f"{entry.digest.hex()}", path=str(shard), expected=entry.digest.hex(),
+                                  actual=result.digest.hex())
+    if json_out:
+        emit_json({"ok": True, "shard": str(shard), "entry": entry.path, "kind": entry.kind, "layer": entry.layer,
+                   "expert": entry.expert, "size": entry.size, "model_id": proven.head.model_id,
+                   "version": proven.head.version, "signers": [k.keyid for k in proven.signers]})
+    say(f"{shard}: OK, matches {entry.describe()} of {proven.head.model_id} version {proven.head.version}, "
+        f"signed by {len(proven.signers)} trusted key(s)")

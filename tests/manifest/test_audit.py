@@ -1,0 +1,111 @@
+"""audit_directory units: finding classes that are hard to stage through the CLI, and scale."""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+
+import blake3
+import pytest
+
+from shardtool.keys import generate
+from shardtool.manifest import Entry, build_manifest, verify_manifest
+from shardtool.manifest import _files
+from shardtool.manifest.audit import audit_directory
+
+
+def _verified(entries):
+    key = generate()
+    m = build_manifest(entries, model_id="t/audit")
+    m = m.with_envelope(m.envelope.signed_by(key))
+    return verify_manifest(m.to_bytes(), [key.public], 1)
+
+
+def _write(root, rel, data):
+    p = root / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(data)
+    return Entry(path=rel, kind="other", size=len(data), digest=blake3.blake3(data).digest())
+
+
+def test_unreadable_file_is_a_finding(tmp_path, monkeypatch):
+    entries = [_write(tmp_path, "a.bin", b"a" * 100), _write(tmp_path, "big.bin", os.urandom(5 << 20))]
+    real_readv = os.readv
+
+    def failing_readv(fd, buffers):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(_files.os, "readv", failing_readv)
+    report = audit_directory(tmp_path, _verified(entries))
+    monkeypatch.setattr(_files.os, "readv", real_readv)
+    assert [(f.path, f.finding) for f in report.findings] == [("big.bin", "unreadable")]
+    assert "Input/output error" in report.findings[0].detail
+
+
+def test_file_changing_while_hashed_is_a_finding(tmp_path, monkeypatch):
+    data = os.urandom(6 << 20)
+    entries = [_write(tmp_path, "big.bin", data)]
+    real_readv = os.readv
+    calls = []
+
+    def growing_readv(fd, buffers):
+        n = real_readv(fd, buffers)
+        if not calls:
+            with open(tmp_path / "big.bin", "ab") as fh:  # another writer appends mid-hash
+                fh.write(b"more")
+        calls.append(n)
+        return n
+
+    monkeypatch.setattr(_files.os, "readv", growing_readv)
+    report = audit_directory(tmp_path, _verified(entries))
+    assert [(f.path, f.finding) for f in report.findings] == [("big.bin", "unreadable")]
+    assert "changed while" in report.findings[0].detail
+
+
+def test_vanishing_file_is_missing_not_a_crash(tmp_path, monkeypatch):
+    entries = [_write(tmp_path, "d/a.bin", b"a"), _write(tmp_path, "d/b.bin", b"b")]
+    verified = _verified(entries)
+    real = _files.open_file_at
+
+    def vanish_then_open(dir_fd, name, relpath):
+        if name == "b.bin" and (tmp_path / "d/b.bin").exists():
+            os.unlink(tmp_path / "d/b.bin")
+        return real(dir_fd, name, relpath)
+
+    monkeypatch.setattr("shardtool.manifest.audit.open_file_at", vanish_then_open)
+    report = audit_directory(tmp_path, verified)
+    assert [(f.path, f.finding) for f in report.findings] == [("d/b.bin", "missing")]
+
+
+def test_hundred_thousand_entries_subset(tmp_path):
+    """100,000 listed shards, a node holding 1,000 of them: memory stays flat, the answer is exact."""
+    present = {}
+    entries = []
+    for i in range(100_000):
+        rel = f"experts/layer-{i // 1000:03d}/expert-{i % 1000:04d}.safetensors"
+        data = i.to_bytes(4, "little")
+        if i % 100 == 0:
+            entries.append(_write(tmp_path, rel, data))
+            present[rel] = data
+        else:
+            entries.append(Entry(path=rel, kind="expert", size=4, digest=blake3.blake3(data).digest(),
+                                 layer=i // 1000, expert=i % 1000))
+    verified = _verified(entries)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    report = audit_directory(tmp_path, verified, present_only=True)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert report.ok and report.files_checked == 1000 and len(report.absent) == 99_000
+    assert grown_mib < 200, f"audit of 100k entries grew peak RSS by {grown_mib:.0f} MiB"
+    (tmp_path / next(iter(present))).write_bytes(b"evil")
+    report = audit_directory(tmp_path, verified, present_only=True)
+    assert [f.finding for f in report.findings] == ["digest-mismatch"]
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_worker_count_does_not_change_the_answer(tmp_path, workers):
+    entries = [_write(tmp_path, f"d{i % 3}/f{i}.bin", os.urandom(i * 997)) for i in range(40)]
+    (tmp_path / "d1/f7.bin").write_bytes(b"changed")
+    report = audit_directory(tmp_path, _verified(entries), workers=workers)
+    assert [(f.path, f.finding) for f in report.findings] == [("d1/f7.bin", "size-mismatch")]
+    assert report.files_checked == 40
