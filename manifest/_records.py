@@ -135,7 +135,7 @@ class Head:
     expires: int
     entry_count: int
     merkle_root: bytes = field(repr=False)
-    contract: Mapping[str, int] | None = None
+    contract: Mapping[str, int] | None = field(default=None, hash=False)  # a read-only mapping: unhashable
     format_version: int = FORMAT_VERSION
     hash_alg: str = HASH_ALG
 

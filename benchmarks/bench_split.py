@@ -1,0 +1,178 @@
+"""Benchmark `shardtool split` against `cp -r` of the same checkpoint, alternately, in one run.
+
+Generates (or reuses) a Hugging Face-layout checkpoint of at least --size-gib under --dir with
+examples/make_tiny_moe.py, then times N rounds of `cp -r` and `shardtool split`, alternating which goes
+first. Before every timed command the previous output is deleted and `sync` flushes dirty pages (untimed), so
+neither tool pays for the other's writeback. Prints medians, the split/cp ratio (target <= 1.3) and split's
+peak RSS from wait4() (bound: largest tensor + 256 MiB). With --sync it also times `split --fsync` against
+`cp -r && sync`, the like-for-like durable pair.
+
+    python benchmarks/bench_split.py --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+RSS_SLACK = 256 * MiB
+TARGET_RATIO = 1.3
+
+# Mixtral-shaped: 16 MiB BF16 expert matrices, 48 MiB per expert file; about 2.6 GiB at the defaults.
+KNOBS = {"layers": 6, "experts": 8, "hidden": 2048, "moe_intermediate": 4096, "intermediate": 4096, "heads": 16,
+         "kv_heads": 4, "vocab": 32000, "dtype": "bf16", "shard_size_mb": 1000.0}
+
+
+def checkpoint(base: Path, family: str, size_gib: float) -> Path:
+    """Reuse or generate a checkpoint of at least `size_gib` (scaled by layer count).
+
+    Generated in a child process: a child's ru_maxrss starts from its parent's RSS at fork, so this
+    process stays small to keep the RSS measured for `split` honest.
+    """
+    knobs = dict(KNOBS)
+    per_layer = knobs["experts"] * 3 * knobs["hidden"] * knobs["moe_intermediate"] * 2
+    knobs["layers"] = max(2, -(-int(size_gib * GiB - 300 * MiB) // per_layer))
+    path = base / f"ckpt-{family}-{knobs['layers']}L"
+    if not (path / "config.json").exists():
+        print(f"generating {path} ...", file=sys.stderr)
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in knobs.items()]
+        subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_moe.py"), str(path), "--family", family,
+                        "--overwrite", *flags], check=True, stdout=subprocess.DEVNULL)
+    return path
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def largest_tensor(path: Path) -> int:
+    from shardtool.checkpoint import read_header
+
+    return max(t.nbytes for f in path.glob("*.safetensors") for t in read_header(f).tensors)
+
+
+def shardtool_cmd() -> list[str]:
+    script = Path(sys.executable).parent / "shardtool"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from shardtool.cli import main; sys.argv[0] = 'shardtool'; main()"]
+
+
+TIME = Path("/usr/bin/time")
+
+
+def timed(cmd: list[str], *, shell_sync: bool = False) -> tuple[float, int]:
+    """(wall seconds, peak RSS bytes) of one command; `shell_sync` adds a sync inside the timing.
+
+    Peak RSS comes from GNU time (%M) when installed: its child starts from time's own small RSS.
+    Otherwise from wait4(), which also counts this process's RSS at fork (an upper bound).
+    """
+    use_time = TIME.exists()
+    full = [str(TIME), "-f", "%M", *cmd] if use_time else cmd
+    start = time.perf_counter()
+    proc = subprocess.Popen(full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if shell_sync:
+        os.sync()
+    wall = time.perf_counter() - start
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    proc.stderr.close()
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed with exit code {code}:\n{err}")
+    if use_time:
+        return wall, int(err.strip().splitlines()[-1]) * 1024
+    return wall, usage.ru_maxrss * 1024  # Linux reports KiB
+
+
+def clean(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.sync()  # untimed: flush the deleted tree and the previous run's dirty pages
+    time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/shardtool-bench"), help="work directory (reused)")
+    ap.add_argument("--family", default="mixtral", help="make_tiny_moe family (mixtral: per-expert; fused: 3-D)")
+    ap.add_argument("--size-gib", type=float, default=2.5, help="checkpoint size to generate (>= 2)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--sync", action="store_true", help="also time split --fsync vs cp -r && sync")
+    ap.add_argument("--json", action="store_true", help="print the results as one JSON document on stdout")
+    args = ap.parse_args(argv)
+    if args.size_gib < 2:
+        ap.error("--size-gib must be at least 2")
+
+    args.dir.mkdir(parents=True, exist_ok=True)
+    src = checkpoint(args.dir, args.family, args.size_gib)
+    size = tree_bytes(src)
+    biggest = largest_tensor(src)
+    subprocess.run(["cat", *map(str, sorted(src.iterdir()))], stdout=subprocess.DEVNULL, check=True)  # warm cache
+
+    variants = {
+        "cp": lambda dst: (["cp", "-r", str(src), str(dst)], False),
+        "split": lambda dst: ([*shardtool_cmd(), "split", str(src), str(dst), "-q", "--model-id", "bench"], False),
+    }
+    if args.sync:
+        variants["cp+sync"] = lambda dst: (["cp", "-r", str(src), str(dst)], True)
+        variants["split --fsync"] = lambda dst: (
+            [*shardtool_cmd(), "split", str(src), str(dst), "-q", "--model-id", "bench", "--fsync"], False)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    rss: dict[str, list[int]] = {k: [] for k in variants}
+    names = list(variants)
+    for i in range(args.runs):
+        order = names if i % 2 == 0 else names[::-1]
+        for name in order:
+            dst = args.dir / "out"
+            clean(dst)
+            cmd, sync_inside = variants[name](dst)
+            wall, peak = timed(cmd, shell_sync=sync_inside)
+            times[name].append(wall)
+            rss[name].append(peak)
+            print(f"run {i + 1} {name:14s} {wall:7.2f} s  {size / wall / 1e9:5.2f} GB/s  peak RSS {peak / MiB:7.1f} MiB",
+                  file=sys.stderr)
+    clean(args.dir / "out")
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["split"] / med["cp"]
+    peak = max(rss["split"])
+    bound = biggest + RSS_SLACK
+    result = {
+        "checkpoint": str(src), "bytes": size, "runs": args.runs, "median_seconds": med,
+        "ratio_split_over_cp": round(ratio, 3), "target_ratio": TARGET_RATIO,
+        "split_peak_rss_bytes": peak, "largest_tensor_bytes": biggest, "rss_bound_bytes": bound,
+        "ratio_ok": ratio <= TARGET_RATIO, "rss_ok": peak < bound,
+    }
+    if args.sync:
+        result["ratio_fsync_over_cp_sync"] = round(med["split --fsync"] / med["cp+sync"], 3)
+    load = os.getloadavg()
+    result["load_average"] = [round(x, 2) for x in load]
+    print(f"\ncheckpoint {src} ({size / GiB:.2f} GiB, largest tensor {biggest / MiB:.0f} MiB), {args.runs} runs, "
+          f"{os.cpu_count()} CPUs, load average {load[0]:.2f} (hashing needs a core of its own)", file=sys.stderr)
+    for k, v in med.items():
+        print(f"  median {k:14s} {v:6.2f} s ({size / v / 1e9:.2f} GB/s)", file=sys.stderr)
+    print(f"  ratio split/cp        {ratio:6.2f}  (target <= {TARGET_RATIO}: {'ok' if ratio <= TARGET_RATIO else 'MISSED'})",
+          file=sys.stderr)
+    if args.sync:
+        print(f"  ratio split --fsync / cp+sync {result['ratio_fsync_over_cp_sync']:6.2f}", file=sys.stderr)
+    print(f"  split peak RSS        {peak / MiB:6.1f} MiB (bound {bound / MiB:.0f} MiB: "
+          f"{'ok' if peak < bound else 'EXCEEDED'})", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return 0 if result["rss_ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

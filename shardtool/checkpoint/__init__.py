@@ -1,0 +1,37 @@
+"""Hugging Face MoE checkpoints in and out of the split layout (docs/shard-layout.md), and their resource contract.
+
+`split_checkpoint` streams a checkpoint into per-expert and trunk shards with an unsigned manifest;
+`join_checkpoint` rebuilds it from verified shards; `parse_safetensors` parses verified shard bytes.
+"""
+
+from shardtool.checkpoint._contract import (
+    DEFAULT_CONTEXT_TOKENS,
+    KEYS as CONTRACT_KEYS,
+    Estimate,
+    ModelShape,
+    contract_from_config,
+    estimate,
+    model_shape,
+)
+from shardtool.checkpoint._families import SUPPORTED_FAMILIES, detect_family
+from shardtool.checkpoint._join import JoinResult, join_checkpoint
+from shardtool.checkpoint._safetensors import (
+    DTYPE_SIZES,
+    Header,
+    TensorInfo,
+    TensorSpec,
+    encode_header,
+    numpy_dtype,
+    parse_header,
+    parse_safetensors,
+    read_header,
+    serialize,
+)
+from shardtool.checkpoint._split import SplitJob, SplitResult, prepare_split, run_split, split_checkpoint
+
+__all__ = [
+    "CONTRACT_KEYS", "DEFAULT_CONTEXT_TOKENS", "DTYPE_SIZES", "Estimate", "Header", "JoinResult", "ModelShape",
+    "SUPPORTED_FAMILIES", "SplitJob", "SplitResult", "TensorInfo", "TensorSpec", "contract_from_config",
+    "detect_family", "encode_header", "estimate", "join_checkpoint", "model_shape", "numpy_dtype", "parse_header",
+    "parse_safetensors", "prepare_split", "read_header", "run_split", "serialize", "split_checkpoint",
+]

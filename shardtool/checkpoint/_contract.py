@@ -1,0 +1,291 @@
+"""The resource contract: what running a MoE model costs in bytes, from its shards or from config.json alone.
+
+Pure arithmetic. Every value is a non-negative integer (bytes, counts, parameters) so the contract is
+canonical msgpack inside the signed manifest head; see docs/resource-contract.md for each key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from shardtool.checkpoint._families import CUSTOM, detect_family, text_config
+from shardtool.errors import CheckpointFormatError
+
+DEFAULT_CONTEXT_TOKENS = 4096
+CONTRACT_VERSION = 1
+
+# Order matters only for display; the manifest sorts keys.
+KEYS = (
+    "contract_version", "params_total", "params_active", "total_bytes", "trunk_bytes", "resident_trunk_bytes",
+    "expert_bytes_total", "bytes_per_expert", "num_layers", "moe_layers", "mtp_layers", "experts_per_layer",
+    "experts_per_token", "shared_experts", "expert_bytes_per_token_cold", "kv_cache_bytes_per_token",
+    "kv_cache_element_bytes", "context_tokens", "min_memory_bytes",
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter counts of a model, by part, derived from its config."""
+
+    family: str
+    num_layers: int                  # decoder layers used for generation
+    moe_layers: tuple[int, ...]      # indices of layers with routed experts
+    mtp_layers: int                  # DeepSeek multi-token-prediction layers (stored, not used to generate)
+    experts_per_layer: int
+    experts_per_token: int
+    shared_experts: int
+    params_embed: int
+    params_head: int                 # final norm + lm_head (0 for lm_head when tied)
+    params_layers: tuple[int, ...]   # per decoder layer: everything but routed experts
+    params_expert: int               # one routed expert
+    params_mtp: int                  # all MTP layers, routed experts included
+    kv_elements_per_token: int       # K/V cache elements per token of context, all layers
+    kv_element_bytes: int
+
+    @property
+    def params_total(self) -> int:
+        routed = len(self.moe_layers) * self.experts_per_layer * self.params_expert
+        return self.params_embed + self.params_head + sum(self.params_layers) + routed + self.params_mtp
+
+    @property
+    def params_active(self) -> int:
+        routed = len(self.moe_layers) * self.experts_per_token * self.params_expert
+        return self.params_embed + self.params_head + sum(self.params_layers) + routed
+
+
+def _get(cfg: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    if default is not None:
+        return default
+    raise CheckpointFormatError(f"lacks {' / '.join(keys)}, needed for the resource contract", path="config.json")
+
+
+def _int(cfg: Mapping[str, Any], *keys: str, default: int | None = None) -> int:
+    value = _get(cfg, *keys, default=default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointFormatError(f"{keys[0]} must be a non-negative integer, got {value!r}", path="config.json")
+    return value
+
+
+def _moe_layer_indices(family: str, cfg: Mapping[str, Any], n: int) -> tuple[int, ...]:
+    if family in ("qwen2_moe", "qwen3_moe"):
+        dense = set(_get(cfg, "mlp_only_layers", default=[]))
+        step = _int(cfg, "decoder_sparse_step", default=1) or 1
+        return tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
+    if family == "deepseek_v3":
+        return tuple(range(_int(cfg, "first_k_dense_replace", default=0), n))
+    if family == "llama4":
+        layers = cfg.get("moe_layers")
+        if layers is None:
+            step = _int(cfg, "interleave_moe_layer_step", default=1) or 1
+            layers = range(step - 1, n, step)
+        return tuple(i for i in layers if isinstance(i, int) and 0 <= i < n)
+    return tuple(range(n))
+
+
+def _attention(family: str, cfg: Mapping[str, Any], h: int) -> tuple[int, int]:
+    """(params of one attention block incl. its norms-in-attention, KV elements per token per layer)."""
+    nh = _int(cfg, "num_attention_heads")
+    if family == "deepseek_v3":
+        rope, nope = _int(cfg, "qk_rope_head_dim"), _int(cfg, "qk_nope_head_dim")
+        v, kv_rank = _int(cfg, "v_head_dim"), _int(cfg, "kv_lora_rank")
+        q_rank = cfg.get("q_lora_rank") or 0
+        q = h * q_rank + q_rank + q_rank * nh * (nope + rope) if q_rank else h * nh * (nope + rope)
+        kv = h * (kv_rank + rope) + kv_rank + kv_rank * nh * (nope + v)
+        # MLA caches the compressed latent and the shared rope key, not per-head K/V.
+        return q + kv + nh * v * h, kv_rank + rope
+    nkv = _int(cfg, "num_key_value_heads", default=nh)
+    hd = cfg.get("head_dim") or h // nh
+    params = h * nh * hd + 2 * h * nkv * hd + nh * hd * h
+    qkv_bias = nh * hd + 2 * nkv * hd
+    if family == "qwen2_moe":
+        params += qkv_bias if _get(cfg, "qkv_bias", default=True) else 0
+    elif family == "gpt_oss":
+        params += (qkv_bias + h if _get(cfg, "attention_bias", default=True) else 0) + nh  # + attention sinks
+    elif _get(cfg, "attention_bias", default=False):
+        params += qkv_bias + h
+    if family == "qwen3_moe":
+        params += 2 * hd          # per-head q_norm, k_norm
+    elif family == "olmoe":
+        params += nh * hd + nkv * hd  # q_norm, k_norm over whole projections
+    return params, 2 * nkv * hd
+
+
+def model_shape(config: Mapping[str, Any]) -> ModelShape:
+    """Parameter counts for a supported family from config.json alone."""
+    family = detect_family(config)
+    cfg = text_config(config)
+    h, vocab, n = _int(cfg, "hidden_size"), _int(cfg, "vocab_size"), _int(cfg, "num_hidden_layers")
+    experts = _int(cfg, "num_local_experts", "num_experts", "n_routed_experts")
+    top_k = _int(cfg, "num_experts_per_tok", "experts_per_token")
+    moe = _moe_layer_indices(family, cfg, n)
+
+    if family in ("qwen2_moe", "qwen3_moe", "deepseek_v3"):
+        expert_i = _int(cfg, "moe_intermediate_size")
+    else:
+        expert_i = _int(cfg, "intermediate_size")
+    dense_i = _int(cfg, "intermediate_size_mlp" if family == "llama4" else "intermediate_size")
+    params_expert = 3 * h * expert_i + (2 * expert_i + h if family == "gpt_oss" else 0)
+
+    router = experts * h + (experts if family in ("gpt_oss", "deepseek_v3") else 0)
+    shared, shared_params = 0, 0
+    if family == "qwen2_moe" and _int(cfg, "shared_expert_intermediate_size", default=0):
+        shared, shared_params = 1, 3 * h * _int(cfg, "shared_expert_intermediate_size") + h
+    elif family == "deepseek_v3":
+        shared = _int(cfg, "n_shared_experts", default=0)
+        shared_params = 3 * h * expert_i * shared
+    elif family == "llama4":
+        shared, shared_params = 1, 3 * h * expert_i
+
+    attn, kv_per_layer = _attention(family, cfg, h)
+    base = attn + 2 * h  # + input_layernorm, post_attention_layernorm
+    moe_set = set(moe)
+    layers = tuple(base + (router + shared_params if i in moe_set else 3 * h * dense_i) for i in range(n))
+
+    mtp = _int(cfg, "num_nextn_predict_layers", "num_mtp_layers", default=0) if family == "deepseek_v3" else 0
+    # Each DeepSeek MTP module: a full MoE decoder layer + enorm, hnorm, eh_proj, shared_head.norm and its own
+    # copies of the embedding and output head (as stored in the released checkpoints).
+    mtp_params = mtp * (base + router + shared_params + experts * params_expert + 3 * h + 2 * h * h
+                        + 2 * vocab * h)
+    tied = bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or config.get("dtype")
+    return ModelShape(
+        family=family, num_layers=n, moe_layers=moe, mtp_layers=mtp, experts_per_layer=experts,
+        experts_per_token=top_k, shared_experts=shared, params_embed=vocab * h,
+        params_head=h + (0 if tied else vocab * h), params_layers=layers, params_expert=params_expert,
+        params_mtp=mtp_params, kv_elements_per_token=kv_per_layer * n,
+        kv_element_bytes=4 if dtype == "float32" else 2,
+    )
+
+
+def contract_from_config(config: Mapping[str, Any], bits_per_weight: float, *,
+                         context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> dict[str, int]:
+    """The contract a split of this model would carry if every weight took `bits_per_weight` bits."""
+    if not bits_per_weight > 0:
+        raise CheckpointFormatError(f"bits per weight must be > 0, got {bits_per_weight}")
+    s = model_shape(config)
+
+    def size(params: int) -> int:
+        return round(params * bits_per_weight / 8)
+
+    resident = size(s.params_embed + s.params_head + sum(s.params_layers))
+    per_expert = size(s.params_expert)
+    routed_total = len(s.moe_layers) * s.experts_per_layer * per_expert
+    trunk = resident + size(s.params_mtp)
+    return _assemble(
+        shape=s, total=trunk + routed_total, trunk=trunk, resident=resident, expert_total=routed_total,
+        per_expert=per_expert, layer_expert_max={i: per_expert for i in s.moe_layers},
+        params_total=s.params_total, params_active=s.params_active, context_tokens=context_tokens)
+
+
+@dataclass(frozen=True)
+class SplitSizes:
+    """What split measured: file sizes by role and parameter counts from tensor shapes."""
+
+    total_bytes: int
+    trunk_bytes: int
+    mtp_trunk_bytes: int
+    expert_bytes_total: int
+    layer_expert_max: Mapping[int, int]     # layer -> largest expert file in it
+    experts_per_layer: int
+    params_total: int
+    params_resident: int                    # trunk params excluding MTP layers
+    layer_expert_params: Mapping[int, int]  # layer -> params of one expert
+
+
+def check_config(config: Mapping[str, Any]) -> None:
+    """Fail before split writes anything if config.json lacks what the contract needs."""
+    if detect_family(config, custom_ok=True) == CUSTOM:
+        _int(text_config(config), "num_experts_per_tok", "experts_per_token", "moe_topk")
+    else:
+        model_shape(config)
+
+
+def contract_from_split(config: Mapping[str, Any], sizes: SplitSizes, *,
+                        context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> dict[str, int]:
+    """The contract stored in the manifest: sizes measured from the shards, structure from config."""
+    family = detect_family(config, custom_ok=True)
+    if family == CUSTOM:
+        s = _custom_shape(config, sizes)
+    else:
+        s = model_shape(config)
+    active = sizes.params_resident + s.experts_per_token * sum(sizes.layer_expert_params.values())
+    return _assemble(
+        shape=s, total=sizes.total_bytes, trunk=sizes.trunk_bytes, resident=sizes.trunk_bytes - sizes.mtp_trunk_bytes,
+        expert_total=sizes.expert_bytes_total, per_expert=max(sizes.layer_expert_max.values(), default=0),
+        layer_expert_max=sizes.layer_expert_max, params_total=sizes.params_total, params_active=active,
+        context_tokens=context_tokens, experts_per_layer=sizes.experts_per_layer)
+
+
+def _custom_shape(config: Mapping[str, Any], sizes: SplitSizes) -> ModelShape:
+    """For --expert-pattern layouts: structure from the generic config keys, KV from GQA fields if present."""
+    cfg = text_config(config)
+    n = _int(cfg, "num_hidden_layers", default=len(sizes.layer_expert_max))
+    kv = 0
+    if isinstance(cfg.get("hidden_size"), int) and isinstance(cfg.get("num_attention_heads"), int):
+        kv = _attention("custom", cfg, cfg["hidden_size"])[1] * n
+    return ModelShape(
+        family=CUSTOM, num_layers=n, moe_layers=tuple(sorted(sizes.layer_expert_max)), mtp_layers=0,
+        experts_per_layer=sizes.experts_per_layer,
+        experts_per_token=_int(cfg, "num_experts_per_tok", "experts_per_token", "moe_topk"),
+        shared_experts=_int(cfg, "n_shared_experts", "num_shared_experts", default=0),
+        params_embed=0, params_head=0, params_layers=(), params_expert=0, params_mtp=0,
+        kv_elements_per_token=kv, kv_element_bytes=4 if cfg.get("torch_dtype") == "float32" else 2)
+
+
+def _assemble(*, shape: ModelShape, total: int, trunk: int, resident: int, expert_total: int, per_expert: int,
+              layer_expert_max: Mapping[int, int], params_total: int, params_active: int, context_tokens: int,
+              experts_per_layer: int | None = None) -> dict[str, int]:
+    k = shape.experts_per_token
+    cold = sum(k * b for b in layer_expert_max.values())
+    worst_layer = max((k * b for b in layer_expert_max.values()), default=0)
+    kv_token = shape.kv_elements_per_token * shape.kv_element_bytes
+    contract = {
+        "contract_version": CONTRACT_VERSION,
+        "params_total": params_total,
+        "params_active": params_active,
+        "total_bytes": total,
+        "trunk_bytes": trunk,
+        "resident_trunk_bytes": resident,
+        "expert_bytes_total": expert_total,
+        "bytes_per_expert": per_expert,
+        "num_layers": shape.num_layers,
+        "moe_layers": len(layer_expert_max),
+        "mtp_layers": shape.mtp_layers,
+        "experts_per_layer": experts_per_layer if experts_per_layer is not None else shape.experts_per_layer,
+        "experts_per_token": k,
+        "shared_experts": shape.shared_experts,
+        "expert_bytes_per_token_cold": cold,
+        "kv_cache_bytes_per_token": kv_token,
+        "kv_cache_element_bytes": shape.kv_element_bytes,
+        "context_tokens": context_tokens,
+        # Trunk resident + one layer's selected experts in flight + the KV cache for `context_tokens`.
+        "min_memory_bytes": resident + worst_layer + kv_token * context_tokens,
+    }
+    return contract
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Derived figures for a disk bandwidth; floats are fine here, they are never signed."""
+
+    seconds_per_token_cold: float
+    tokens_per_second_cold: float
+    seconds_to_load_trunk: float
+    min_memory_bytes: int
+
+
+def estimate(contract: Mapping[str, int], *, disk_gbps: float, context_tokens: int | None = None) -> Estimate:
+    """Seconds per token when every selected expert is read from disk (cold cache) at `disk_gbps` GB/s."""
+    if not disk_gbps > 0:
+        raise CheckpointFormatError(f"disk bandwidth must be > 0 GB/s, got {disk_gbps}")
+    rate = disk_gbps * 1e9
+    cold = contract.get("expert_bytes_per_token_cold", 0) / rate
+    memory = contract.get("min_memory_bytes", 0)
+    if context_tokens is not None:
+        memory += contract.get("kv_cache_bytes_per_token", 0) * (context_tokens - contract.get("context_tokens", 0))
+    return Estimate(cold, 1 / cold if cold else float("inf"), contract.get("resident_trunk_bytes", 0) / rate,
+                    memory)

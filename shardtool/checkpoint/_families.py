@@ -1,0 +1,266 @@
+"""Which model family a checkpoint is, and where each of its tensors goes in the split layout.
+
+Pure functions of config.json and the tensor names/shapes (see docs/shard-layout.md for the layout).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from shardtool.checkpoint._plan import Cut, Piece, ShardPlan
+from shardtool.checkpoint._safetensors import TensorInfo
+from shardtool.errors import CheckpointFormatError, UsageError
+
+SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "llama4")
+CUSTOM = "custom"
+
+_MODEL_TYPES = {
+    "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe",
+    "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "gpt_oss": "gpt_oss",
+    "llama4": "llama4", "llama4_text": "llama4",
+}
+_ARCHITECTURES = {
+    "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe", "DeepseekV3ForCausalLM": "deepseek_v3", "GptOssForCausalLM": "gpt_oss",
+    "Llama4ForConditionalGeneration": "llama4", "Llama4ForCausalLM": "llama4",
+}
+
+# Per-expert source tensors (every family's original layout; Mixtral's w1/w3/w2 are gate/up/down).
+_PER_EXPERT = re.compile(
+    r"(?P<prefix>(?:[A-Za-z0-9_]+\.)*?)layers\.(?P<layer>\d+)\.(?:block_sparse_moe|mlp|feed_forward)\.experts\."
+    r"(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.(?P<suffix>[A-Za-z0-9_.]+)")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# Fused 3-D source tensors: [E, ...] holding every expert of a layer.
+_FUSED = re.compile(
+    r"(?P<prefix>(?:[A-Za-z0-9_]+\.)*?)layers\.(?P<layer>\d+)\.(?:block_sparse_moe|mlp|feed_forward)\.experts\."
+    r"(?P<proj>gate_up_proj|down_proj)(?:_(?P<part>bias|blocks|scales))?")
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language-model part of a config (Llama 4 nests it under text_config)."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, Mapping) else config
+
+
+def detect_family(config: Mapping[str, Any], *, custom_ok: bool = False) -> str:
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    archs = config.get("architectures")
+    for arch in archs if isinstance(archs, list) else []:
+        if isinstance(arch, str) and arch in _ARCHITECTURES:
+            return _ARCHITECTURES[arch]
+    if custom_ok:
+        return CUSTOM
+    raise CheckpointFormatError(
+        f"unsupported model family (model_type={model_type!r}, architectures={archs!r})",
+        path="config.json",
+        hint=f"supported: {', '.join(SUPPORTED_FAMILIES)}; for another layout pass --expert-pattern REGEX "
+             "with named groups 'layer' and 'expert'")
+
+
+def compile_expert_pattern(pattern: str) -> re.Pattern[str]:
+    try:
+        rx = re.compile(pattern)
+    except re.error as e:
+        raise UsageError(f"--expert-pattern is not a valid regular expression: {e}") from None
+    missing = {"layer", "expert"} - set(rx.groupindex)
+    if missing:
+        raise UsageError(f"--expert-pattern lacks the named group(s) {', '.join(sorted(missing))}",
+                         hint=r"e.g. 'model\.layers\.(?P<layer>\d+)\.moe\.experts\.(?P<expert>\d+)\.'")
+    return rx
+
+
+@dataclass(frozen=True)
+class _Routed:
+    layer: int
+    expert: int | None   # None for a fused tensor (all experts)
+    name: str            # canonical name (per-expert) or the fused projection key
+    prefix: str
+
+
+def _classify(name: str, custom: re.Pattern[str] | None) -> _Routed | None:
+    if custom is not None:
+        m = custom.match(name)
+        if m:
+            canonical = m.groupdict().get("name") or name[m.end():].lstrip(".")
+            if not canonical:
+                raise UsageError(f"--expert-pattern matches all of {name!r}, leaving no tensor name",
+                                 hint="add a named group 'name' or stop the pattern before the projection name")
+            matched = m.group(0)
+            prefix = matched[:matched.index("layers.")] if "layers." in matched else "model."
+            return _Routed(int(m["layer"]), int(m["expert"]), canonical, prefix)
+    m = _PER_EXPERT.fullmatch(name)
+    if m:
+        proj = _MIXTRAL_PROJ.get(m["proj"], m["proj"])
+        return _Routed(int(m["layer"]), int(m["expert"]), f"{proj}.{m['suffix']}", m["prefix"])
+    m = _FUSED.fullmatch(name)
+    if m:
+        return _Routed(int(m["layer"]), None, f"{m['proj']}:{m['part'] or 'weight'}", m["prefix"])
+    return None
+
+
+def _fused_cuts(family: str, key: str, info: TensorInfo, hidden: int | None) -> list[tuple[str, Cut]]:
+    """Canonical (name, cut) pairs for one fused tensor, per the family's layout."""
+    proj, part = key.split(":")
+    shape = info.shape
+    slice_shape = shape[1:]
+
+    def bad(expected: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"fused tensor {info.name!r} has shape {list(shape)}, expected {expected} "
+                                     f"for the {family} layout")
+
+    canon = {"weight": "weight", "bias": "bias", "blocks": "weight_blocks", "scales": "weight_scales"}[part]
+    interleaved = family == "gpt_oss"
+    # Which axis of S carries the output features, and whether the weight is stored [in, out].
+    if part == "weight" and family in ("gpt_oss", "llama4"):
+        axis, transpose = 1, True        # [E, H, 2I] and [E, I, H]: nn.Linear orientation is the transpose
+    else:
+        axis, transpose = 0, False       # [E, 2I, H], [E, H, I], biases [E, 2I], MXFP4 blocks [E, 2I, G, 16]
+    if len(slice_shape) < axis + 1 or (transpose and len(slice_shape) != 2):
+        raise bad("a 3-D [E, in, out] tensor" if transpose else "[E, out, ...]")
+    if part in ("weight", "blocks", "scales") and len(slice_shape) < 2:
+        raise bad("[E, out, in, ...]")
+    if hidden is not None and part == "weight":
+        in_axis = 0 if transpose else 1
+        if proj == "gate_up_proj" and slice_shape[in_axis] != hidden:
+            raise bad(f"hidden_size {hidden} on axis {in_axis + 1}")
+        if proj == "down_proj" and slice_shape[axis] != hidden:
+            raise bad(f"hidden_size {hidden} on axis {axis + 1}")
+    if proj == "down_proj":
+        return [(f"down_proj.{canon}", Cut(axis, 0, 1, slice_shape[axis], transpose))]
+    two_i = slice_shape[axis]
+    if two_i % 2:
+        raise bad("an even gate+up width")
+    half = two_i // 2
+    if interleaved:  # gpt-oss: gate = [..., ::2], up = [..., 1::2]
+        return [(f"gate_proj.{canon}", Cut(axis, 0, 2, half, transpose)),
+                (f"up_proj.{canon}", Cut(axis, 1, 2, half, transpose))]
+    return [(f"gate_proj.{canon}", Cut(axis, 0, 1, half, transpose)),
+            (f"up_proj.{canon}", Cut(axis, half, 1, half, transpose))]
+
+
+def _int_field(config: Mapping[str, Any], *keys: str) -> int | None:
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def expected_experts(config: Mapping[str, Any]) -> int | None:
+    return _int_field(text_config(config), "num_local_experts", "num_experts", "n_routed_experts")
+
+
+def plan_split(config: Mapping[str, Any], tensors: Mapping[str, tuple[TensorInfo, str]], *,
+               expert_pattern: str | None = None) -> tuple[str, list[ShardPlan]]:
+    """(family, output files) for a checkpoint whose tensors are `name -> (info, source file)`."""
+    custom = compile_expert_pattern(expert_pattern) if expert_pattern else None
+    family = detect_family(config, custom_ok=custom is not None)
+    tcfg = text_config(config)
+    n_layers = _int_field(tcfg, "num_hidden_layers")
+    hidden = _int_field(tcfg, "hidden_size")
+
+    routed = {name: r for name in tensors if (r := _classify(name, custom)) is not None}
+    prefixes = {r.prefix for r in routed.values()}
+    if not routed:
+        raise CheckpointFormatError(
+            f"no routed-expert tensors found in this {family} checkpoint",
+            hint="is it a dense model? for an unusual layout pass --expert-pattern REGEX")
+    if len(prefixes) > 1 and custom is None:
+        raise CheckpointFormatError(f"expert tensors under several model prefixes: {sorted(prefixes)}")
+    prefix = prefixes.pop() if len(prefixes) == 1 else "model."
+    layer_rx = re.compile(re.escape(prefix) + r"layers\.(\d+)\.(.+)")
+
+    def is_extra_layer(layer: int) -> bool:  # DeepSeek MTP layers sit at index >= num_hidden_layers
+        return n_layers is not None and layer >= n_layers
+
+    trunk: dict[str, list[Piece]] = defaultdict(list)
+    trunk_layer: dict[str, int | None] = {}
+    experts: dict[tuple[int, int], list[Piece]] = defaultdict(list)
+    for name, (info, file) in tensors.items():
+        r = routed.get(name)
+        if r is not None and not is_extra_layer(r.layer):
+            if r.expert is not None:
+                experts[(r.layer, r.expert)].append(Piece(r.name, info.dtype, info.shape, info, file))
+                continue
+            if len(info.shape) < 2 or info.shape[0] == 0:
+                raise CheckpointFormatError(f"fused expert tensor {name!r} has shape {list(info.shape)}, "
+                                            "expected [E, ...]")
+            for canonical, c in _fused_cuts(family, r.name, info, hidden):
+                out_shape = c.out_shape(info.shape[1:])
+                for e in range(info.shape[0]):
+                    experts[(r.layer, e)].append(Piece(canonical, info.dtype, out_shape, info, file, e, c))
+            continue
+        m = layer_rx.fullmatch(name)
+        if m:
+            layer = int(m[1])
+            path = f"trunk/layer-{layer:03d}.safetensors"
+            trunk[path].append(Piece(m[2], info.dtype, info.shape, info, file))
+            trunk_layer[path] = layer
+        else:
+            path = _non_layer_file(name, prefix)
+            trunk[path].append(Piece(name, info.dtype, info.shape, info, file))
+            trunk_layer[path] = None
+
+    _check_experts(experts, expected_experts(config) if family != CUSTOM else None)
+    order = lambda p: (p.file, p.source.start, p.expert or 0, p.cut.start if p.cut else 0)  # noqa: E731
+    plans = [ShardPlan(path, "trunk", trunk_layer[path], None, tuple(sorted(pieces, key=order)))
+             for path, pieces in trunk.items()]
+    plans += [ShardPlan(f"experts/layer-{layer:03d}/expert-{e:04d}.safetensors", "expert", layer, e,
+                        tuple(sorted(pieces, key=order)))
+              for (layer, e), pieces in experts.items()]
+    for plan in plans:
+        _check_unique(plan)
+    # Process outputs in source order so the source files are read front to back.
+    plans.sort(key=lambda p: order(p.pieces[0]))
+    return family, plans
+
+
+def _non_layer_file(name: str, prefix: str) -> str:
+    if name == f"{prefix}embed_tokens.weight":
+        return "trunk/embed.safetensors"
+    if name in (f"{prefix}norm.weight", f"{prefix}norm.bias") or name.endswith("lm_head.weight"):
+        return "trunk/head.safetensors"
+    return "trunk/extra.safetensors"
+
+
+def _check_experts(experts: Mapping[tuple[int, int], list[Piece]], expected: int | None) -> None:
+    by_layer: dict[int, dict[int, list[Piece]]] = defaultdict(dict)
+    for (layer, e), pieces in experts.items():
+        by_layer[layer][e] = pieces
+    for layer, found in sorted(by_layer.items()):
+        count = expected if expected is not None else max(found) + 1
+        missing = sorted(set(range(count)) - set(found))
+        extra = sorted(set(found) - set(range(count)))
+        if missing or extra:
+            detail = []
+            if missing:
+                detail.append(f"missing expert(s) {_ranges(missing)}")
+            if extra:
+                detail.append(f"unexpected expert(s) {_ranges(extra)}")
+            raise CheckpointFormatError(f"layer {layer}: {'; '.join(detail)} (expected {count} experts)")
+        reference = {p.name: (p.dtype, p.shape) for p in found[0]}
+        for e, pieces in sorted(found.items()):
+            got = {p.name: (p.dtype, p.shape) for p in pieces}
+            if got != reference:
+                diff = sorted(set(got.items()) ^ set(reference.items()))
+                raise CheckpointFormatError(f"layer {layer} expert {e}: tensors differ from expert 0: "
+                                            f"{', '.join(f'{n} {d}{list(s)}' for n, (d, s) in diff[:4])}")
+
+
+def _check_unique(plan: ShardPlan) -> None:
+    seen: dict[str, str] = {}
+    for p in plan.pieces:
+        if p.name in seen:
+            raise CheckpointFormatError(f"{plan.path}: tensors {seen[p.name]!r} and {p.source.name!r} both map to "
+                                        f"{p.name!r}")
+        seen[p.name] = p.source.name
+
+
+def _ranges(values: list[int]) -> str:
+    shown = ", ".join(map(str, values[:8]))
+    return shown + (f" and {len(values) - 8} more" if len(values) > 8 else "")

@@ -1,0 +1,259 @@
+"""`join`: rebuild the Hugging Face checkpoint from verified shards, every tensor byte-identical.
+
+Each shard's `shardtool.source` record says where its tensors came from. Pass 1 reads only shard
+headers to lay out the rebuilt files; pass 2 reads each shard whole through `read_verified`, checks its
+header is the one planned from, and writes the tensor bytes at their place with pwrite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from shardtool._atomic import atomic_writer, atomic_write_bytes
+from shardtool.checkpoint._plan import Cut, paste, uint_view
+from shardtool.checkpoint._safetensors import (DTYPE_SIZES, MAX_HEADER_BYTES, TensorSpec, encode_header,
+                                               parse_header)
+from shardtool.checkpoint._split import MANIFEST_NAME, SOURCE_FORMAT, SOURCE_KEY
+from shardtool.errors import CheckpointFormatError, DigestMismatchError, StorageError, UsageError
+
+
+@dataclass
+class _Target:
+    """One tensor of a rebuilt file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int                      # in the rebuilt file's data section
+    fused: bool = False
+    done: set[int] = field(default_factory=set)   # experts written (fused) or {0} (plain)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * DTYPE_SIZES[self.dtype]
+
+
+@dataclass
+class _File:
+    metadata: dict[str, str] | None
+    tensors: dict[str, _Target] = field(default_factory=dict)
+    header: bytes = b""
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    out: Path
+    files: int
+    tensors: int
+    bytes_written: int
+    seconds: float
+
+    def summary(self) -> dict[str, Any]:
+        return {"rebuilt": str(self.out), "files": self.files, "tensors": self.tensors,
+                "bytes_written": self.bytes_written, "seconds": round(self.seconds, 3)}
+
+
+def _read_header_bytes(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                raise CheckpointFormatError("too short for a safetensors header", path=str(path))
+            (n,) = struct.unpack("<Q", prefix)
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointFormatError(f"header length {n} exceeds the limit", path=str(path))
+            return prefix + fh.read(n)
+    except FileNotFoundError:
+        raise StorageError("shard listed in the manifest is missing", path=str(path)) from None
+    except OSError as e:
+        raise StorageError(f"cannot read: {e.strerror}", path=str(path)) from e
+
+
+def _records(header: bytes, file_size: int, where: str) -> tuple[Any, dict[str, Any]]:
+    """(parsed header, source records) of a shard; the header bytes include the length prefix."""
+    try:
+        parsed = parse_header(header[8:], file_size=file_size)
+    except CheckpointFormatError as e:
+        raise CheckpointFormatError(e.message, path=where) from None
+    raw = (parsed.metadata or {}).get(SOURCE_KEY)
+    if raw is None:
+        raise CheckpointFormatError(f"no {SOURCE_KEY} metadata: not written by shardtool split", path=where)
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise CheckpointFormatError(f"{SOURCE_KEY} is not JSON: {e.msg}", path=where) from None
+    if not isinstance(doc, dict) or doc.get("format") != SOURCE_FORMAT or not isinstance(doc.get("tensors"), dict) \
+            or not isinstance(doc.get("files"), dict):
+        raise CheckpointFormatError(f"{SOURCE_KEY} has an unknown form", path=where)
+    if set(doc["tensors"]) != {t.name for t in parsed.tensors}:
+        raise CheckpointFormatError(f"{SOURCE_KEY} does not describe exactly the shard's tensors", path=where)
+    return parsed, doc
+
+
+def _plan(root: Path, shard_entries: list) -> tuple[dict[str, _File], dict[str, bytes]]:
+    files: dict[str, _File] = {}
+    headers: dict[str, bytes] = {}
+    for entry in shard_entries:
+        header = _read_header_bytes(root / entry.path)
+        headers[entry.path] = header
+        parsed, doc = _records(header, entry.size, entry.path)
+        infos = parsed.by_name()
+        for fname, meta in doc["files"].items():
+            if not isinstance(fname, str) or "/" in fname or fname.startswith("."):
+                raise CheckpointFormatError(f"source file name {fname!r} is not a plain name", path=entry.path)
+            if meta is not None and not (isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                        for k, v in meta.items())):
+                raise CheckpointFormatError(f"metadata recorded for {fname} is not a string map", path=entry.path)
+            f = files.setdefault(fname, _File(meta))
+            if f.metadata != meta:
+                raise CheckpointFormatError(f"shards disagree on the metadata of {fname}", path=entry.path)
+        for name, rec in doc["tensors"].items():
+            info = infos[name]
+            try:
+                src_name, fname, offset = rec["name"], rec["file"], rec["offset"]
+            except (KeyError, TypeError):
+                raise CheckpointFormatError(f"malformed source record for {name!r}", path=entry.path) from None
+            if fname not in files or not isinstance(offset, int) or offset < 0:
+                raise CheckpointFormatError(f"bad source record for {name!r}", path=entry.path)
+            fused = "cut" in rec
+            shape = rec.get("shape") if fused else info.shape
+            if fused and (not isinstance(shape, list) or len(shape) < 2
+                          or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+                raise CheckpointFormatError(f"bad fused shape recorded for {name!r}", path=entry.path)
+            shape = tuple(shape)
+            if fused:
+                c = Cut.from_json(rec["cut"])
+                if c.out_shape(shape[1:]) != info.shape or not isinstance(rec.get("expert"), int) \
+                        or not 0 <= rec["expert"] < shape[0]:
+                    raise CheckpointFormatError(f"fused record for {name!r} does not match its shape", path=entry.path)
+            target = files[fname].tensors.setdefault(src_name, _Target(info.dtype, shape, offset, fused))
+            if (target.dtype, target.shape, target.offset, target.fused) != (info.dtype, shape, offset, fused):
+                raise CheckpointFormatError(f"shards disagree about source tensor {src_name!r}", path=entry.path)
+    for fname, f in files.items():
+        ordered = sorted(f.tensors.items(), key=lambda kv: (kv[1].offset, kv[1].nbytes))
+        cursor = 0
+        for name, t in ordered:
+            if t.offset != cursor:
+                raise CheckpointFormatError(f"source records of {fname} leave a gap or overlap at {name!r} "
+                                            "(shards from different splits mixed?)")
+            cursor += t.nbytes
+        f.header = encode_header([TensorSpec(n, t.dtype, t.shape) for n, t in ordered], f.metadata)
+    return files, headers
+
+
+def join_checkpoint(out: Path, rebuilt: Path, *, on_bytes: Callable[[int], None] | None = None) -> JoinResult:
+    """Verify every file of split directory `out` against its manifest and rebuild the checkpoint in `rebuilt`."""
+    from shardtool.manifest import load_manifest, read_verified
+
+    out, rebuilt = Path(out), Path(rebuilt)
+    on_bytes = on_bytes or (lambda n: None)
+    started = time.perf_counter()
+    manifest_path = out / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise UsageError("no manifest.msgpack: not a split directory (or the split did not finish)", path=str(out))
+    manifest = load_manifest(manifest_path)
+    if rebuilt.exists() and (not rebuilt.is_dir() or any(rebuilt.iterdir())):
+        raise UsageError("output must be absent or an empty directory", path=str(rebuilt))
+    shards = [e for e in manifest.entries if e.kind in ("trunk", "expert")]
+    side = [e for e in manifest.entries if e.kind not in ("trunk", "expert")]
+    try:
+        files, headers = _plan(out, shards)
+    except CheckpointFormatError:
+        # Pass 1 read headers before verifying them: if one was tampered with, say so (exit 1), not "malformed".
+        for entry in shards:
+            read_verified(out, entry)
+        raise
+
+    try:
+        rebuilt.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StorageError(f"cannot create directory: {e.strerror}", path=str(rebuilt)) from e
+    written = 0
+    with contextlib.ExitStack() as stack:
+        fds = {}
+        for fname, f in files.items():
+            fh = stack.enter_context(atomic_writer(rebuilt / fname))
+            fh.write(f.header)
+            fh.flush()
+            fds[fname] = fh.fileno()
+            written += len(f.header)
+        for entry in shards:
+            data = read_verified(out, entry)
+            if bytes(data[:len(headers[entry.path])]) != headers[entry.path]:
+                raise DigestMismatchError("shard changed between planning and reading", path=entry.path)
+            written += _place(entry.path, data, headers[entry.path], files, fds)
+            on_bytes(entry.size)
+        _check_complete(files)
+    for entry in side:
+        data = read_verified(out, entry)
+        target = rebuilt / entry.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(target, data)
+        written += len(data)
+        on_bytes(entry.size)
+    tensors = sum(len(f.tensors) for f in files.values())
+    return JoinResult(rebuilt, len(files) + len(side), tensors, written, time.perf_counter() - started)
+
+
+def _pwrite(fd: int, data: memoryview | bytes, position: int, where: str) -> None:
+    view = memoryview(data).cast("B")
+    try:
+        while len(view):
+            n = os.pwrite(fd, view, position)
+            view, position = view[n:], position + n
+    except OSError as e:
+        raise StorageError(f"write failed: {e.strerror}", path=where) from e
+
+
+def _place(path: str, data: bytes, header: bytes, files: dict[str, _File], fds: dict[str, int]) -> int:
+    parsed, doc = _records(header, len(data), path)
+    view = memoryview(data)
+    written = 0
+    fused: dict[tuple[str, str, int], tuple[np.ndarray, np.ndarray]] = {}
+    for t in parsed.tensors:
+        rec = doc["tensors"][t.name]
+        f = files[rec["file"]]
+        target = f.tensors[rec["name"]]
+        base = len(f.header) + target.offset
+        if "cut" not in rec:
+            if target.done:
+                raise CheckpointFormatError(f"tensor {rec['name']!r} appears in two shards", path=path)
+            _pwrite(fds[rec["file"]], view[t.start:t.end], base, path)
+            target.done.add(0)
+            written += t.nbytes
+            continue
+        key = (rec["file"], rec["name"], rec["expert"])
+        if key not in fused:
+            slice_shape = target.shape[1:]
+            fused[key] = (np.zeros(slice_shape, dtype=uint_view(target.dtype)), np.zeros(slice_shape, dtype=np.uint8))
+        s, cover = fused[key]
+        paste(s, cover, view[t.start:t.end], Cut.from_json(rec["cut"]))
+    for (fname, name, e), (s, cover) in fused.items():
+        target = files[fname].tensors[name]
+        if e in target.done:
+            raise CheckpointFormatError(f"expert {e} of {name!r} appears in two shards", path=path)
+        if not (cover == 1).all():
+            raise CheckpointFormatError(f"shard covers expert {e} of {name!r} only partly", path=path)
+        slice_bytes = target.nbytes // target.shape[0]
+        _pwrite(fds[fname], memoryview(s).cast("B"), len(files[fname].header) + target.offset + e * slice_bytes, path)
+        target.done.add(e)
+        written += slice_bytes
+    return written
+
+
+def _check_complete(files: dict[str, _File]) -> None:
+    for fname, f in files.items():
+        for name, t in f.tensors.items():
+            want = set(range(t.shape[0])) if t.fused else {0}
+            if t.done != want:
+                missing = sorted(want - t.done)
+                raise CheckpointFormatError(f"{fname}: tensor {name!r} incomplete, no shard holds expert(s) "
+                                            f"{missing[:8]}" if t.fused else f"{fname}: tensor {name!r} missing")

@@ -1,0 +1,297 @@
+"""Strict safetensors: a header parser for untrusted files, a bytes parser for verified shards, and a writer.
+
+Format (safetensors README, "Format"): 8-byte little-endian header length N, N bytes of UTF-8 JSON, then
+the data buffer. Every tensor's `data_offsets` are relative to the buffer; together they must tile it
+exactly, as the reference Rust implementation requires.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from math import prod
+from types import MappingProxyType
+from typing import Any, BinaryIO, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from shardtool.errors import CheckpointFormatError, StorageError
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's own cap
+MAX_TENSORS = 1_000_000
+MAX_RANK = 16
+MAX_NAME_BYTES = 1024
+METADATA_KEY = "__metadata__"
+
+# safetensors dtype name -> element size in bytes. Sub-byte types (F4, F6_*) are not supported.
+DTYPE_SIZES: Mapping[str, int] = MappingProxyType({
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8,
+})
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The little-endian numpy dtype for a safetensors dtype name (ml_dtypes for BF16 and FP8)."""
+    import ml_dtypes
+
+    table = {
+        "BOOL": np.dtype(np.bool_), "U8": np.dtype("u1"), "I8": np.dtype("i1"),
+        "U16": np.dtype("<u2"), "I16": np.dtype("<i2"), "F16": np.dtype("<f2"),
+        "U32": np.dtype("<u4"), "I32": np.dtype("<i4"), "F32": np.dtype("<f4"),
+        "U64": np.dtype("<u8"), "I64": np.dtype("<i8"), "F64": np.dtype("<f8"),
+        "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+        "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    }
+    if dtype not in table:
+        raise CheckpointFormatError(f"unsupported dtype {dtype!r}")
+    return table[dtype]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors file; `start`/`end` are absolute file offsets."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed, validated header. `tensors` are in data order; `data_start` = 8 + N."""
+
+    tensors: tuple[TensorInfo, ...]
+    metadata: Mapping[str, str] | None
+    data_start: int
+    file_size: int
+
+    def by_name(self) -> dict[str, TensorInfo]:
+        return {t.name: t for t in self.tensors}
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise CheckpointFormatError(f"header names {key!r} twice")
+        out[key] = value
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise CheckpointFormatError(f"header contains the non-JSON constant {name}")
+
+
+def _int_list(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        raise CheckpointFormatError(f"{what} must be a list of integers, got {value!r:.80}")
+    return value
+
+
+def parse_header(header: bytes, *, file_size: int) -> Header:
+    """Validate the JSON header of a file of `file_size` bytes (header = the N bytes after the length)."""
+    data_start = 8 + len(header)
+    if data_start > file_size:
+        raise CheckpointFormatError(f"header of {len(header)} bytes does not fit in a {file_size}-byte file")
+    if not header.startswith(b"{"):
+        raise CheckpointFormatError("header does not start with '{'")
+    try:
+        text = header.decode("utf-8")
+        raw = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+    except UnicodeDecodeError as e:
+        raise CheckpointFormatError(f"header is not UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointFormatError(f"header is not JSON: {e.msg} at byte {e.pos}") from None
+    except RecursionError:
+        raise CheckpointFormatError("header JSON is nested too deeply") from None
+    if not isinstance(raw, dict):
+        raise CheckpointFormatError(f"header must be a JSON object, got {type(raw).__name__}")
+
+    metadata = raw.pop(METADATA_KEY, None)
+    if metadata is not None:
+        if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in metadata.items()):
+            raise CheckpointFormatError("__metadata__ must map strings to strings")
+        metadata = MappingProxyType(metadata)
+    if len(raw) > MAX_TENSORS:
+        raise CheckpointFormatError(f"header lists {len(raw)} tensors, more than {MAX_TENSORS}")
+
+    tensors = [_tensor(name, spec, data_start) for name, spec in raw.items()]
+    # Sort by (start, end) so zero-size tensors sit before a real tensor at the same offset.
+    tensors.sort(key=lambda t: (t.start, t.end))
+    cursor = data_start
+    for t in tensors:
+        if t.start != cursor:
+            what = "overlaps the previous tensor" if t.start < cursor else "leaves a gap before it"
+            raise CheckpointFormatError(f"tensor {t.name!r} at offset {t.start - data_start} {what} "
+                                        f"(expected offset {cursor - data_start})")
+        cursor = t.end
+    if cursor != file_size:
+        if cursor > file_size:
+            raise CheckpointFormatError(f"tensor data ends at byte {cursor}, beyond the end of the "
+                                        f"{file_size}-byte file (truncated?)")
+        raise CheckpointFormatError(f"{file_size - cursor} bytes after the last tensor are not described "
+                                    "by the header")
+    return Header(tuple(tensors), metadata, data_start, file_size)
+
+
+def _tensor(name: str, spec: Any, data_start: int) -> TensorInfo:
+    if not name or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise CheckpointFormatError(f"tensor name {name[:64]!r} is empty or longer than {MAX_NAME_BYTES} bytes")
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        keys = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
+        raise CheckpointFormatError(f"tensor {name!r} must have exactly dtype, shape, data_offsets; got {keys}")
+    dtype = spec["dtype"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise CheckpointFormatError(f"tensor {name!r} has unknown dtype {dtype!r:.40} "
+                                    f"(supported: {', '.join(DTYPE_SIZES)})")
+    shape = _int_list(spec["shape"], f"tensor {name!r} shape")
+    if len(shape) > MAX_RANK or any(d < 0 for d in shape):
+        raise CheckpointFormatError(f"tensor {name!r} has an invalid shape {shape!r:.80}")
+    offsets = _int_list(spec["data_offsets"], f"tensor {name!r} data_offsets")
+    if len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1]:
+        raise CheckpointFormatError(f"tensor {name!r} has invalid data_offsets {offsets!r:.80}")
+    nbytes = prod(shape) * DTYPE_SIZES[dtype]
+    if offsets[1] - offsets[0] != nbytes:
+        raise CheckpointFormatError(f"tensor {name!r}: {dtype}{shape} needs {nbytes} bytes but data_offsets "
+                                    f"span {offsets[1] - offsets[0]}")
+    return TensorInfo(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def _header_length(prefix: bytes, file_size: int) -> int:
+    if len(prefix) < 8:
+        raise CheckpointFormatError(f"file of {file_size} bytes is too short for a safetensors header")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER_BYTES:
+        raise CheckpointFormatError(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if n < 2:
+        raise CheckpointFormatError(f"header length {n} is too small for a JSON object")
+    if 8 + n > file_size:
+        raise CheckpointFormatError(f"header length {n} runs past the end of the {file_size}-byte file")
+    return n
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Read and validate only the header of a file; the tensor bytes are not touched."""
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            n = _header_length(fh.read(8), size)
+            header = fh.read(n)
+            if len(header) != n:
+                raise CheckpointFormatError("file shrank while its header was read")
+            return parse_header(header, file_size=size)
+    except CheckpointFormatError as e:
+        raise CheckpointFormatError(e.message, path=str(path), hint=e.hint) from None
+    except OSError as e:
+        raise StorageError(f"cannot read: {e.strerror or e}", path=str(path)) from e
+
+
+def parse_safetensors(data: bytes | bytearray | memoryview) -> tuple[dict[str, np.ndarray], Mapping[str, str] | None]:
+    """Parse a whole file held in memory (already verified) into zero-copy, read-only numpy views."""
+    view = memoryview(data).cast("B")
+    n = _header_length(bytes(view[:8]), len(view))
+    header = parse_header(bytes(view[8:8 + n]), file_size=len(view))
+    arrays: dict[str, np.ndarray] = {}
+    for t in header.tensors:
+        arr = np.frombuffer(view[t.start:t.end], dtype=numpy_dtype(t.dtype)).reshape(t.shape)
+        arr.flags.writeable = False
+        arrays[t.name] = arr
+    return arrays, header.metadata
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the writer needs to lay out one tensor before its bytes arrive."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+
+def encode_header(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Length prefix + JSON header for tensors stored in the given order.
+
+    Same form as the reference writer (compact JSON, `__metadata__` first, tensors in data order, space
+    padding to a multiple of 8), so a file it wrote and a file we rebuild from its tensors match byte
+    for byte when the order is the same.
+    """
+    doc: dict[str, Any] = {}
+    if metadata is not None:
+        doc[METADATA_KEY] = dict(metadata)
+    offset = 0
+    for spec in specs:
+        if spec.name in doc:
+            raise CheckpointFormatError(f"tensor {spec.name!r} would be written twice")
+        if spec.dtype not in DTYPE_SIZES:
+            raise CheckpointFormatError(f"tensor {spec.name!r} has unsupported dtype {spec.dtype!r}")
+        end = offset + spec.nbytes
+        doc[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [offset, end]}
+        offset = end
+    body = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    body += b" " * (-(8 + len(body)) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+class HashingWriter:
+    """Wraps a binary file: every byte written is also fed to BLAKE3 and counted.
+
+    With an executor, hashing a chunk overlaps with writing it (BLAKE3 releases the GIL). The caller must
+    keep a chunk's buffer unchanged until the next `write` or `digest` call, which wait for its hash.
+    """
+
+    PARALLEL_MIN = 1 << 20
+
+    def __init__(self, fh: BinaryIO, executor: Any = None):
+        import blake3
+
+        self._fh = fh
+        self._hash = blake3.blake3()
+        self._executor = executor
+        self._pending: Any = None
+        self.size = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        if self._executor is not None and len(data) >= self.PARALLEL_MIN:
+            self._pending = self._executor.submit(self._hash.update, data)
+        else:
+            self._hash.update(data)
+        self._fh.write(data)
+        self.size += len(data)
+
+    def digest(self) -> bytes:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        return self._hash.digest()
+
+
+def serialize(tensors: Iterable[tuple[TensorSpec, bytes | memoryview]],
+              metadata: Mapping[str, str] | None = None) -> bytes:
+    """Whole-file writer for small files and tests: tensors in the order given."""
+    items = list(tensors)
+    for spec, data in items:
+        if len(data) != spec.nbytes:
+            raise CheckpointFormatError(f"tensor {spec.name!r}: {len(data)} bytes given, {spec.nbytes} expected")
+    return encode_header([s for s, _ in items], metadata) + b"".join(bytes(d) for _, d in items)

@@ -1,0 +1,172 @@
+"""`shardtool split | join | inspect`: Hugging Face checkpoints in and out of the split layout, and what they cost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import typer
+
+from shardtool.cli._common import emit_json, say
+from shardtool.errors import UsageError
+
+
+def register(app: typer.Typer) -> None:
+    app.command("split")(split)
+    app.command("join")(join)
+    app.command("inspect")(inspect)
+
+
+def split(
+    checkpoint: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json + safetensors)."),
+    out: Path = typer.Argument(..., help="Output directory for the split layout (created; reruns reuse shards)."),
+    model_id: Optional[str] = typer.Option(None, "--model-id", help="Model identifier (default: OUT's name)."),
+    version: int = typer.Option(1, "--version", min=1, help="Manifest version; raise it for every release."),
+    expires_in: int = typer.Option(365, "--expires-in", min=1, max=36500, help="Days until the manifest expires."),
+    expert_pattern: Optional[str] = typer.Option(
+        None, "--expert-pattern", metavar="REGEX",
+        help="Regex with named groups 'layer' and 'expert' (optionally 'name') matching routed-expert tensor "
+             "names, for a layout no built-in family knows."),
+    fsync: bool = typer.Option(False, "--fsync", help="Flush all shards to disk (one syncfs) before writing the "
+                                                     "manifest, so a manifest on disk implies its shards are."),
+    json_out: bool = typer.Option(False, "--json", help="Print one summary document on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Split a MoE checkpoint into per-expert and trunk shards and write its unsigned manifest."""
+    from shardtool.checkpoint import prepare_split, run_split
+    from shardtool.cli._progress import Progress
+
+    if not checkpoint.is_dir():
+        raise UsageError("checkpoint directory not found", path=str(checkpoint))
+    job = prepare_split(checkpoint, expert_pattern=expert_pattern)
+    with Progress(job.total_bytes, "split", enabled=not quiet) as progress:
+        result = run_split(job, out, model_id=model_id or out.resolve().name, version=version,
+                           expires_in_days=expires_in, on_bytes=progress.advance, fsync=fsync)
+    if json_out:
+        emit_json(result.summary())
+    for name in result.skipped:
+        say(f"note: not copied: {name}")
+    if result.stale:
+        say(f"note: {len(result.stale)} file(s) under {out} are not part of this split (not in the manifest), "
+            f"e.g. {result.stale[0]}")
+    gbps = result.bytes_total / result.seconds / 1e9 if result.seconds else 0.0
+    say(f"split {result.family} checkpoint into {out}: {result.files_written} file(s) written, "
+        f"{result.files_reused} reused, {result.bytes_total / 1e9:.3f} GB in {result.seconds:.1f} s "
+        f"({gbps:.2f} GB/s); unsigned manifest {out / 'manifest.msgpack'}")
+
+
+def join(
+    out: Path = typer.Argument(..., help="Split directory (with manifest.msgpack)."),
+    rebuilt: Path = typer.Argument(..., help="Where to rebuild the Hugging Face checkpoint (absent or empty)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one summary document on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Verify every shard against the manifest and rebuild the original checkpoint, byte for byte per tensor."""
+    from shardtool.checkpoint import join_checkpoint
+    from shardtool.cli._progress import Progress
+    from shardtool.errors import ManifestFormatError
+    from shardtool.manifest import load_manifest
+
+    manifest_path = out / "manifest.msgpack"
+    if not manifest_path.is_file():
+        raise UsageError("no manifest.msgpack here: not a finished split", path=str(out))
+    try:
+        total = sum(e.size for e in load_manifest(manifest_path).entries)
+    except ManifestFormatError as e:
+        raise UsageError(e.message, path=str(manifest_path)) from e
+    with Progress(total, "join", enabled=not quiet) as progress:
+        result = join_checkpoint(out, rebuilt, on_bytes=progress.advance)
+    if json_out:
+        emit_json(result.summary())
+    say(f"rebuilt {result.files} file(s), {result.tensors} tensor(s) in {rebuilt} ({result.seconds:.1f} s)")
+
+
+def inspect(
+    out: Optional[Path] = typer.Argument(None, help="Split directory whose manifest carries the contract."),
+    config: Optional[Path] = typer.Option(None, "--config", help="config.json alone (no weights needed)."),
+    bits_per_weight: Optional[float] = typer.Option(None, "--bits-per-weight", min=0.001, max=64.0,
+                                                    help="With --config: storage bits per weight (16 = BF16)."),
+    disk_gbps: float = typer.Option(2.0, "--disk-gbps", min=0.001, help="Disk read bandwidth in GB/s."),
+    context: Optional[int] = typer.Option(None, "--context", min=0, help="Context length for the memory floor."),
+    json_out: bool = typer.Option(False, "--json", help="Print one document on stdout."),
+) -> None:
+    """Print the resource contract (bytes, experts, KV cache, memory floor) and seconds per token."""
+    from shardtool.checkpoint import DEFAULT_CONTEXT_TOKENS, contract_from_config, estimate
+    from shardtool.checkpoint._source import load_json
+
+    if (out is None) == (config is None):
+        raise UsageError("give either a split directory or --config config.json")
+    if config is not None:
+        if bits_per_weight is None:
+            raise UsageError("--config needs --bits-per-weight")
+        cfg = load_json(config)
+        if not isinstance(cfg, dict):
+            raise UsageError("config must be a JSON object", path=str(config))
+        contract = contract_from_config(cfg, bits_per_weight, context_tokens=context or DEFAULT_CONTEXT_TOKENS)
+        source: dict[str, Any] = {"config": str(config), "bits_per_weight": bits_per_weight}
+    else:
+        if bits_per_weight is not None:
+            raise UsageError("--bits-per-weight applies to --config only; a split has measured sizes")
+        contract, source = _contract_of(out)
+    est = estimate(contract, disk_gbps=disk_gbps, context_tokens=context)
+    if json_out:
+        emit_json({**source, "contract": dict(contract), "disk_gbps": disk_gbps,
+                   "seconds_per_token_cold": est.seconds_per_token_cold,
+                   "tokens_per_second_cold": est.tokens_per_second_cold,
+                   "seconds_to_load_trunk": est.seconds_to_load_trunk,
+                   "min_memory_bytes": est.min_memory_bytes,
+                   "context_tokens": context if context is not None else contract.get("context_tokens")})
+    else:
+        say(_render(contract, est, disk_gbps, context))
+
+
+def _contract_of(out: Path) -> tuple[Mapping[str, int], dict[str, Any]]:
+    from shardtool.errors import ManifestFormatError
+    from shardtool.manifest import load_manifest
+
+    path = out / "manifest.msgpack" if out.is_dir() else out
+    if not path.is_file():
+        raise UsageError("no manifest.msgpack found", path=str(out))
+    try:
+        manifest = load_manifest(path)
+    except ManifestFormatError as e:
+        raise UsageError(e.message, path=str(path)) from e
+    if manifest.head.contract is None:
+        raise UsageError("this manifest carries no resource contract (not made by `shardtool split`)", path=str(path))
+    return manifest.head.contract, {"manifest": str(path), "model_id": manifest.head.model_id,
+                                    "version": manifest.head.version}
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f}"
+
+
+def _gb(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} bytes"
+
+
+def _render(c: Mapping[str, int], est: Any, disk_gbps: float, context: Optional[int]) -> str:
+    ctx = context if context is not None else c.get("context_tokens", 0)
+    rows = [
+        ("parameters (total / active per token)", f"{_count(c['params_total'])} / {_count(c['params_active'])}"),
+        ("total bytes", _gb(c["total_bytes"])),
+        ("trunk bytes (resident)", f"{_gb(c['trunk_bytes'])} ({_gb(c['resident_trunk_bytes'])} resident)"),
+        ("expert bytes (all / one expert)", f"{_gb(c['expert_bytes_total'])} / {_gb(c['bytes_per_expert'])}"),
+        ("layers (MoE / MTP)", f"{c['num_layers']} ({c['moe_layers']} MoE, {c['mtp_layers']} MTP)"),
+        ("experts per layer / per token / shared", f"{c['experts_per_layer']} / {c['experts_per_token']} / "
+                                                   f"{c['shared_experts']}"),
+        ("expert bytes streamed per token (cold)", _gb(c["expert_bytes_per_token_cold"])),
+        ("KV cache per token of context", f"{c['kv_cache_bytes_per_token']:,} bytes"),
+        (f"minimum memory at {ctx:,} tokens of context", _gb(est.min_memory_bytes)),
+        (f"seconds per token, cold, at {disk_gbps:g} GB/s", f"{est.seconds_per_token_cold:,.3f} s "
+                                                            f"({est.tokens_per_second_cold:,.2f} tokens/s)"),
+        (f"seconds to load the trunk at {disk_gbps:g} GB/s", f"{est.seconds_to_load_trunk:,.2f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

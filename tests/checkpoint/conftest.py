@@ -1,0 +1,49 @@
+"""Fixtures for checkpoint tests: tiny HF checkpoints from examples/make_tiny_moe.py, and split/join helpers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NOW = 1_800_000_000  # fixed clock: manifests are reproducible
+
+
+def _generator():
+    try:
+        from examples import make_tiny_moe
+    except ModuleNotFoundError:
+        sys.path.insert(0, str(ROOT))
+        from examples import make_tiny_moe
+    return make_tiny_moe
+
+
+@pytest.fixture(scope="session")
+def make_tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`make_tiny(family, **knobs)` -> a checkpoint directory, built once per session per argument set."""
+    cache: dict[tuple, Path] = {}
+    base = tmp_path_factory.mktemp("tiny")
+
+    def make(family: str, **knobs: Any) -> Path:
+        key = (family, tuple(sorted(knobs.items())))
+        if key not in cache:
+            out = base / f"{family}-{len(cache)}"
+            cache[key] = _generator().make_checkpoint(out, family, **knobs)
+        return cache[key]
+
+    return make
+
+
+def tensors_of(directory: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """name -> (dtype, shape, bytes) over every safetensors file, read by the reference implementation."""
+    import safetensors
+
+    out: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        for name, t in safetensors.deserialize(path.read_bytes()):
+            assert name not in out
+            out[name] = (t["dtype"], tuple(t["shape"]), bytes(t["data"]))
+    return out
