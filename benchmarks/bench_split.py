@@ -73,14 +73,15 @@ def shardtool_cmd() -> list[str]:
 TIME = Path("/usr/bin/time")
 
 
-def timed(cmd: list[str], *, shell_sync: bool = False) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of one command; `shell_sync` adds a sync inside the timing.
+def timed(cmd: list[str], *, shell_sync: bool = False) -> tuple[float, int, float]:
+    """(wall seconds, peak RSS bytes, CPU seconds) of one command; `shell_sync` adds a sync inside the timing.
 
     Peak RSS comes from GNU time (%M) when installed: its child starts from time's own small RSS.
-    Otherwise from wait4(), which also counts this process's RSS at fork (an upper bound).
+    Otherwise from wait4(), which also counts this process's RSS at fork (an upper bound). CPU seconds
+    (user + system) are the work done, which other load on the machine does not inflate as it does wall time.
     """
     use_time = TIME.exists()
-    full = [str(TIME), "-f", "%M", *cmd] if use_time else cmd
+    full = [str(TIME), "-f", "%M %U %S", *cmd] if use_time else cmd
     start = time.perf_counter()
     proc = subprocess.Popen(full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -93,8 +94,9 @@ def timed(cmd: list[str], *, shell_sync: bool = False) -> tuple[float, int]:
     if code != 0:
         raise SystemExit(f"{' '.join(cmd)} failed with exit code {code}:\n{err}")
     if use_time:
-        return wall, int(err.strip().splitlines()[-1]) * 1024
-    return wall, usage.ru_maxrss * 1024  # Linux reports KiB
+        rss_kib, user, system = err.strip().splitlines()[-1].split()
+        return wall, int(rss_kib) * 1024, float(user) + float(system)
+    return wall, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime  # Linux reports KiB
 
 
 def clean(path: Path) -> None:
@@ -130,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         variants["split --fsync"] = lambda dst: (
             [*shardtool_cmd(), "split", str(src), str(dst), "-q", "--model-id", "bench", "--fsync"], False)
     times: dict[str, list[float]] = {k: [] for k in variants}
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
     rss: dict[str, list[int]] = {k: [] for k in variants}
     names = list(variants)
     for i in range(args.runs):
@@ -138,19 +141,22 @@ def main(argv: list[str] | None = None) -> int:
             dst = args.dir / "out"
             clean(dst)
             cmd, sync_inside = variants[name](dst)
-            wall, peak = timed(cmd, shell_sync=sync_inside)
+            wall, peak, seconds = timed(cmd, shell_sync=sync_inside)
             times[name].append(wall)
+            cpu[name].append(seconds)
             rss[name].append(peak)
-            print(f"run {i + 1} {name:14s} {wall:7.2f} s  {size / wall / 1e9:5.2f} GB/s  peak RSS {peak / MiB:7.1f} MiB",
-                  file=sys.stderr)
+            print(f"run {i + 1} {name:14s} {wall:7.2f} s  {size / wall / 1e9:5.2f} GB/s  CPU {seconds:5.2f} s  "
+                  f"peak RSS {peak / MiB:7.1f} MiB", file=sys.stderr)
     clean(args.dir / "out")
 
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     ratio = med["split"] / med["cp"]
     peak = max(rss["split"])
     bound = biggest + RSS_SLACK
     result = {
         "checkpoint": str(src), "bytes": size, "runs": args.runs, "median_seconds": med,
+        "median_cpu_seconds": med_cpu,
         "ratio_split_over_cp": round(ratio, 3), "target_ratio": TARGET_RATIO,
         "split_peak_rss_bytes": peak, "largest_tensor_bytes": biggest, "rss_bound_bytes": bound,
         "ratio_ok": ratio <= TARGET_RATIO, "rss_ok": peak < bound,
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ncheckpoint {src} ({size / GiB:.2f} GiB, largest tensor {biggest / MiB:.0f} MiB), {args.runs} runs, "
           f"{os.cpu_count()} CPUs, load average {load[0]:.2f} (hashing needs a core of its own)", file=sys.stderr)
     for k, v in med.items():
-        print(f"  median {k:14s} {v:6.2f} s ({size / v / 1e9:.2f} GB/s)", file=sys.stderr)
+        print(f"  median {k:14s} {v:6.2f} s ({size / v / 1e9:.2f} GB/s), CPU {med_cpu[k]:.2f} s", file=sys.stderr)
     print(f"  ratio split/cp        {ratio:6.2f}  (target <= {TARGET_RATIO}: {'ok' if ratio <= TARGET_RATIO else 'MISSED'})",
           file=sys.stderr)
     if args.sync:

@@ -21,16 +21,23 @@ from shardtool.errors import StorageError
 WINDOW = 32 * 1024 * 1024  # bytes copied and hashed per step; bounds the mapped window
 _INLINE_HASH_MAX = 1 << 20
 # copy_file_range failures that mean "not supported here", after which we copy through a buffer.
-_UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM}
+COPY_UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM}
 
 
 def _hash_file_window(hasher: Any, fd: int, pos: int, length: int) -> None:
     """Hash bytes [pos, pos+length) of the file `fd` as they are in the file (page cache), not as we meant them."""
     aligned = pos - pos % mmap.ALLOCATIONGRANULARITY
     delta = pos - aligned
-    with mmap.mmap(fd, delta + length, offset=aligned, access=mmap.ACCESS_READ) as m:
-        with memoryview(m) as view, view[delta:delta + length] as part:
-            hasher.update(part)
+    try:
+        m = mmap.mmap(fd, delta + length, offset=aligned, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):  # a filesystem without mmap: read the bytes back instead
+        data = os.pread(fd, length, pos)
+        if len(data) != length:
+            raise OSError(errno.EIO, "short read of the file just written") from None
+        hasher.update(data)
+        return
+    with m, memoryview(m) as view, view[delta:delta + length] as part:
+        hasher.update(part)
 
 
 class HashingFileWriter:

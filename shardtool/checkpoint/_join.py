@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable
 
 from shardtool._atomic import atomic_writer, atomic_write_bytes
 from shardtool.checkpoint._plan import Cut, paste, uint_view
@@ -24,6 +23,9 @@ from shardtool.checkpoint._safetensors import (DTYPE_SIZES, MAX_HEADER_BYTES, Te
                                                parse_header)
 from shardtool.checkpoint._split import MANIFEST_NAME, SOURCE_FORMAT, SOURCE_KEY
 from shardtool.errors import CheckpointFormatError, DigestMismatchError, StorageError, UsageError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -38,7 +40,7 @@ class _Target:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * DTYPE_SIZES[self.dtype]
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
 
 
 @dataclass
@@ -214,6 +216,8 @@ def _pwrite(fd: int, data: memoryview | bytes, position: int, where: str) -> Non
 
 
 def _place(path: str, data: bytes, header: bytes, files: dict[str, _File], fds: dict[str, int]) -> int:
+    import numpy as np
+
     parsed, doc = _records(header, len(data), path)
     view = memoryview(data)
     written = 0

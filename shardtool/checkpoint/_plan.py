@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from shardtool.checkpoint._safetensors import DTYPE_SIZES, TensorInfo
 from shardtool.errors import CheckpointFormatError
+
+if TYPE_CHECKING:  # numpy is imported where bytes are actually cut, so a plain split never loads it
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -107,13 +109,31 @@ class ShardPlan:
     pieces: tuple[Piece, ...]
 
 
+@dataclass(frozen=True)
+class OutputFile:
+    """A file split will write: a shard (header + pieces) or a side file copied whole (`copy_from`)."""
+
+    path: str
+    kind: str
+    layer: int | None
+    expert: int | None
+    header: bytes            # b"" for side files
+    pieces: tuple[Piece, ...]
+    copy_from: str | None    # side files: name in the checkpoint directory
+    size: int
+
+
 def uint_view(dtype: str) -> np.dtype:
     """An unsigned integer dtype of the same width: cutting and pasting only moves bytes."""
+    import numpy as np
+
     return np.dtype(f"<u{DTYPE_SIZES[dtype]}") if DTYPE_SIZES[dtype] > 1 else np.dtype("u1")
 
 
 def cut(slice_bytes: bytes | memoryview, dtype: str, slice_shape: tuple[int, ...], c: Cut) -> np.ndarray:
     """S bytes -> the canonical tensor (C-contiguous, same-width uint dtype)."""  # S -> out_shape(S)
+    import numpy as np
+
     s = np.frombuffer(slice_bytes, dtype=uint_view(dtype)).reshape(slice_shape)
     index = [slice(None)] * len(slice_shape)
     index[c.axis] = slice(c.start, c.start + c.count * c.step, c.step)
@@ -123,6 +143,8 @@ def cut(slice_bytes: bytes | memoryview, dtype: str, slice_shape: tuple[int, ...
 
 def paste(target: np.ndarray, cover: np.ndarray, data: bytes | memoryview, c: Cut) -> None:
     """Inverse of `cut`: write a canonical tensor back into S (uint view), counting coverage."""
+    import numpy as np
+
     out_shape = c.out_shape(target.shape)
     part = np.frombuffer(data, dtype=target.dtype).reshape(out_shape)
     if c.transpose:

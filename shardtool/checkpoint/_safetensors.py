@@ -13,11 +13,12 @@ import struct
 from dataclasses import dataclass
 from math import prod
 from types import MappingProxyType
-from typing import Any, BinaryIO, Iterable, Mapping, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Mapping, Sequence
 
 from shardtool.errors import CheckpointFormatError, StorageError
+
+if TYPE_CHECKING:  # imported where arrays are built: reading headers and writing shards need no numpy
+    import numpy as np
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's own cap
 MAX_TENSORS = 1_000_000
@@ -37,6 +38,7 @@ DTYPE_SIZES: Mapping[str, int] = MappingProxyType({
 def numpy_dtype(dtype: str) -> np.dtype:
     """The little-endian numpy dtype for a safetensors dtype name (ml_dtypes for BF16 and FP8)."""
     import ml_dtypes
+    import numpy as np
 
     table = {
         "BOOL": np.dtype(np.bool_), "U8": np.dtype("u1"), "I8": np.dtype("i1"),
@@ -203,6 +205,8 @@ def read_header(path: str | os.PathLike) -> Header:
 
 def parse_safetensors(data: bytes | bytearray | memoryview) -> tuple[dict[str, np.ndarray], Mapping[str, str] | None]:
     """Parse a whole file held in memory (already verified) into zero-copy, read-only numpy views."""
+    import numpy as np
+
     view = memoryview(data).cast("B")
     n = _header_length(bytes(view[:8]), len(view))
     header = parse_header(bytes(view[8:8 + n]), file_size=len(view))

@@ -1,51 +1,35 @@
 """`split`: stream a checkpoint into per-expert and trunk shards, hashing the exact bytes written.
 
-One pass: each source byte is read once into a bounded buffer, hashed and written (or, on a rerun,
-compared with the shard already there). The manifest is written last, so a failed split leaves none.
+One pass: each source byte is copied once (in the kernel where it goes unchanged) and the bytes that land
+in the shard are hashed; on a rerun, a shard already there is compared instead. The manifest is written
+last, so a failed split leaves none.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import stat
+import math
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
-import numpy as np
-
-from shardtool.checkpoint._copy import _UNSUPPORTED as _COPY_UNSUPPORTED
-from shardtool.checkpoint._copy import HashingFileWriter, replace_when_done, sync_filesystem
+from shardtool.checkpoint._copy import COPY_UNSUPPORTED, HashingFileWriter, replace_when_done, sync_filesystem
 from shardtool.checkpoint._contract import DEFAULT_CONTEXT_TOKENS, SplitSizes, check_config, contract_from_split
 from shardtool.checkpoint._families import plan_split, text_config
-from shardtool.checkpoint._plan import Piece, ShardPlan, cut
-from shardtool.checkpoint._safetensors import HashingWriter, TensorSpec, encode_header
+from shardtool.checkpoint._plan import OutputFile, Piece, ShardPlan
+from shardtool.checkpoint._reuse import existing_digest
+from shardtool.checkpoint._safetensors import TensorSpec, encode_header
 from shardtool.checkpoint._source import Checkpoint, open_checkpoint
+from shardtool.checkpoint._stream import Run, Sources, segments
 from shardtool.errors import CheckpointFormatError, StorageError, UsageError
 
-CHUNK = 8 * 1024 * 1024  # bounded copy buffer: peak memory is this plus one fused expert slice
 SOURCE_KEY = "shardtool.source"
 SOURCE_FORMAT = 1
 MANIFEST_NAME = "manifest.msgpack"
 _SCALE_SUFFIXES = ("_scale_inv", "_scales", "weight_scale", "input_scale")
-
-
-@dataclass(frozen=True)
-class OutputFile:
-    """A file split will write: a shard (pieces) or a side file copied whole (source)."""
-
-    path: str
-    kind: str
-    layer: int | None
-    expert: int | None
-    header: bytes            # b"" for side files
-    pieces: tuple[Piece, ...]
-    copy_from: str | None    # side files: name in the checkpoint directory
-    size: int
 
 
 @dataclass(frozen=True)
@@ -123,173 +107,13 @@ def prepare_split(src: Path, *, expert_pattern: str | None = None) -> SplitJob:
     return SplitJob(ckpt, family, tuple(outputs))
 
 
-class _Sources:
-    """Open source files and bounded, offset-addressed reads from them."""
-
-    def __init__(self, ckpt: Checkpoint, side_sizes: Mapping[str, int]):
-        self.root = self._root = ckpt.root
-        self.copy_file_range_ok = True
-        self._sizes = {f: h.file_size for f, h in ckpt.headers.items()}
-        self._sizes.update(side_sizes)
-        self._fds: dict[str, int] = {}
-        # Two buffers, used in turn: a chunk stays intact while the next one is read (see HashingWriter).
-        self._bufs = (bytearray(CHUNK), bytearray(CHUNK))
-        self._turn = 0
-        self._slice_key: tuple[str, int, int] | None = None
-        self._slice: bytes = b""
-
-    def fd(self, file: str) -> int:
-        if file not in self._fds:
-            path = self._root / file
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise StorageError(f"cannot open: {e.strerror}", path=str(path)) from e
-            size = os.fstat(fd).st_size
-            expected = self._sizes.get(file)
-            if expected is not None and size != expected:
-                os.close(fd)
-                raise CheckpointFormatError(f"file changed size during split ({expected} -> {size} bytes)",
-                                            path=str(path))
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            self._fds[file] = fd
-        return self._fds[file]
-
-    def chunks(self, file: str, offset: int, length: int) -> Iterator[memoryview]:
-        """Yield views into one reusable buffer; each is valid until the next is requested."""
-        fd = self.fd(file)
-        while length > 0:
-            self._turn ^= 1
-            view = memoryview(self._bufs[self._turn])
-            try:
-                n = os.preadv(fd, [view[:min(length, CHUNK)]], offset)
-            except OSError as e:
-                raise StorageError(f"read failed: {e.strerror}", path=str(self._root / file)) from e
-            if n == 0:
-                raise CheckpointFormatError("file ended early (truncated during split?)", path=str(self._root / file))
-            yield view[:n]
-            offset += n
-            length -= n
-
-    def read(self, file: str, offset: int, length: int) -> bytes:
-        """A whole fused expert slice, cached so the gate and up halves cut from it read it once."""
-        key = (file, offset, length)
-        if key != self._slice_key:
-            self._slice = b"".join(bytes(c) for c in self.chunks(file, offset, length))
-            self._slice_key = key
-        return self._slice
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
-@dataclass(frozen=True)
-class _Run:
-    """A contiguous byte range of a source file that goes into the output unchanged."""
-
-    file: str
-    offset: int
-    length: int
-
-
-def _segments(out: OutputFile, sources: _Sources) -> Iterator[_Run | memoryview | bytes]:
-    """The bytes of `out` in order: source runs, or bytes computed in memory (header, cut fused slices)."""
-    if out.copy_from is not None:
-        yield _Run(out.copy_from, 0, out.size)
-        return
-    yield out.header
-    for p in out.pieces:
-        run = p.byte_range()
-        if run is not None:
-            yield _Run(p.file, *run)
-        else:
-            start, length = p.slice_range()
-            arr = cut(sources.read(p.file, start, length), p.dtype, p.source.shape[1:], p.cut)
-            yield memoryview(arr).cast("B")
-
-
-def _stream(out: OutputFile, sources: _Sources) -> Iterator[memoryview | bytes]:
-    """The exact bytes of `out`, in bounded chunks read through our own buffers."""
-    for seg in _segments(out, sources):
-        if isinstance(seg, _Run):
-            yield from sources.chunks(seg.file, seg.offset, seg.length)
-        else:
-            yield seg
-
-
-class _Mismatch(Exception):
-    pass
-
-
-class _Comparer:
-    """A writer that writes nothing: it checks each chunk against the file already on disk."""
-
-    def __init__(self, fd: int, hasher: HashingWriter):
-        self._fd, self._hash = fd, hasher
-        self._pos = 0
-        self._buf = memoryview(bytearray(CHUNK))
-
-    def write(self, data: memoryview | bytes) -> None:
-        data = memoryview(data).cast("B")
-        for start in range(0, len(data), CHUNK):
-            part = data[start:start + CHUNK]
-            n = os.preadv(self._fd, [self._buf[:len(part)]], self._pos)
-            if n != len(part) or not np.array_equal(np.frombuffer(self._buf[:n], np.uint8),
-                                                    np.frombuffer(part, np.uint8)):
-                raise _Mismatch
-            self._pos += n
-        self._hash.write(data)
-
-
-class _NullFile:
-    def write(self, data: Any) -> None:
-        pass
-
-
-def _try_reuse(path: Path, out: OutputFile, sources: _Sources, on_bytes: Callable[[int], None],
-               executor: Any = None) -> bytes | None:
-    """The digest of an existing shard whose bytes equal what we would write, else None.
-
-    Safe without trusting mtimes or a journal: every byte is compared with the source-derived stream.
-    Costs a read of the old shard instead of a write, and a crash-truncated or stale file simply fails.
-    """
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISREG(st.st_mode) or st.st_size != out.size:
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    hasher = HashingWriter(_NullFile(), executor)
-    done = 0
-    try:
-        comparer = _Comparer(fd, hasher)
-        for chunk in _stream(out, sources):
-            comparer.write(chunk)
-            done += len(chunk)
-            on_bytes(len(chunk))
-    except (_Mismatch, OSError):
-        hasher.digest()  # let a pending hash finish before its buffer is read into again
-        on_bytes(-done)
-        return None
-    finally:
-        os.close(fd)
-    return hasher.digest()
-
-
-def _write(path: Path, out: OutputFile, sources: _Sources, on_bytes: Callable[[int], None],
+def _write(path: Path, out: OutputFile, sources: Sources, on_bytes: Callable[[int], None],
            executor: Any = None) -> bytes:
     with replace_when_done(path) as fd:
         w = HashingFileWriter(fd, executor, use_copy_file_range=sources.copy_file_range_ok)
         try:
-            for seg in _segments(out, sources):
-                if not isinstance(seg, _Run):
+            for seg in segments(out, sources):
+                if not isinstance(seg, Run):
                     w.write(seg)
                     on_bytes(len(seg))
                 elif w.copy_file_range_ok:
@@ -307,13 +131,13 @@ def _write(path: Path, out: OutputFile, sources: _Sources, on_bytes: Callable[[i
     return digest
 
 
-def _copy_run(w: HashingFileWriter, run: _Run, sources: _Sources, on_bytes: Callable[[int], None]) -> None:
+def _copy_run(w: HashingFileWriter, run: Run, sources: Sources, on_bytes: Callable[[int], None]) -> None:
     """Kernel copy of a source run; falls back to buffered copying where copy_file_range is unsupported."""
     start = w.pos
     try:
         done = w.copy(sources.fd(run.file), run.offset, run.length)
     except OSError as e:
-        if e.errno not in _COPY_UNSUPPORTED or w.pos != start:
+        if e.errno not in COPY_UNSUPPORTED or w.pos != start:
             raise
         sources.copy_file_range_ok = w.copy_file_range_ok = False
         for chunk in sources.chunks(run.file, run.offset, run.length):
@@ -346,7 +170,7 @@ def _params(p: Piece) -> int:
     """Parameters a tensor holds: quantisation scales are not weights; MXFP4 packs two per byte."""
     if p.name.endswith(_SCALE_SUFFIXES):
         return 0
-    numel = int(np.prod(p.shape, dtype=np.int64)) if p.shape else 1
+    numel = math.prod(p.shape)
     return numel * 2 if p.name.endswith("_blocks") and p.dtype == "U8" else numel
 
 
@@ -390,7 +214,7 @@ def run_split(job: SplitJob, out: Path, *, model_id: str, version: int = 1, expi
     started = time.perf_counter()
     _check_manifest_options(model_id, version, expires_in_days, now)
     _prepare_out(out, job.checkpoint.root)
-    sources = _Sources(job.checkpoint, {o.copy_from: o.size for o in job.outputs if o.copy_from is not None})
+    sources = Sources(job.checkpoint, {o.copy_from: o.size for o in job.outputs if o.copy_from is not None})
     entries, sizes = [], {}
     written = reused = bytes_written = 0
     made_dirs: set[Path] = set()
@@ -404,7 +228,7 @@ def run_split(job: SplitJob, out: Path, *, model_id: str, version: int = 1, expi
                 except OSError as e:
                     raise StorageError(f"cannot create directory: {e.strerror}", path=str(path.parent)) from e
                 made_dirs.add(path.parent)
-            digest = _try_reuse(path, o, sources, on_bytes, executor)
+            digest = existing_digest(path, o, sources, on_bytes, executor)
             if digest is None:
                 digest = _write(path, o, sources, on_bytes, executor)
                 written += 1

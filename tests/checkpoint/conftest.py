@@ -9,7 +9,7 @@ from typing import Any, Callable
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-NOW = 1_800_000_000  # fixed clock: manifests are reproducible
+from ckpt_helpers import NOW, tensors_of  # noqa: F401  (re-exported for fixtures)
 
 
 def _generator():
@@ -35,15 +35,3 @@ def make_tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         return cache[key]
 
     return make
-
-
-def tensors_of(directory: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    """name -> (dtype, shape, bytes) over every safetensors file, read by the reference implementation."""
-    import safetensors
-
-    out: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        for name, t in safetensors.deserialize(path.read_bytes()):
-            assert name not in out
-            out[name] = (t["dtype"], tuple(t["shape"]), bytes(t["data"]))
-    return out

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from shardtool.cli import app, main
 from shardtool.manifest import load_manifest
 
-from conftest import tensors_of
+from ckpt_helpers import tensors_of
 from test_ckpt_contract import KIMI_K2
 
 BIN = Path(sys.executable).parent / "shardtool"

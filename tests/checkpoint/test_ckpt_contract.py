@@ -11,7 +11,7 @@ import pytest
 from shardtool.checkpoint import CONTRACT_KEYS, contract_from_config, estimate, model_shape, split_checkpoint
 from shardtool.errors import CheckpointFormatError
 
-from conftest import NOW
+from ckpt_helpers import NOW
 from test_ckpt_split_join import CASES, _source
 
 DEEPSEEK_V3 = {

@@ -17,7 +17,7 @@ from shardtool.checkpoint._copy import HashingFileWriter
 from shardtool.errors import CheckpointFormatError, DigestMismatchError, StorageError, UsageError
 from shardtool.manifest import hash_directory, load_manifest
 
-from conftest import NOW, tensors_of
+from ckpt_helpers import NOW, tensors_of
 
 # (family, knobs): every family, per-expert and fused layouts, dense layers and DeepSeek's FP8 + MTP layer.
 # A small shard size gives several source files and an index, as real checkpoints have.
@@ -352,3 +352,36 @@ def test_peak_rss_stays_below_largest_tensor_plus_256_mib(make_tiny, tmp_path: P
     assert proc.returncode == 0, proc.stderr
     peak = int(proc.stderr.strip().splitlines()[-1]) * 1024
     assert peak < bound, f"peak RSS {peak / 2**20:.0f} MiB >= bound {bound / 2**20:.0f} MiB"
+
+
+def test_buffered_fallback_writes_the_same_bytes(make_tiny, tmp_path: Path, monkeypatch) -> None:
+    """Where copy_file_range is refused (another filesystem, old kernel), the buffered path gives identical shards."""
+    src = _source(make_tiny, "gpt_oss")
+    _split(src, tmp_path / "fast")
+    refused = []
+
+    def exdev(*args):
+        refused.append(args)
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", exdev)
+    _split(src, tmp_path / "slow")
+    assert len(refused) == 1  # tried once, then the buffered path for the rest of the run
+    fast = load_manifest(tmp_path / "fast/manifest.msgpack")
+    slow = load_manifest(tmp_path / "slow/manifest.msgpack")
+    assert fast.entries == slow.entries and fast.head.contract == slow.head.contract
+
+
+def test_hashing_falls_back_to_reads_without_mmap(make_tiny, tmp_path: Path, monkeypatch) -> None:
+    from shardtool.checkpoint import _copy
+
+    src = _source(make_tiny, "mixtral")
+    _split(src, tmp_path / "mapped")
+
+    def no_mmap(*args, **kwargs):
+        raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(_copy.mmap, "mmap", no_mmap)
+    _split(src, tmp_path / "read")
+    assert load_manifest(tmp_path / "mapped/manifest.msgpack").entries == \
+        load_manifest(tmp_path / "read/manifest.msgpack").entries

@@ -1,0 +1,78 @@
+"""Rerun support: reuse an output file only if its bytes equal, one by one, what split would write now."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any, Callable
+
+from shardtool.checkpoint._plan import OutputFile
+from shardtool.checkpoint._safetensors import HashingWriter
+from shardtool.checkpoint._stream import CHUNK, Sources, stream
+
+
+class _Mismatch(Exception):
+    pass
+
+
+class _Comparer:
+    """A writer that writes nothing: it checks each chunk against the file already on disk."""
+
+    def __init__(self, fd: int, hasher: HashingWriter):
+        self._fd, self._hash = fd, hasher
+        self._pos = 0
+        self._buf = memoryview(bytearray(CHUNK))
+        import numpy  # a vectorised comparison; only reruns pay for the import
+
+        self._np = numpy
+
+    def write(self, data: memoryview | bytes) -> None:
+        data = memoryview(data).cast("B")
+        for start in range(0, len(data), CHUNK):
+            part = data[start:start + CHUNK]
+            n = os.preadv(self._fd, [self._buf[:len(part)]], self._pos)
+            if n != len(part) or not self._np.array_equal(self._np.frombuffer(self._buf[:n], "u1"),
+                                                          self._np.frombuffer(part, "u1")):
+                raise _Mismatch
+            self._pos += n
+        self._hash.write(data)
+
+
+class _NullFile:
+    def write(self, data: Any) -> None:
+        pass
+
+
+def existing_digest(path: Path, out: OutputFile, sources: Sources, on_bytes: Callable[[int], None],
+               executor: Any = None) -> bytes | None:
+    """The digest of an existing shard whose bytes equal what we would write, else None.
+
+    Safe without trusting mtimes or a journal: every byte is compared with the source-derived stream.
+    Costs a read of the old shard instead of a write, and a crash-truncated or stale file simply fails.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_size != out.size:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    hasher = HashingWriter(_NullFile(), executor)
+    done = 0
+    try:
+        comparer = _Comparer(fd, hasher)
+        for chunk in stream(out, sources):
+            comparer.write(chunk)
+            done += len(chunk)
+            on_bytes(len(chunk))
+    except (_Mismatch, OSError):
+        hasher.digest()  # let a pending hash finish before its buffer is read into again
+        on_bytes(-done)
+        return None
+    finally:
+        os.close(fd)
+    return hasher.digest()

@@ -1,0 +1,110 @@
+"""Reading the source checkpoint for split: open files, bounded offset reads, and each output's byte stream."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+from shardtool.checkpoint._plan import OutputFile, cut
+from shardtool.checkpoint._source import Checkpoint
+from shardtool.errors import CheckpointFormatError, StorageError
+
+CHUNK = 8 * 1024 * 1024  # bounded read buffer; peak memory is two of these plus one fused expert slice
+
+
+class Sources:
+    """Open source files and bounded, offset-addressed reads from them."""
+
+    def __init__(self, ckpt: Checkpoint, side_sizes: Mapping[str, int]):
+        self.root = ckpt.root
+        self.copy_file_range_ok = True
+        self._sizes = {f: h.file_size for f, h in ckpt.headers.items()}
+        self._sizes.update(side_sizes)
+        self._fds: dict[str, int] = {}
+        # Two buffers, used in turn: a chunk stays intact while the next one is read (see HashingFileWriter.write).
+        self._bufs = (bytearray(CHUNK), bytearray(CHUNK))
+        self._turn = 0
+        self._slice_key: tuple[str, int, int] | None = None
+        self._slice: bytes = b""
+
+    def fd(self, file: str) -> int:
+        if file not in self._fds:
+            path = self.root / file
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise StorageError(f"cannot open: {e.strerror}", path=str(path)) from e
+            size = os.fstat(fd).st_size
+            expected = self._sizes.get(file)
+            if expected is not None and size != expected:
+                os.close(fd)
+                raise CheckpointFormatError(f"file changed size during split ({expected} -> {size} bytes)",
+                                            path=str(path))
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            self._fds[file] = fd
+        return self._fds[file]
+
+    def chunks(self, file: str, offset: int, length: int) -> Iterator[memoryview]:
+        """Yield views into one reusable buffer; each is valid until the next is requested."""
+        fd = self.fd(file)
+        while length > 0:
+            self._turn ^= 1
+            view = memoryview(self._bufs[self._turn])
+            try:
+                n = os.preadv(fd, [view[:min(length, CHUNK)]], offset)
+            except OSError as e:
+                raise StorageError(f"read failed: {e.strerror}", path=str(self.root / file)) from e
+            if n == 0:
+                raise CheckpointFormatError("file ended early (truncated during split?)", path=str(self.root / file))
+            yield view[:n]
+            offset += n
+            length -= n
+
+    def read(self, file: str, offset: int, length: int) -> bytes:
+        """A whole fused expert slice, cached so the gate and up halves cut from it read it once."""
+        key = (file, offset, length)
+        if key != self._slice_key:
+            self._slice = b"".join(bytes(c) for c in self.chunks(file, offset, length))
+            self._slice_key = key
+        return self._slice
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+@dataclass(frozen=True)
+class Run:
+    """A contiguous byte range of a source file that goes into the output unchanged."""
+
+    file: str
+    offset: int
+    length: int
+
+
+def segments(out: OutputFile, sources: Sources) -> Iterator[Run | memoryview | bytes]:
+    """The bytes of `out` in order: source runs, or bytes computed in memory (header, cut fused slices)."""
+    if out.copy_from is not None:
+        yield Run(out.copy_from, 0, out.size)
+        return
+    yield out.header
+    for p in out.pieces:
+        run = p.byte_range()
+        if run is not None:
+            yield Run(p.file, *run)
+        else:
+            start, length = p.slice_range()
+            arr = cut(sources.read(p.file, start, length), p.dtype, p.source.shape[1:], p.cut)
+            yield memoryview(arr).cast("B")
+
+
+def stream(out: OutputFile, sources: Sources) -> Iterator[memoryview | bytes]:
+    """The exact bytes of `out`, in bounded chunks read through our own buffers."""
+    for seg in segments(out, sources):
+        if isinstance(seg, Run):
+            yield from sources.chunks(seg.file, seg.offset, seg.length)
+        else:
+            yield seg

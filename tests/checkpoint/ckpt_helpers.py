@@ -1,0 +1,20 @@
+"""Helpers shared by the checkpoint tests. Imported by module name (`from ckpt_helpers import ...`):
+`from conftest import` would resolve to whichever conftest.py the whole suite imported first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+NOW = 1_800_000_000  # fixed clock: manifests are reproducible
+
+
+def tensors_of(directory: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """name -> (dtype, shape, bytes) over every safetensors file, read by the reference implementation."""
+    import safetensors
+
+    out: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        for name, t in safetensors.deserialize(path.read_bytes()):
+            assert name not in out
+            out[name] = (t["dtype"], tuple(t["shape"]), bytes(t["data"]))
+    return out
