@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from shardtool.errors import ShardtoolError, StorageError
+from shardtool.errors import ShardtoolError
 from shardtool.manifest._document import VerifiedManifest
 from shardtool.manifest._files import (
     CHUNK,

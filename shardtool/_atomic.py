@@ -24,11 +24,13 @@ def _fsync_dir(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: Path | str, mode: int = 0o644, *, overwrite: bool = True) -> Iterator[BinaryIO]:
+def atomic_writer(path: Path | str, mode: int = 0o644, *, overwrite: bool = True,
+                  fsync: bool = True) -> Iterator[BinaryIO]:
     """Yield a binary file; on clean exit it replaces `path` atomically, on error it vanishes.
 
     With overwrite=False an existing `path` is never replaced (the final step is link(), which
-    fails if the name exists, instead of rename()).
+    fails if the name exists, instead of rename()). With fsync=False the caller takes over durability
+    (split flushes the whole filesystem once, before the manifest that vouches for its shards).
     """
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
@@ -42,7 +44,8 @@ def atomic_writer(path: Path | str, mode: int = 0o644, *, overwrite: bool = True
         with os.fdopen(fd, "wb") as fh:
             yield fh
             fh.flush()
-            os.fsync(fh.fileno())
+            if fsync:
+                os.fsync(fh.fileno())
         if overwrite:
             os.replace(tmp, path)
         else:
@@ -52,7 +55,8 @@ def atomic_writer(path: Path | str, mode: int = 0o644, *, overwrite: bool = True
                 raise StorageError("refusing to overwrite an existing file", path=str(path),
                                    hint="pass --force to replace it") from None
             tmp.unlink()
-        _fsync_dir(directory)
+        if fsync:
+            _fsync_dir(directory)
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink()

@@ -7,14 +7,12 @@ directly. Hashing runs on one worker thread (BLAKE3 releases the GIL), one step 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import mmap
 import os
-import tempfile
 from concurrent.futures import Executor, Future
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from shardtool.errors import StorageError
 
@@ -101,35 +99,6 @@ class HashingFileWriter:
             self._wait()
         except Exception:  # noqa: BLE001 - the write already failed; its error is the one to report
             pass
-
-
-@contextlib.contextmanager
-def replace_when_done(path: Path) -> Iterator[int]:
-    """Yield the fd of a temp file beside `path`; on clean exit it is renamed over `path`, on error removed.
-
-    Atomic like `shardtool._atomic.atomic_writer` (same temp naming, so split's cleanup finds leftovers) but
-    without fsync: split writes many shards, and a shard lost to a crash is caught when the rerun compares
-    it byte for byte, so per-file durability would only cost time (`sync_filesystem` is the one barrier).
-    """
-    directory = path.parent
-    try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    except OSError as e:
-        raise StorageError(f"cannot create a temporary file: {e.strerror}", path=str(directory)) from e
-    try:
-        os.fchmod(fd, 0o644)
-        yield fd
-        os.close(fd)
-        fd = -1
-        os.replace(tmp_name, path)
-    except OSError as e:
-        reason = "disk full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        raise StorageError(f"write failed: {reason}", path=str(path)) from e
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
 
 
 def sync_filesystem(directory: Path) -> None:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from shardtool.checkpoint._copy import COPY_UNSUPPORTED, HashingFileWriter, replace_when_done, sync_filesystem
+from shardtool._atomic import atomic_writer
+from shardtool.checkpoint._copy import COPY_UNSUPPORTED, HashingFileWriter, sync_filesystem
 from shardtool.checkpoint._contract import DEFAULT_CONTEXT_TOKENS, SplitSizes, check_config, contract_from_split
 from shardtool.checkpoint._families import plan_split, text_config
 from shardtool.checkpoint._plan import OutputFile, Piece, ShardPlan
@@ -109,8 +110,10 @@ def prepare_split(src: Path, *, expert_pattern: str | None = None) -> SplitJob:
 
 def _write(path: Path, out: OutputFile, sources: Sources, on_bytes: Callable[[int], None],
            executor: Any = None) -> bytes:
-    with replace_when_done(path) as fd:
-        w = HashingFileWriter(fd, executor, use_copy_file_range=sources.copy_file_range_ok)
+    # No fsync per shard: a shard lost to a crash fails the rerun's byte comparison, and run_split
+    # flushes the filesystem once before writing the manifest.
+    with atomic_writer(path, fsync=False) as fh:
+        w = HashingFileWriter(fh.fileno(), executor, use_copy_file_range=sources.copy_file_range_ok)
         try:
             for seg in segments(out, sources):
                 if not isinstance(seg, Run):

@@ -28,7 +28,7 @@ def get_passphrase(passphrase_file: Path | None, *, confirm: bool) -> bytes:
         if confirm and getpass.getpass("Passphrase (again): ").encode("utf-8") != secret:
             raise UsageError("the two passphrases differ")
     else:
-        raise UsageError(f"a passphrase is needed and there is no terminal to ask on",
+        raise UsageError("a passphrase is needed and there is no terminal to ask on",
                          hint=f"use --passphrase-file or {ENV_VAR}, or --no-passphrase for keygen")
     if not secret:
         raise KeyFileError("empty passphrase", hint="use --no-passphrase to write an unencrypted key deliberately")

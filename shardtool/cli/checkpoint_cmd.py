@@ -27,8 +27,9 @@ def split(
         None, "--expert-pattern", metavar="REGEX",
         help="Regex with named groups 'layer' and 'expert' (optionally 'name') matching routed-expert tensor "
              "names, for a layout no built-in family knows."),
-    fsync: bool = typer.Option(False, "--fsync", help="Flush all shards to disk (one syncfs) before writing the "
-                                                     "manifest, so a manifest on disk implies its shards are."),
+    fsync: bool = typer.Option(True, "--fsync/--no-fsync",
+                               help="Flush all shards to disk (one syncfs) before writing the manifest, so a "
+                                    "manifest on disk implies its shards are (--no-fsync: faster, not power-safe)."),
     json_out: bool = typer.Option(False, "--json", help="Print one summary document on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
