@@ -44,15 +44,6 @@ def encode(value: Any) -> bytes:
     return msgpack.packb(_canonicalize(value), use_bin_type=True)
 
 
-def encode_flat(mapping: dict) -> bytes:
-    """Fast path of `encode` for a flat map whose keys are already in canonical order and whose values
-    are None, int, str or bytes (manifest entries: ~100k of them per manifest)."""
-    keys = list(mapping)
-    if keys != sorted(keys, key=lambda k: k.encode("utf-8")):
-        raise ManifestFormatError("encode_flat needs keys in canonical order")
-    return msgpack.packb(mapping, use_bin_type=True)
-
-
 def _pairs_to_dict(pairs: list[tuple[Any, Any]]) -> dict:
     result: dict = {}
     for key, value in pairs:

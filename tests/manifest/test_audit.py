@@ -109,3 +109,14 @@ def test_worker_count_does_not_change_the_answer(tmp_path, workers):
     report = audit_directory(tmp_path, _verified(entries), workers=workers)
     assert [(f.path, f.finding) for f in report.findings] == [("d1/f7.bin", "size-mismatch")]
     assert report.files_checked == 40
+
+
+def test_entry_fast_encoding_is_the_canonical_encoding():
+    """entry_bytes packs Entry.to_dict() directly; that is only right while it equals the generic canonical form."""
+    from shardtool.manifest import _canonical, entry_bytes
+
+    for entry in (Entry(path="a", kind="other", size=0, digest=b"\0" * 32),
+                  Entry(path="experts/layer-001/expert-0002.safetensors", kind="expert", size=2**40,
+                        digest=bytes(range(32)), layer=65_535, expert=1_048_575),
+                  Entry(path="trunk/layer-000.safetensors", kind="trunk", size=300, digest=b"\1" * 32, layer=0)):
+        assert entry_bytes(entry) == _canonical.encode(entry.to_dict())
