@@ -148,6 +148,14 @@ def write_keypair(out: Path | str, key: PrivateKey, passphrase: bytes | None, *,
                 raise KeyFileError("file exists; refusing to overwrite it", path=str(p), hint="pass --force to replace it")
     if not key_path.parent.is_dir():
         raise KeyFileError("directory does not exist", path=str(key_path.parent))
+    if force:
+        # The old public key goes first: a crash between the two writes then leaves a private key without
+        # its .pub (rerun keygen), never a new private key beside the old public key, a pair that looks
+        # complete and is not.
+        try:
+            pub_path.unlink(missing_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot replace: {e.strerror}", path=str(pub_path)) from e
     atomic_write_bytes(key_path, private_pem(key, passphrase), mode=0o600, overwrite=force)
     atomic_write_bytes(pub_path, key.public.to_pem(), mode=0o644, overwrite=force)
     return key_path, pub_path

@@ -41,11 +41,21 @@ def open_dir_beneath(root: Path, reldir: str) -> int:
         try:
             nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         except OSError as e:
+            # O_DIRECTORY|O_NOFOLLOW on a symlink fails with ENOTDIR, not ELOOP: name the link for what it is.
+            if e.errno == errno.ENOTDIR and _is_symlink_at(dir_fd, part):
+                e = OSError(errno.ELOOP, os.strerror(errno.ELOOP))
             os.close(dir_fd)
             _raise_open_error(e, reldir, component=part)
         os.close(dir_fd)
         dir_fd = nxt
     return dir_fd
+
+
+def _is_symlink_at(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
+    except OSError:
+        return False
 
 
 def open_file_at(dir_fd: int, name: str, relpath: str) -> int:
@@ -59,8 +69,7 @@ def open_file_at(dir_fd: int, name: str, relpath: str) -> int:
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise NotARegularFileError(f"is a {_describe_mode(st.st_mode)}, expected a regular file", path=relpath)
-    os.set_blocking(fd, True)
-    return fd
+    return fd  # O_NONBLOCK has no effect on reads of a regular file: no need to clear it
 
 
 def open_beneath(root: Path, relpath: str) -> int:

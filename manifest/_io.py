@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Sequence
 
@@ -25,15 +26,26 @@ def default_manifest_path(model_dir: Path) -> Path:
 def read_manifest_bytes(path: Path) -> bytes:
     """The manifest file's bytes, capped; a missing manifest is a verification failure, not an I/O error."""
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_MANIFEST_BYTES + 1)
+        # O_NONBLOCK: a FIFO planted in place of the manifest must not hang the verifier in open().
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise VerificationError("no manifest here", path=str(path),
                                 hint="run `shardtool manifest` or `shardtool split`, then `shardtool sign`") from None
-    except IsADirectoryError:
-        raise VerificationError("manifest path is a directory", path=str(path)) from None
     except OSError as e:
         raise StorageError(f"cannot read manifest: {e.strerror}", path=str(path)) from e
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise VerificationError("manifest path is a directory", path=str(path))
+        if not stat.S_ISREG(mode):  # a FIFO, socket or device: could block or never end
+            raise VerificationError("manifest is not a regular file", path=str(path))
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as e:
+        raise StorageError(f"cannot read manifest: {e.strerror}", path=str(path)) from e
+    finally:
+        os.close(fd)
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestFormatError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes", path=str(path))
     return data

@@ -52,30 +52,44 @@ def classify(relpath: str) -> tuple[str, int | None, int | None]:
     return "other", None, None
 
 
+def _listing(directory: str) -> list[os.DirEntry]:
+    try:
+        with os.scandir(directory) as it:
+            return sorted(it, key=lambda d: d.name.encode("utf-8", "surrogateescape"))
+    except OSError as e:
+        raise StorageError(f"cannot list directory: {e.strerror}", path=directory) from e
+
+
+def _kind(d: os.DirEntry) -> str | None:
+    try:
+        if d.is_symlink():
+            return "symlink"
+        if d.is_dir(follow_symlinks=False):
+            return "directory"
+        return "file" if d.is_file(follow_symlinks=False) else "special"
+    except OSError:
+        return None  # vanished while we listed; the manifest comparison reports it if it mattered
+
+
 def walk(root: Path) -> Iterator[DirItem]:
-    """Every non-directory below `root`, sorted; symlinks are reported, never followed."""
-    def rec(directory: Path, prefix: str) -> Iterator[DirItem]:
-        try:
-            with os.scandir(directory) as it:
-                items = sorted(it, key=lambda d: d.name.encode("utf-8", "surrogateescape"))
-        except OSError as e:
-            raise StorageError(f"cannot list directory: {e.strerror}", path=str(directory)) from e
-        for d in items:
-            rel = prefix + d.name
-            try:
-                if d.is_symlink():
-                    kind = "symlink"
-                elif d.is_dir(follow_symlinks=False):
-                    kind = "directory"
-                elif d.is_file(follow_symlinks=False):
-                    kind = "file"
-                else:
-                    kind = "special"
-            except OSError:
-                continue  # vanished while we listed; the manifest comparison reports it if it mattered
-            if kind == "directory":
-                yield from rec(Path(d.path), rel + "/")
-            yield DirItem(rel, kind, d.path)
+    """Every entry below `root`, sorted, each directory after its contents; symlinks are reported, never
+    followed. Iterative, not recursive: a hostile tree thousands of levels deep must not exhaust the stack."""
     if not root.is_dir():
         raise ManifestFormatError("not a directory", path=str(root))
-    yield from rec(root, "")
+    # Each frame: the remaining entries of one directory, its relative prefix, and its own item (yielded last).
+    stack: list[tuple[Iterator[os.DirEntry], str, DirItem | None]] = [(iter(_listing(str(root))), "", None)]
+    while stack:
+        entries, prefix, own = stack[-1]
+        for d in entries:
+            kind = _kind(d)
+            if kind is None:
+                continue
+            item = DirItem(prefix + d.name, kind, d.path)
+            if kind == "directory":
+                stack.append((iter(_listing(d.path)), item.relpath + "/", item))
+                break
+            yield item
+        else:
+            stack.pop()
+            if own is not None:
+                yield own

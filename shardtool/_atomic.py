@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import tempfile
 from pathlib import Path
@@ -71,3 +72,18 @@ def atomic_writer(path: Path | str, mode: int = 0o644, *, overwrite: bool = True
 def atomic_write_bytes(path: Path | str, data: bytes, mode: int = 0o644, *, overwrite: bool = True) -> None:
     with atomic_writer(path, mode, overwrite=overwrite) as fh:
         fh.write(data)
+
+
+@contextlib.contextmanager
+def locked_directory(directory: Path | str) -> Iterator[None]:
+    """Hold an exclusive flock on `directory` itself: serialises read-modify-write cycles of a file in it
+    (two publishers signing at once) without leaving a lock file behind for audit to report."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise StorageError(f"cannot open directory: {e.strerror}", path=str(directory)) from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

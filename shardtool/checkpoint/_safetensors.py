@@ -151,6 +151,9 @@ def parse_header(header: bytes, *, file_size: int) -> Header:
     return Header(tuple(tensors), metadata, data_start, file_size)
 
 
+MAX_ELEMENTS = 2**50  # elements per tensor: far above any real tensor, far below numpy's int64 limits
+
+
 def _tensor(name: str, spec: Any, data_start: int) -> TensorInfo:
     if not name or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
         raise CheckpointFormatError(f"tensor name {name[:64]!r} is empty or longer than {MAX_NAME_BYTES} bytes")
@@ -164,6 +167,11 @@ def _tensor(name: str, spec: Any, data_start: int) -> TensorInfo:
     shape = _int_list(spec["shape"], f"tensor {name!r} shape")
     if len(shape) > MAX_RANK or any(d < 0 for d in shape):
         raise CheckpointFormatError(f"tensor {name!r} has an invalid shape {shape!r:.80}")
+    # A zero-size tensor of shape [2^62, 0] matches its empty byte range, yet numpy cannot build that
+    # shape: the product of the non-zero dimensions must stay far inside int64 as well.
+    if prod(d for d in shape if d) > MAX_ELEMENTS:
+        raise CheckpointFormatError(f"tensor {name!r} has an invalid shape {shape!r:.80} "
+                                    f"(more than 2^50 elements along its non-zero dimensions)")
     offsets = _int_list(spec["data_offsets"], f"tensor {name!r} data_offsets")
     if len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1]:
         raise CheckpointFormatError(f"tensor {name!r} has invalid data_offsets {offsets!r:.80}")

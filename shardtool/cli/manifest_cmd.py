@@ -81,6 +81,7 @@ def sign(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Add a signature over the manifest's head. Several publishers can sign the same manifest."""
+    from shardtool._atomic import locked_directory
     from shardtool.cli._passphrase import get_passphrase
     from shardtool.errors import VerificationError
     from shardtool.keys import load_private_key
@@ -91,17 +92,26 @@ def sign(
     raw = key.read_bytes() if key.is_file() else b""
     passphrase = get_passphrase(passphrase_file, confirm=False) if b"ENCRYPTED" in raw else None
     private = load_private_key(key, passphrase)
-    try:
-        current = load_manifest(path)
-    except VerificationError as e:
-        # For a producing command, a bad input manifest is malformed input (exit 2), not a verdict.
-        raise UsageError(e.message, path=e.path or str(path)) from e
-    signed = current.with_envelope(current.envelope.signed_by(private))
-    save_manifest(path, signed)
+    # Read, add, write under a lock: two publishers signing at once must not lose one signature.
+    with locked_directory(path.parent if str(path.parent) else Path(".")):
+        try:
+            current = load_manifest(path)
+        except VerificationError as e:
+            # For a producing command, a bad input manifest is malformed input (exit 2), not a verdict.
+            raise UsageError(e.message, path=e.path or str(path)) from e
+        signed = current.with_envelope(current.envelope.signed_by(private))
+        save_manifest(path, signed)
     keyid = private.public.keyid
     if json_out:
         emit_json({"manifest": str(path), "keyid": keyid, "signatures": len(signed.envelope.signatures)})
     say(f"signed {path} with key {keyid} ({len(signed.envelope.signatures)} signature(s) now)")
+
+
+def check_model_id(model_id: str, expected: Optional[str], path: Path) -> None:
+    """A genuine manifest of another model by the same publisher is a substitution, not a pass."""
+    from shardtool.errors import VerificationError
+    if expected is not None and model_id != expected:
+        raise VerificationError(f"manifest is for model {model_id!r}, expected {expected!r}", path=str(path))
 
 
 def load_trusted(paths: List[Path]) -> list:
@@ -121,6 +131,8 @@ def audit(
     follow_symlinks: bool = typer.Option(False, "--follow-symlinks",
                                          help="Check listed links through their targets, if they stay inside DIR."),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, max=64, help="Hashing threads."),
+    expect_model: Optional[str] = typer.Option(
+        None, "--model-id", help="Refuse a manifest signed for any other model (the publisher may sign several)."),
     json_out: bool = typer.Option(False, "--json", help="Print one report document on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -135,6 +147,7 @@ def audit(
     started = time.monotonic()
     try:
         verified = load_trusted_manifest(path, trusted, threshold, state_dir)
+        check_model_id(verified.head.model_id, expect_model, path)
     except ShardtoolError as e:
         if json_out:
             emit_json({"ok": False, "manifest": str(path), "error": {"class": type(e).__name__, "message": e.one_line()}})
@@ -200,6 +213,8 @@ def verify_shard(
     trust: List[Path] = typer.Option([], "--trust", help="Trusted public key (repeatable)."),
     threshold: int = typer.Option(1, "--threshold"),
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Rollback state directory."),
+    expect_entry: Optional[str] = typer.Option(
+        None, "--entry", help="The manifest path this shard must be (refuses a genuine proof of another entry)."),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Check one shard against a proof, without the full manifest."""
@@ -222,6 +237,10 @@ def verify_shard(
         proven = verify_proof(data, trusted, threshold)
     except VerificationError as e:
         raise type(e)(e.message, path=str(proof), hint=e.hint) from e
+    if expect_entry is not None and proven.entry.path != expect_entry:
+        # A genuine shard with its genuine proof, sent in place of the one asked for (substitution).
+        raise VerificationError(f"the proof proves entry {proven.entry.path!r}, expected {expect_entry!r}",
+                                path=str(proof))
     check_and_record(state_dir or default_state_dir(), proven.head, trusted)
     entry = proven.entry
     try:

@@ -1,0 +1,158 @@
+"""The model directory itself: missing and unlisted files, links, FIFOs and directories where files should be,
+and manifests whose paths try to leave the directory.
+
+The path cases are manifests crafted with msgpack by hand and signed by the trusted key, with every other entry
+genuine and the hostile entry's size and digest matching the file it names: only path validation stops them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+import _attackkit as kit
+from _attackkit import EXPERT, Attack, found, refused
+
+SIBLING = "experts/layer-000/expert-0000.safetensors"
+NOT_REGULAR = "NotARegularFileError"
+FORMAT = "ManifestFormatError"
+
+
+def _symlink_outside(model, world):
+    """EXPERT becomes a link to a byte-identical copy outside the directory: right bytes, wrong place."""
+    outside = world.tmp / "outside.safetensors"
+    shutil.copy(model / EXPERT, outside)
+    kit.replace_file(model / EXPERT, lambda p: p.symlink_to(outside))
+
+
+def _symlink_sibling(model, world):
+    kit.replace_file(model / EXPERT, lambda p: p.symlink_to(SIBLING.rsplit("/", 1)[1]))
+
+
+def _symlink_parent_dir(model, world):
+    """experts/layer-000 becomes a link to an outside copy of itself: every byte below it is genuine."""
+    outside = world.tmp / "layer-000"
+    shutil.copytree(model / "experts/layer-000", outside)
+    shutil.rmtree(model / "experts/layer-000")
+    (model / "experts/layer-000").symlink_to(outside)
+
+
+def _unlisted(model, world):
+    shutil.copy(model / EXPERT, model / "experts/layer-000/expert-0002.safetensors")
+
+
+def _unlisted_bad_name(model, world):
+    (model / os.fsdecode(b"trunk/\xff\xfe\nname.bin")).write_bytes(b"x")
+
+
+DEEP = 1500  # deeper than Python's recursion limit
+
+
+def _deep_tree(model, world):
+    """An unlisted file at the bottom of a tree deeper than the interpreter's recursion limit."""
+    here = os.open(model, os.O_RDONLY)
+    try:
+        for _ in range(DEEP):
+            os.mkdir("d", dir_fd=here)
+            nxt = os.open("d", os.O_RDONLY, dir_fd=here)
+            os.close(here)
+            here = nxt
+        os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=here))
+    finally:
+        os.close(here)
+
+
+def _manifest_as(make):
+    def tamper(model, world):
+        kit.replace_file(model / kit.MANIFEST, make)
+    return tamper
+
+
+def _add_entry(path: str, *, file_bytes: bytes | None = None, outside: bool = False, twice: bool = False):
+    """Sign (with the trusted key A) a manifest with one more entry, `path`, whose size and BLAKE3 match a
+    real file: at `path` itself inside the model when it can exist, else outside the model."""
+    def tamper(model, world):
+        data = file_bytes if file_bytes is not None else (model / EXPERT).read_bytes()
+        where = path.replace("{tmp}", str(world.tmp))
+        target = world.tmp / "outside.bin" if outside else None
+        if target is not None:
+            target.write_bytes(data)
+        elif "\x00" not in where:
+            (model / where).parent.mkdir(parents=True, exist_ok=True)
+            (model / where).write_bytes(data)
+        doc = kit.Doc.read(model)
+        entry = {"digest": kit._h(data), "expert": None, "kind": "other", "layer": None, "path": where,
+                 "size": len(data)}
+        doc.entries = kit.sort_entries(doc.entries + [entry] * (2 if twice else 1))
+        doc.reseal().sign(world.keys.signer("A")).write(model)
+    return tamper
+
+
+def _path_case(tamper, message):
+    return Attack(tamper, refused(FORMAT, message), refused(FORMAT, message))
+
+
+CASES = {
+    "missing-expert": Attack(lambda m, w: (m / EXPERT).unlink(), found((EXPERT, "missing")),
+                             refused("MissingFileError", f"{EXPERT}: file is missing")),
+    "missing-config-json": Attack(lambda m, w: (m / "config.json").unlink(), found(("config.json", "missing")),
+                                  refused("MissingFileError", "config.json: file is missing")),
+    "missing-layer-directory": Attack(lambda m, w: shutil.rmtree(m / "experts/layer-000"),
+                                      found((EXPERT, "missing"), (SIBLING, "missing")),
+                                      refused("MissingFileError", "file is missing")),
+    "unlisted-file": Attack(_unlisted, found(("experts/layer-000/expert-0002.safetensors", "unlisted")), kit.CLEAN),
+    "unlisted-file-undecodable-name": Attack(
+        _unlisted_bad_name, found((os.fsdecode(b"trunk/\xff\xfe\nname.bin"), "unlisted")), kit.CLEAN),
+    "symlink-outside": Attack(_symlink_outside, found((EXPERT, "symlink")), refused(NOT_REGULAR, "is a symlink")),
+    "symlink-outside-follow-symlinks": Attack(_symlink_outside, found((EXPERT, "symlink")),
+                                              refused(NOT_REGULAR, "is a symlink"),
+                                              audit_extra=("--follow-symlinks",)),
+    "symlink-to-listed-shard": Attack(_symlink_sibling, found((EXPERT, "symlink")),
+                                      refused(NOT_REGULAR, f"{EXPERT}: is a symlink")),
+    "symlink-to-listed-shard-follow-symlinks": Attack(_symlink_sibling, found((EXPERT, "digest-mismatch")),
+                                                      refused(NOT_REGULAR, f"{EXPERT}: is a symlink"),
+                                                      audit_extra=("--follow-symlinks",)),
+    "symlinked-parent-directory": Attack(_symlink_parent_dir,
+                                         found(("experts/layer-000", "symlink"), (EXPERT, "missing"),
+                                               (SIBLING, "missing")),
+                                         refused(NOT_REGULAR, "is a symlink (at 'layer-000')")),
+    "fifo-instead-of-expert": Attack(lambda m, w: kit.replace_file(m / EXPERT, os.mkfifo),
+                                     found((EXPERT, "not-a-regular-file")),
+                                     refused(NOT_REGULAR, f"{EXPERT}: is a FIFO, expected a regular file")),
+    "directory-instead-of-expert": Attack(lambda m, w: kit.replace_file(m / EXPERT, os.mkdir),
+                                          found((EXPERT, "not-a-regular-file")),
+                                          refused(NOT_REGULAR, f"{EXPERT}: is a directory")),
+    "unlisted-file-in-very-deep-tree": Attack(_deep_tree, found(("d/" * DEEP + "f", "unlisted")), kit.CLEAN),
+    "manifest-missing": Attack(lambda m, w: (m / kit.MANIFEST).unlink(),
+                               refused("VerificationError", "no manifest here"),
+                               refused("VerificationError", "no manifest here")),
+    "manifest-is-a-fifo": Attack(_manifest_as(os.mkfifo),
+                                 refused("VerificationError", "manifest is not a regular file"),
+                                 refused("VerificationError", "manifest is not a regular file")),
+    "manifest-is-a-directory": Attack(_manifest_as(os.mkdir),
+                                      refused("VerificationError", "manifest path is a directory"),
+                                      refused("VerificationError", "manifest path is a directory")),
+    # Signed manifests whose only flaw is a path.
+    "manifest-path-dotdot": _path_case(_add_entry("../outside.bin", outside=True), "has a '..' segment"),
+    "manifest-path-dotdot-inner": _path_case(_add_entry("experts/../../outside.bin", outside=True),
+                                             "has a '..' segment"),
+    "manifest-path-absolute": _path_case(_add_entry("{tmp}/outside.bin", outside=True), "is absolute"),
+    "manifest-path-backslash": _path_case(_add_entry("experts\\layer-000\\extra.bin"), "contains a backslash"),
+    "manifest-path-nul": _path_case(_add_entry("trunk/extra.bin\x00.safetensors"), "contains NUL"),
+    "manifest-path-duplicate": _path_case(_add_entry("trunk/extra.bin", twice=True),
+                                          "duplicate path 'trunk/extra.bin'"),
+    "manifest-path-empty-segment": _path_case(_add_entry("trunk//extra.bin"), "has an empty segment"),
+    "manifest-path-control-character": _path_case(_add_entry("trunk/extra\x1b[2J.bin"), "contains a control character"),
+    "manifest-path-not-nfc": _path_case(_add_entry("trunk/cafe\u0301.bin"), "is not in Unicode NFC form"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_directory(case, model, world):
+    try:
+        kit.check_attack(CASES[case], model, world)
+    finally:
+        if case == "unlisted-file-in-very-deep-tree":
+            kit.remove_tree(model)
