@@ -3,22 +3,24 @@ size the shard cache from the memory budget, generate, and measure where the tim
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from shardtool.errors import UsageError, VerificationError
+from shardtool.errors import CheckpointFormatError, UsageError, VerificationError
 from shardtool.manifest._document import VerifiedManifest
 from shardtool.manifest._files import read_verified
 from shardtool.runtime._model import Model, ModelConfig, bytes_per_token, sample_token
 from shardtool.runtime._model._sampling import check_sampling
 from shardtool.runtime._provider import VerifiedWeights
-from shardtool.runtime._store import ShardStore
+from shardtool.runtime._store import ShardFormatError, ShardStore
 
 MAX_CONFIG_BYTES = 1024 * 1024
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
@@ -39,6 +41,20 @@ def _verified_json(root: Path, manifest: VerifiedManifest, path: str) -> dict:
     if not isinstance(value, dict):
         raise VerificationError(f"signed {path} is not a JSON object", path=path)
     return value
+
+
+@contextlib.contextmanager
+def signed_content(path: str | None = None) -> Iterator[None]:
+    """The model's format errors here are about signed, verified bytes: the publisher shipped a model that
+    cannot run (a shard without a tensor its signed config.json implies, a wrong shape, a config the model
+    cannot use). That is a verification failure (exit 1), not a usage error (errors.py, CheckpointFormatError)."""
+    try:
+        yield
+    except CheckpointFormatError as e:
+        if path is not None:
+            raise VerificationError(f"signed {path} is unusable: {e.message}", path=path, hint=e.hint) from None
+        raise ShardFormatError(f"signed shards do not fit the signed config.json: {e.message}", path=e.path,
+                               hint=e.hint) from None
 
 
 def load_tokenizer(root: Path, manifest: VerifiedManifest):
@@ -86,7 +102,7 @@ def plan_budget(budget: int, cfg: ModelConfig, manifest: VerifiedManifest, max_t
         raise UsageError(f"memory budget {budget / 2**20:.0f} MiB is too small for this model: KV cache "
                          f"{kv / 2**20:.1f} MiB + working {working / 2**20:.1f} MiB leave "
                          f"{shard_cache / 2**20:.1f} MiB for shards, need at least {need / 2**20:.1f} MiB",
-                         hint=f"raise --memory-budget to at least {(kv + working + need) / 2**20:.0f}MiB")
+                         hint=f"raise --memory-budget to at least {math.ceil((kv + working + need) / 2**20)}MiB")
     return BudgetPlan(budget, kv, working, shard_cache)
 
 
@@ -104,12 +120,23 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    if tokenizer is None:
+        raise UsageError("this model ships no tokenizer.json", hint="pass --prompt-ids")
+    return list(tokenizer.encode(prompt, add_special_tokens=True).ids)
+
+
 class Session:
-    def __init__(self, root: Path, manifest: VerifiedManifest, *, budget: int, max_tokens: int, readers: int = 2):
+    """`max_tokens` (prompt + new tokens) sizes the KV cache, so callers encode the prompt first: pass the
+    tokenizer they loaded with `load_tokenizer` to avoid reading and verifying it twice."""
+
+    def __init__(self, root: Path, manifest: VerifiedManifest, *, budget: int, max_tokens: int, readers: int = 2,
+                 tokenizer=None):
         self.root = Path(root)
         self.manifest = manifest
-        self.config = ModelConfig.from_hf_config(_verified_json(self.root, manifest, "config.json"))
-        self.tokenizer = load_tokenizer(self.root, manifest)
+        with signed_content("config.json"):
+            self.config = ModelConfig.from_hf_config(_verified_json(self.root, manifest, "config.json"))
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.root, manifest)
         self.plan = plan_budget(budget, self.config, manifest, max_tokens, readers)
         self.store = ShardStore(self.root, budget_bytes=self.plan.shard_cache, readers=readers)
         self.weights = VerifiedWeights(self.store, manifest, self.config.num_layers)
@@ -128,9 +155,7 @@ class Session:
         return total
 
     def encode(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise UsageError("this model ships no tokenizer.json", hint="pass --prompt-ids")
-        return list(self.tokenizer.encode(prompt, add_special_tokens=True).ids)
+        return encode_prompt(self.tokenizer, prompt)
 
     def decode_text(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer else ""
@@ -145,7 +170,8 @@ class Session:
         if max_new_tokens <= 0:
             return report
         t0 = time.perf_counter()
-        logits = self.model.prefill(prompt_ids, last_only=True)[0]
+        with signed_content():
+            logits = self.model.prefill(prompt_ids, last_only=True)[0]
         report.prefill_seconds = time.perf_counter() - t0
         expert_bytes_before = self.store.stats.by_kind.get("expert", 0)
         for i in range(max_new_tokens):
@@ -156,7 +182,8 @@ class Session:
             if token in stops or i == max_new_tokens - 1:
                 break
             t1 = time.perf_counter()
-            logits = self.model.decode(token)
+            with signed_content():
+                logits = self.model.decode(token)
             report.decode_seconds += time.perf_counter() - t1
         report.decode_expert_bytes = self.store.stats.by_kind.get("expert", 0) - expert_bytes_before
         return report
@@ -176,6 +203,7 @@ class Session:
             "seconds": {"prefill": r.prefill_seconds, "decode": r.decode_seconds,
                         # reader threads overlap with compute and with each other: these are thread-seconds
                         "read_thread": s.read_seconds, "verify_thread": s.verify_seconds,
+                        "read_thread_cpu": s.read_cpu_seconds, "verify_thread_cpu": s.verify_cpu_seconds,
                         "parse_thread": s.parse_seconds, "waiting_for_shards": s.wait_seconds,
                         "compute": max(wall - s.wait_seconds, 0.0)},
             "per_token_seconds": {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -81,8 +82,13 @@ def verify_and_run(
     seed: Optional[int] = typer.Option(None, "--seed"),
     memory_budget: str = typer.Option("8GiB", "--memory-budget", help="Cached shards + KV cache + working buffers."),
     readers: int = typer.Option(2, "--readers", min=1, max=64, help="Reader/verifier threads."),
+    threads: int = typer.Option(0, "--threads", min=0, max=1024,
+                                help="Compute (BLAS) threads; 0: the cores the readers leave free, at least 1 "
+                                     "(an OPENBLAS_NUM_THREADS or OMP_NUM_THREADS setting is kept)."),
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Rollback state directory."),
     manifest_file: Optional[Path] = typer.Option(None, "--manifest", help="Manifest (default DIR/manifest.msgpack)."),
+    expect_model: Optional[str] = typer.Option(
+        None, "--model-id", help="Refuse a manifest signed for any other model (the publisher may sign several)."),
     print_ids: bool = typer.Option(False, "--print-ids", help="Print token ids instead of text."),
     json_report: Optional[Path] = typer.Option(None, "--json-report", help="Write the run report as JSON here."),
     verify_all_first: bool = typer.Option(False, "--verify-all-first", help="Check every shard before the first token."),
@@ -90,24 +96,29 @@ def verify_and_run(
 ) -> None:
     """Verify the signed manifest, then generate, checking every shard's BLAKE3 before its weights are used."""
     from shardtool._atomic import atomic_write_bytes
-    from shardtool.cli.manifest_cmd import load_trusted, manifest_path, model_dir
+    from shardtool.cli.manifest_cmd import check_model_id, load_trusted, manifest_path, model_dir
     from shardtool.manifest import load_trusted_manifest
-    from shardtool.runtime._session import Session
+
+    _set_blas_threads(threads, readers)
+    _keep_freed_memory()
+    from shardtool.runtime._session import Session, encode_prompt, load_tokenizer  # loads numpy
 
     if (prompt is None) == (prompt_ids is None):
         raise UsageError("give exactly one of --prompt and --prompt-ids")
     budget = parse_size(memory_budget)
+    ids = parse_ids(prompt_ids) if prompt_ids is not None else None
     directory = model_dir(directory)
     trusted = load_trusted(trust)
-    verified = load_trusted_manifest(manifest_path(directory, manifest_file), trusted, threshold, state_dir)
-    ids = parse_ids(prompt_ids) if prompt_ids is not None else None
-    max_tokens = (len(ids) if ids else 4096) + max_new_tokens
-    session = Session(directory, verified, budget=budget, max_tokens=max_tokens, readers=readers)
+    path = manifest_path(directory, manifest_file)
+    verified = load_trusted_manifest(path, trusted, threshold, state_dir)
+    check_model_id(verified.head.model_id, expect_model, path)  # as audit --model-id does
+    tokenizer = load_tokenizer(directory, verified)  # verified before it is parsed, like every model file
+    if ids is None:
+        ids = encode_prompt(tokenizer, prompt)
+    # The KV cache is sized (and budgeted) for exactly this prompt plus the new tokens.
+    session = Session(directory, verified, budget=budget, max_tokens=len(ids) + max_new_tokens, readers=readers,
+                      tokenizer=tokenizer)
     try:
-        if ids is None:
-            ids = session.encode(prompt)
-            if len(ids) + max_new_tokens > max_tokens:
-                raise UsageError(f"prompt is {len(ids)} tokens; at most {4096} are supported")
         if verify_all_first:
             checked = session.verify_all()
             if not quiet:
@@ -122,6 +133,40 @@ def verify_and_run(
         atomic_write_bytes(json_report, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
     if not quiet:
         _print_report(summary)
+
+
+_BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def _set_blas_threads(threads: int, readers: int) -> None:
+    """Size OpenBLAS's pool before numpy loads it. Its threads spin and run in lock-step: on cores shared
+    with the reader pool or a busy machine, one descheduled thread stalls every matmul (streaming decode
+    measured 2-8x slower with 2 BLAS threads + 2 readers on 2 loaded cores), so by default they get only
+    the cores the readers leave free."""
+    if "numpy" in sys.modules:  # too late (in-process callers): the library already sized its pool
+        return
+    if threads == 0:
+        if any(v in os.environ for v in _BLAS_THREAD_VARS):
+            return
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores - readers)
+    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
+
+
+def _keep_freed_memory() -> None:
+    """glibc hands blocks above a dynamic threshold (128 KiB at start) back to the kernel when freed, so the
+    float32 copy of every bf16/FP8 weight, made again each token, arrives as fresh zero-filled pages: ~28k
+    page faults and 3x slower decode per token on a bf16 model (benchmarks/bench_runtime.py). Keep blocks up
+    to 32 MiB in the heap for reuse; the budget's working reserve already counts these copies."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not a C library with mallopt: nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    mallopt(m_mmap_threshold, 32 * 2**20)
+    mallopt(m_trim_threshold, 32 * 2**20)
 
 
 def _print_report(s: dict) -> None:

@@ -1,0 +1,343 @@
+"""verify-and-run benchmarks, each against a reference measured in the same run (medians, interleaved runs):
+  (a) memory: expert shards >= 4x the memory budget; peak RSS must stay <= budget + 150 MiB
+  (b) decode tokens/s versus transformers on the CPU, same model and prompt, 1 thread and default threads
+  (c) streaming with a budget that forces expert misses: read+verify throughput on misses versus b3sum over
+      the same expert files, and the share of token time verification costs
+Usage: python benchmarks/bench_runtime.py [--parts abc] [--repeats 3] [--tokens 32] [--speed-tokens 128]
+       [--budget-mib 256] [--workdir DIR] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import VENV_BIN, Sample, run_command  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = [5, 17, 300, 42, 9, 100, 7, 250]
+MIB = 2**20
+RSS_SLACK_MIB = 150
+
+# make_tiny_moe.py knobs. The speed models are f32: transformers computes in the stored dtype, the runtime in
+# float32, so only f32 compares like with like. The streaming models come in f32 (verification against the
+# cheapest possible compute) and bf16 (what Mixtral/Qwen checkpoints ship; compute converts to float32).
+MODELS = {
+    "tiny": dict(layers=2, experts=4, hidden=64, moe_intermediate=40, heads=4, kv_heads=2, vocab=512, dtype="f32"),
+    "small": dict(layers=4, experts=8, hidden=512, moe_intermediate=1024, heads=8, kv_heads=2, vocab=1024,
+                  dtype="f32"),
+    # 8 layers x 24 experts x 6.3 MB = 1.2 GB of experts: > 4x a 256 MiB budget.
+    "stream": dict(layers=8, experts=24, hidden=512, moe_intermediate=1024, heads=8, kv_heads=2, vocab=1024,
+                   dtype="f32"),
+    # 8 layers x 48 experts x 3.1 MB = 1.2 GB of experts.
+    "stream-bf16": dict(layers=8, experts=48, hidden=512, moe_intermediate=1024, heads=8, kv_heads=2, vocab=1024,
+                        dtype="bf16"),
+}
+STREAM_MODELS = ("stream", "stream-bf16")
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def fmt(xs, spec=".2f"):
+    return " ".join(format(x, spec) for x in xs)
+
+
+# --- building the models ------------------------------------------------------------------------------
+
+def build(work: Path, name: str) -> Path:
+    """Generate, split and sign model `name` once (reused across runs); returns the split directory."""
+    out, marker = work / name / "model", work / name / "signed.json"
+    if marker.exists() and json.loads(marker.read_text()) == MODELS[name]:
+        return out
+    shutil.rmtree(work / name, ignore_errors=True)
+    ck = work / name / "ck"
+    knobs = [x for k, v in MODELS[name].items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(ck), "--family", "mixtral",
+                    *knobs], check=True, capture_output=True)
+    # No EOS, so every run (ours and transformers') generates exactly the tokens asked for.
+    config = json.loads((ck / "config.json").read_text())
+    config["eos_token_id"] = None
+    (ck / "config.json").write_text(json.dumps(config, indent=2))
+    gen = ck / "generation_config.json"
+    if gen.exists():
+        g = json.loads(gen.read_text())
+        g.pop("eos_token_id", None)
+        gen.write_text(json.dumps(g, indent=2))
+    shardtool = str(VENV_BIN / "shardtool")
+    subprocess.run([shardtool, "split", "-q", str(ck), str(out), "--model-id", f"bench/{name}"], check=True,
+                   capture_output=True)
+    subprocess.run([shardtool, "sign", str(out), "--key", str(work / "bench.key")], check=True, capture_output=True)
+    if name in STREAM_MODELS:
+        shutil.rmtree(ck)  # 1.2 GB; only the speed models' checkpoints are read again (by transformers)
+    marker.write_text(json.dumps(MODELS[name]))
+    return out
+
+
+def expert_files(model: Path) -> list[Path]:
+    return sorted(model.glob("experts/*/*.safetensors"))
+
+
+def verify_and_run(work: Path, model: Path, budget: str, tokens: int, env: dict | None = None,
+                   extra: tuple = ()) -> tuple[Sample, dict]:
+    report = work / "report.json"
+    report.unlink(missing_ok=True)
+    sample = run_command([str(VENV_BIN / "verify-and-run"), str(model), "--trust", str(work / "bench.pub"),
+                          "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(tokens),
+                          "--memory-budget", budget, "--print-ids", "--state-dir", str(model.parent / "state"),
+                          "--json-report", str(report), "-q", *extra], env=env)
+    return sample, json.loads(report.read_text())
+
+
+def in_subprocess(mode: str, *args, env: dict | None = None) -> dict:
+    """Run one of this file's `--_run` helpers in a fresh process and return the JSON it writes."""
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-runtime-{os.getpid()}.json"
+    proc = subprocess.run([sys.executable, __file__, "--_run", mode, str(out), *map(str, args)], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench_runtime --_run {mode} exited {proc.returncode}: {proc.stderr[-3000:]}")
+    try:
+        return json.loads(out.read_text())
+    finally:
+        out.unlink(missing_ok=True)
+
+
+# --- (a) memory ---------------------------------------------------------------------------------------
+
+def part_a(work: Path, repeats: int, tokens: int, budget_mib: int) -> dict:
+    out = {}
+    for name in STREAM_MODELS:
+        model = build(work, name)
+        experts = sum(p.stat().st_size for p in expert_files(model))
+        runs = [verify_and_run(work, model, f"{budget_mib}MiB", tokens) for _ in range(repeats)]
+        peak = max(s.peak_rss_mib for s, _ in runs)
+        limit = budget_mib + RSS_SLACK_MIB
+        r = runs[-1][1]
+        print(f"\n## (a) memory, {name}: {experts / 2**30:.2f} GiB of {MODELS[name]['dtype']} expert shards = "
+              f"{experts / (budget_mib * MIB):.1f}x the {budget_mib} MiB budget, {tokens} new tokens")
+        print(f"peak RSS {peak:.1f} MiB (runs: {fmt([s.peak_rss_mib for s, _ in runs], '.1f')}) vs limit "
+              f"{limit} MiB (budget + {RSS_SLACK_MIB}): {'OK' if peak <= limit else 'OVER'}")
+        print(f"plan: shard cache {r['budget']['shard_cache'] / MIB:.1f} MiB, KV {r['budget']['kv_cache'] / MIB:.1f} "
+              f"MiB, working {r['budget']['working'] / MIB:.1f} MiB; peak cached "
+              f"{r['cache']['peak_cached_bytes'] / MIB:.1f} MiB; {r['cache']['misses']} misses, "
+              f"{r['cache']['evictions']} evictions; read {r['bytes_read'] / 2**30:.2f} GiB")
+        out[name] = {"expert_bytes": experts, "budget_mib": budget_mib, "peak_rss_mib": peak, "limit_mib": limit,
+                     "ok": peak <= limit, "runs_peak_rss_mib": [s.peak_rss_mib for s, _ in runs],
+                     "all_tokens": all(len(rep["generated_ids"]) == tokens for _, rep in runs)}
+    return out
+
+
+# --- (b) decode speed versus transformers ---------------------------------------------------------------
+
+def part_b(work: Path, repeats: int, tokens: int, models: list[str]) -> dict:
+    out = {}
+    for name in models:
+        model = build(work, name)
+        ck = work / name / "ck"
+        cores = str(len(os.sched_getaffinity(0)))
+        # ours by default: the cores its 2 reader threads leave free (verify-and-run --threads 0)
+        settings = {"1 thread": ({"OPENBLAS_NUM_THREADS": "1"}, 1), "default threads": ({}, 0),
+                    f"{cores} threads": ({"OPENBLAS_NUM_THREADS": cores}, int(cores))}
+        results: dict[str, dict[str, list]] = {s: {"ours": [], "transformers": []} for s in settings}
+        ours_ids, hf_ids = None, None
+        for _ in range(repeats):
+            for setting, (env, torch_threads) in settings.items():
+                _, rep = verify_and_run(work, model, "8GiB", tokens, env=env)
+                results[setting]["ours"].append(rep["decode_tokens_per_s"])
+                ours_ids = rep["generated_ids"]
+                hf = in_subprocess("hf", ck, tokens, torch_threads, env=env)
+                results[setting]["transformers"].append(hf["decode_tokens_per_s"])
+                hf_ids = hf["generated_ids"]
+        print(f"\n## (b) decode tokens/s vs transformers: {name} model ({MODELS[name]}), {len(PROMPT)}-token prompt, "
+              f"{tokens} new tokens; same greedy tokens: {ours_ids == hf_ids}")
+        print(f"{'threads':<16} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6}   runs (ours | hf)")
+        out[name] = {"same_tokens": ours_ids == hf_ids}
+        for setting, r in results.items():
+            ratio = median(r["ours"]) / median(r["transformers"])
+            print(f"{setting:<16} {median(r['ours']):11.1f} {median(r['transformers']):9.1f} {ratio:6.2f}   "
+                  f"{fmt(r['ours'], '.1f')} | {fmt(r['transformers'], '.1f')}")
+            out[name][setting] = {"ours": median(r["ours"]), "transformers": median(r["transformers"]), "ratio": ratio}
+    return out
+
+
+def run_hf(out: Path, ck: str, tokens: str, threads: str) -> None:
+    """Subprocess: transformers greedy decode speed = (N - 1) / (t(N new tokens) - t(1 new token))."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if int(threads):
+        torch.set_num_threads(int(threads))
+    model = AutoModelForCausalLM.from_pretrained(ck, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    ids = torch.tensor([PROMPT])
+    mask = torch.ones_like(ids)
+    n = int(tokens)
+
+    def gen(k):
+        with torch.no_grad():
+            t = time.perf_counter()
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False)
+            return time.perf_counter() - t, got[0, len(PROMPT):].tolist()
+
+    gen(2)  # warm-up
+    one = min(gen(1)[0] for _ in range(3))
+    full, generated = gen(n)
+    out.write_text(json.dumps({"decode_tokens_per_s": (n - 1) / (full - one), "generated_ids": generated,
+                               "threads": torch.get_num_threads()}))
+
+
+# --- (c) streaming: read + verify on misses --------------------------------------------------------------
+
+def part_c(work: Path, repeats: int, tokens: int, budget_mib: int) -> dict:
+    return {name: stream_one(work, name, repeats, tokens, budget_mib) for name in STREAM_MODELS}
+
+
+def stream_one(work: Path, name: str, repeats: int, tokens: int, budget_mib: int) -> dict:
+    model = build(work, name)
+    files = [str(p) for p in expert_files(model)]
+    total = sum(Path(f).stat().st_size for f in files)
+    pub = work / "bench.pub"
+    m = {k: [] for k in ("b3sum", "b3sum_1t", "cli", "cli_cpu", "cli_share", "sweep_thread", "sweep_wall", "with",
+                         "without")}
+    run_command(["b3sum", *files])  # warm the page cache: every run below reads from it
+    for _ in range(repeats):  # interleaved, so load on the shared machine hits every candidate alike
+        m["b3sum"].append(total / run_command(["b3sum", *files]).seconds)
+        m["b3sum_1t"].append(total / run_command(["b3sum", "--num-threads", "1", *files]).seconds)
+        _, rep = verify_and_run(work, model, f"{budget_mib}MiB", tokens)
+        sec = rep["seconds"]
+        m["cli"].append(rep["bytes_read"] / (sec["read_thread"] + sec["verify_thread"]))
+        m["cli_cpu"].append(rep["bytes_read"] / (sec["read_thread_cpu"] + sec["verify_thread_cpu"]))
+        m["cli_share"].append(rep["verify_share_of_time"])
+        sweep = in_subprocess("sweep", model, pub, budget_mib)
+        m["sweep_thread"].append(sweep["per_thread_bytes_per_s"])
+        m["sweep_wall"].append(sweep["wall_bytes_per_s"])
+        m["with"].append(in_subprocess("decode", model, pub, budget_mib, tokens, "verify")["decode_s"])
+        m["without"].append(in_subprocess("decode", model, pub, budget_mib, tokens, "skip-hash")["decode_s"])
+    med = {k: median(v) for k, v in m.items()}
+    ratio = med["cli"] / med["b3sum"]
+    share = 1 - med["without"] / med["with"]
+    gb = lambda k: f"{med[k] / 1e9:5.2f} GB/s  runs {fmt([x / 1e9 for x in m[k]])}"  # noqa: E731
+    print(f"\n## (c) streaming, {name}: budget {budget_mib} MiB over {total / 2**30:.2f} GiB of "
+          f"{MODELS[name]['dtype']} experts, {tokens} new tokens; per run {rep['cache']['misses']} misses, "
+          f"{rep['cache']['hits']} hits, {rep['decode_expert_bytes_per_token'] / MIB:.1f} MiB of experts read per "
+          f"decode token, decode {rep['decode_tokens_per_s']:.1f} tok/s")
+    print(f"b3sum (default threads), warm cache:          {gb('b3sum')}")
+    print(f"b3sum --num-threads 1:                         {gb('b3sum_1t')}")
+    print(f"verify-and-run read+verify per thread-second:  {gb('cli')}  ratio {ratio:.2f} (target >= 0.7); "
+          f"vs b3sum with 1 thread {med['cli'] / med['b3sum_1t']:.2f}")
+    print(f"  the same per CPU-second (no waiting for a core): {gb('cli_cpu')}  ratio "
+          f"{med['cli_cpu'] / med['b3sum']:.2f}")
+    print(f"  store alone, no compute, per thread-second:  {gb('sweep_thread')}  ratio "
+          f"{med['sweep_thread'] / med['b3sum']:.2f}")
+    print(f"  store alone, 2 readers, wall clock:          {gb('sweep_wall')}  ratio "
+          f"{med['sweep_wall'] / med['b3sum']:.2f}")
+    print(f"verification share of decode time: {share:.1%} = 1 - decode without hashing {med['without']:.2f}s / with "
+          f"{med['with']:.2f}s (target <= 10%); hashing thread-seconds / wall (report): {med['cli_share']:.1%}")
+    return {"b3sum_bytes_per_s": med["b3sum"], "b3sum_1t_bytes_per_s": med["b3sum_1t"], "ours_bytes_per_s": med["cli"],
+            "ratio": ratio, "ratio_vs_b3sum_1t": med["cli"] / med["b3sum_1t"],
+            "ours_cpu_bytes_per_s": med["cli_cpu"], "cpu_ratio": med["cli_cpu"] / med["b3sum"],
+            "sweep_per_thread_ratio": med["sweep_thread"] / med["b3sum"],
+            "sweep_wall_ratio": med["sweep_wall"] / med["b3sum"], "verify_share": share,
+            "verify_thread_share": med["cli_share"], "decode_s_verify": m["with"], "decode_s_skip_hash": m["without"]}
+
+
+def _session(model: str, pub: str, budget_mib: str, max_tokens: int):
+    from shardtool.cli.run_cmd import _keep_freed_memory, _set_blas_threads
+
+    _set_blas_threads(0, 2)  # as verify-and-run does, before numpy loads
+    _keep_freed_memory()
+    from shardtool.keys import load_public_key
+    from shardtool.manifest import load_verified_manifest
+    from shardtool.runtime._session import Session
+
+    verified = load_verified_manifest(Path(model) / "manifest.msgpack", [load_public_key(Path(pub))], 1)
+    return Session(Path(model), verified, budget=int(budget_mib) * MIB, max_tokens=max_tokens)
+
+
+def run_sweep(out: Path, model: str, pub: str, budget_mib: str) -> None:
+    """Subprocess: every expert once, two at a time (top-2), through the store alone: no compute competes."""
+    session = _session(model, pub, budget_mib, 64)
+    store = session.store
+    experts = [e for e in session.manifest.entries if e.kind == "expert"]
+    t = time.perf_counter()
+    for i in range(0, len(experts), 2):
+        store.get_many(experts[i:i + 2])
+    wall = time.perf_counter() - t
+    s = store.stats
+    session.close()
+    out.write_text(json.dumps({"per_thread_bytes_per_s": s.bytes_read / (s.read_seconds + s.verify_seconds),
+                               "wall_bytes_per_s": s.bytes_read / wall}))
+
+
+def run_decode(out: Path, model: str, pub: str, budget_mib: str, tokens: str, mode: str) -> None:
+    """Subprocess: one generation; with mode skip-hash the store reads without hashing (a benchmark-only
+    counterfactual, never a runtime option) to measure what verification adds to token time."""
+    session = _session(model, pub, budget_mib, len(PROMPT) + int(tokens))
+    if mode == "skip-hash":
+        import numpy as np
+
+        import shardtool.runtime._store as store_mod
+        from shardtool.manifest._files import open_beneath
+
+        def read_without_hash(root, entry):
+            t = time.perf_counter()
+            fd = open_beneath(Path(root), entry.path)
+            data = np.empty(entry.size, np.uint8)
+            view, done = memoryview(data), 0
+            while done < entry.size:
+                done += os.readv(fd, [view[done:done + store_mod.CHUNK]])
+            os.close(fd)
+            return store_mod.Loaded(data, time.perf_counter() - t, 0.0)
+
+        store_mod.read_verified_shard = read_without_hash
+    report = session.generate(PROMPT, int(tokens), temperature=0.0, top_p=1.0, seed=None, on_token=lambda t: None)
+    session.close()
+    out.write_text(json.dumps({"decode_s": report.decode_seconds, "prefill_s": report.prefill_seconds}))
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--_run":
+        mode, out, *rest = sys.argv[2:]
+        {"hf": run_hf, "sweep": run_sweep, "decode": run_decode}[mode](Path(out), *rest)
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="abc")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--budget-mib", type=int, default=256)
+    ap.add_argument("--speed-models", default="tiny,small")
+    ap.add_argument("--speed-tokens", type=int, default=128, help="(b): enough to amortize first-use expert reads")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/shardtool-bench-runtime"))
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if "c" in args.parts and not shutil.which("b3sum"):
+        sys.exit("bench_runtime: b3sum not found (Debian: apt-get install b3sum)")
+    work = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    if not (work / "bench.key").exists():
+        subprocess.run([str(VENV_BIN / "shardtool"), "keygen", "--out", str(work / "bench"), "--no-passphrase"],
+                       check=True, capture_output=True)
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (shared: trust ratios, not times)")
+    results = {}
+    if "a" in args.parts:
+        results["memory"] = part_a(work, args.repeats, args.tokens, args.budget_mib)
+    if "b" in args.parts:
+        results["decode_speed"] = part_b(work, args.repeats, args.speed_tokens, args.speed_models.split(","))
+    if "c" in args.parts:
+        results["streaming"] = part_c(work, args.repeats, args.tokens, args.budget_mib)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

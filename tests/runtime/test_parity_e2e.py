@@ -1,0 +1,166 @@
+"""transformers is the reference for the whole verified path: a tiny random model of each family is saved
+with `save_pretrained`, split, signed, and run by the installed `verify-and-run`; its 16 greedy tokens must
+equal `generate(do_sample=False)` and its logits (read through the verifying store) match float32 torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="parity oracle needs torch (pip install -e '.[oracle]')")
+pytest.importorskip("transformers", reason="parity oracle needs transformers (pip install -e '.[oracle]')")
+
+import _hf_oracle as oracle  # noqa: E402  (tests/runtime is on sys.path: pytest's prepend import mode)
+
+pytestmark = pytest.mark.oracle
+
+BIN = Path(sys.executable).parent
+PROMPT = [3, 17, 200, 45, 9, 128, 77, 5]
+NEW = 16
+REL_TOL = 1e-4  # max |verify-and-run - torch| <= REL_TOL * max |torch|
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str  # an oracle.FAMILY_CASES name
+    stored: str = "float32"  # float32 | bfloat16 (save_pretrained in bf16) | float8 (DeepSeek-style block FP8)
+    block: tuple[int, int] = (128, 128)
+
+
+CASES = {
+    "mixtral": Case("mixtral"),
+    "qwen2_moe": Case("qwen2_moe"),
+    "qwen3_moe": Case("qwen3_moe"),
+    "olmoe": Case("olmoe"),
+    "deepseek_v3": Case("deepseek_v3"),
+    "deepseek_v3_yarn": Case("deepseek_v3_yarn"),
+    "mixtral-bf16": Case("mixtral", "bfloat16"),
+    "deepseek_v3-bf16": Case("deepseek_v3", "bfloat16"),
+    "deepseek_v3-fp8-16x16": Case("deepseek_v3", "float8", (16, 16)),
+    "deepseek_v3_yarn-fp8-128x128": Case("deepseek_v3_yarn", "float8", (128, 128)),
+}
+
+
+def cli(program: str, *args, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XDG_STATE_HOME": str(cwd)}
+    proc = subprocess.run([str(BIN / program), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, f"{program} {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("keys")
+    cli("shardtool", "keygen", "--out", "k", "--no-passphrase", cwd=work)
+    return work
+
+
+def write_checkpoint(case: Case, ck: Path, ref_dir: Path):
+    """The checkpoint as a publisher would ship it, and the float32 torch model its stored values mean."""
+    import torch
+    from safetensors.numpy import save_file
+    from transformers import AutoModelForCausalLM
+
+    hf = oracle.build(case.family)
+    if case.stored == "float32":
+        hf.save_pretrained(ck)
+        return hf
+    if case.stored == "bfloat16":
+        hf.to(torch.bfloat16).save_pretrained(ck)
+        ref = AutoModelForCausalLM.from_pretrained(ck, attn_implementation="eager", dtype=torch.float32).eval()
+        ref.generation_config.eos_token_id = None
+        ref.generation_config.pad_token_id = 0
+        return ref
+    # FP8: transformers cannot write DeepSeek's block-FP8 format on a CPU, so its save_pretrained output is
+    # quantized the way DeepSeek-V3 ships (F8_E4M3 projections + float32 weight_scale_inv per block).
+    stored, exact = oracle.lower_precision(oracle.saved_state(hf, ck), "float8", case.block)
+    for f in ck.glob("*.safetensors*"):
+        f.unlink()
+    save_file({k: np.ascontiguousarray(v) for k, v in stored.items()}, ck / "model.safetensors",
+              metadata={"format": "pt"})
+    config = json.loads((ck / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(case.block)}
+    (ck / "config.json").write_text(json.dumps(config, indent=2))
+    return oracle.load_weights(hf, ref_dir, exact)
+
+
+def stored_dtypes(model_dir: Path) -> set[str]:
+    from safetensors import safe_open
+
+    out = set()
+    for f in model_dir.rglob("*.safetensors"):
+        with safe_open(f, "np") as fh:
+            out.update(str(fh.get_slice(k).get_dtype()) for k in fh.keys())
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_verify_and_run_matches_transformers(name, keys, tmp_path):
+    from shardtool.keys import load_public_key
+    from shardtool.manifest import load_trusted_manifest
+    from shardtool.runtime._session import Session
+
+    case = CASES[name]
+    ref = write_checkpoint(case, tmp_path / "ck", tmp_path / "ref")
+    cli("shardtool", "split", "-q", tmp_path / "ck", tmp_path / "model", cwd=tmp_path)
+    cli("shardtool", "sign", tmp_path / "model", "--key", keys / "k.key", cwd=tmp_path)
+    dtypes = stored_dtypes(tmp_path / "model")
+    want = {"float32": "F32", "bfloat16": "BF16", "float8": "F8_E4M3"}[case.stored]
+    assert want in dtypes, f"split output holds {dtypes}, expected {want} shards"
+
+    report = tmp_path / "report.json"
+    r = cli("verify-and-run", tmp_path / "model", "--trust", keys / "k.pub", "--prompt-ids", ",".join(map(str, PROMPT)),
+            "--print-ids", "--temperature", "0", "--max-new-tokens", NEW, "--json-report", report,
+            "--state-dir", tmp_path / "state", "-q", cwd=tmp_path)
+    tokens = [int(x) for x in r.stdout.split()]
+    assert tokens == oracle.greedy(ref, PROMPT, NEW)
+    summary = json.loads(report.read_text())
+    assert summary["generated_ids"] == tokens and summary["cache"]["misses"] > 0
+
+    # Logits through the same verified path: trusted manifest -> session -> verifying shard store.
+    verified = load_trusted_manifest(tmp_path / "model" / "manifest.msgpack", [load_public_key(keys / "k.pub")], 1,
+                                     tmp_path / "state-logits")
+    session = Session(tmp_path / "model", verified, budget=1 << 30, max_tokens=len(PROMPT))
+    try:
+        got = session.model.prefill(PROMPT)
+        if case.family.startswith("deepseek"):
+            # The correction bias must really be in the signed shards, non-zero, or selection is not under test.
+            bias = session.weights.layer(1)["mlp.gate.e_score_correction_bias"]
+            assert np.abs(bias.astype(np.float32)).max() > 0.01
+    finally:
+        session.close()
+    want_logits = oracle.logits(ref, PROMPT)
+    assert got.shape == want_logits.shape
+    assert np.abs(got - want_logits).max() <= REL_TOL * np.abs(want_logits).max()
+
+
+def test_text_prompt_through_the_verified_tokenizer(keys, tmp_path):
+    """--prompt with the model's tokenizer.json: same ids as the transformers tokenizer, same text out."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    hf = oracle.build("qwen3_moe")
+    hf.save_pretrained(tmp_path / "ck")
+    vocab = {f"w{i}": i for i in range(hf.config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "ck" / "tokenizer.json"))
+    cli("shardtool", "split", "-q", tmp_path / "ck", tmp_path / "model", cwd=tmp_path)
+    cli("shardtool", "sign", tmp_path / "model", "--key", keys / "k.key", cwd=tmp_path)
+
+    prompt = "w3 w17 w200 w45 w9"
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "model" / "tokenizer.json"))
+    ids = hf_tok(prompt)["input_ids"]
+    assert ids == [3, 17, 200, 45, 9]
+    r = cli("verify-and-run", tmp_path / "model", "--trust", keys / "k.pub", "--prompt", prompt,
+            "--max-new-tokens", NEW, "--state-dir", tmp_path / "state", "-q", cwd=tmp_path)
+    assert r.stdout == hf_tok.decode(oracle.greedy(hf, ids, NEW)) + "\n"
