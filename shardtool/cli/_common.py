@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from shardtool.errors import EXIT_IO, ShardtoolError
+from shardtool.errors import EXIT_IO, EXIT_USAGE, ShardtoolError
 
 
 def say(message: str) -> None:
@@ -22,16 +22,30 @@ def emit_json(document: Any) -> None:
 
 
 def run_app(app: typer.Typer) -> None:
-    """Run a typer app. Usage errors are typer's (exit 2); our errors become one line and their exit code.
+    """Run a typer app: every error is one line on stderr and a distinct exit code.
 
-    Only ShardtoolError is caught: a programming bug stays a traceback, never a fake verdict.
+    Our errors carry their own exit code; typer's usage errors (unknown flag, bad value) exit 2.
+    Only these are caught: a programming bug stays a traceback, never a fake verdict.
     """
     command = typer.main.get_command(app)
+    name = app.info.name
     try:
-        command.main(prog_name=app.info.name)
+        rv = command.main(prog_name=name, standalone_mode=False)
     except ShardtoolError as err:
-        say(f"{app.info.name}: error: {err.one_line()} [{type(err).__name__}]")
+        say(f"{name}: error: {err.one_line()} [{type(err).__name__}]")
         sys.exit(err.exit_code)
+    except typer.Exit as ex:  # raised by commands for a chosen exit code (and by --help)
+        sys.exit(ex.exit_code)
+    except typer.Abort:
+        say(f"{name}: aborted")
+        sys.exit(EXIT_USAGE)
+    except typer.TyperException as ex:  # click's UsageError / BadParameter, as vendored by typer
+        message = ex.format_message() if hasattr(ex, "format_message") else str(ex)
+        ctx = getattr(ex, "ctx", None)
+        where = ctx.command_path if ctx is not None else name
+        say(f"{name}: usage error: {' '.join(message.split())} (see {where} --help) [UsageError]")
+        sys.exit(getattr(ex, "exit_code", EXIT_USAGE))
     except KeyboardInterrupt:
-        say(f"{app.info.name}: interrupted")
+        say(f"{name}: interrupted")
         sys.exit(EXIT_IO)
+    sys.exit(rv if isinstance(rv, int) else 0)

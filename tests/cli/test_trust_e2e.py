@@ -185,3 +185,20 @@ def test_manifest_elsewhere_with_manifest_flag(cli, tmp_path, make_model):
     cli.ok("sign", model, "--key", "a.key", "--manifest", "m.msgpack")
     assert cli("audit", model, "--trust", "a.pub", "--manifest", "m.msgpack").code == 0
     assert cli("audit", model, "--trust", "a.pub").code == 1  # no DIR/manifest.msgpack
+
+
+USAGE_CASES = {
+    "unknown-flag": ("audit", ".", "--trust", "a.pub", "--bogus"),
+    "missing-argument": ("audit",),
+    "missing-required-option": ("keygen",),
+    "bad-integer": ("audit", ".", "--trust", "a.pub", "--threshold", "many"),
+    "out-of-range": ("manifest", ".", "--expires-in", "0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(USAGE_CASES))
+def test_usage_errors_are_one_line_exit_2(cli, case):
+    r = cli(*USAGE_CASES[case])
+    assert r.code == 2
+    assert r.out == "" and len(r.err.strip().splitlines()) == 1, r.err
+    assert "usage error" in r.err and "--help" in r.err
