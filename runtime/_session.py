@@ -35,7 +35,7 @@ def _verified_json(root: Path, manifest: VerifiedManifest, path: str) -> dict:
         raise VerificationError(f"{path} is {entry.size} bytes, more than the {MAX_CONFIG_BYTES}-byte cap", path=path)
     data = read_verified(root, entry)
     try:
-        value = json.loads(data.decode("utf-8"))
+        value = json.loads(data.tobytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise VerificationError(f"signed {path} is not valid JSON: {e}", path=path) from None
     if not isinstance(value, dict):
@@ -68,7 +68,7 @@ def load_tokenizer(root: Path, manifest: VerifiedManifest):
 
     data = read_verified(root, entry)
     try:
-        return Tokenizer.from_str(data.decode("utf-8"))
+        return Tokenizer.from_str(data.tobytes().decode("utf-8"))
     except Exception as e:  # tokenizers raises plain Exception for malformed JSON
         raise VerificationError(f"signed tokenizer.json does not load: {str(e)[:200]}", path=entry.path) from None
 

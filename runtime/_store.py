@@ -7,7 +7,6 @@ bounded by a byte budget; an evicted shard needed again is read and verified aga
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -16,17 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
-import blake3
 import numpy as np
 
-from shardtool.errors import CheckpointFormatError, DigestMismatchError, StorageError, VerificationError
-from shardtool.manifest._files import open_beneath
+from shardtool.errors import CheckpointFormatError, VerificationError
+from shardtool.manifest._files import read_verified_timed
 from shardtool.manifest._records import Entry
 
 Arrays = Mapping[str, np.ndarray]
 # Each chunk is hashed right after it is read, while it is still in the CPU cache: one pass over memory
 # instead of two (read all, then hash all), measured ~30% faster on 6 MB experts (benchmarks/bench_runtime.py).
-CHUNK = 1 << 20
 
 
 class ShardFormatError(VerificationError):
@@ -51,65 +48,6 @@ class StoreStats:
 
     def as_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """Verified bytes of one shard (private, read-only) and where the reading thread spent its time:
-    wall seconds (include waiting for a core) and CPU seconds (the work itself)."""
-
-    data: np.ndarray  # uint8 [entry.size]
-    read_seconds: float
-    hash_seconds: float
-    read_cpu_seconds: float = 0.0
-    hash_cpu_seconds: float = 0.0
-
-
-def read_verified_shard(root: Path, entry: Entry) -> Loaded:
-    """Read `entry` into private memory, hashing each chunk as it arrives; return it only if its size and
-    BLAKE3 digest are the manifest's. The bytes returned are exactly the bytes hashed: no mmap, no re-read.
-
-    Hashing runs on the calling thread only (max_threads=1): the store's reader pool already loads
-    several shards at once, and BLAKE3's own threads on top would oversubscribe the cores that compute.
-    """
-    read_s = hash_s = read_cpu = hash_cpu = 0.0
-    t, c = time.perf_counter(), time.thread_time()
-    fd = open_beneath(Path(root), entry.path)
-    try:
-        size = os.fstat(fd).st_size
-        if size != entry.size:
-            raise DigestMismatchError(f"size is {size} bytes, manifest says {entry.size}", path=entry.path,
-                                      expected=str(entry.size), actual=str(size))
-        data = np.empty(entry.size, np.uint8)  # not zero-filled: every byte is overwritten by the read
-        view = memoryview(data)
-        hasher = blake3.blake3()
-        done = 0
-        while done < entry.size:
-            n = os.readv(fd, [view[done:done + CHUNK]])
-            if n == 0:
-                break
-            t1, c1 = time.perf_counter(), time.thread_time()
-            read_s, read_cpu = read_s + t1 - t, read_cpu + c1 - c
-            hasher.update(view[done:done + n])
-            t, c = time.perf_counter(), time.thread_time()
-            hash_s, hash_cpu = hash_s + t - t1, hash_cpu + c - c1
-            done += n
-        extra = len(os.read(fd, 1)) if done == entry.size else 0
-        read_s, read_cpu = read_s + time.perf_counter() - t, read_cpu + time.thread_time() - c
-    except OSError as e:
-        raise StorageError(f"read failed: {e.strerror}", path=entry.path) from e
-    finally:
-        os.close(fd)
-    if done != entry.size or extra:
-        actual = f"{done}{'+' if extra else ''}"
-        raise DigestMismatchError(f"size changed while reading: expected {entry.size} bytes, read {actual}",
-                                  path=entry.path, expected=str(entry.size), actual=actual)
-    digest = hasher.digest()
-    if digest != entry.digest:
-        raise DigestMismatchError(f"BLAKE3 is {digest.hex()}, manifest says {entry.digest.hex()}", path=entry.path,
-                                  expected=entry.digest.hex(), actual=digest.hex())
-    data.flags.writeable = False
-    return Loaded(data, read_s, hash_s, read_cpu, hash_cpu)
 
 
 def parse_shard(entry: Entry, data: np.ndarray | bytes) -> Arrays:
@@ -148,7 +86,7 @@ class ShardStore:
     def _load(self, entry: Entry) -> Arrays:
         """Reader thread: read and verify, parse; then insert into the cache."""
         try:
-            loaded = read_verified_shard(self.root, entry)
+            loaded = read_verified_timed(self.root, entry)
             t0 = time.perf_counter()
             arrays = parse_shard(entry, loaded.data)
             parse_seconds = time.perf_counter() - t0

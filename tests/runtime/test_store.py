@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save as st_save
 
+import shardtool.manifest._files as files_mod
 import shardtool.runtime._store as store_mod
 from shardtool.errors import DigestMismatchError
 from shardtool.manifest import Entry, build_manifest
@@ -56,13 +57,13 @@ SIZE = len(shard_bytes(0))
 def reads(monkeypatch):
     """Counts, by path, how often the store opens a file (its only way to read one)."""
     counts: dict[str, int] = {}
-    real = store_mod.open_beneath
+    real = files_mod.open_beneath
 
     def counting(root, relpath):
         counts[relpath] = counts.get(relpath, 0) + 1
         return real(root, relpath)
 
-    monkeypatch.setattr(store_mod, "open_beneath", counting)
+    monkeypatch.setattr(files_mod, "open_beneath", counting)
     return counts
 
 
@@ -284,7 +285,7 @@ def test_tamper_while_cached_serves_the_verified_arrays_not_the_new_bytes(model,
 def test_bytes_are_read_once_and_the_verified_bytes_are_the_parsed_bytes(model, monkeypatch, reads):
     root, e = model
     verified, parsed = {}, {}  # path -> what the read returned / what parse was given (readers run in parallel)
-    real_read, real_parse = store_mod.read_verified_shard, store_mod.parse_shard
+    real_read, real_parse = store_mod.read_verified_timed, store_mod.parse_shard
 
     def read(r, entry):
         verified[entry.path] = real_read(r, entry)
@@ -294,7 +295,7 @@ def test_bytes_are_read_once_and_the_verified_bytes_are_the_parsed_bytes(model, 
         parsed[entry.path] = data
         return real_parse(entry, data)
 
-    monkeypatch.setattr(store_mod, "read_verified_shard", read)
+    monkeypatch.setattr(store_mod, "read_verified_timed", read)
     monkeypatch.setattr(store_mod, "parse_shard", parse)
     store = make_store(root)
     for _ in range(3):
@@ -311,33 +312,33 @@ def test_bytes_are_read_once_and_the_verified_bytes_are_the_parsed_bytes(model, 
     store.close()
 
 
-def test_read_verified_shard_hashes_every_byte_across_chunks(tmp_path, monkeypatch, raises_exactly):
-    monkeypatch.setattr(store_mod, "CHUNK", 1000)  # many chunks, a short last one
+def test_read_verified_timed_hashes_every_byte_across_chunks(tmp_path, monkeypatch, raises_exactly):
+    monkeypatch.setattr(files_mod, "READ_CHUNK", 1000)  # many chunks, a short last one
     data = os.urandom(10_500)
     (tmp_path / "f").write_bytes(data)
     entry = Entry(path="f", kind="other", size=len(data), digest=blake3.blake3(data).digest())
-    loaded = store_mod.read_verified_shard(tmp_path, entry)
+    loaded = store_mod.read_verified_timed(tmp_path, entry)
     assert loaded.data.tobytes() == data and loaded.read_seconds > 0 and loaded.hash_seconds > 0
     for offset in (0, 999, 1000, 10_499):  # a flip in any chunk, on either side of a boundary, is caught
         bad = bytearray(data)
         bad[offset] ^= 1
         (tmp_path / "f").write_bytes(bytes(bad))
         with raises_exactly(DigestMismatchError):
-            store_mod.read_verified_shard(tmp_path, entry)
+            store_mod.read_verified_timed(tmp_path, entry)
 
 
 def test_get_many_loads_in_parallel_and_keeps_order(model, monkeypatch):
     root, e = model
     readers = 3
     barrier = threading.Barrier(readers, timeout=10)  # breaks (and fails the test) unless 3 reads overlap
-    real = store_mod.read_verified_shard
+    real = store_mod.read_verified_timed
 
     def together(root_, entry):
         if entry.expert < readers:
             barrier.wait()
         return real(root_, entry)
 
-    monkeypatch.setattr(store_mod, "read_verified_shard", together)
+    monkeypatch.setattr(store_mod, "read_verified_timed", together)
     store = make_store(root, readers=readers)
     got = store.get_many([e[2], e[0], e[1], e[4]])
     for arrays, i in zip(got, (2, 0, 1, 4)):
@@ -370,13 +371,13 @@ def test_prefetch_error_surfaces_on_get(model, raises_exactly):
 def test_get_joins_an_inflight_prefetch_and_gets_its_error(model, monkeypatch, raises_exactly, reads):
     root, e = model
     release = threading.Event()
-    real = store_mod.read_verified_shard
+    real = store_mod.read_verified_timed
 
     def slow(root_, entry):
         release.wait(10)
         return real(root_, entry)
 
-    monkeypatch.setattr(store_mod, "read_verified_shard", slow)
+    monkeypatch.setattr(store_mod, "read_verified_timed", slow)
     flip_byte(root / e[1].path)
     store = make_store(root)
     store.prefetch([e[1]])
@@ -390,8 +391,8 @@ def test_get_joins_an_inflight_prefetch_and_gets_its_error(model, monkeypatch, r
 def test_concurrent_gets_of_one_shard_share_one_read(model, monkeypatch, reads):
     root, e = model
     release = threading.Event()
-    real = store_mod.read_verified_shard
-    monkeypatch.setattr(store_mod, "read_verified_shard", lambda r, entry: release.wait(10) and real(r, entry))
+    real = store_mod.read_verified_timed
+    monkeypatch.setattr(store_mod, "read_verified_timed", lambda r, entry: release.wait(10) and real(r, entry))
     store = make_store(root)
     results = []
     threads = [threading.Thread(target=lambda: results.append(store.get(e[0]))) for _ in range(4)]
@@ -427,17 +428,17 @@ def test_file_changing_size_while_it_is_read_is_a_size_mismatch(tmp_path, monkey
     entry = Entry(path="f", kind="other", size=len(data), digest=blake3.blake3(data).digest())
     real_readv, real_read = os.readv, os.read
     # Shrinks after the first chunk (fstat said 5000, then EOF early) ...
-    monkeypatch.setattr(store_mod, "CHUNK", 1000)
+    monkeypatch.setattr(files_mod, "READ_CHUNK", 1000)
     calls = []
     monkeypatch.setattr(os, "readv", lambda fd, bufs: real_readv(fd, bufs) if not calls.append(1) and len(calls) == 1
                         else 0)
     with raises_exactly(DigestMismatchError) as info:
-        store_mod.read_verified_shard(tmp_path, entry)
+        store_mod.read_verified_timed(tmp_path, entry)
     assert (info.value.expected, info.value.actual) == ("5000", "1000")
     # ... or grows: one more byte after the last expected one.
     monkeypatch.setattr(os, "readv", real_readv)
     monkeypatch.setattr(os, "read", lambda fd, n: b"x")
     with raises_exactly(DigestMismatchError) as info:
-        store_mod.read_verified_shard(tmp_path, entry)
+        store_mod.read_verified_timed(tmp_path, entry)
     assert (info.value.expected, info.value.actual) == ("5000", "5000+")
     monkeypatch.setattr(os, "read", real_read)
