@@ -85,17 +85,19 @@ class Header:
         return {t.name: t for t in self.tensors}
 
 
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def strict_json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json object_pairs_hook for untrusted JSON: a key named twice is an error, not last-one-wins."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise CheckpointFormatError(f"header names {key!r} twice")
+            raise CheckpointFormatError(f"names {key!r} twice")
         out[key] = value
     return out
 
 
-def _reject_constant(name: str) -> Any:
-    raise CheckpointFormatError(f"header contains the non-JSON constant {name}")
+def reject_json_constant(name: str) -> Any:
+    """json parse_constant hook: NaN and Infinity are not JSON."""
+    raise CheckpointFormatError(f"contains the non-JSON constant {name}")
 
 
 def _int_list(value: Any, what: str) -> list[int]:
@@ -113,7 +115,7 @@ def parse_header(header: bytes, *, file_size: int) -> Header:
         raise CheckpointFormatError("header does not start with '{'")
     try:
         text = header.decode("utf-8")
-        raw = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+        raw = json.loads(text, object_pairs_hook=strict_json_object, parse_constant=reject_json_constant)
     except UnicodeDecodeError as e:
         raise CheckpointFormatError(f"header is not UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:

@@ -9,7 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from shardtool.checkpoint._safetensors import Header, TensorInfo, read_header
+from shardtool.checkpoint._safetensors import (
+    Header,
+    TensorInfo,
+    read_header,
+    reject_json_constant,
+    strict_json_object,
+)
 from shardtool.errors import CheckpointFormatError, StorageError, UsageError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -42,15 +48,6 @@ def _manifest_safe(name: str) -> bool:
     return True
 
 
-def _strict_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise CheckpointFormatError(f"names {key!r} twice")
-        out[key] = value
-    return out
-
-
 def load_json(path: Path) -> Any:
     """A small JSON file, with duplicate keys and NaN rejected."""
     try:
@@ -64,11 +61,8 @@ def load_json(path: Path) -> Any:
     except OSError as e:
         raise StorageError(f"cannot read: {e.strerror}", path=str(path)) from e
 
-    def bad_constant(name: str) -> Any:
-        raise CheckpointFormatError(f"contains the non-JSON constant {name}")
-
     try:
-        return json.loads(text, object_pairs_hook=_strict_pairs, parse_constant=bad_constant)
+        return json.loads(text, object_pairs_hook=strict_json_object, parse_constant=reject_json_constant)
     except json.JSONDecodeError as e:
         raise CheckpointFormatError(f"not valid JSON: {e.msg} at line {e.lineno}", path=str(path)) from None
     except CheckpointFormatError as e:
