@@ -10,12 +10,15 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import blake3
-import numpy as np
 
 from shardtool.errors import DigestMismatchError, StorageError, VerificationError
 from shardtool.manifest._records import Entry
+
+if TYPE_CHECKING:
+    import numpy as np
 
 CHUNK = 4 * 1024 * 1024  # audit streaming buffer
 READ_CHUNK = 1024 * 1024  # verified reads: hash each MiB while it is still in cache
@@ -136,6 +139,8 @@ def read_verified_timed(root: Path, entry: Entry) -> VerifiedBytes:
     only (max_threads=1): the runtime's reader pool already loads several shards at once, and BLAKE3's
     own threads on top would oversubscribe the cores that compute.
     """
+    import numpy as np  # here, not at module level: audits never need it, and it costs ~40 ms to import
+
     read_s = hash_s = read_cpu = hash_cpu = 0.0
     t, c = time.perf_counter(), time.thread_time()
     fd = open_beneath(Path(root), entry.path)
@@ -176,7 +181,7 @@ def read_verified_timed(root: Path, entry: Entry) -> VerifiedBytes:
     return VerifiedBytes(data, read_s, hash_s, read_cpu, hash_cpu)
 
 
-def read_verified(root: Path, entry: Entry) -> np.ndarray:
+def read_verified(root: Path, entry: Entry) -> "np.ndarray":
     """The whole file `entry.path` as a private, read-only uint8 array, returned only if its size and
     BLAKE3 match `entry`. Callers parse and use exactly these bytes, never a fresh read."""
     return read_verified_timed(root, entry).data

@@ -38,7 +38,7 @@ def check_relpath(path: object) -> str:
         raise ManifestFormatError(f"path {path!r} contains a backslash; separators must be '/'")
     if path.startswith("/"):
         raise ManifestFormatError(f"path {path!r} is absolute; paths are relative to the model directory")
-    if unicodedata.normalize("NFC", path) != path:
+    if not unicodedata.is_normalized("NFC", path):
         raise ManifestFormatError(f"path {path!r} is not in Unicode NFC form")
     segments = path.split("/")
     if len(segments) > MAX_SEGMENTS:
