@@ -151,17 +151,23 @@ def _plan(root: Path, shard_entries: list) -> tuple[dict[str, _File], dict[str, 
     return files, headers
 
 
-def join_checkpoint(out: Path, rebuilt: Path, *, on_bytes: Callable[[int], None] | None = None) -> JoinResult:
-    """Verify every file of split directory `out` against its manifest and rebuild the checkpoint in `rebuilt`."""
+def join_checkpoint(out: Path, rebuilt: Path, *, on_bytes: Callable[[int], None] | None = None,
+                    manifest: Any = None) -> JoinResult:
+    """Verify every file of split directory `out` against its manifest and rebuild the checkpoint in `rebuilt`.
+
+    `manifest`: an already signature-verified manifest (`VerifiedManifest`) to use instead of reading
+    OUT/manifest.msgpack unverified; the CLI passes one when given --trust.
+    """
     from shardtool.manifest import load_manifest, read_verified
 
     out, rebuilt = Path(out), Path(rebuilt)
     on_bytes = on_bytes or (lambda n: None)
     started = time.perf_counter()
-    manifest_path = out / MANIFEST_NAME
-    if not manifest_path.is_file():
-        raise UsageError("no manifest.msgpack: not a split directory (or the split did not finish)", path=str(out))
-    manifest = load_manifest(manifest_path)
+    if manifest is None:
+        manifest_path = out / MANIFEST_NAME
+        if not manifest_path.is_file():
+            raise UsageError("no manifest.msgpack: not a split directory (or the split did not finish)", path=str(out))
+        manifest = load_manifest(manifest_path)
     if rebuilt.exists() and (not rebuilt.is_dir() or any(rebuilt.iterdir())):
         raise UsageError("output must be absent or an empty directory", path=str(rebuilt))
     shards = [e for e in manifest.entries if e.kind in ("trunk", "expert")]

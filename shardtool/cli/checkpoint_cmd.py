@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, List, Mapping, Optional
 
 import typer
 
@@ -59,10 +59,16 @@ def split(
 def join(
     out: Path = typer.Argument(..., help="Split directory (with manifest.msgpack)."),
     rebuilt: Path = typer.Argument(..., help="Where to rebuild the Hugging Face checkpoint (absent or empty)."),
+    trust: List[Path] = typer.Option([], "--trust", help="Check the manifest's signatures first (repeatable)."),
+    threshold: int = typer.Option(1, "--threshold", help="With --trust: distinct trusted keys that must have signed."),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="With --trust: rollback state directory."),
     json_out: bool = typer.Option(False, "--json", help="Print one summary document on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
-    """Verify every shard against the manifest and rebuild the original checkpoint, byte for byte per tensor."""
+    """Verify every shard against the manifest and rebuild the original checkpoint, byte for byte per tensor.
+
+    With --trust the manifest itself is verified (signatures, threshold, expiry, rollback) as audit does;
+    without it, shards are checked against the manifest as found (for a publisher's own split)."""
     from shardtool.checkpoint import join_checkpoint
     from shardtool.cli._progress import Progress
     from shardtool.errors import ManifestFormatError
@@ -71,12 +77,20 @@ def join(
     manifest_path = out / "manifest.msgpack"
     if not manifest_path.is_file():
         raise UsageError("no manifest.msgpack here: not a finished split", path=str(out))
-    try:
-        total = sum(e.size for e in load_manifest(manifest_path).entries)
-    except ManifestFormatError as e:
-        raise UsageError(e.message, path=str(manifest_path)) from e
+    verified = None
+    if trust:
+        from shardtool.cli.manifest_cmd import load_trusted
+        from shardtool.manifest import load_trusted_manifest
+
+        verified = load_trusted_manifest(manifest_path, load_trusted(trust), threshold, state_dir)
+        total = sum(e.size for e in verified.entries)
+    else:
+        try:
+            total = sum(e.size for e in load_manifest(manifest_path).entries)
+        except ManifestFormatError as e:
+            raise UsageError(e.message, path=str(manifest_path)) from e
     with Progress(total, "join", enabled=not quiet) as progress:
-        result = join_checkpoint(out, rebuilt, on_bytes=progress.advance)
+        result = join_checkpoint(out, rebuilt, on_bytes=progress.advance, manifest=verified)
     if json_out:
         emit_json(result.summary())
     say(f"rebuilt {result.files} file(s), {result.tensors} tensor(s) in {rebuilt} ({result.seconds:.1f} s)")

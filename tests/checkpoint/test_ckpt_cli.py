@@ -108,6 +108,23 @@ def test_join_rebuilds(src: Path, tmp_path: Path) -> None:
     assert tensors_of(rebuilt) == tensors_of(src)
 
 
+def test_join_with_trust_checks_signatures_first(src: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    state = ("--state-dir", tmp_path / "state")
+    assert run("split", src, out).code == 0
+    assert run("keygen", "--out", tmp_path / "pub", "--no-passphrase").code == 0
+    assert run("keygen", "--out", tmp_path / "other", "--no-passphrase").code == 0
+    assert_one_line_error(run("join", out, tmp_path / "r0", "--trust", tmp_path / "pub.pub", *state), 1,
+                          "SignatureError")  # unsigned
+    assert run("sign", out, "--key", tmp_path / "pub.key").code == 0
+    assert_one_line_error(run("join", out, tmp_path / "r1", "--trust", tmp_path / "other.pub", *state), 1,
+                          "SignatureError")
+    assert not (tmp_path / "r1").exists()
+    r = run("join", out, tmp_path / "r2", "--trust", tmp_path / "pub.pub", *state)
+    assert r.code == 0, r.err
+    assert tensors_of(tmp_path / "r2") == tensors_of(src)
+
+
 def _unsupported(tmp_path: Path, src: Path) -> Path:
     odd = tmp_path / "odd"
     odd.mkdir()
