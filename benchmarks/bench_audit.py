@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -50,8 +51,10 @@ def file_list(root: Path) -> list[str]:
 
 
 def model_signing_available() -> str | None:
-    exe = shutil.which("model_signing") or (str(VENV_BIN / "model_signing") if (VENV_BIN / "model_signing").exists() else None)
-    return exe
+    """sigstore's model_signing CLI: $MODEL_SIGNING_BIN (make bench installs it into .venv-bench, apart from
+    our own environment, since it pins its own cryptography stack), else PATH."""
+    exe = os.environ.get("MODEL_SIGNING_BIN") or shutil.which("model_signing")
+    return exe if exe and os.path.exists(exe) else None
 
 
 def bench_set(name: str, root: Path, key_pub: Path, state: Path, repeats: int, cold: bool) -> dict:
