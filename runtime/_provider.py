@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -54,6 +55,23 @@ class VerifiedWeights:
         return arrays
 
     def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Mapping[str, np.ndarray]]:
+        """Starts every selected expert's load at once; indexing waits for that expert only."""
         ids = list(expert_ids)
-        loaded = self.store.get_many([self._entry(expert_path(layer, e)) for e in ids])
-        return dict(zip(ids, loaded))
+        waiters = self.store.request([self._entry(expert_path(layer, e)) for e in ids])
+        return _PendingExperts(dict(zip(ids, waiters)))
+
+
+class _PendingExperts(Mapping):
+    """expert id -> verified arrays, each available as soon as its own shard is verified."""
+
+    def __init__(self, waiters: dict[int, Callable[[], Mapping[str, np.ndarray]]]):
+        self._waiters = waiters
+
+    def __getitem__(self, expert: int) -> Mapping[str, np.ndarray]:
+        return self._waiters[expert]()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._waiters)
+
+    def __len__(self) -> int:
+        return len(self._waiters)

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -141,17 +141,31 @@ class ShardStore:
             for entry in entries:
                 self._lookup(entry)
 
-    def get_many(self, entries: list[Entry]) -> list[Arrays]:
-        """All shards, loaded in parallel by the reader pool; raises the first failure."""
+    def request(self, entries: list[Entry]) -> list[Callable[[], Arrays]]:
+        """Start loading every shard now (reader pool) and return one waiter per shard: calling it blocks
+        only until that shard is verified and parsed, so compute on one can overlap hashing of the next."""
         with self._lock:
             misses = self.stats.misses
             found = [self._lookup(entry) for entry in entries]
             self.stats.hits += len(found) - (self.stats.misses - misses)
-        t0 = time.perf_counter()
-        try:
-            return [got.result() if isinstance(got, Future) else got for got in found]
-        finally:
-            self.stats.wait_seconds += time.perf_counter() - t0
+        return [self._waiter(got) for got in found]
+
+    def _waiter(self, got: Arrays | Future) -> Callable[[], Arrays]:
+        if not isinstance(got, Future):
+            return lambda: got
+
+        def wait() -> Arrays:
+            t0 = time.perf_counter()
+            try:
+                return got.result()  # raises the load's error (digest mismatch, format) here
+            finally:
+                with self._lock:
+                    self.stats.wait_seconds += time.perf_counter() - t0
+        return wait
+
+    def get_many(self, entries: list[Entry]) -> list[Arrays]:
+        """All shards, loaded in parallel by the reader pool; raises the first failure."""
+        return [wait() for wait in self.request(entries)]
 
     def get(self, entry: Entry) -> Arrays:
         return self.get_many([entry])[0]

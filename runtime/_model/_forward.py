@@ -171,13 +171,30 @@ class Float32Weights:
         return prepared
 
     def expert_fetch(self, layer: int) -> ExpertFetch:
-        def fetch(ids: Sequence[int]) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        def fetch(ids: Sequence[int]) -> Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
             got = self.provider.experts(layer, ids)
             missing = [e for e in ids if e not in got]
             if missing:
                 raise CheckpointFormatError(f"layer {layer}: provider returned no tensors for experts {missing}")
-            return {e: _expert_f32(self.cfg, layer, e, got[e]) for e in ids}
+            return _Float32Experts(self.cfg, layer, got)
         return fetch
+
+
+class _Float32Experts(Mapping):
+    """Converts each expert to float32 when the MoE loop reaches it, not all up front: with a streaming
+    provider, expert e computes while the next one is still being read and verified."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, got: Mapping[int, Mapping[str, np.ndarray]]):
+        self.cfg, self.layer, self.got = cfg, layer, got
+
+    def __getitem__(self, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return _expert_f32(self.cfg, self.layer, expert, self.got[expert])
+
+    def __iter__(self):
+        return iter(self.got)
+
+    def __len__(self) -> int:
+        return len(self.got)
 
 
 def forward(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndarray, float], ids: np.ndarray,

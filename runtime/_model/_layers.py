@@ -200,13 +200,14 @@ def route_deepseek(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, t
     return weights * np.float32(scaling), idx
 
 
-def moe_experts(x: np.ndarray, weights: np.ndarray, idx: np.ndarray, fetch: ExpertFetch) -> np.ndarray:
+def moe_experts(x: np.ndarray, weights: np.ndarray, idx: np.ndarray,
+                experts: Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:
     """# [T, H], [T, k], [T, k] -> [T, H]: sum over each token's experts of weight * expert(x).
 
-    All experts any token picked are fetched in one call, then each runs once on its tokens.
+    `experts` holds every expert any token picked (fetched in one call); each runs once on its tokens,
+    and a streaming mapping may hand each over only when it is verified.
     """
     ids = np.unique(idx)
-    experts = fetch([int(e) for e in ids])
     out = np.zeros_like(x)
     for e in ids:
         tokens, slots = np.nonzero(idx == e)
@@ -223,14 +224,19 @@ def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch) -
                                       cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
     else:
         weights, idx = route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
-    out = moe_experts(x, weights.astype(np.float32), idx, fetch)
+    # Ask for the routed experts first: a streaming provider loads them while the shared expert computes.
+    experts = fetch([int(e) for e in np.unique(idx)])
+    shared = None
     if cfg.shared_expert == "gated":  # Qwen2-MoE: sigmoid(shared_expert_gate x) * shared_expert(x)
         shared = expert_mlp(x, w["mlp.shared_expert.gate_proj.weight"], w["mlp.shared_expert.up_proj.weight"],
                             w["mlp.shared_expert.down_proj.weight"])
-        out += sigmoid(matmul_t(x, w["mlp.shared_expert_gate.weight"])) * shared
+        shared = sigmoid(matmul_t(x, w["mlp.shared_expert_gate.weight"])) * shared
     elif cfg.shared_expert == "plain":  # DeepSeek-V3: shared experts always run
-        out += expert_mlp(x, w["mlp.shared_experts.gate_proj.weight"], w["mlp.shared_experts.up_proj.weight"],
-                          w["mlp.shared_experts.down_proj.weight"])
+        shared = expert_mlp(x, w["mlp.shared_experts.gate_proj.weight"], w["mlp.shared_experts.up_proj.weight"],
+                            w["mlp.shared_experts.down_proj.weight"])
+    out = moe_experts(x, weights.astype(np.float32), idx, experts)
+    if shared is not None:
+        out += shared  # added after the routed sum, as before: the same float32 result
     return out
 
 

@@ -51,20 +51,26 @@ def _rewrite_after_use(monkeypatch, model: Path) -> set[str]:
                 kit.flip(model / e.path)
 
     real_read_verified = session_mod.read_verified
-    real_get_many = ShardStore.get_many
+    real_request = ShardStore.request
 
     def read_verified(root, entry):
         data = real_read_verified(root, entry)
         tamper([entry])
         return data
 
-    def get_many(self, entries):
-        arrays = real_get_many(self, entries)
-        tamper(entries)
-        return arrays
+    def request(self, entries):
+        """Every shard goes out through a waiter of `request` (get/get_many use it too): rewrite the file
+        on disk the moment its verified arrays are handed to the forward pass."""
+        def handed_out(entry, wait):
+            def waiter():
+                arrays = wait()
+                tamper([entry])
+                return arrays
+            return waiter
+        return [handed_out(e, w) for e, w in zip(entries, real_request(self, entries))]
 
     monkeypatch.setattr(session_mod, "read_verified", read_verified)
-    monkeypatch.setattr(ShardStore, "get_many", get_many)
+    monkeypatch.setattr(ShardStore, "request", request)
     return rewritten
 
 

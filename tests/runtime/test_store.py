@@ -442,3 +442,49 @@ def test_file_changing_size_while_it_is_read_is_a_size_mismatch(tmp_path, monkey
         store_mod.read_verified_timed(tmp_path, entry)
     assert (info.value.expected, info.value.actual) == ("5000", "5000+")
     monkeypatch.setattr(os, "read", real_read)
+
+
+def test_request_hands_out_each_shard_as_soon_as_it_alone_is_verified(model, monkeypatch):
+    """The forward pass computes expert 0 while expert 1 is still being read and hashed."""
+    root, e = model
+    release = threading.Event()
+    real = store_mod.read_verified_timed
+
+    def slow_second(root_, entry):
+        if entry.path == e[1].path:
+            assert release.wait(10), "the first waiter did not return while the second shard was loading"
+        return real(root_, entry)
+
+    monkeypatch.setattr(store_mod, "read_verified_timed", slow_second)
+    store = make_store(root, readers=2)
+    first, second = store.request([e[0], e[1]])
+    assert_arrays(first(), 0)  # returns although shard 1 is blocked mid-load
+    release.set()
+    assert_arrays(second(), 1)
+    assert store.stats.misses == 2 and store.stats.hits == 0
+    store.close()
+
+
+def test_provider_experts_index_waits_per_expert(model, monkeypatch):
+    """VerifiedWeights.experts starts every load and blocks only on the expert being indexed."""
+    from shardtool.runtime._provider import VerifiedWeights
+
+    root, e = model
+    order = []
+    real = store_mod.read_verified_timed
+
+    def traced(root_, entry):
+        got = real(root_, entry)
+        order.append(entry.path)
+        return got
+
+    monkeypatch.setattr(store_mod, "read_verified_timed", traced)
+    store = make_store(root, readers=2)
+    manifest = type("M", (), {"by_path": lambda self: {x.path: x for x in e}})()
+    layer = e[0].layer
+    ids = [x.expert for x in e if x.layer == layer][:3]
+    pending = VerifiedWeights(store, manifest, num_layers=1).experts(layer, ids)
+    assert list(pending) == ids and len(pending) == 3
+    assert_arrays(pending[ids[0]], 0)
+    store.close()
+    assert sorted(order) == sorted(x.path for x in e if x.layer == layer and x.expert in ids)  # all started
