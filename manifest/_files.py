@@ -220,3 +220,33 @@ def digest_fd(fd: int, buffer: bytearray | None = None, *, parallel: bool = True
     after = os.fstat(fd)
     changed = (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or total != after.st_size
     return FileDigest(total, hasher.digest(), changed)
+
+
+def verify_file(path: Path, entry: Entry) -> FileDigest:
+    """Check a file outside any model directory (e.g. a shard received from a peer) against a signed
+    entry: a regular file whose size and BLAKE3 are the entry's. Raises; returns the digest on success."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not hang us
+    except FileNotFoundError:
+        raise MissingFileError("shard file not found", path=str(path)) from None
+    except OSError as e:
+        raise StorageError(f"cannot open shard: {e.strerror}", path=str(path)) from e
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotARegularFileError(f"is a {_describe_mode(mode)}, expected a regular file", path=str(path))
+        result = digest_fd(fd)
+    except OSError as e:
+        raise StorageError(f"read failed: {e.strerror}", path=str(path)) from e
+    finally:
+        os.close(fd)
+    if result.changed:
+        raise VerificationError("file changed while it was being hashed", path=str(path))
+    if result.size != entry.size:
+        raise DigestMismatchError(f"size is {result.size} bytes, the signed entry {entry.path} says {entry.size}",
+                                  path=str(path), expected=str(entry.size), actual=str(result.size))
+    if result.digest != entry.digest:
+        raise DigestMismatchError(f"BLAKE3 is {result.digest.hex()}, the signed entry {entry.path} says "
+                                  f"{entry.digest.hex()}", path=str(path), expected=entry.digest.hex(),
+                                  actual=result.digest.hex())
+    return result

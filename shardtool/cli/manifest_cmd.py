@@ -218,11 +218,9 @@ def verify_shard(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Check one shard against a proof, without the full manifest."""
-    import os
-
-    from shardtool.errors import DigestMismatchError, StorageError, VerificationError
+    from shardtool.errors import StorageError, VerificationError
     from shardtool.manifest import check_and_record, default_state_dir, verify_proof
-    from shardtool.manifest._files import digest_fd
+    from shardtool.manifest._files import MissingFileError, verify_file
     from shardtool.manifest._proof import MAX_PROOF_BYTES
 
     trusted = load_trusted(trust)
@@ -244,28 +242,9 @@ def verify_shard(
     check_and_record(state_dir or default_state_dir(), proven.head, trusted)
     entry = proven.entry
     try:
-        fd = os.open(shard, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise UsageError("shard file not found", path=str(shard)) from None
-    except OSError as e:
-        raise StorageError(f"cannot open shard: {e.strerror}", path=str(shard)) from e
-    try:
-        import stat as stat_mod
-        if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
-            raise VerificationError("not a regular file", path=str(shard))
-        os.set_blocking(fd, True)
-        result = digest_fd(fd)
-    finally:
-        os.close(fd)
-    if result.changed:
-        raise VerificationError("file changed while it was being hashed", path=str(shard))
-    if result.size != entry.size:
-        raise DigestMismatchError(f"size is {result.size} bytes, the signed entry {entry.path} says {entry.size}",
-                                  path=str(shard), expected=str(entry.size), actual=str(result.size))
-    if result.digest != entry.digest:
-        raise DigestMismatchError(f"BLAKE3 is {result.digest.hex()}, the signed entry {entry.path} says "
-                                  f"{entry.digest.hex()}", path=str(shard), expected=entry.digest.hex(),
-                                  actual=result.digest.hex())
+        verify_file(shard, entry)
+    except MissingFileError as e:
+        raise UsageError(e.message, path=e.path) from None  # the operator named a file that is not there
     if json_out:
         emit_json({"ok": True, "shard": str(shard), "entry": entry.path, "kind": entry.kind, "layer": entry.layer,
                    "expert": entry.expert, "size": entry.size, "model_id": proven.head.model_id,

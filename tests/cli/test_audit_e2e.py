@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import msgpack
@@ -135,3 +136,12 @@ def test_tampered_proof_is_refused(cli, signed, case):
     r = cli("verify-shard", signed / EXPERT, "--proof", "p.proof", "--trust", "a.pub")
     assert r.code == 1, r.err
     assert error in r.err and "Traceback" not in r.err
+
+
+def test_verify_shard_refuses_special_and_missing_files(cli, signed, tmp_path):
+    cli.ok("prove", signed, "--entry", EXPERT, "--out", "p.proof")
+    os.mkfifo(tmp_path / "fifo")
+    r = cli("verify-shard", tmp_path / "fifo", "--proof", "p.proof", "--trust", "a.pub", timeout=20)
+    assert r.code == 1 and "FIFO" in r.err  # refused, and never blocks on the open
+    r = cli("verify-shard", tmp_path / "nothing", "--proof", "p.proof", "--trust", "a.pub")
+    assert r.code == 2 and "not found" in r.err
