@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
 import msgpack
@@ -147,8 +148,13 @@ class VerifiedManifest:
     entries: tuple[Entry, ...]
     signers: tuple[PublicKey, ...]
 
-    def by_path(self) -> dict[str, Entry]:
-        return {e.path: e for e in self.entries}
+    def by_path(self) -> Mapping[str, Entry]:
+        """Path -> entry (read-only), built once: audit, the session and the provider all look entries up."""
+        index = self.__dict__.get("_by_path")
+        if index is None:
+            index = MappingProxyType({e.path: e for e in self.entries})
+            object.__setattr__(self, "_by_path", index)  # a derived cache on a frozen instance
+        return index
 
 
 def check_freshness(head: Head, now: int) -> None:

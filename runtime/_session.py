@@ -27,16 +27,26 @@ MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
 ACTIVATION_RESERVE = 32 * 1024 * 1024
 
 
-def _verified_json(root: Path, manifest: VerifiedManifest, path: str) -> dict:
+def _signed_text(root: Path, manifest: VerifiedManifest, path: str, cap: int) -> str | None:
+    """The text of signed file `path`, read through verification (size cap first); None when unlisted."""
     entry = manifest.by_path().get(path)
     if entry is None:
-        raise VerificationError(f"the signed manifest lists no {path}")
-    if entry.size > MAX_CONFIG_BYTES:
-        raise VerificationError(f"{path} is {entry.size} bytes, more than the {MAX_CONFIG_BYTES}-byte cap", path=path)
-    data = read_verified(root, entry)
+        return None
+    if entry.size > cap:
+        raise VerificationError(f"{path} is {entry.size} bytes, more than the {cap}-byte cap", path=path)
     try:
-        value = json.loads(data.tobytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return read_verified(root, entry).tobytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise VerificationError(f"signed {path} is not UTF-8: {e.reason}", path=path) from None
+
+
+def _verified_json(root: Path, manifest: VerifiedManifest, path: str) -> dict:
+    text = _signed_text(root, manifest, path, MAX_CONFIG_BYTES)
+    if text is None:
+        raise VerificationError(f"the signed manifest lists no {path}")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
         raise VerificationError(f"signed {path} is not valid JSON: {e}", path=path) from None
     if not isinstance(value, dict):
         raise VerificationError(f"signed {path} is not a JSON object", path=path)
@@ -59,18 +69,15 @@ def signed_content(path: str | None = None) -> Iterator[None]:
 
 def load_tokenizer(root: Path, manifest: VerifiedManifest):
     """The HF tokenizer from the verified tokenizer.json, or None when the model ships none."""
-    entry = manifest.by_path().get("tokenizer.json")
-    if entry is None:
+    text = _signed_text(root, manifest, "tokenizer.json", MAX_TOKENIZER_BYTES)
+    if text is None:
         return None
-    if entry.size > MAX_TOKENIZER_BYTES:
-        raise VerificationError(f"tokenizer.json is larger than {MAX_TOKENIZER_BYTES} bytes", path=entry.path)
     from tokenizers import Tokenizer
 
-    data = read_verified(root, entry)
     try:
-        return Tokenizer.from_str(data.tobytes().decode("utf-8"))
+        return Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises plain Exception for malformed JSON
-        raise VerificationError(f"signed tokenizer.json does not load: {str(e)[:200]}", path=entry.path) from None
+        raise VerificationError(f"signed tokenizer.json does not load: {str(e)[:200]}", path="tokenizer.json") from None
 
 
 @dataclass(frozen=True)
