@@ -287,7 +287,7 @@ def run_decode(out: Path, model: str, pub: str, budget_mib: str, tokens: str, mo
         import numpy as np
 
         import shardtool.runtime._store as store_mod
-        from shardtool.manifest._files import open_beneath
+        from shardtool._safeio import open_beneath
 
         def read_without_hash(root, entry):
             t = time.perf_counter()

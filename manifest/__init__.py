@@ -11,19 +11,21 @@ from shardtool.manifest._document import (
     VerifiedManifest,
     build_manifest,
     check_freshness,
+    check_model_id,
     decode_manifest,
     describe_head,
     entry_bytes,
     verify_manifest,
 )
 from shardtool.manifest._envelope import PAYLOAD_TYPE, Envelope, Signature, pae, verify_envelope
-from shardtool.manifest._files import read_verified
+from shardtool.manifest._files import read_verified, read_verified_prefix
 from shardtool.manifest._io import (
     MANIFEST_NAME,
     default_manifest_path,
     hash_directory,
     load_manifest,
     load_trusted_manifest,
+    load_trusted_proof,
     load_verified_manifest,
     save_manifest,
 )
@@ -35,6 +37,6 @@ from shardtool.manifest._state import check_and_record, default_state_dir
 __all__ = [
     "FORMAT", "KINDS", "MANIFEST_NAME", "PAYLOAD_TYPE", "Entry", "Envelope", "Head", "Manifest", "Signature",
     "ProvenEntry", "VerifiedManifest", "build_proof", "verify_proof", "build_manifest", "check_and_record", "check_freshness", "classify", "decode_manifest",
-    "default_manifest_path", "default_state_dir", "describe_head", "entry_bytes", "hash_directory", "load_manifest", "load_trusted_manifest",
-    "load_verified_manifest", "pae", "read_verified", "save_manifest", "verify_envelope", "verify_manifest",
+    "default_manifest_path", "default_state_dir", "describe_head", "entry_bytes", "hash_directory", "load_manifest", "load_trusted_manifest", "load_trusted_proof", "check_model_id",
+    "load_verified_manifest", "pae", "read_verified", "read_verified_prefix", "save_manifest", "verify_envelope", "verify_manifest",
 ]

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import msgpack
 
-from shardtool.errors import ExpiredError, ManifestFormatError, MerkleProofError
+from shardtool.errors import ExpiredError, ManifestFormatError, MerkleProofError, VerificationError
 from shardtool.keys import PublicKey
 from shardtool.manifest import _canonical
 from shardtool.manifest._envelope import PAYLOAD_TYPE, Envelope, verify_envelope
@@ -164,6 +164,12 @@ def check_freshness(head: Head, now: int) -> None:
                            hint="the publisher must re-sign a fresh manifest")
     if head.created > now + CLOCK_SKEW:
         raise ExpiredError(f"manifest claims to be created at {_iso(head.created)}, in the future (now {_iso(now)})")
+
+
+def check_model_id(head: Head, expected: str | None) -> None:
+    """A genuine manifest of another model by the same publisher is a substitution, not a pass."""
+    if expected is not None and head.model_id != expected:
+        raise VerificationError(f"manifest is for model {head.model_id!r}, expected {expected!r}")
 
 
 def _iso(t: int) -> str:

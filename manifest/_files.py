@@ -4,16 +4,15 @@ only bytes that were hashed and matched the manifest (no second read, no shared 
 
 from __future__ import annotations
 
-import errno
 import os
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import blake3
 
+from shardtool._safeio import open_beneath, open_regular
 from shardtool.errors import DigestMismatchError, StorageError, VerificationError
 from shardtool.manifest._records import Entry
 
@@ -23,95 +22,6 @@ if TYPE_CHECKING:
 CHUNK = 4 * 1024 * 1024  # audit streaming buffer
 READ_CHUNK = 1024 * 1024  # verified reads: hash each MiB while it is still in cache
 PARALLEL_HASH_MIN = 4 * 1024 * 1024  # below this, BLAKE3's own threads cost more than they save
-
-
-class NotARegularFileError(VerificationError):
-    """Where the manifest lists a file there is a symlink, directory, FIFO, socket or device."""
-
-    def __init__(self, message: str, *, path: str | None = None, finding: str = "not-a-regular-file"):
-        self.finding = finding
-        super().__init__(message, path=path)
-
-
-class MissingFileError(VerificationError):
-    """A file the manifest lists is not there."""
-
-
-def open_dir_beneath(root: Path, reldir: str) -> int:
-    """Open directory `root/reldir` ("" for root itself), refusing a symlink at any component below root."""
-    try:
-        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise StorageError(f"cannot open model directory: {e.strerror}", path=str(root)) from e
-    for part in reldir.split("/") if reldir else ():
-        try:
-            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        except OSError as e:
-            # O_DIRECTORY|O_NOFOLLOW on a symlink fails with ENOTDIR, not ELOOP: name the link for what it is.
-            if e.errno == errno.ENOTDIR and _is_symlink_at(dir_fd, part):
-                e = OSError(errno.ELOOP, os.strerror(errno.ELOOP))
-            os.close(dir_fd)
-            _raise_open_error(e, reldir, component=part)
-        os.close(dir_fd)
-        dir_fd = nxt
-    return dir_fd
-
-
-def _is_symlink_at(dir_fd: int, name: str) -> bool:
-    try:
-        return stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
-    except OSError:
-        return False
-
-
-def open_file_at(dir_fd: int, name: str, relpath: str) -> int:
-    """Open regular file `name` in `dir_fd` without following a link; `relpath` is for messages."""
-    try:
-        # O_NONBLOCK: opening a FIFO planted where a shard should be must not hang us.
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError as e:
-        _raise_open_error(e, relpath)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise NotARegularFileError(f"is a {_describe_mode(st.st_mode)}, expected a regular file", path=relpath)
-    return fd  # O_NONBLOCK has no effect on reads of a regular file: no need to clear it
-
-
-def open_beneath(root: Path, relpath: str) -> int:
-    """Open `root/relpath` read-only, refusing a symlink at any component, and return a file descriptor
-    of a regular file. `relpath` must already be a checked manifest path (no `..`, not absolute)."""
-    reldir, _, name = relpath.rpartition("/")
-    try:
-        dir_fd = open_dir_beneath(root, reldir)
-    except (MissingFileError, NotARegularFileError) as e:
-        e.path = relpath
-        e.args = (e.one_line(),)
-        raise
-    try:
-        return open_file_at(dir_fd, name, relpath)
-    finally:
-        os.close(dir_fd)
-
-
-def _describe_mode(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
-                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"), (stat.S_ISLNK, "symlink")):
-        if test(mode):
-            return name
-    return "special file"
-
-
-def _raise_open_error(e: OSError, relpath: str, component: str | None = None) -> None:
-    where = f" (at {component!r})" if component else ""
-    if e.errno == errno.ENOENT:
-        raise MissingFileError(f"file is missing{where}", path=relpath) from None
-    if e.errno == errno.ELOOP:
-        raise NotARegularFileError(f"is a symlink{where}; links are not followed", path=relpath,
-                                   finding="symlink") from None
-    if e.errno == errno.ENOTDIR:
-        raise NotARegularFileError(f"a path component is not a directory{where}", path=relpath) from None
-    raise StorageError(f"cannot open: {e.strerror}{where}", path=relpath) from e
 
 
 def digest_bytes(data: bytes | memoryview) -> bytes:
@@ -181,6 +91,49 @@ def read_verified_timed(root: Path, entry: Entry) -> VerifiedBytes:
     return VerifiedBytes(data, read_s, hash_s, read_cpu, hash_cpu)
 
 
+def read_verified_prefix(root: Path, entry: Entry, prefix_length: Callable[[bytes], int],
+                         buffer: bytearray | None = None) -> bytes:
+    """Stream the whole of `entry` through the size and BLAKE3 check in bounded memory and return only its
+    first bytes: `prefix_length(first_8_bytes)` of them (clamped to the file). The prefix is returned only
+    after the whole file matched, so a caller parses nothing it has not verified (join reads shard
+    headers this way before it lays out the rebuilt files)."""
+    fd = open_beneath(Path(root), entry.path)
+    try:
+        size = os.fstat(fd).st_size
+        if size != entry.size:
+            raise DigestMismatchError(f"size is {size} bytes, manifest says {entry.size}", path=entry.path,
+                                      expected=str(entry.size), actual=str(size))
+        view = memoryview(buffer if buffer is not None else bytearray(CHUNK))
+        hasher = blake3.blake3()
+        prefix = bytearray()
+        want = 8
+        done = 0
+        while done <= entry.size:  # one byte past the signed size notices growth
+            n = os.readv(fd, [view[:min(len(view), entry.size + 1 - done)]])
+            if n == 0:
+                break
+            chunk = view[:n]
+            hasher.update(chunk)
+            if len(prefix) < want:  # the prefix holds file bytes [0, len(prefix)); this chunk [done, done + n)
+                prefix += chunk[len(prefix) - done:want - done]
+                if want == 8 and len(prefix) == 8:
+                    want = max(8, min(entry.size, prefix_length(bytes(prefix))))
+                    prefix += chunk[len(prefix) - done:want - done]
+            done += n
+    except OSError as e:
+        raise StorageError(f"read failed: {e.strerror}", path=entry.path) from e
+    finally:
+        os.close(fd)
+    if done != entry.size:
+        raise DigestMismatchError(f"size changed while reading: expected {entry.size} bytes, read {done}",
+                                  path=entry.path, expected=str(entry.size), actual=str(done))
+    digest = hasher.digest()
+    if digest != entry.digest:
+        raise DigestMismatchError(f"BLAKE3 is {digest.hex()}, manifest says {entry.digest.hex()}", path=entry.path,
+                                  expected=entry.digest.hex(), actual=digest.hex())
+    return bytes(prefix[:want])
+
+
 def read_verified(root: Path, entry: Entry) -> "np.ndarray":
     """The whole file `entry.path` as a private, read-only uint8 array, returned only if its size and
     BLAKE3 match `entry`. Callers parse and use exactly these bytes, never a fresh read."""
@@ -190,13 +143,17 @@ def read_verified(root: Path, entry: Entry) -> "np.ndarray":
 @dataclass(frozen=True)
 class FileDigest:
     size: int
-    digest: bytes
+    digest: bytes | None  # None: not hashed, because the size already differs from the one expected
     changed: bool  # size or mtime moved while hashing: the digest describes no single version of the file
 
 
-
-def digest_fd(fd: int, buffer: bytearray | None = None, *, parallel: bool = True) -> FileDigest:
+def digest_fd(fd: int, buffer: bytearray | None = None, *, parallel: bool = True,
+              expected_size: int | None = None) -> FileDigest:
     """Hash an open file, for audits, where the bytes are not used afterwards.
+
+    The size comes first: with `expected_size` (the signed size), a file of any other size is reported
+    without reading a byte (a 16 TiB sparse file in place of a 4 KiB expert costs one fstat). Reads never
+    go past the size `fstat` gave at the start, plus one byte to notice growth.
 
     Small files: one read. Large files: streamed through a reusable buffer into BLAKE3, with its own
     threads when `parallel` (callers hashing many files at once give each file one core instead).
@@ -204,47 +161,43 @@ def digest_fd(fd: int, buffer: bytearray | None = None, *, parallel: bool = True
     under it.
     """
     before = os.fstat(fd)
+    if expected_size is not None and before.st_size != expected_size:
+        return FileDigest(before.st_size, None, changed=False)
+    limit = before.st_size + 1
     if before.st_size < CHUNK:
-        data = os.read(fd, before.st_size + 1)
+        data = os.read(fd, limit)
         return FileDigest(len(data), digest_bytes(data), changed=len(data) != before.st_size)
     hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if parallel else 1)
     buf = buffer if buffer is not None else bytearray(CHUNK)
     view = memoryview(buf)
     total = 0
-    while True:
-        n = os.readv(fd, [view])
+    while total < limit:
+        n = os.readv(fd, [view[:min(len(view), limit - total)]])
         if n == 0:
             break
         hasher.update(view[:n])
         total += n
     after = os.fstat(fd)
-    changed = (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or total != after.st_size
+    changed = (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or total != before.st_size
     return FileDigest(total, hasher.digest(), changed)
 
 
 def verify_file(path: Path, entry: Entry) -> FileDigest:
     """Check a file outside any model directory (e.g. a shard received from a peer) against a signed
-    entry: a regular file whose size and BLAKE3 are the entry's. Raises; returns the digest on success."""
+    entry: a regular file whose size and BLAKE3 are the entry's, the size compared before any read.
+    Raises; returns the digest on success."""
+    fd = open_regular(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not hang us
-    except FileNotFoundError:
-        raise MissingFileError("shard file not found", path=str(path)) from None
-    except OSError as e:
-        raise StorageError(f"cannot open shard: {e.strerror}", path=str(path)) from e
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotARegularFileError(f"is a {_describe_mode(mode)}, expected a regular file", path=str(path))
-        result = digest_fd(fd)
+        result = digest_fd(fd, expected_size=entry.size)
     except OSError as e:
         raise StorageError(f"read failed: {e.strerror}", path=str(path)) from e
     finally:
         os.close(fd)
-    if result.changed:
-        raise VerificationError("file changed while it was being hashed", path=str(path))
     if result.size != entry.size:
         raise DigestMismatchError(f"size is {result.size} bytes, the signed entry {entry.path} says {entry.size}",
                                   path=str(path), expected=str(entry.size), actual=str(result.size))
+    if result.changed:
+        raise VerificationError("file changed while it was being hashed", path=str(path))
     if result.digest != entry.digest:
         raise DigestMismatchError(f"BLAKE3 is {result.digest.hex()}, the signed entry {entry.path} says "
                                   f"{entry.digest.hex()}", path=str(path), expected=entry.digest.hex(),

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 from typing import Sequence
 
 from shardtool._atomic import atomic_write_bytes
-from shardtool.errors import ManifestFormatError, StorageError, UsageError, VerificationError
+from shardtool._safeio import open_beneath, read_regular
+from shardtool.errors import (ManifestFormatError, MissingFileError, NotARegularFileError, StorageError,
+                              UsageError, VerificationError)
 from shardtool.keys import PublicKey
-from shardtool.manifest._document import MAX_MANIFEST_BYTES, Manifest, VerifiedManifest, decode_manifest, verify_manifest
+from shardtool.manifest._document import (MAX_MANIFEST_BYTES, Manifest, VerifiedManifest, check_model_id,
+                                          decode_manifest, verify_manifest)
 from shardtool.manifest._files import digest_fd
 from shardtool.manifest._paths import check_relpath
+from shardtool.manifest._proof import MAX_PROOF_BYTES, ProvenEntry, verify_proof
 from shardtool.manifest._records import Entry
 from shardtool.manifest._scan import classify, walk
 
@@ -26,29 +29,14 @@ def default_manifest_path(model_dir: Path) -> Path:
 def read_manifest_bytes(path: Path) -> bytes:
     """The manifest file's bytes, capped; a missing manifest is a verification failure, not an I/O error."""
     try:
-        # O_NONBLOCK: a FIFO planted in place of the manifest must not hang the verifier in open().
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
+        return read_regular(path, MAX_MANIFEST_BYTES, what="manifest", too_large=ManifestFormatError)
+    except MissingFileError:
         raise VerificationError("no manifest here", path=str(path),
                                 hint="run `shardtool manifest` or `shardtool split`, then `shardtool sign`") from None
-    except OSError as e:
-        raise StorageError(f"cannot read manifest: {e.strerror}", path=str(path)) from e
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise VerificationError("manifest path is a directory", path=str(path))
-        if not stat.S_ISREG(mode):  # a FIFO, socket or device: could block or never end
-            raise VerificationError("manifest is not a regular file", path=str(path))
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = fh.read(MAX_MANIFEST_BYTES + 1)
-    except OSError as e:
-        raise StorageError(f"cannot read manifest: {e.strerror}", path=str(path)) from e
-    finally:
-        os.close(fd)
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestFormatError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes", path=str(path))
-    return data
+    except NotARegularFileError as e:
+        if e.found == "directory":
+            raise VerificationError("manifest path is a directory", path=str(path)) from None
+        raise VerificationError(f"manifest is not a regular file ({e.message})", path=str(path)) from None
 
 
 def _with_path(err: Exception, path: Path) -> Exception:
@@ -77,14 +65,40 @@ def load_verified_manifest(path: Path, trusted: Sequence[PublicKey], threshold: 
 
 
 def load_trusted_manifest(path: Path, trusted: Sequence[PublicKey], threshold: int, state_dir: Path | None,
-                          now: int | None = None) -> VerifiedManifest:
-    """Everything audit and the runtime check before touching a model file: signatures, threshold,
-    format, entries vs root, expiry, then the rollback floor (which this call raises on success)."""
+                          now: int | None = None, *, model_id: str | None = None) -> VerifiedManifest:
+    """Everything audit, join and the runtime check before touching a model file: signatures, threshold,
+    format, entries vs root, expiry, the model ID when pinned, and only then the rollback floor (which
+    this call raises on success: nothing refused ever moves it)."""
     from shardtool.manifest._state import check_and_record, default_state_dir
 
     verified = load_verified_manifest(path, trusted, threshold, now=now)
+    try:
+        check_model_id(verified.head, model_id)
+    except VerificationError as e:
+        raise _with_path(e, path)
     check_and_record(state_dir or default_state_dir(), verified.head, trusted)
     return verified
+
+
+def load_trusted_proof(path: Path, trusted: Sequence[PublicKey], threshold: int, state_dir: Path | None,
+                       now: int | None = None, *, model_id: str | None = None,
+                       entry_path: str | None = None) -> ProvenEntry:
+    """A proof file (from `shardtool prove`, received from a peer) checked like a manifest: signatures,
+    threshold, inclusion under the signed root, freshness, the model ID and the entry asked for when
+    pinned, and only then the rollback floor."""
+    from shardtool.manifest._state import check_and_record, default_state_dir
+
+    data = read_regular(path, MAX_PROOF_BYTES, what="proof", too_large=ManifestFormatError)
+    try:
+        proven = verify_proof(data, trusted, threshold, now=now)
+        check_model_id(proven.head, model_id)
+        if entry_path is not None and proven.entry.path != entry_path:
+            # A genuine shard with its genuine proof, sent in place of the one asked for (substitution).
+            raise VerificationError(f"the proof proves entry {proven.entry.path!r}, expected {entry_path!r}")
+    except VerificationError as e:
+        raise _with_path(e, path)
+    check_and_record(state_dir or default_state_dir(), proven.head, trusted)
+    return proven
 
 
 def save_manifest(path: Path, manifest: Manifest) -> None:
@@ -92,27 +106,36 @@ def save_manifest(path: Path, manifest: Manifest) -> None:
 
 
 def hash_directory(root: Path, *, exclude: Sequence[str] = ()) -> list[Entry]:
-    """Entries for every regular file below `root`; links, special files and bad names are refused."""
+    """Entries for every regular file below `root`; links, special files, unreadable directories and bad
+    names are refused (this is a producer: the publisher's own directory, exit 2 on anything odd)."""
     root = Path(root)
     excluded = set(exclude)
     entries = []
     for item in walk(root):
         if item.relpath in excluded or item.kind == "directory":
             continue
+        where = str(root / item.relpath)
+        if item.kind == "unreadable":
+            raise UsageError(item.detail, path=where)
         if item.kind != "file":
-            raise UsageError(f"is a {item.kind}; a manifest lists regular files only", path=str(root / item.relpath))
+            raise UsageError(f"is a {item.kind}; a manifest lists regular files only", path=where)
         try:
             check_relpath(item.relpath)
         except ManifestFormatError as e:
-            raise UsageError(f"file name cannot go into a manifest: {e.message}", path=str(root / item.relpath)) from e
+            raise UsageError(f"file name cannot go into a manifest: {e.message}", path=where) from e
         kind, layer, expert = classify(item.relpath)
-        fd = os.open(root / item.relpath, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            fd = open_beneath(root, item.relpath)
+        except VerificationError as e:
+            raise UsageError(e.message, path=where) from e
         try:
             result = digest_fd(fd)
+        except OSError as e:
+            raise StorageError(f"read failed: {e.strerror}", path=where) from e
         finally:
             os.close(fd)
         if result.changed:
-            raise StorageError("file changed while it was being hashed", path=str(root / item.relpath))
+            raise StorageError("file changed while it was being hashed", path=where)
         entries.append(Entry(path=item.relpath, kind=kind, size=result.size, digest=result.digest, layer=layer,
                              expert=expert))
     return entries

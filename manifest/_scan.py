@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from shardtool.errors import ManifestFormatError, StorageError
 
@@ -24,15 +24,9 @@ _TOKENIZER = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 @dataclass(frozen=True)
 class DirItem:
     relpath: str  # '/'-separated, as found on disk (may be non-canonical: that is for the caller to judge)
-    kind: str  # "file", "symlink", "directory", "special"
-    abspath: str
-
-    def size(self) -> int | None:
-        """lstat on demand: the walk itself uses only the directory entry's type, no syscall per file."""
-        try:
-            return os.lstat(self.abspath).st_size
-        except OSError:
-            return None
+    kind: str  # "file", "symlink", "directory", "special", or "unreadable" (a directory we could not enter)
+    size: int | None = None  # lstat size, for the items the walk was asked to stat
+    detail: str = ""  # "unreadable": why
 
 
 def classify(relpath: str) -> tuple[str, int | None, int | None]:
@@ -52,12 +46,7 @@ def classify(relpath: str) -> tuple[str, int | None, int | None]:
     return "other", None, None
 
 
-def _listing(directory: str) -> list[os.DirEntry]:
-    try:
-        with os.scandir(directory) as it:
-            return sorted(it, key=lambda d: d.name.encode("utf-8", "surrogateescape"))
-    except OSError as e:
-        raise StorageError(f"cannot list directory: {e.strerror}", path=directory) from e
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _kind(d: os.DirEntry) -> str | None:
@@ -71,25 +60,99 @@ def _kind(d: os.DirEntry) -> str | None:
         return None  # vanished while we listed; the manifest comparison reports it if it mattered
 
 
-def walk(root: Path) -> Iterator[DirItem]:
+def _listing(dir_fd: int) -> list[tuple[str, str]]:
+    """(name, kind) of every entry of an open directory, sorted by the name's bytes. Kinds are taken now,
+    while `dir_fd` is the directory listed (entries without a d_type are stat'ed relative to it)."""
+    with os.scandir(dir_fd) as it:
+        found = [(d.name, _kind(d)) for d in it]
+    return sorted(((n, k) for n, k in found if k is not None), key=lambda nk: nk[0].encode("utf-8", "surrogateescape"))
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _lstat_size(dir_fd: int, name: str) -> int | None:
+    try:
+        return os.lstat(name, dir_fd=dir_fd).st_size
+    except OSError:
+        return None
+
+
+@dataclass
+class _Frame:
+    entries: Iterator[tuple[str, str]]  # what is left to visit in this directory
+    prefix: str  # its relative path + "/" ("" for the root)
+    own: DirItem | None  # its own item, yielded after its contents
+    identity: tuple[int, int]  # (st_dev, st_ino), to check the way back up
+
+
+def walk(root: Path, *, stat_if: Callable[[str], bool] | None = None) -> Iterator[DirItem]:
     """Every entry below `root`, sorted, each directory after its contents; symlinks are reported, never
-    followed. Iterative, not recursive: a hostile tree thousands of levels deep must not exhaust the stack."""
-    if not root.is_dir():
-        raise ManifestFormatError("not a directory", path=str(root))
-    # Each frame: the remaining entries of one directory, its relative prefix, and its own item (yielded last).
-    stack: list[tuple[Iterator[os.DirEntry], str, DirItem | None]] = [(iter(_listing(str(root))), "", None)]
-    while stack:
-        entries, prefix, own = stack[-1]
-        for d in entries:
-            kind = _kind(d)
-            if kind is None:
-                continue
-            item = DirItem(prefix + d.name, kind, d.path)
-            if kind == "directory":
-                stack.append((iter(_listing(d.path)), item.relpath + "/", item))
+    followed. `stat_if(relpath)`: which non-directory items get their lstat size.
+
+    The walk holds two descriptors whatever the depth (the root's and the current directory's) and opens
+    each name relative to its parent, so a hostile tree thousands of levels deep, with paths far beyond
+    PATH_MAX, is walked like any other. Going back up opens `..` and checks it is the directory we came
+    from. A directory that cannot be entered or listed is an "unreadable" item, and the walk goes on;
+    one moved while it is walked ends the walk with an "unreadable" item (what is beyond it is unknown).
+    """
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise ManifestFormatError("not a directory", path=str(root)) from None
+    except OSError as e:
+        raise StorageError(f"cannot open directory: {e.strerror}", path=str(root)) from e
+    cur = -1
+    try:
+        try:
+            listing = _listing(root_fd)
+        except OSError as e:
+            raise StorageError(f"cannot list directory: {e.strerror}", path=str(root)) from e
+        cur = os.dup(root_fd)
+        frames = [_Frame(iter(listing), "", None, _identity(root_fd))]
+        while frames:
+            frame = frames[-1]
+            for name, kind in frame.entries:
+                relpath = frame.prefix + name
+                if kind != "directory":
+                    size = _lstat_size(cur, name) if stat_if is not None and stat_if(relpath) else None
+                    yield DirItem(relpath, kind, size)
+                    continue
+                try:
+                    child = os.open(name, _DIR_FLAGS, dir_fd=cur)
+                except OSError as e:
+                    yield DirItem(relpath, "unreadable", detail=f"cannot enter directory: {e.strerror}")
+                    continue
+                try:
+                    listing = _listing(child)
+                except OSError as e:
+                    os.close(child)
+                    yield DirItem(relpath, "unreadable", detail=f"cannot list directory: {e.strerror}")
+                    continue
+                os.close(cur)
+                cur = child
+                frames.append(_Frame(iter(listing), relpath + "/", DirItem(relpath, "directory"), _identity(child)))
                 break
-            yield item
-        else:
-            stack.pop()
-            if own is not None:
-                yield own
+            else:
+                frames.pop()
+                if frames:
+                    try:
+                        parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=cur)
+                    except OSError as e:
+                        yield DirItem(frame.prefix.rstrip("/"), "unreadable",
+                                      detail=f"cannot go back up from directory: {e.strerror}; the walk stopped here")
+                        return
+                    os.close(cur)
+                    cur = parent
+                    if _identity(parent) != frames[-1].identity:
+                        yield DirItem(frame.prefix.rstrip("/"), "unreadable",
+                                      detail="directory moved while it was walked; the walk stopped here")
+                        return
+                if frame.own is not None:
+                    yield frame.own
+    finally:
+        if cur >= 0:
+            os.close(cur)
+        os.close(root_fd)

@@ -11,18 +11,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from shardtool.errors import ShardtoolError
+from shardtool._safeio import open_beneath, open_dir_beneath, open_file_at
+from shardtool._text import printable
+from shardtool.errors import MissingFileError, NotARegularFileError, ShardtoolError, VerificationError
 from shardtool.manifest._document import VerifiedManifest
-from shardtool.manifest._files import (
-    CHUNK,
-    FileDigest,
-    MissingFileError,
-    NotARegularFileError,
-    digest_fd,
-    open_beneath,
-    open_dir_beneath,
-    open_file_at,
-)
+from shardtool.manifest._files import CHUNK, FileDigest, digest_fd
 from shardtool.manifest._records import Entry
 from shardtool.manifest._scan import walk
 
@@ -44,7 +37,8 @@ class Finding:
     found_digest: str | None = None
 
     def line(self) -> str:
-        return f"{self.finding:<18} {self.path}: {self.detail}"
+        """One terminal-safe line: the path (and a detail that may quote a name) come from disk."""
+        return f"{self.finding:<18} {printable(self.path)}: {printable(self.detail, backslash=False)}"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,6 +68,9 @@ def _from_entry(entry: Entry, finding: str, detail: str, **found) -> Finding:
 
 
 def _compare(entry: Entry, result: FileDigest) -> Finding | None:
+    if result.digest is None:  # the size differed before a byte was read
+        return _from_entry(entry, "size-mismatch", f"{result.size} bytes, manifest says {entry.size}",
+                           found_size=result.size)
     if result.changed:
         return _from_entry(entry, "unreadable", "file changed while it was being hashed", found_size=result.size)
     if result.size != entry.size:
@@ -87,6 +84,9 @@ def _compare(entry: Entry, result: FileDigest) -> Finding | None:
 
 
 def _open_finding(entry: Entry, err: ShardtoolError) -> Finding:
+    """What the tree did to us is a finding; trouble on our side (out of descriptors) stays an error."""
+    if not isinstance(err, VerificationError):
+        raise err
     if isinstance(err, MissingFileError):
         return _from_entry(entry, "missing", "listed in the manifest, not on disk")
     if isinstance(err, NotARegularFileError):
@@ -109,7 +109,7 @@ def check_file(root: Path, entry: Entry, buffer: bytearray | None = None, *, dir
     except ShardtoolError as e:
         return _open_finding(entry, e)
     try:
-        result = digest_fd(fd, buffer, parallel=parallel)
+        result = digest_fd(fd, buffer, parallel=parallel, expected_size=entry.size)
     except OSError as e:
         return _from_entry(entry, "unreadable", f"read failed: {e.strerror}")
     finally:
@@ -135,7 +135,7 @@ def _check_link(root: Path, entry: Entry) -> Finding | None:
     except ShardtoolError as e:
         return _open_finding(entry, e)
     try:
-        return _compare(entry, digest_fd(fd))
+        return _compare(entry, digest_fd(fd, expected_size=entry.size))
     except OSError as e:
         return _from_entry(entry, "unreadable", f"read failed: {e.strerror}")
     finally:
@@ -150,25 +150,30 @@ def audit_directory(root: Path, manifest: VerifiedManifest, *, ignore: Iterable[
     `root` is checked through its target; links leaving `root` stay findings. `progress(n)` is called
     with bytes hashed as they accrue."""
     listed = manifest.by_path()
+    implied = _implied_directories(listed)
     ignored = set(ignore)
     report = AuditReport()
     on_disk: dict[str, str] = {}
-    for item in walk(root):
+    for item in walk(root, stat_if=lambda relpath: relpath not in listed):
         if item.relpath in ignored:
             continue
         on_disk[item.relpath] = item.kind
         entry = listed.get(item.relpath)
-        if item.kind == "directory":
+        if item.kind == "unreadable":
+            report.findings.append(_from_entry(entry, "unreadable", item.detail) if entry is not None
+                                   else Finding(path=item.relpath, finding="unreadable", detail=item.detail))
+        elif item.kind == "directory":
             if entry is not None:
                 report.findings.append(_from_entry(entry, "not-a-regular-file", "is a directory"))
-            continue
-        if entry is None:
+            elif item.relpath not in implied:
+                report.findings.append(Finding(path=item.relpath, finding="unlisted",
+                                               detail="a directory that no listed file lies in"))
+        elif entry is None:
             finding = {"file": "unlisted", "symlink": "symlink", "special": "not-a-regular-file"}[item.kind]
-            size = item.size()
-            detail = {"file": f"present ({size} bytes) but not listed in the manifest",
+            detail = {"file": f"present ({item.size} bytes) but not listed in the manifest",
                       "symlink": "a symlink not listed in the manifest",
                       "special": "a special file not listed in the manifest"}[item.kind]
-            report.findings.append(Finding(path=item.relpath, finding=finding, detail=detail, found_size=size))
+            report.findings.append(Finding(path=item.relpath, finding=finding, detail=detail, found_size=item.size))
         elif item.kind == "symlink":
             if follow_symlinks:
                 finding = _check_link(root, entry)
@@ -180,9 +185,12 @@ def audit_directory(root: Path, manifest: VerifiedManifest, *, ignore: Iterable[
         elif item.kind == "special":
             report.findings.append(_from_entry(entry, "not-a-regular-file", "is a special file (FIFO, socket or device)"))
     to_hash = []
+    unreadable_dirs = {path for path, kind in on_disk.items() if kind == "unreadable"}
     for path, entry in listed.items():
         kind = on_disk.get(path)
-        if kind is None:
+        if kind is None and unreadable_dirs and _lies_in(path, unreadable_dirs):
+            report.findings.append(_from_entry(entry, "unreadable", "lies in a directory that could not be walked"))
+        elif kind is None:
             if present_only:
                 report.absent.append(path)
             else:
@@ -192,6 +200,26 @@ def audit_directory(root: Path, manifest: VerifiedManifest, *, ignore: Iterable[
     report.findings.extend(_hash_all(root, to_hash, workers, progress, report))
     report.findings.sort(key=lambda f: (f.path, f.finding))
     return report
+
+
+def _lies_in(path: str, directories: set[str]) -> bool:
+    reldir = path.rpartition("/")[0]
+    while reldir:
+        if reldir in directories:
+            return True
+        reldir = reldir.rpartition("/")[0]
+    return False
+
+
+def _implied_directories(listed: Iterable[str]) -> set[str]:
+    """Every directory a listed path lies in: the only directories a clean tree holds."""
+    out: set[str] = set()
+    for path in listed:
+        reldir = path.rpartition("/")[0]
+        while reldir and reldir not in out:
+            out.add(reldir)
+            reldir = reldir.rpartition("/")[0]
+    return out
 
 
 BATCH_FILES = 256

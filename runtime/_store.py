@@ -17,18 +17,13 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from shardtool.errors import CheckpointFormatError, VerificationError
+from shardtool.errors import CheckpointFormatError, ShardFormatError, VerificationError
 from shardtool.manifest._files import read_verified_timed
 from shardtool.manifest._records import Entry
 
 Arrays = Mapping[str, np.ndarray]
 # Each chunk is hashed right after it is read, while it is still in the CPU cache: one pass over memory
 # instead of two (read all, then hash all), measured ~30% faster on 6 MB experts (benchmarks/bench_runtime.py).
-
-
-class ShardFormatError(VerificationError):
-    """A shard whose bytes match the signed digest but do not parse as safetensors, or do not hold the
-    tensors the signed config.json implies."""
 
 
 @dataclass

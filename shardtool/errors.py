@@ -6,6 +6,8 @@ Exit codes (STYLE.md rule 7): 0 success, 1 verification failed (the thing is unt
 
 from __future__ import annotations
 
+from shardtool._text import printable
+
 EXIT_OK = 0
 EXIT_UNTRUSTED = 1
 EXIT_USAGE = 2
@@ -24,9 +26,10 @@ class ShardtoolError(Exception):
         super().__init__(self.one_line())
 
     def one_line(self) -> str:
-        where = f"{self.path}: " if self.path else ""
+        """Terminal-safe: the path may be a file name from disk, the message may quote one."""
+        where = f"{printable(self.path)}: " if self.path else ""
         hint = f" ({self.hint})" if self.hint else ""
-        return f"{where}{self.message}{hint}"
+        return printable(f"{self.message}{hint}", backslash=False).join((where, ""))
 
 
 class UsageError(ShardtoolError):
@@ -71,6 +74,34 @@ class DigestMismatchError(VerificationError):
         self.expected = expected
         self.actual = actual
         super().__init__(message, path=path, hint=hint)
+
+
+class MissingFileError(VerificationError):
+    """A file that should be there is not (a listed shard, a named proof or key)."""
+
+
+class NotARegularFileError(VerificationError):
+    """Where a file should be there is a symlink, directory, FIFO, socket or device.
+
+    `finding`: the audit finding class this becomes ("symlink" or "not-a-regular-file"); `found`: what is
+    there instead ("directory", "FIFO", "socket", ...), when known."""
+
+    def __init__(self, message: str, *, path: str | None = None, finding: str = "not-a-regular-file",
+                 found: str | None = None):
+        self.finding = finding
+        self.found = found
+        super().__init__(message, path=path)
+
+
+class UnreadableFileError(VerificationError):
+    """A file or directory in the checked tree that cannot be opened or read (permissions, a name too
+    long, changed while it was read). Anyone who can write the tree can arrange it, so it is a finding
+    about the tree (exit 1), never an I/O verdict about our machine."""
+
+
+class ShardFormatError(VerificationError):
+    """A shard whose bytes match the signed digest but do not parse as safetensors, or do not hold the
+    tensors the signed config implies: the signed model is unusable (exit 1), not a usage error."""
 
 
 class RollbackError(VerificationError):

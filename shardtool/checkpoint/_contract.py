@@ -278,6 +278,21 @@ class Estimate:
     min_memory_bytes: int
 
 
+def check_contract_keys(contract: Mapping[str, int]) -> None:
+    """A contract this version can read: version CONTRACT_VERSION, exactly the KEYS. The manifest decoder
+    checks only its form (a flat map of small names to integers); what the names mean is known here."""
+    version = contract.get("contract_version")
+    if version != CONTRACT_VERSION:
+        raise CheckpointFormatError(f"resource contract version is {version!r}, this tool reads {CONTRACT_VERSION}")
+    missing = [k for k in KEYS if k not in contract]
+    unknown = sorted(set(contract) - set(KEYS))
+    if missing or unknown:
+        raise CheckpointFormatError(f"resource contract lacks {missing[:4]} / has unknown {unknown[:4]}"
+                                    if missing and unknown else
+                                    f"resource contract lacks keys {missing[:8]}" if missing else
+                                    f"resource contract has unknown keys {unknown[:8]}")
+
+
 def estimate(contract: Mapping[str, int], *, disk_gbps: float, context_tokens: int | None = None) -> Estimate:
     """Seconds per token when every selected expert is read from disk (cold cache) at `disk_gbps` GB/s."""
     if not disk_gbps > 0:

@@ -22,7 +22,8 @@ from shardtool.checkpoint._plan import Cut, paste, uint_view
 from shardtool.checkpoint._safetensors import (DTYPE_SIZES, MAX_HEADER_BYTES, TensorSpec, encode_header,
                                                parse_header)
 from shardtool.checkpoint._split import MANIFEST_NAME, SOURCE_FORMAT, SOURCE_KEY
-from shardtool.errors import CheckpointFormatError, DigestMismatchError, StorageError, UsageError
+from shardtool.errors import (CheckpointFormatError, DigestMismatchError, ShardFormatError, StorageError,
+                              UsageError)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -63,20 +64,21 @@ class JoinResult:
                 "bytes_written": self.bytes_written, "seconds": round(self.seconds, 3)}
 
 
-def _read_header_bytes(path: Path) -> bytes:
-    try:
-        with open(path, "rb") as fh:
-            prefix = fh.read(8)
-            if len(prefix) < 8:
-                raise CheckpointFormatError("too short for a safetensors header", path=str(path))
-            (n,) = struct.unpack("<Q", prefix)
-            if n > MAX_HEADER_BYTES:
-                raise CheckpointFormatError(f"header length {n} exceeds the limit", path=str(path))
-            return prefix + fh.read(n)
-    except FileNotFoundError:
-        raise StorageError("shard listed in the manifest is missing", path=str(path)) from None
-    except OSError as e:
-        raise StorageError(f"cannot read: {e.strerror}", path=str(path)) from e
+def _header_length(prefix: bytes) -> int:
+    """How much of a shard's start join keeps: the 8-byte length and the header it announces (capped:
+    a longer one is refused by the parser)."""
+    (n,) = struct.unpack("<Q", prefix)
+    return 8 + min(n, MAX_HEADER_BYTES + 1)
+
+
+def _verified_header(root: Path, entry: Any, buffer: bytearray) -> bytes:
+    """The shard's header bytes, returned only after the whole shard matched its entry."""
+    from shardtool.manifest import read_verified_prefix
+
+    header = read_verified_prefix(root, entry, _header_length, buffer)
+    if len(header) < 8:
+        raise CheckpointFormatError("too short for a safetensors header", path=entry.path)
+    return header
 
 
 def _records(header: bytes, file_size: int, where: str) -> tuple[Any, dict[str, Any]]:
@@ -103,8 +105,9 @@ def _records(header: bytes, file_size: int, where: str) -> tuple[Any, dict[str, 
 def _plan(root: Path, shard_entries: list) -> tuple[dict[str, _File], dict[str, bytes]]:
     files: dict[str, _File] = {}
     headers: dict[str, bytes] = {}
+    buffer = bytearray(4 * 1024 * 1024)
     for entry in shard_entries:
-        header = _read_header_bytes(root / entry.path)
+        header = _verified_header(root, entry, buffer)
         headers[entry.path] = header
         parsed, doc = _records(header, entry.size, entry.path)
         infos = parsed.by_name()
@@ -151,34 +154,29 @@ def _plan(root: Path, shard_entries: list) -> tuple[dict[str, _File], dict[str, 
     return files, headers
 
 
-def join_checkpoint(out: Path, rebuilt: Path, *, on_bytes: Callable[[int], None] | None = None,
-                    manifest: Any = None) -> JoinResult:
-    """Verify every file of split directory `out` against its manifest and rebuild the checkpoint in `rebuilt`.
+def join_checkpoint(out: Path, rebuilt: Path, manifest: Any, *,
+                    on_bytes: Callable[[int], None] | None = None) -> JoinResult:
+    """Rebuild the checkpoint of split directory `out` in `rebuilt` from `manifest`'s files only.
 
-    `manifest`: an already signature-verified manifest (`VerifiedManifest`) to use instead of reading
-    OUT/manifest.msgpack unverified; the CLI passes one when given --trust.
+    `manifest`: a signature-verified manifest (`VerifiedManifest`, from `load_trusted_manifest`), or, for
+    a publisher's own unsigned split, a decoded one. Either way every byte join uses is checked against
+    its entry first: each shard is streamed through the size and BLAKE3 check before its header is
+    parsed (pass 1), and read whole through the same check before its tensors are placed (pass 2).
     """
-    from shardtool.manifest import load_manifest, read_verified
+    from shardtool.manifest import read_verified
 
     out, rebuilt = Path(out), Path(rebuilt)
     on_bytes = on_bytes or (lambda n: None)
     started = time.perf_counter()
-    if manifest is None:
-        manifest_path = out / MANIFEST_NAME
-        if not manifest_path.is_file():
-            raise UsageError("no manifest.msgpack: not a split directory (or the split did not finish)", path=str(out))
-        manifest = load_manifest(manifest_path)
     if rebuilt.exists() and (not rebuilt.is_dir() or any(rebuilt.iterdir())):
         raise UsageError("output must be absent or an empty directory", path=str(rebuilt))
     shards = [e for e in manifest.entries if e.kind in ("trunk", "expert")]
     side = [e for e in manifest.entries if e.kind not in ("trunk", "expert")]
     try:
         files, headers = _plan(out, shards)
-    except CheckpointFormatError:
-        # Pass 1 read headers before verifying them: if one was tampered with, say so (exit 1), not "malformed".
-        for entry in shards:
-            read_verified(out, entry)
-        raise
+    except CheckpointFormatError as e:
+        # The bytes matched the manifest: the shards as listed cannot be joined (exit 1, not "malformed input").
+        raise ShardFormatError(e.message, path=e.path) from None
 
     try:
         rebuilt.mkdir(parents=True, exist_ok=True)
@@ -197,9 +195,15 @@ def join_checkpoint(out: Path, rebuilt: Path, *, on_bytes: Callable[[int], None]
             data = read_verified(out, entry)
             if bytes(data[:len(headers[entry.path])]) != headers[entry.path]:
                 raise DigestMismatchError("shard changed between planning and reading", path=entry.path)
-            written += _place(entry.path, data, headers[entry.path], files, fds)
+            try:
+                written += _place(entry.path, data, headers[entry.path], files, fds)
+            except CheckpointFormatError as e:
+                raise ShardFormatError(e.message, path=e.path) from None
             on_bytes(entry.size)
-        _check_complete(files)
+        try:
+            _check_complete(files)
+        except CheckpointFormatError as e:
+            raise ShardFormatError(e.message, path=e.path or str(out)) from None
     for entry in side:
         data = read_verified(out, entry)
         target = rebuilt / entry.path

@@ -8,12 +8,14 @@ from typing import Any
 
 import typer
 
+from shardtool._text import printable_lines
 from shardtool.errors import EXIT_IO, EXIT_USAGE, ShardtoolError
 
 
 def say(message: str) -> None:
-    """Human text goes to stderr so stdout stays clean for --json."""
-    print(message, file=sys.stderr, flush=True)
+    """Human text goes to stderr so stdout stays clean for --json. Control characters are escaped on
+    every line (a safety net: untrusted names are escaped where they are quoted, with `printable`)."""
+    print(printable_lines(message), file=sys.stderr, flush=True)
 
 
 def emit_json(document: Any) -> None:

@@ -59,41 +59,54 @@ def split(
 def join(
     out: Path = typer.Argument(..., help="Split directory (with manifest.msgpack)."),
     rebuilt: Path = typer.Argument(..., help="Where to rebuild the Hugging Face checkpoint (absent or empty)."),
-    trust: List[Path] = typer.Option([], "--trust", help="Check the manifest's signatures first (repeatable)."),
-    threshold: int = typer.Option(1, "--threshold", help="With --trust: distinct trusted keys that must have signed."),
-    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="With --trust: rollback state directory."),
+    trust: List[Path] = typer.Option([], "--trust", help="Trusted public key (repeatable); required unless "
+                                                         "--insecure-no-verify."),
+    threshold: int = typer.Option(1, "--threshold", min=1, help="Distinct trusted keys that must have signed."),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Rollback state directory."),
+    expect_model: Optional[str] = typer.Option(
+        None, "--model-id", help="Refuse a manifest signed for any other model (the publisher may sign several)."),
+    insecure_no_verify: bool = typer.Option(
+        False, "--insecure-no-verify",
+        help="Do not check the manifest's signatures (a publisher's own unsigned split). Every file is still "
+             "checked against the manifest's entries, which nothing vouches for."),
     json_out: bool = typer.Option(False, "--json", help="Print one summary document on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
-    """Verify every shard against the manifest and rebuild the original checkpoint, byte for byte per tensor.
-
-    With --trust the manifest itself is verified (signatures, threshold, expiry, rollback) as audit does;
-    without it, shards are checked against the manifest as found (for a publisher's own split)."""
+    """Verify the manifest (--trust) and every shard against it, and rebuild the original checkpoint,
+    byte for byte per tensor."""
     from shardtool.checkpoint import join_checkpoint
     from shardtool.cli._progress import Progress
-    from shardtool.errors import ManifestFormatError
-    from shardtool.manifest import load_manifest
+    from shardtool.cli.manifest_cmd import load_trusted, model_dir
+    from shardtool.errors import VerificationError
+    from shardtool.manifest import default_manifest_path, load_manifest, load_trusted_manifest
 
-    manifest_path = out / "manifest.msgpack"
-    if not manifest_path.is_file():
-        raise UsageError("no manifest.msgpack here: not a finished split", path=str(out))
-    verified = None
-    if trust:
-        from shardtool.cli.manifest_cmd import load_trusted
-        from shardtool.manifest import load_trusted_manifest
-
-        verified = load_trusted_manifest(manifest_path, load_trusted(trust), threshold, state_dir)
-        total = sum(e.size for e in verified.entries)
-    else:
+    out = model_dir(out)
+    manifest_path = default_manifest_path(out)
+    if insecure_no_verify:
+        given = [flag for flag, used in (("--trust", bool(trust)), ("--threshold", threshold != 1),
+                                         ("--state-dir", state_dir is not None),
+                                         ("--model-id", expect_model is not None)) if used]
+        if given:
+            raise UsageError(f"{', '.join(given)} cannot be combined with --insecure-no-verify")
         try:
-            total = sum(e.size for e in load_manifest(manifest_path).entries)
-        except ManifestFormatError as e:
-            raise UsageError(e.message, path=str(manifest_path)) from e
-    with Progress(total, "join", enabled=not quiet) as progress:
-        result = join_checkpoint(out, rebuilt, on_bytes=progress.advance, manifest=verified)
+            manifest = load_manifest(manifest_path)
+        except VerificationError as e:
+            raise UsageError(e.message, path=e.path or str(manifest_path), hint=e.hint) from e
+    else:
+        if not trust:
+            raise UsageError("join rebuilds from verified shards only: pass --trust KEY.pub",
+                             hint="or --insecure-no-verify for your own unsigned split")
+        manifest = load_trusted_manifest(manifest_path, load_trusted(trust), threshold, state_dir,
+                                         model_id=expect_model)
+    with Progress(sum(e.size for e in manifest.entries), "join", enabled=not quiet) as progress:
+        result = join_checkpoint(out, rebuilt, manifest, on_bytes=progress.advance)
     if json_out:
-        emit_json(result.summary())
-    say(f"rebuilt {result.files} file(s), {result.tensors} tensor(s) in {rebuilt} ({result.seconds:.1f} s)")
+        emit_json({**result.summary(), "verified_signatures": not insecure_no_verify,
+                   "model_id": manifest.head.model_id, "version": manifest.head.version})
+    say(f"rebuilt {result.files} file(s), {result.tensors} tensor(s) in {rebuilt} ({result.seconds:.1f} s)"
+        + ("; WARNING: --insecure-no-verify: nobody's signature vouches for these files, they match only the "
+           "manifest's unsigned entries" if insecure_no_verify else
+           f"; every file verified against {manifest.head.model_id} version {manifest.head.version}"))
 
 
 def inspect(
@@ -136,7 +149,8 @@ def inspect(
 
 
 def _contract_of(out: Path) -> tuple[Mapping[str, int], dict[str, Any]]:
-    from shardtool.errors import ManifestFormatError
+    from shardtool.checkpoint._contract import check_contract_keys
+    from shardtool.errors import CheckpointFormatError, VerificationError
     from shardtool.manifest import load_manifest
 
     path = out / "manifest.msgpack" if out.is_dir() else out
@@ -144,10 +158,14 @@ def _contract_of(out: Path) -> tuple[Mapping[str, int], dict[str, Any]]:
         raise UsageError("no manifest.msgpack found", path=str(out))
     try:
         manifest = load_manifest(path)
-    except ManifestFormatError as e:
+    except VerificationError as e:
         raise UsageError(e.message, path=str(path)) from e
     if manifest.head.contract is None:
         raise UsageError("this manifest carries no resource contract (not made by `shardtool split`)", path=str(path))
+    try:
+        check_contract_keys(manifest.head.contract)
+    except CheckpointFormatError as e:
+        raise UsageError(e.message, path=str(path)) from None
     return manifest.head.contract, {"manifest": str(path), "model_id": manifest.head.model_id,
                                     "version": manifest.head.version}
 

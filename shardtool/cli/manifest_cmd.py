@@ -9,6 +9,7 @@ from typing import List, Optional
 
 import typer
 
+from shardtool._text import printable
 from shardtool.cli._common import emit_json, say
 from shardtool.errors import ShardtoolError, UsageError
 
@@ -107,13 +108,6 @@ def sign(
     say(f"signed {path} with key {keyid} ({len(signed.envelope.signatures)} signature(s) now)")
 
 
-def check_model_id(model_id: str, expected: Optional[str], path: Path) -> None:
-    """A genuine manifest of another model by the same publisher is a substitution, not a pass."""
-    from shardtool.errors import VerificationError
-    if expected is not None and model_id != expected:
-        raise VerificationError(f"manifest is for model {model_id!r}, expected {expected!r}", path=str(path))
-
-
 def load_trusted(paths: List[Path]) -> list:
     from shardtool.keys import load_public_key
     if not paths:
@@ -146,8 +140,7 @@ def audit(
     path = manifest_path(directory, manifest_file)
     started = time.monotonic()
     try:
-        verified = load_trusted_manifest(path, trusted, threshold, state_dir)
-        check_model_id(verified.head.model_id, expect_model, path)
+        verified = load_trusted_manifest(path, trusted, threshold, state_dir, model_id=expect_model)
     except ShardtoolError as e:
         if json_out:
             emit_json({"ok": False, "manifest": str(path), "error": {"class": type(e).__name__, "message": e.one_line()}})
@@ -215,39 +208,29 @@ def verify_shard(
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Rollback state directory."),
     expect_entry: Optional[str] = typer.Option(
         None, "--entry", help="The manifest path this shard must be (refuses a genuine proof of another entry)."),
+    expect_model: Optional[str] = typer.Option(
+        None, "--model-id", help="Refuse a proof signed for any other model (the publisher may sign several)."),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Check one shard against a proof, without the full manifest."""
-    from shardtool.errors import StorageError, VerificationError
-    from shardtool.manifest import check_and_record, default_state_dir, verify_proof
-    from shardtool.manifest._files import MissingFileError, verify_file
-    from shardtool.manifest._proof import MAX_PROOF_BYTES
+    from shardtool.errors import MissingFileError
+    from shardtool.manifest import load_trusted_proof
+    from shardtool.manifest._files import verify_file
 
     trusted = load_trusted(trust)
     try:
-        with open(proof, "rb") as fh:
-            data = fh.read(MAX_PROOF_BYTES + 1)
-    except FileNotFoundError:
-        raise UsageError("proof file not found", path=str(proof)) from None
-    except OSError as e:
-        raise StorageError(f"cannot read proof: {e.strerror}", path=str(proof)) from e
-    try:
-        proven = verify_proof(data, trusted, threshold)
-    except VerificationError as e:
-        raise type(e)(e.message, path=str(proof), hint=e.hint) from e
-    if expect_entry is not None and proven.entry.path != expect_entry:
-        # A genuine shard with its genuine proof, sent in place of the one asked for (substitution).
-        raise VerificationError(f"the proof proves entry {proven.entry.path!r}, expected {expect_entry!r}",
-                                path=str(proof))
-    check_and_record(state_dir or default_state_dir(), proven.head, trusted)
+        proven = load_trusted_proof(proof, trusted, threshold, state_dir, model_id=expect_model,
+                                    entry_path=expect_entry)
+    except MissingFileError:
+        raise UsageError("proof file not found", path=str(proof)) from None  # the operator named it
     entry = proven.entry
     try:
         verify_file(shard, entry)
     except MissingFileError as e:
-        raise UsageError(e.message, path=e.path) from None  # the operator named a file that is not there
+        raise UsageError("shard file not found", path=e.path) from None  # the operator named a file that is not there
     if json_out:
         emit_json({"ok": True, "shard": str(shard), "entry": entry.path, "kind": entry.kind, "layer": entry.layer,
                    "expert": entry.expert, "size": entry.size, "model_id": proven.head.model_id,
                    "version": proven.head.version, "signers": [k.keyid for k in proven.signers]})
-    say(f"{shard}: OK, matches {entry.describe()} of {proven.head.model_id} version {proven.head.version}, "
-        f"signed by {len(proven.signers)} trusted key(s)")
+    say(f"{printable(str(shard))}: OK, matches {entry.describe()} of {proven.head.model_id} version "
+        f"{proven.head.version}, signed by {len(proven.signers)} trusted key(s)")

@@ -96,7 +96,7 @@ def verify_and_run(
 ) -> None:
     """Verify the signed manifest, then generate, checking every shard's BLAKE3 before its weights are used."""
     from shardtool._atomic import atomic_write_bytes
-    from shardtool.cli.manifest_cmd import check_model_id, load_trusted, manifest_path, model_dir
+    from shardtool.cli.manifest_cmd import load_trusted, manifest_path, model_dir
     from shardtool.manifest import load_trusted_manifest
 
     _set_blas_threads(threads, readers)
@@ -110,8 +110,7 @@ def verify_and_run(
     directory = model_dir(directory)
     trusted = load_trusted(trust)
     path = manifest_path(directory, manifest_file)
-    verified = load_trusted_manifest(path, trusted, threshold, state_dir)
-    check_model_id(verified.head.model_id, expect_model, path)  # as audit --model-id does
+    verified = load_trusted_manifest(path, trusted, threshold, state_dir, model_id=expect_model)
     tokenizer = load_tokenizer(directory, verified)  # verified before it is parsed, like every model file
     if ids is None:
         ids = encode_prompt(tokenizer, prompt)

@@ -124,7 +124,9 @@ CASES = {
     "directory-instead-of-expert": Attack(lambda m, w: kit.replace_file(m / EXPERT, os.mkdir),
                                           found((EXPERT, "not-a-regular-file")),
                                           refused(NOT_REGULAR, f"{EXPERT}: is a directory")),
-    "unlisted-file-in-very-deep-tree": Attack(_deep_tree, found(("d/" * DEEP + "f", "unlisted")), kit.CLEAN),
+    "unlisted-file-in-very-deep-tree": Attack(
+        _deep_tree, found(("d/" * DEEP + "f", "unlisted"), *(("/".join("d" * (i + 1)), "unlisted") for i in range(DEEP))),
+        kit.CLEAN),
     "manifest-missing": Attack(lambda m, w: (m / kit.MANIFEST).unlink(),
                                refused("VerificationError", "no manifest here"),
                                refused("VerificationError", "no manifest here")),

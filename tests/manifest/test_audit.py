@@ -66,7 +66,9 @@ def test_file_changing_while_hashed_is_a_finding(tmp_path, monkeypatch):
 def test_vanishing_file_is_missing_not_a_crash(tmp_path, monkeypatch):
     entries = [_write(tmp_path, "d/a.bin", b"a"), _write(tmp_path, "d/b.bin", b"b")]
     verified = _verified(entries)
-    real = _files.open_file_at
+    from shardtool import _safeio
+
+    real = _safeio.open_file_at
 
     def vanish_then_open(dir_fd, name, relpath):
         if name == "b.bin" and (tmp_path / "d/b.bin").exists():

@@ -16,7 +16,7 @@ import shardtool.manifest._files as files_mod
 import shardtool.runtime._store as store_mod
 from shardtool.errors import DigestMismatchError
 from shardtool.manifest import Entry, build_manifest
-from shardtool.manifest._files import MissingFileError, NotARegularFileError
+from shardtool.errors import MissingFileError, NotARegularFileError
 from shardtool.runtime import ShardFormatError, ShardStore
 
 ROWS = 64  # every test shard holds one [ROWS, 16] float32 tensor: same size, so budgets count shards
