@@ -16,7 +16,8 @@ from typing import Iterator, Sequence
 import blake3
 
 from shardtool._atomic import atomic_write_bytes
-from shardtool.errors import RollbackError, StorageError
+from shardtool._safeio import read_regular
+from shardtool.errors import MissingFileError, RollbackError, StorageError, VerificationError
 from shardtool.keys import PublicKey
 from shardtool.manifest._document import head_digest
 from shardtool.manifest._records import Head
@@ -55,14 +56,12 @@ def _locked(state_dir: Path) -> Iterator[Path]:
 
 def _load(path: Path) -> dict:
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+        data = read_regular(path, MAX_STATE_BYTES, what="rollback state", too_large=StorageError)
+    except MissingFileError:
         return {}
-    except OSError as e:
-        raise StorageError(f"cannot read rollback state: {e.strerror}", path=str(path)) from e
+    except VerificationError as e:  # a FIFO or directory in our own state directory: our trouble, not a verdict
+        raise StorageError(f"cannot read rollback state: {e.message}", path=str(path)) from None
     try:
-        if len(data) > MAX_STATE_BYTES:
-            raise ValueError("too large")
         state = json.loads(data)
         if not isinstance(state, dict):
             raise ValueError("not an object")

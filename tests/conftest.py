@@ -1,7 +1,7 @@
 """Fixtures shared by the whole suite: the public test vectors, fixed Ed25519 keys, exact-class raises.
 
-The vectors live in `shared/testdata/` beside the repository checkout (CI clones the repo into another
-folder with a copy of `shared/` next to it), so the path is resolved from this file, never the cwd.
+The vectors live in `tests/vectors/` (byte-exact copies; sources and licences in its README.md), resolved
+from this file, never the cwd. A missing vector file fails the test: a vector test that skips proves nothing.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TESTDATA_DIR = (REPO_ROOT / ".." / "shared" / "testdata").resolve()
-_MISSING = f"public test vectors not found at {TESTDATA_DIR} (expected shared/testdata/ beside the repo checkout)"
+TESTDATA_DIR = REPO_ROOT / "tests" / "vectors"
 
 
 def _load_testdata(name: str) -> Any:
@@ -26,7 +25,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "vectors(file, argname, extract): parametrize `argname` with the named cases that "
-        "extract(json_of(shared/testdata/file)) returns as (id, value) pairs",
+        "extract(json_of(tests/vectors/file)) returns as (id, value) pairs",
     )
 
 
@@ -34,19 +33,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """One test per vector, named by its id: a failing vector is reported by name, not as 'case 37'."""
     for marker in metafunc.definition.iter_markers("vectors"):
         file, argname, extract = marker.args
-        if not (TESTDATA_DIR / file).is_file():
-            metafunc.parametrize(argname, [pytest.param(None, marks=pytest.mark.skip(reason=_MISSING))],
-                                 ids=["missing-testdata"])
-            continue
         cases = list(extract(_load_testdata(file)))
         metafunc.parametrize(argname, [value for _, value in cases], ids=[name for name, _ in cases])
 
 
 @pytest.fixture(scope="session")
 def testdata() -> Path:
-    """The folder of public vectors (`shared/testdata/`); skips the test if it is absent."""
-    if not TESTDATA_DIR.is_dir():
-        pytest.skip(_MISSING)
+    """The folder of public vectors (`tests/vectors/`)."""
     return TESTDATA_DIR
 
 

@@ -217,10 +217,9 @@ def merkle_root(raw_entries: Sequence[bytes]) -> bytes:
     return mth(raw_entries) if raw_entries else _h(b"")
 
 
-def load_wycheproof_ed25519() -> dict | None:
-    """The Wycheproof EdDSA vectors in shared/testdata beside the checkout, or None where they are absent."""
-    path = REPO.parent / "shared" / "testdata" / "wycheproof_ed25519_test.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+def load_wycheproof_ed25519() -> dict:
+    """The Wycheproof EdDSA vectors kept in the repository (tests/vectors/, sources in its README)."""
+    return json.loads((REPO / "tests" / "vectors" / "wycheproof_ed25519_test.json").read_text())
 
 
 def pae(payload_type: str, payload: bytes) -> bytes:
