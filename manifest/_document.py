@@ -14,12 +14,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import msgpack
 
-from shardtool.errors import ExpiredError, ManifestFormatError, MerkleProofError, VerificationError
+from shardtool.errors import ExpiredError, ManifestFormatError, MerkleProofError, UsageError, VerificationError
 from shardtool.keys import PublicKey
 from shardtool.manifest import _canonical
 from shardtool.manifest._envelope import PAYLOAD_TYPE, Envelope, verify_envelope
 from shardtool.manifest._merkle import blake3_256, leaf_hash, root_from_leaf_hashes
-from shardtool.manifest._records import MAX_ENTRIES, Entry, Head
+from shardtool.manifest._records import MAX_ENTRIES, Entry, Head, check_model_id_form
 
 FORMAT = "shardtool-manifest-v1"
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
@@ -167,7 +167,13 @@ def check_freshness(head: Head, now: int) -> None:
 
 
 def check_model_id(head: Head, expected: str | None) -> None:
-    """A genuine manifest of another model by the same publisher is a substitution, not a pass."""
+    """A genuine manifest of another model by the same publisher is a substitution, not a pass. A pin
+    that no manifest could carry is the operator's mistake (usage), not a verdict on the manifest."""
+    if expected is not None:
+        try:
+            check_model_id_form(expected)
+        except ManifestFormatError as e:
+            raise UsageError(f"--model-id: {e.message}") from None
     if expected is not None and head.model_id != expected:
         raise VerificationError(f"manifest is for model {head.model_id!r}, expected {expected!r}")
 

@@ -24,6 +24,22 @@ READ_CHUNK = 1024 * 1024  # verified reads: hash each MiB while it is still in c
 PARALLEL_HASH_MIN = 4 * 1024 * 1024  # below this, BLAKE3's own threads cost more than they save
 
 
+def size_mismatch(entry: Entry, found: int | str, where: str | None = None) -> DigestMismatchError:
+    return DigestMismatchError(f"size is {found} bytes, manifest says {entry.size}", path=where or entry.path,
+                               expected=str(entry.size), actual=str(found), mismatch="size")
+
+
+def digest_mismatch(entry: Entry, found: bytes, where: str | None = None) -> DigestMismatchError:
+    return DigestMismatchError(f"BLAKE3 is {found.hex()}, manifest says {entry.digest.hex()}", path=where or entry.path,
+                               expected=entry.digest.hex(), actual=found.hex(), mismatch="digest")
+
+
+def changed_while_read(entry: Entry, done: int | str, where: str | None = None) -> DigestMismatchError:
+    return DigestMismatchError(f"size changed while reading: expected {entry.size} bytes, read {done}",
+                               path=where or entry.path, expected=str(entry.size), actual=str(done),
+                               mismatch="changed")
+
+
 def digest_bytes(data: bytes | memoryview) -> bytes:
     threads = blake3.blake3.AUTO if len(data) >= PARALLEL_HASH_MIN else 1
     return blake3.blake3(data, max_threads=threads).digest()
@@ -57,8 +73,7 @@ def read_verified_timed(root: Path, entry: Entry) -> VerifiedBytes:
     try:
         size = os.fstat(fd).st_size
         if size != entry.size:
-            raise DigestMismatchError(f"size is {size} bytes, manifest says {entry.size}", path=entry.path,
-                                      expected=str(entry.size), actual=str(size))
+            raise size_mismatch(entry, size)
         data = np.empty(entry.size, np.uint8)  # not zero-filled: every byte is overwritten by the read
         view = memoryview(data)
         hasher = blake3.blake3()
@@ -80,13 +95,10 @@ def read_verified_timed(root: Path, entry: Entry) -> VerifiedBytes:
     finally:
         os.close(fd)
     if done != entry.size or extra:
-        actual = f"{done}{'+' if extra else ''}"
-        raise DigestMismatchError(f"size changed while reading: expected {entry.size} bytes, read {actual}",
-                                  path=entry.path, expected=str(entry.size), actual=actual)
+        raise changed_while_read(entry, f"{done}{'+' if extra else ''}")
     digest = hasher.digest()
     if digest != entry.digest:
-        raise DigestMismatchError(f"BLAKE3 is {digest.hex()}, manifest says {entry.digest.hex()}", path=entry.path,
-                                  expected=entry.digest.hex(), actual=digest.hex())
+        raise digest_mismatch(entry, digest)
     data.flags.writeable = False
     return VerifiedBytes(data, read_s, hash_s, read_cpu, hash_cpu)
 
@@ -101,8 +113,7 @@ def read_verified_prefix(root: Path, entry: Entry, prefix_length: Callable[[byte
     try:
         size = os.fstat(fd).st_size
         if size != entry.size:
-            raise DigestMismatchError(f"size is {size} bytes, manifest says {entry.size}", path=entry.path,
-                                      expected=str(entry.size), actual=str(size))
+            raise size_mismatch(entry, size)
         view = memoryview(buffer if buffer is not None else bytearray(CHUNK))
         hasher = blake3.blake3()
         prefix = bytearray()
@@ -125,12 +136,10 @@ def read_verified_prefix(root: Path, entry: Entry, prefix_length: Callable[[byte
     finally:
         os.close(fd)
     if done != entry.size:
-        raise DigestMismatchError(f"size changed while reading: expected {entry.size} bytes, read {done}",
-                                  path=entry.path, expected=str(entry.size), actual=str(done))
+        raise changed_while_read(entry, done)
     digest = hasher.digest()
     if digest != entry.digest:
-        raise DigestMismatchError(f"BLAKE3 is {digest.hex()}, manifest says {entry.digest.hex()}", path=entry.path,
-                                  expected=entry.digest.hex(), actual=digest.hex())
+        raise digest_mismatch(entry, digest)
     return bytes(prefix[:want])
 
 
@@ -182,24 +191,43 @@ def digest_fd(fd: int, buffer: bytearray | None = None, *, parallel: bool = True
     return FileDigest(total, hasher.digest(), changed)
 
 
-def verify_file(path: Path, entry: Entry) -> FileDigest:
-    """Check a file outside any model directory (e.g. a shard received from a peer) against a signed
-    entry: a regular file whose size and BLAKE3 are the entry's, the size compared before any read.
-    Raises; returns the digest on success."""
-    fd = open_regular(path)
+def check_digest(entry: Entry, result: FileDigest, where: str | None = None) -> None:
+    """The entry check over a streamed digest, raising form (audit's finding form wraps it): the size
+    first, then whether the file changed while it was hashed, then BLAKE3."""
+    if result.digest is None or (result.size != entry.size and not result.changed):
+        raise size_mismatch(entry, result.size, where)
+    if result.changed:
+        raise changed_while_read(entry, result.size, where)
+    if result.digest != entry.digest:
+        raise digest_mismatch(entry, result.digest, where)
+
+
+def verify_open_file(fd: int, entry: Entry, buffer: bytearray | None = None, *, parallel: bool = True,
+                     where: str | None = None) -> FileDigest:
+    """Stream an open file through the entry check (the bytes are not kept). Raises; returns the digest."""
     try:
-        result = digest_fd(fd, expected_size=entry.size)
+        result = digest_fd(fd, buffer, parallel=parallel, expected_size=entry.size)
     except OSError as e:
-        raise StorageError(f"read failed: {e.strerror}", path=str(path)) from e
+        raise StorageError(f"read failed: {e.strerror}", path=where or entry.path) from e
+    check_digest(entry, result, where)
+    return result
+
+
+def verify_entry(root: Path, entry: Entry) -> FileDigest:
+    """Stream `root/entry.path` through the entry check, for callers that need the verdict, not the bytes
+    (`verify-and-run --verify-all-first`). Raises exactly what `read_verified` would."""
+    fd = open_beneath(Path(root), entry.path)
+    try:
+        return verify_open_file(fd, entry)
     finally:
         os.close(fd)
-    if result.size != entry.size:
-        raise DigestMismatchError(f"size is {result.size} bytes, the signed entry {entry.path} says {entry.size}",
-                                  path=str(path), expected=str(entry.size), actual=str(result.size))
-    if result.changed:
-        raise VerificationError("file changed while it was being hashed", path=str(path))
-    if result.digest != entry.digest:
-        raise DigestMismatchError(f"BLAKE3 is {result.digest.hex()}, the signed entry {entry.path} says "
-                                  f"{entry.digest.hex()}", path=str(path), expected=entry.digest.hex(),
-                                  actual=result.digest.hex())
-    return result
+
+
+def verify_file(path: Path, entry: Entry) -> FileDigest:
+    """Check a file outside any model directory (e.g. a shard received from a peer) against a signed
+    entry: a regular file whose size and BLAKE3 are the entry's, the size compared before any read."""
+    fd = open_regular(path)
+    try:
+        return verify_open_file(fd, entry, where=str(path))
+    finally:
+        os.close(fd)

@@ -102,6 +102,12 @@ class Entry:
         return cls(**raw)
 
 
+def check_model_id_form(model_id: Any) -> None:
+    if not isinstance(model_id, str) or not _MODEL_ID.fullmatch(model_id):
+        raise ManifestFormatError(
+            f"model_id must be 1-256 characters of [A-Za-z0-9._/+:@-] starting alphanumeric, got {model_id!r}")
+
+
 def check_contract(contract: Any) -> Mapping[str, int] | None:
     """The resource contract: a flat map of `[a-z0-9_]{1,64}` -> non-negative int, at most 64 keys."""
     if contract is None:
@@ -133,9 +139,7 @@ class Head:
     hash_alg: str = HASH_ALG
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model_id, str) or not _MODEL_ID.fullmatch(self.model_id):
-            raise ManifestFormatError(
-                f"model_id must be 1-256 characters of [A-Za-z0-9._/+:@-] starting alphanumeric, got {self.model_id!r}")
+        check_model_id_form(self.model_id)
         if type(self.format_version) is not int or self.format_version != FORMAT_VERSION:  # True == 1
             raise ManifestFormatError(f"format_version {self.format_version!r} is not supported (this tool reads {FORMAT_VERSION})")
         if self.hash_alg != HASH_ALG:

@@ -13,9 +13,10 @@ from typing import Callable, Iterable
 
 from shardtool._safeio import open_beneath, open_dir_beneath, open_file_at
 from shardtool._text import printable
-from shardtool.errors import MissingFileError, NotARegularFileError, ShardtoolError, VerificationError
+from shardtool.errors import (DigestMismatchError, MissingFileError, NotARegularFileError, ShardtoolError,
+                              VerificationError)
 from shardtool.manifest._document import VerifiedManifest
-from shardtool.manifest._files import CHUNK, FileDigest, digest_fd
+from shardtool.manifest._files import CHUNK, FileDigest, check_digest, digest_fd
 from shardtool.manifest._records import Entry
 from shardtool.manifest._scan import walk
 
@@ -68,17 +69,16 @@ def _from_entry(entry: Entry, finding: str, detail: str, **found) -> Finding:
 
 
 def _compare(entry: Entry, result: FileDigest) -> Finding | None:
-    if result.digest is None:  # the size differed before a byte was read
-        return _from_entry(entry, "size-mismatch", f"{result.size} bytes, manifest says {entry.size}",
-                           found_size=result.size)
-    if result.changed:
-        return _from_entry(entry, "unreadable", "file changed while it was being hashed", found_size=result.size)
-    if result.size != entry.size:
-        return _from_entry(entry, "size-mismatch", f"{result.size} bytes, manifest says {entry.size}",
-                           found_size=result.size, found_digest=result.digest.hex())
-    if result.digest != entry.digest:
-        return _from_entry(entry, "digest-mismatch",
-                           f"BLAKE3 {result.digest.hex()}, manifest says {entry.digest.hex()}",
+    """The finding form of the one entry check (`check_digest`)."""
+    try:
+        check_digest(entry, result)
+    except DigestMismatchError as e:
+        if e.mismatch == "size":
+            return _from_entry(entry, "size-mismatch", f"{result.size} bytes, manifest says {entry.size}",
+                               found_size=result.size, found_digest=result.digest.hex() if result.digest else None)
+        if e.mismatch == "changed":
+            return _from_entry(entry, "unreadable", "file changed while it was being hashed", found_size=result.size)
+        return _from_entry(entry, "digest-mismatch", f"BLAKE3 {result.digest.hex()}, manifest says {entry.digest.hex()}",
                            found_size=result.size, found_digest=result.digest.hex())
     return None
 

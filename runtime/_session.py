@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from shardtool.errors import CheckpointFormatError, DigestMismatchError, UsageError, VerificationError
+from shardtool.errors import CheckpointFormatError, UsageError, VerificationError
 from shardtool.manifest._document import VerifiedManifest
 from shardtool.manifest._files import read_verified
 from shardtool.runtime._model import Model, ModelConfig, bytes_per_token, sample_token
@@ -156,25 +156,12 @@ class Session:
     def verify_all(self) -> int:
         """--verify-all-first: every listed file checked before the first token. The bytes are not used
         (shards are read and verified again when needed), so they are streamed, as audit does, rather
-        than held whole in memory."""
-        from shardtool.manifest.audit import check_file
+        than held whole in memory; the errors are the ones a verified read gives."""
+        from shardtool.manifest._files import verify_entry
 
-        total = 0
         for entry in self.manifest.entries:
-            finding = check_file(self.root, entry)
-            if finding is None:
-                total += entry.size
-                continue
-            # The same one-line messages as a verified read gives, whichever path found the mismatch.
-            if finding.finding == "size-mismatch":
-                raise DigestMismatchError(f"size is {finding.found_size} bytes, manifest says {entry.size}",
-                                          path=entry.path, expected=str(entry.size), actual=str(finding.found_size))
-            if finding.finding == "digest-mismatch":
-                raise DigestMismatchError(f"BLAKE3 is {finding.found_digest}, manifest says {entry.digest_hex}",
-                                          path=entry.path, expected=entry.digest_hex,
-                                          actual=finding.found_digest or "")
-            raise VerificationError(f"{finding.finding}: {finding.detail}", path=entry.path)
-        return total
+            verify_entry(self.root, entry)
+        return sum(entry.size for entry in self.manifest.entries)
 
     def encode(self, prompt: str) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)

@@ -23,5 +23,6 @@ manifest_cmd.register(app)
 checkpoint_cmd.register(app)
 
 
-def main() -> None:
-    _common.run_app(app)
+def main(args: list[str] | None = None) -> None:
+    """`args`: the command line without the program name (default: sys.argv[1:])."""
+    _common.run_app(app, args)

@@ -19,11 +19,12 @@ def say(message: str) -> None:
 
 
 def emit_json(document: Any) -> None:
-    sys.stdout.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    # allow_nan=False: NaN and Infinity are not JSON; a figure that overflowed is a bug to see, not to print.
+    sys.stdout.write(json.dumps(document, indent=2, sort_keys=True, allow_nan=False) + "\n")
     sys.stdout.flush()
 
 
-def run_app(app: typer.Typer) -> None:
+def run_app(app: typer.Typer, args: list[str] | None = None) -> None:
     """Run a typer app: every error is one line on stderr and a distinct exit code.
 
     Our errors carry their own exit code; typer's usage errors (unknown flag, bad value) exit 2.
@@ -32,7 +33,7 @@ def run_app(app: typer.Typer) -> None:
     command = typer.main.get_command(app)
     name = app.info.name
     try:
-        rv = command.main(prog_name=name, standalone_mode=False)
+        rv = command.main(args=args, prog_name=name, standalone_mode=False)
     except ShardtoolError as err:
         say(f"{name}: error: {err.one_line()} [{type(err).__name__}]")
         sys.exit(err.exit_code)

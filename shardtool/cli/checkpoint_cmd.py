@@ -114,8 +114,9 @@ def inspect(
     config: Optional[Path] = typer.Option(None, "--config", help="config.json alone (no weights needed)."),
     bits_per_weight: Optional[float] = typer.Option(None, "--bits-per-weight", min=0.001, max=64.0,
                                                     help="With --config: storage bits per weight (16 = BF16)."),
-    disk_gbps: float = typer.Option(2.0, "--disk-gbps", min=0.001, help="Disk read bandwidth in GB/s."),
-    context: Optional[int] = typer.Option(None, "--context", min=0, help="Context length for the memory floor."),
+    disk_gbps: float = typer.Option(2.0, "--disk-gbps", min=0.001, max=1e6, help="Disk read bandwidth in GB/s."),
+    context: Optional[int] = typer.Option(None, "--context", min=0, max=1 << 40,
+                                          help="Context length for the memory floor."),
     json_out: bool = typer.Option(False, "--json", help="Print one document on stdout."),
 ) -> None:
     """Print the resource contract (bytes, experts, KV cache, memory floor) and seconds per token."""

@@ -188,5 +188,5 @@ def _print_report(s: dict) -> None:
         f"peak RSS {s['peak_rss_bytes'] / 2**20:.1f} MiB")
 
 
-def main() -> None:
-    run_app(app)
+def main(args: list[str] | None = None) -> None:
+    run_app(app, args)

@@ -151,23 +151,37 @@ def copy_model(src: Path, dst: Path) -> Path:
 
 
 def remove_tree(root: Path) -> None:
-    """rmtree without recursion: shutil.rmtree (and pytest's temp cleanup) overflow the stack on the
-    1500-level tree one attack plants."""
-    stack = [str(root)]
-    while stack:
-        top = stack[-1]
-        subdirs = []
-        with os.scandir(top) as it:
-            for d in it:
-                if d.is_dir(follow_symlinks=False):
-                    subdirs.append(d.path)
-                else:
-                    os.unlink(d.path)
-        if subdirs:
-            stack.extend(subdirs)
-        else:
-            os.rmdir(top)
-            stack.pop()
+    """rmtree without recursion and without long paths: shutil.rmtree (and pytest's temp cleanup) overflow
+    the stack on the 1500-level tree one attack plants, and fail on paths beyond PATH_MAX. One descriptor
+    at a time: go down into a subdirectory while there is one, remove files on the way, and remove each
+    directory from its parent (reached through `..`) once it is empty."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    fd = os.open(root, flags)
+    names: list[str] = []  # the path from root down to the current directory
+    try:
+        while True:
+            sub = None
+            with os.scandir(fd) as it:
+                for d in it:
+                    if d.is_dir(follow_symlinks=False):
+                        sub = sub or d.name
+                    else:
+                        os.unlink(d.name, dir_fd=fd)
+            if sub is not None:
+                nxt = os.open(sub, flags, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+                names.append(sub)
+                continue
+            if not names:
+                break
+            up = os.open("..", flags, dir_fd=fd)
+            os.close(fd)
+            fd = up
+            os.rmdir(names.pop(), dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(root)
 
 
 def flip(path: Path, offset: int | None = None) -> None:

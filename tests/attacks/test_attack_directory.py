@@ -64,6 +64,56 @@ def _deep_tree(model, world):
         os.close(here)
 
 
+LONG = "L" * 255  # the longest name a component may have
+LONG_LEVELS = 20  # 20 x 256 characters: a path far beyond PATH_MAX (4096)
+
+
+def _tampered_beside_tree_beyond_path_max(model, world):
+    """A tampered expert, and beside it a tree whose paths are longer than PATH_MAX: the walk must not give
+    up with an I/O error (exit 3) and hide the tampered shard."""
+    kit.flip(model / EXPERT)
+    here = os.open(model, os.O_RDONLY)
+    try:
+        for _ in range(LONG_LEVELS):
+            os.mkdir(LONG, dir_fd=here)
+            nxt = os.open(LONG, os.O_RDONLY, dir_fd=here)
+            os.close(here)
+            here = nxt
+        os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=here))
+    finally:
+        os.close(here)
+
+
+def _socket_instead_of_expert(model, world):
+    """A Unix socket where a shard belongs (open() of a socket fails with ENXIO: a finding, not I/O trouble)."""
+    import socket
+    import tempfile
+
+    short = tempfile.mkdtemp(dir=world.tmp)  # bind() wants a path under 108 bytes: bind nearby, then rename
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(os.path.join(short, "s"))
+    finally:
+        sock.close()
+    (model / EXPERT).unlink()
+    os.rename(os.path.join(short, "s"), model / EXPERT)
+
+
+SPARSE_SIZE = 1 << 42  # 4 TiB of holes: hours of hashing if anyone read it before comparing sizes
+
+
+def _sparse_instead_of_expert(model, world):
+    with open(model / EXPERT, "r+b") as fh:
+        fh.truncate(SPARSE_SIZE)
+
+
+def _unlisted_directories(model, world):
+    """51 empty directories, one named like a trunk shard: none is implied by any listed path."""
+    (model / "trunk/layer-099.safetensors").mkdir()
+    for i in range(50):
+        (model / f"extra-{i:02d}").mkdir()
+
+
 def _manifest_as(make):
     def tamper(model, world):
         kit.replace_file(model / kit.MANIFEST, make)
@@ -127,6 +177,24 @@ CASES = {
     "unlisted-file-in-very-deep-tree": Attack(
         _deep_tree, found(("d/" * DEEP + "f", "unlisted"), *(("/".join("d" * (i + 1)), "unlisted") for i in range(DEEP))),
         kit.CLEAN),
+    "tampered-expert-beside-tree-beyond-path-max": Attack(
+        _tampered_beside_tree_beyond_path_max,
+        found((EXPERT, "digest-mismatch"), ("/".join([LONG] * LONG_LEVELS + ["f"]), "unlisted"),
+              *(("/".join([LONG] * (i + 1)), "unlisted") for i in range(LONG_LEVELS))),
+        refused("DigestMismatchError", f"{EXPERT}: BLAKE3 is")),
+    "socket-instead-of-expert": Attack(_socket_instead_of_expert, found((EXPERT, "not-a-regular-file")),
+                                       refused(NOT_REGULAR, f"{EXPERT}: is a socket")),
+    "socket-instead-of-expert-verify-all-first": Attack(
+        _socket_instead_of_expert, found((EXPERT, "not-a-regular-file")),
+        refused(NOT_REGULAR, f"{EXPERT}: is a socket"), run_extra=("--verify-all-first",)),
+    "sparse-4tib-instead-of-expert": Attack(_sparse_instead_of_expert, found((EXPERT, "size-mismatch")),
+                                            refused("DigestMismatchError", f"size is {SPARSE_SIZE} bytes")),
+    "sparse-4tib-instead-of-expert-verify-all-first": Attack(
+        _sparse_instead_of_expert, found((EXPERT, "size-mismatch")),
+        refused("DigestMismatchError", f"size is {SPARSE_SIZE} bytes"), run_extra=("--verify-all-first",)),
+    "unlisted-directories": Attack(_unlisted_directories,
+                                   found(("trunk/layer-099.safetensors", "unlisted"),
+                                         *((f"extra-{i:02d}", "unlisted") for i in range(50))), kit.CLEAN),
     "manifest-missing": Attack(lambda m, w: (m / kit.MANIFEST).unlink(),
                                refused("VerificationError", "no manifest here"),
                                refused("VerificationError", "no manifest here")),
@@ -156,5 +224,5 @@ def test_directory(case, model, world):
     try:
         kit.check_attack(CASES[case], model, world)
     finally:
-        if case == "unlisted-file-in-very-deep-tree":
+        if case in ("unlisted-file-in-very-deep-tree", "tampered-expert-beside-tree-beyond-path-max"):
             kit.remove_tree(model)
