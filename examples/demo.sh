@@ -12,8 +12,9 @@ step "1. a small Hugging Face Mixtral-style checkpoint (random weights, real lay
 python examples/make_tiny_moe.py "$D/hf" --family mixtral --layers 4 --experts 8 --experts-per-tok 2 --hidden 128
 ls "$D/hf"
 
-step "2. publisher key (passphrase-encrypted PKCS#8, mode 0600)"
-printf 'demo passphrase\n' > "$D/passphrase"
+step "2. publisher key (PKCS#8 encrypted with scrypt, mode 0600)"
+# The passphrase file is as secret as the key: created owner-only (keygen and sign refuse anything wider).
+(umask 077 && printf 'demo passphrase, not a secret\n' > "$D/passphrase")
 shardtool keygen --out "$D/publisher" --passphrase-file "$D/passphrase"
 
 step "3. split into one file per expert plus trunk files, with an unsigned manifest"

@@ -1,14 +1,16 @@
 """Ed25519 key files: PKCS#8 PEM private keys (passphrase-encrypted by default), SPKI PEM public keys.
 
-Key IDs are labels for humans and for picking a key quickly; no security decision rests on them.
+New encrypted keys use scrypt (`_pkcs8`); keys encrypted by earlier versions (PBKDF2, 2,048 iterations) still
+load, with advice to re-encrypt them. Key IDs are labels for humans and for picking a key quickly; no security
+decision rests on them.
 """
 
 from __future__ import annotations
 
-import os
-import stat
-from dataclasses import dataclass
+import shlex
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Union
 
 import blake3
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
@@ -16,11 +18,17 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from shardtool._atomic import atomic_write_bytes
-from shardtool.errors import KeyFileError, SignatureError, StorageError
+from shardtool.errors import KeyFileError, SignatureError, StorageError, UsageError
+from shardtool.keys._files import read_key_file
+from shardtool.keys._pkcs8 import PEM_LABEL, SCRYPT_N, SCRYPT_P, SCRYPT_R, encrypt_pkcs8, kdf_name
 
 PUBLIC_KEY_SIZE = 32
 SIGNATURE_SIZE = 64
-MAX_KEY_FILE = 64 * 1024
+# For new keys only: a key already written opens with whatever passphrase it was written with.
+MIN_PASSPHRASE_CHARS = 12
+
+# A passphrase, none, or a function asked for one only when the key file turns out to be encrypted.
+Passphrase = Union[bytes, None, Callable[[], bytes]]
 
 
 def key_id(public_raw: bytes) -> str:
@@ -59,6 +67,8 @@ class PublicKey:
 @dataclass(frozen=True)
 class PrivateKey:
     key: Ed25519PrivateKey
+    # One line of advice when the file it came from is protected by a weak KDF (None: nothing to say).
+    protection_note: str | None = field(default=None, compare=False)
 
     @property
     def public(self) -> PublicKey:
@@ -72,23 +82,34 @@ def generate() -> PrivateKey:
     return PrivateKey(Ed25519PrivateKey.generate())
 
 
+def check_new_passphrase(passphrase: bytes, *, source: str | None = None) -> None:
+    """The rule for a passphrase that will protect a new key: at least MIN_PASSPHRASE_CHARS characters
+    (UTF-8; a byte that is not UTF-8 counts as one character)."""
+    length = len(passphrase.decode("utf-8", errors="replace"))
+    if length < MIN_PASSPHRASE_CHARS:
+        raise UsageError(f"passphrase is {length} character(s); a new key needs at least {MIN_PASSPHRASE_CHARS}",
+                         path=source, hint="use --no-passphrase to write an unencrypted key deliberately")
+
+
 def private_pem(key: PrivateKey, passphrase: bytes | None) -> bytes:
-    encryption = (serialization.BestAvailableEncryption(passphrase) if passphrase
-                  else serialization.NoEncryption())
-    return key.key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
-
-
-def _read_small(path: Path, what: str) -> bytes:
+    """PKCS#8 PEM: unencrypted for None, else scrypt-encrypted (a passphrase that breaks the rule is refused)."""
+    if passphrase is None:
+        return key.key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption())
+    check_new_passphrase(passphrase)
+    der = key.key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    # Never write a key that cannot be read back: the loader that will open it later checks it now.
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_KEY_FILE + 1)
-    except FileNotFoundError:
-        raise KeyFileError(f"{what} not found", path=str(path)) from None
-    except OSError as e:
-        raise StorageError(f"cannot read {what}: {e.strerror}", path=str(path)) from e
-    if len(data) > MAX_KEY_FILE:
-        raise KeyFileError(f"{what} is larger than {MAX_KEY_FILE} bytes; not a key file", path=str(path))
-    return data
+        pem = encrypt_pkcs8(der, passphrase)
+        back = serialization.load_pem_private_key(pem, password=passphrase)
+    except (UnsupportedAlgorithm, ValueError, TypeError) as e:
+        raise StorageError(f"this cryptography/OpenSSL build cannot write or read a scrypt-encrypted key ({e})",
+                           hint="upgrade cryptography, or --no-passphrase") from e
+    if back.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
+                          serialization.NoEncryption()) != der:
+        raise StorageError("the encrypted private key does not decrypt to the key it was made from")
+    return pem
 
 
 def public_key_from_pem(data: bytes, *, path: str | None = None) -> PublicKey:
@@ -105,22 +126,29 @@ def public_key_from_pem(data: bytes, *, path: str | None = None) -> PublicKey:
 
 def load_public_key(path: Path | str) -> PublicKey:
     path = Path(path)
-    return public_key_from_pem(_read_small(path, "public key file"), path=str(path))
+    return public_key_from_pem(read_key_file(path, "public key file", secret=False), path=str(path))
 
 
-def check_private_key_mode(path: Path) -> None:
-    """Refuse a private key others can read, as ssh does: the key is only as secret as its file."""
-    mode = os.stat(path).st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise KeyFileError(f"private key file has mode {stat.S_IMODE(mode):04o}; others can read it",
-                           path=str(path), hint=f"run: chmod 600 {path}")
+def _reencrypt_note(path: Path, kdf: str) -> str | None:
+    """Advice for a key written before scrypt: how to re-encrypt it with the same parameters keygen uses."""
+    if kdf == "scrypt":
+        return None
+    name, new = shlex.quote(str(path)), shlex.quote(f"{path}.new")
+    weak = "PBKDF2, cheap to guess" if kdf == "pbkdf2" else "a KDF other than scrypt"
+    return (f"{path} is encrypted with {weak}; "
+            f"re-encrypt it with scrypt: (umask 077 && openssl pkcs8 -topk8 -scrypt -scrypt_N {SCRYPT_N} "
+            f"-scrypt_r {SCRYPT_R} -scrypt_p {SCRYPT_P} -in {name} -out {new}) && mv {new} {name}")
 
 
-def load_private_key(path: Path | str, passphrase: bytes | None) -> PrivateKey:
+def load_private_key(path: Path | str, passphrase: Passphrase) -> PrivateKey:
+    """Read the key file once (owner-only, regular, capped); ask for the passphrase only if it is encrypted."""
     path = Path(path)
-    data = _read_small(path, "private key file")
-    check_private_key_mode(path)
-    encrypted = b"ENCRYPTED PRIVATE KEY" in data
+    data = read_key_file(path, "private key file", secret=True)
+    encrypted = PEM_LABEL in data
+    if encrypted and callable(passphrase):
+        passphrase = passphrase()
+    elif callable(passphrase):
+        passphrase = None
     if encrypted and not passphrase:
         raise KeyFileError("private key is encrypted and no passphrase was given", path=str(path),
                            hint="use --passphrase-file, SHARDTOOL_PASSPHRASE or a terminal prompt")
@@ -135,7 +163,7 @@ def load_private_key(path: Path | str, passphrase: bytes | None) -> PrivateKey:
         raise KeyFileError("not a PEM PKCS#8 private key", path=str(path)) from e
     if not isinstance(key, Ed25519PrivateKey):
         raise KeyFileError(f"private key is {type(key).__name__}, expected Ed25519", path=str(path))
-    return PrivateKey(key)
+    return PrivateKey(key, _reencrypt_note(path, kdf_name(data)) if encrypted else None)
 
 
 def write_keypair(out: Path | str, key: PrivateKey, passphrase: bytes | None, *, force: bool) -> tuple[Path, Path]:

@@ -1,4 +1,8 @@
-"""Where a passphrase comes from: --passphrase-file, then SHARDTOOL_PASSPHRASE, then a terminal prompt."""
+"""Where a passphrase comes from: --passphrase-file, then SHARDTOOL_PASSPHRASE, then a terminal prompt.
+
+Every source goes through the same rules: the file is read like a private key (owner-only, regular, capped),
+and a passphrase for a new key must pass `keys.check_new_passphrase` whichever source it came from.
+"""
 
 from __future__ import annotations
 
@@ -7,29 +11,33 @@ import os
 import sys
 from pathlib import Path
 
-from shardtool.errors import KeyFileError, StorageError, UsageError
+from shardtool.errors import KeyFileError, UsageError
 
 ENV_VAR = "SHARDTOOL_PASSPHRASE"
 
 
-def get_passphrase(passphrase_file: Path | None, *, confirm: bool) -> bytes:
+def get_passphrase(passphrase_file: Path | None, *, new_key: bool) -> bytes:
+    """The passphrase; for a `new_key` it is asked twice at a terminal and must meet the minimum length."""
+    from shardtool.keys import MAX_PASSPHRASE_FILE, check_new_passphrase, read_key_file
+
     if passphrase_file is not None:
-        try:
-            data = Path(passphrase_file).read_bytes()[:4096]
-        except FileNotFoundError:
-            raise UsageError("passphrase file not found", path=str(passphrase_file)) from None
-        except OSError as e:
-            raise StorageError(f"cannot read passphrase file: {e.strerror}", path=str(passphrase_file)) from e
+        source = str(passphrase_file)
+        data = read_key_file(passphrase_file, "passphrase file", secret=True, cap=MAX_PASSPHRASE_FILE)
         secret = data.split(b"\n", 1)[0].rstrip(b"\r")
     elif os.environ.get(ENV_VAR):
+        source = ENV_VAR
         secret = os.environ[ENV_VAR].encode("utf-8")
     elif sys.stdin.isatty():
+        source = "terminal prompt"
         secret = getpass.getpass("Passphrase: ").encode("utf-8")
-        if confirm and getpass.getpass("Passphrase (again): ").encode("utf-8") != secret:
+        if new_key and getpass.getpass("Passphrase (again): ").encode("utf-8") != secret:
             raise UsageError("the two passphrases differ")
     else:
         raise UsageError("a passphrase is needed and there is no terminal to ask on",
                          hint=f"use --passphrase-file or {ENV_VAR}, or --no-passphrase for keygen")
     if not secret:
-        raise KeyFileError("empty passphrase", hint="use --no-passphrase to write an unencrypted key deliberately")
+        raise KeyFileError("empty passphrase", path=source,
+                           hint="use --no-passphrase to write an unencrypted key deliberately")
+    if new_key:
+        check_new_passphrase(secret, source=source)
     return secret

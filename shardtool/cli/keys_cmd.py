@@ -17,7 +17,8 @@ def register(app: typer.Typer) -> None:
 def keygen(
     out: Path = typer.Option(..., "--out", help="Writes OUT.key (private, 0600) and OUT.pub."),
     no_passphrase: bool = typer.Option(False, "--no-passphrase", help="Store the private key unencrypted."),
-    passphrase_file: Optional[Path] = typer.Option(None, "--passphrase-file", help="First line is the passphrase."),
+    passphrase_file: Optional[Path] = typer.Option(
+        None, "--passphrase-file", help="First line is the passphrase; the file must be readable by its owner only."),
     force: bool = typer.Option(False, "--force", help="Replace existing key files."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON document on stdout."),
 ) -> None:
@@ -25,7 +26,7 @@ def keygen(
     from shardtool import keys
     from shardtool.cli._passphrase import get_passphrase
 
-    passphrase = None if no_passphrase else get_passphrase(passphrase_file, confirm=True)
+    passphrase = None if no_passphrase else get_passphrase(passphrase_file, new_key=True)
     key = keys.generate()
     key_path, pub_path = keys.write_keypair(out, key, passphrase, force=force)
     if json_out:

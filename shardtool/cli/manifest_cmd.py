@@ -90,9 +90,10 @@ def sign(
 
     directory = model_dir(directory)
     path = manifest_path(directory, manifest_file)
-    raw = key.read_bytes() if key.is_file() else b""
-    passphrase = get_passphrase(passphrase_file, confirm=False) if b"ENCRYPTED" in raw else None
-    private = load_private_key(key, passphrase)
+    # The key file is read once; the passphrase is asked for only if that file is encrypted.
+    private = load_private_key(key, lambda: get_passphrase(passphrase_file, new_key=False))
+    if private.protection_note:
+        say(f"note: {private.protection_note}")
     # Read, add, write under a lock: two publishers signing at once must not lose one signature.
     with locked_directory(path.parent if str(path.parent) else Path(".")):
         try:

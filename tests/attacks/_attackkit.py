@@ -8,6 +8,7 @@ verifier under test can stop it.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -401,3 +402,63 @@ def check_attack(attack: Attack, model: Path, world: Any) -> tuple[Result, Resul
     _check_audit(audit_r, attack.audit)
     _check_run(run_r, attack.run, world.clean_out)
     return audit_r, run_r
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Key files, read with their own few lines (not shardtool's encoder)
+
+
+def der_items(der: bytes) -> list[tuple[int, bytes]]:
+    """(tag, value) of each DER item in `der`, one level deep."""
+    items, i = [], 0
+    while i < len(der):
+        tag, n = der[i], der[i + 1]
+        i += 2
+        if n & 0x80:
+            width = n & 0x7F
+            n, i = int.from_bytes(der[i:i + width], "big"), i + width
+        items.append((tag, der[i:i + n]))
+        i += n
+    return items
+
+
+def oid(value: bytes) -> str:
+    arcs, acc = [], 0
+    for b in value:
+        acc = (acc << 7) | (b & 0x7F)
+        if not b & 0x80:
+            arcs.append(acc)
+            acc = 0
+    first = min(arcs[0] // 40, 2)
+    return ".".join(map(str, [first, arcs[0] - 40 * first, *arcs[1:]]))
+
+
+PBES2, SCRYPT, PBKDF2, AES256_CBC = ("1.2.840.113549.1.5.13", "1.3.6.1.4.1.11591.4.11", "1.2.840.113549.1.5.12",
+                                     "2.16.840.1.101.3.4.1.42")
+
+
+def pkcs8_encryption(pem: bytes) -> dict:
+    """How an ENCRYPTED PRIVATE KEY PEM is protected: scheme, KDF and its parameters, cipher."""
+    lines = pem.strip().splitlines()
+    assert lines[0] == b"-----BEGIN ENCRYPTED PRIVATE KEY-----", lines[0]
+    [(_, info)] = der_items(base64.b64decode(b"".join(lines[1:-1])))
+    (_, algorithm), _data = der_items(info)
+    (_, scheme), (_, params) = der_items(algorithm)
+    out = {"scheme": oid(scheme)}
+    (_, kdf), (_, cipher) = der_items(params)
+    (_, kdf_oid), (_, kdf_params) = der_items(kdf)
+    out["kdf"], out["cipher"] = oid(kdf_oid), oid(der_items(cipher)[0][1])
+    fields = der_items(kdf_params)
+    out["salt"] = fields[0][1]
+    numbers = [int.from_bytes(v, "big") for tag, v in fields[1:] if tag == 0x02]
+    if out["kdf"] == SCRYPT:
+        out["N"], out["r"], out["p"] = numbers[:3]
+    elif out["kdf"] == PBKDF2:
+        out["iterations"] = numbers[0]
+    return out
+
+
+def legacy_encrypted_pem(key: Ed25519PrivateKey, passphrase: bytes) -> bytes:
+    """A private key as shardtool wrote it before scrypt: cryptography's PKCS#8 BestAvailableEncryption."""
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.BestAvailableEncryption(passphrase))

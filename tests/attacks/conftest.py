@@ -69,8 +69,9 @@ def keys(tmp_path_factory) -> Keys:
     for name in ("A", "B", "C"):
         keylib.write_keypair(d / name, keylib.generate(), None, force=False)
     keylib.write_keypair(d / "E", keylib.generate(), b"correct horse", force=False)  # encrypted
-    (d / "E.pass").write_text("correct horse\n")
-    (d / "wrong.pass").write_text("battery staple\n")
+    for name, text in (("E.pass", "correct horse\n"), ("wrong.pass", "battery staple\n")):
+        (d / name).write_text(text)
+        (d / name).chmod(0o600)  # a passphrase file is a secret: owner-only, like the key
     return Keys(d)
 
 

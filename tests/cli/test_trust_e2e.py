@@ -153,12 +153,14 @@ def test_usage_errors_exit_2(cli, signed):
 
 def test_keygen_encrypted_key_and_passphrase_sources(cli, signed, tmp_path):
     (tmp_path / "pw").write_text("correct horse\n")
+    (tmp_path / "pw").chmod(0o600)
     r = cli.ok("keygen", "--out", "enc", "--passphrase-file", "pw")
     keyid = r.out.strip()
     assert len(keyid) == 32 and stat.S_IMODE((tmp_path / "enc.key").stat().st_mode) == 0o600
     assert b"ENCRYPTED PRIVATE KEY" in (tmp_path / "enc.key").read_bytes()
     assert cli("keygen", "--out", "enc", "--no-passphrase").code == 2  # never overwrites without --force
     (tmp_path / "bad").write_text("wrong\n")
+    (tmp_path / "bad").chmod(0o600)
     r = cli("sign", signed, "--key", "enc.key", "--passphrase-file", "bad")
     assert r.code == 2 and "passphrase" in r.err
     r = cli("sign", signed, "--key", "enc.key", env={"SHARDTOOL_PASSPHRASE": "correct horse"})

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed448, x25519
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shardtool.errors import KeyFileError, SignatureError
+from shardtool.errors import KeyFileError, SignatureError, UsageError
 from shardtool.keys import (
     PrivateKey,
     PublicKey,
@@ -95,9 +95,20 @@ def test_unencrypted_key_loads_even_if_a_passphrase_is_given(tmp_path):
     assert load_private_key(key_path, b"unused").public == key.public
 
 
-def test_empty_passphrase_means_no_encryption():
-    # `private_pem` treats b"" like None; the CLI must therefore never pass an empty passphrase by accident.
-    assert b"ENCRYPTED" not in private_pem(generate(), b"")
+@pytest.mark.parametrize("passphrase", [b"", b"x", b"eleven char", "\u00e9".encode() * 11],
+                         ids=["empty", "1-char", "11-chars", "11-chars-22-bytes"])
+def test_new_key_passphrase_shorter_than_the_minimum_is_refused(passphrase, raises_exactly):
+    # Only None means "no encryption": an empty passphrase once silently wrote an unencrypted key.
+    with raises_exactly(UsageError, match="a new key needs at least 12"):
+        private_pem(generate(), passphrase)
+
+
+@pytest.mark.parametrize("passphrase", [b"twelve chars", "\u00e9".encode() * 12, b"\xff" * 12],
+                         ids=["12-chars", "12-chars-24-bytes", "12-bytes-not-utf8"])
+def test_new_key_passphrase_of_the_minimum_length_is_accepted(tmp_path, passphrase):
+    key = generate()
+    key_path, _ = write_keypair(tmp_path / "k", key, passphrase, force=False)
+    assert load_private_key(key_path, passphrase).public == key.public
 
 
 def test_public_pem_round_trip_and_key_id_are_stable(ed25519_keys):
