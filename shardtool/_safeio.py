@@ -18,6 +18,7 @@ import errno
 import os
 import stat
 from pathlib import Path
+from typing import Callable
 
 from shardtool.errors import (MissingFileError, NotARegularFileError, ShardtoolError, StorageError,
                               UnreadableFileError)
@@ -126,19 +127,25 @@ def open_regular(path: Path | str) -> int:
     """Descriptor of the regular file at a path the operator named (`--proof`, `--trust`, `--manifest`,
     a shard received from a peer). A link at the path is followed: the operator chose it."""
     try:
-        fd = os.open(path, _READ_FLAGS)
+        fd = os.open(path, _READ_FLAGS | os.O_NOCTTY)
     except OSError as e:
         raise open_error(e, str(path), name=path) from None
     _check_regular(fd, str(path))
     return fd
 
 
-def read_regular(path: Path | str, cap: int, *, what: str, too_large: type[ShardtoolError]) -> bytes:
+def read_regular(path: Path | str, cap: int, *, what: str, too_large: type[ShardtoolError],
+                 check: Callable[[os.stat_result], None] | None = None) -> bytes:
     """The whole of a small regular file (a manifest, proof, key, config), refused by its `fstat` size
-    before a byte is read when over `cap`, and read at most `cap + 1` bytes in any case (it may grow)."""
+    before a byte is read when over `cap`, and read at most `cap + 1` bytes in any case (it may grow).
+    `check(st)`: a further rule on the opened file's own `fstat` (a secret's permissions), so there is no
+    gap between the check and the read."""
     fd = open_regular(path)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if check is not None:
+            check(st)
+        size = st.st_size
         if size > cap:
             raise too_large(f"{what} is larger than {cap} bytes ({size} bytes; refused before reading)",
                             path=str(path))

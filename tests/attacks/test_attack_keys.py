@@ -128,7 +128,7 @@ def test_keys_passphrase_file_not_a_small_regular_file(case, model, world):
         _secret(pw, "correct horse\n" + "x" * 5000)
     before = (model / kit.MANIFEST).read_bytes()
     line = _one_line_error(_sign(world, model, "E.key", "--passphrase-file", pw), 2, "KeyFileError")
-    assert str(pw) in line and {"directory": "is a directory", "oversized": "expected at most 4096",
+    assert str(pw) in line and {"directory": "is a directory", "oversized": "larger than 4096 bytes",
                                 "missing": "not found"}[case] in line
     assert (model / kit.MANIFEST).read_bytes() == before
 

@@ -98,7 +98,7 @@ def test_reader_accepts_an_owner_only_secret(tmp_path, mode):
 
 def test_reader_caps_the_size(tmp_path, raises_exactly):
     path = _write(tmp_path / "s", b"x" * 4097)
-    with raises_exactly(KeyFileError, match="expected at most 4096"):
+    with raises_exactly(KeyFileError, match="larger than 4096 bytes"):
         read_key_file(path, "passphrase file", secret=True, cap=4096)
     assert len(read_key_file(_write(tmp_path / "t", b"x" * 4096), "passphrase file", secret=True, cap=4096)) == 4096
 
