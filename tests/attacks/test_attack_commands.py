@@ -186,3 +186,22 @@ def test_audit_model_id_pin_leaves_state_untouched(model, world):
     kit.assert_audit_refused(r, "VerificationError", "expected 'other/tiny-moe'")
     assert _state_records(world.tmp / "state") == []
     assert (model / MANIFEST).is_file()
+
+
+# --- inspect (a publisher's tool: malformed input is exit 2) ----------------------------------------------
+
+
+@pytest.mark.parametrize("edit", ["drop-a-key", "unknown-key", "other-version"])
+def test_inspect_contract_it_cannot_read(edit, model, world):
+    """An unsigned manifest whose contract lacks a key used to end `inspect` with a KeyError traceback."""
+    doc = kit.Doc.read(model)
+    contract = doc.head["contract"]
+    if edit == "drop-a-key":
+        del contract["bytes_per_expert"]
+    elif edit == "unknown-key":
+        contract["bogus_key"] = 1
+    else:
+        contract["contract_version"] = 99
+    doc.sign().write(model)  # unsigned: inspect never asks for signatures
+    r = kit.run("shardtool", "inspect", model, cwd=world.tmp)
+    _assert_refused(r, 2, "UsageError", "resource contract")
