@@ -3,7 +3,9 @@
   (b) decode tokens/s versus transformers on the CPU, same model and prompt, 1 thread and default threads
   (c) streaming with a budget that forces expert misses: read+verify throughput on misses versus b3sum over
       the same expert files, and the share of token time verification costs
-Usage: python benchmarks/bench_runtime.py [--parts abc] [--repeats 3] [--tokens 32] [--speed-tokens 128]
+  (d) budgets under attack: a signed DeepSeek FP8 config claiming 8192x8192 scale blocks under 64 MiB, and a
+      3,000-token prompt under 40 MiB; peak RSS must stay <= budget + 150 MiB
+Usage: python benchmarks/bench_runtime.py [--parts abcd] [--repeats 3] [--tokens 32] [--speed-tokens 128]
        [--budget-mib 256] [--workdir DIR] [--json FILE]
 """
 
@@ -133,6 +135,67 @@ def part_a(work: Path, repeats: int, tokens: int, budget_mib: int) -> dict:
         out[name] = {"expert_bytes": experts, "budget_mib": budget_mib, "peak_rss_mib": peak, "limit_mib": limit,
                      "ok": peak <= limit, "runs_peak_rss_mib": [s.peak_rss_mib for s, _ in runs],
                      "all_tokens": all(len(rep["generated_ids"]) == tokens for _, rep in runs)}
+    return out
+
+
+# --- (d) budgets under attack ------------------------------------------------------------------------------
+
+# The attack suite's tiny shapes (tests/attacks/_attackkit.py); DeepSeek's quantised dimensions all <= 128, so
+# each weight has one scale and a config claiming bigger blocks still fits the shards' scale shapes.
+ATTACK_KNOBS = dict(layers=2, experts=4, hidden=32, moe_intermediate=16, intermediate=48, vocab=300, heads=4)
+LONG_PROMPT = [3 + i % 290 for i in range(3000)]
+
+
+def build_attack(work: Path, name: str) -> Path:
+    """'fp8-block-8192': DeepSeek-V3 FP8 whose signed config.json says weight_block_size [8192, 8192];
+    'long-prompt': the attack suite's Mixtral."""
+    out = work / name / "model"
+    if (work / name / "signed.json").exists():
+        return out
+    shutil.rmtree(work / name, ignore_errors=True)
+    ck = work / name / "ck"
+    family, extra = (("deepseek_v3", ["--fp8", "--kv-heads", "4"]) if name == "fp8-block-8192"
+                     else ("mixtral", ["--kv-heads", "2", "--experts-per-tok", "2"]))
+    knobs = [x for k, v in ATTACK_KNOBS.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(ck), "--family", family, *knobs,
+                    *extra], check=True, capture_output=True)
+    if name == "fp8-block-8192":
+        config = json.loads((ck / "config.json").read_text())
+        config["quantization_config"]["weight_block_size"] = [8192, 8192]
+        (ck / "config.json").write_text(json.dumps(config, indent=2))
+    shardtool = str(VENV_BIN / "shardtool")
+    subprocess.run([shardtool, "split", "-q", str(ck), str(out), "--model-id", f"bench/{name}"], check=True,
+                   capture_output=True)
+    subprocess.run([shardtool, "sign", str(out), "--key", str(work / "bench.key")], check=True, capture_output=True)
+    (work / name / "signed.json").write_text("{}")
+    return out
+
+
+def part_d(work: Path, repeats: int) -> dict:
+    cases = {"fp8-block-8192": (64, [5, 6, 7], 4), "long-prompt": (40, LONG_PROMPT, 4)}
+    out = {}
+    print("\n## (d) budgets under attack: peak RSS of verify-and-run (GNU time %M)")
+    for name, (budget_mib, prompt, tokens) in cases.items():
+        model = build_attack(work, name)
+        report = work / "report.json"
+        argv = [str(VENV_BIN / "verify-and-run"), str(model), "--trust", str(work / "bench.pub"), "--prompt-ids",
+                ",".join(map(str, prompt)), "--max-new-tokens", str(tokens), "--memory-budget", f"{budget_mib}MiB",
+                "--print-ids", "--state-dir", str(model.parent / "state"), "--json-report", str(report), "-q"]
+        runs = []
+        for _ in range(repeats):
+            report.unlink(missing_ok=True)
+            sample = run_command(argv, check=False)
+            runs.append((sample, json.loads(report.read_text()) if report.exists() else None))
+        peak = max(s.peak_rss_mib for s, _ in runs)
+        limit = budget_mib + RSS_SLACK_MIB
+        rep = runs[-1][1]
+        verdict = "refused up front" if rep is None else ("OK" if peak <= limit else "OVER")
+        print(f"{name}: {len(prompt)}-token prompt, {budget_mib} MiB budget: peak RSS {peak:.1f} MiB (runs: "
+              f"{fmt([s.peak_rss_mib for s, _ in runs], '.1f')}) vs limit {limit} MiB: {verdict}"
+              + ("" if rep is None else f"; prefill {rep['prefill_tokens_per_s']:.0f} tok/s, activations "
+                                        f"{rep['budget'].get('activations', 0) / MIB:.1f} MiB"))
+        out[name] = {"budget_mib": budget_mib, "peak_rss_mib": peak, "limit_mib": limit, "ok": peak <= limit,
+                     "ran": rep is not None, "runs_peak_rss_mib": [s.peak_rss_mib for s, _ in runs]}
     return out
 
 
@@ -288,6 +351,7 @@ def run_decode(out: Path, model: str, pub: str, budget_mib: str, tokens: str, mo
 
         import shardtool.runtime._store as store_mod
         from shardtool._safeio import open_beneath
+        from shardtool.manifest._files import READ_CHUNK, VerifiedBytes
 
         def read_without_hash(root, entry):
             t = time.perf_counter()
@@ -295,11 +359,14 @@ def run_decode(out: Path, model: str, pub: str, budget_mib: str, tokens: str, mo
             data = np.empty(entry.size, np.uint8)
             view, done = memoryview(data), 0
             while done < entry.size:
-                done += os.readv(fd, [view[done:done + store_mod.CHUNK]])
+                done += os.readv(fd, [view[done:done + READ_CHUNK]])
             os.close(fd)
-            return store_mod.Loaded(data, time.perf_counter() - t, 0.0)
+            return VerifiedBytes(data, time.perf_counter() - t, 0.0)
 
-        store_mod.read_verified_shard = read_without_hash
+        # The name the store calls: patching any other name would leave hashing on and measure nothing.
+        if not hasattr(store_mod, "read_verified_timed"):
+            raise RuntimeError("shardtool.runtime._store no longer reads through read_verified_timed")
+        store_mod.read_verified_timed = read_without_hash
     report = session.generate(PROMPT, int(tokens), temperature=0.0, top_p=1.0, seed=None, on_token=lambda t: None)
     session.close()
     out.write_text(json.dumps({"decode_s": report.decode_seconds, "prefill_s": report.prefill_seconds}))
@@ -311,7 +378,7 @@ def main() -> None:
         {"hf": run_hf, "sweep": run_sweep, "decode": run_decode}[mode](Path(out), *rest)
         return
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="abc")
+    ap.add_argument("--parts", default="abcd")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--budget-mib", type=int, default=256)
@@ -335,6 +402,8 @@ def main() -> None:
         results["decode_speed"] = part_b(work, args.repeats, args.speed_tokens, args.speed_models.split(","))
     if "c" in args.parts:
         results["streaming"] = part_c(work, args.repeats, args.tokens, args.budget_mib)
+    if "d" in args.parts:
+        results["attack_budgets"] = part_d(work, args.repeats)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -18,13 +18,16 @@ from shardtool.errors import CheckpointFormatError, UsageError, VerificationErro
 from shardtool.manifest._document import VerifiedManifest
 from shardtool.manifest._files import read_verified
 from shardtool.runtime._model import Model, ModelConfig, bytes_per_token, sample_token
+from shardtool.runtime._model._activations import step_bytes
 from shardtool.runtime._model._sampling import check_sampling
 from shardtool.runtime._provider import VerifiedWeights
 from shardtool.runtime._store import ShardFormatError, ShardStore
 
 MAX_CONFIG_BYTES = 1024 * 1024
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
-ACTIVATION_RESERVE = 32 * 1024 * 1024
+# The least the budget keeps for one forward step's temporaries; more when one query over the whole
+# sequence needs more (`step_bytes`). Prefill runs in chunks that fit (`prefill_chunk`).
+MIN_ACTIVATION_RESERVE = 32 * 1024 * 1024
 
 
 def _signed_text(root: Path, manifest: VerifiedManifest, path: str, cap: int) -> str | None:
@@ -46,8 +49,8 @@ def _verified_json(root: Path, manifest: VerifiedManifest, path: str) -> dict:
         raise VerificationError(f"the signed manifest lists no {path}")
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise VerificationError(f"signed {path} is not valid JSON: {e}", path=path) from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError; an integer of > 4300 digits; deep nesting
+        raise VerificationError(f"signed {path} is not valid JSON: {str(e)[:200]}", path=path) from None
     if not isinstance(value, dict):
         raise VerificationError(f"signed {path} is not a JSON object", path=path)
     return value
@@ -84,7 +87,8 @@ def load_tokenizer(root: Path, manifest: VerifiedManifest):
 class BudgetPlan:
     total: int
     kv_cache: int
-    working: int
+    working: int  # float32 copies and reads in flight, plus `activations`
+    activations: int
     shard_cache: int
 
     def as_dict(self) -> dict:
@@ -92,8 +96,10 @@ class BudgetPlan:
 
 
 def plan_budget(budget: int, cfg: ModelConfig, manifest: VerifiedManifest, max_tokens: int, readers: int) -> BudgetPlan:
-    """Split the memory budget: KV cache for the whole sequence, working buffers (float32 copies of the
-    layer being computed, reads in flight, activations), and what remains caches verified shards."""
+    """Split the memory budget: KV cache for the whole sequence (prompt + new tokens), working buffers
+    (float32 copies of the layer being computed, reads in flight, one forward step's activations), and
+    what remains caches verified shards. A sequence the budget cannot hold is refused here, before any
+    token is computed, with the budget it would need."""
     experts = [e.size for e in manifest.entries if e.kind == "expert"]
     trunk = [e.size for e in manifest.entries if e.kind == "trunk"]
     largest_expert, largest_trunk = max(experts, default=0), max(trunk, default=0)
@@ -101,16 +107,21 @@ def plan_budget(budget: int, cfg: ModelConfig, manifest: VerifiedManifest, max_t
     # A shard's float32 copy is at most 4x its bytes (FP8); in-flight reads hold raw bytes.
     f32 = 4 * (largest_trunk + k * largest_expert)
     inflight = readers * max(largest_expert, largest_trunk)
-    kv = 2 * bytes_per_token(cfg) * max_tokens  # the cache grows by doubling
-    working = f32 + inflight + ACTIVATION_RESERVE
-    shard_cache = budget - kv - working
+    kv = bytes_per_token(cfg) * max_tokens  # allocated once at this capacity (KVCache)
+    activations = max(MIN_ACTIVATION_RESERVE, step_bytes(cfg, 1, max_tokens))  # decode's last step must fit
+    working = f32 + inflight + activations
     need = max(largest_expert, largest_trunk) * (k + 1)
+    shard_cache = budget - kv - working
     if shard_cache < need:
-        raise UsageError(f"memory budget {budget / 2**20:.0f} MiB is too small for this model: KV cache "
-                         f"{kv / 2**20:.1f} MiB + working {working / 2**20:.1f} MiB leave "
-                         f"{shard_cache / 2**20:.1f} MiB for shards, need at least {need / 2**20:.1f} MiB",
-                         hint=f"raise --memory-budget to at least {math.ceil((kv + working + need) / 2**20)}MiB")
-    return BudgetPlan(budget, kv, working, shard_cache)
+        mib = 2**20
+        raise UsageError(f"memory budget {budget / mib:.1f} MiB cannot run {max_tokens} tokens (prompt + "
+                         f"--max-new-tokens) of this model: KV cache {kv / mib:.1f} MiB + activations "
+                         f"{activations / mib:.1f} MiB + other working buffers {(f32 + inflight) / mib:.1f} MiB + "
+                         f"shard cache {need / mib:.1f} MiB (top-k + 1 shards) need "
+                         f"{(kv + working + need) / mib:.1f} MiB",
+                         hint=f"raise --memory-budget to at least {math.ceil((kv + working + need) / mib)}MiB, "
+                              f"or shorten the prompt or --max-new-tokens")
+    return BudgetPlan(budget, kv, working, activations, shard_cache)
 
 
 @dataclass
@@ -124,6 +135,15 @@ class RunReport:
 
 
 def peak_rss_bytes() -> int:
+    """This process's peak resident set. VmHWM first: ru_maxrss also counts what the parent had resident
+    when it forked us (Linux keeps the pre-exec high-water mark), which is not ours."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -147,7 +167,8 @@ class Session:
         self.plan = plan_budget(budget, self.config, manifest, max_tokens, readers)
         self.store = ShardStore(self.root, budget_bytes=self.plan.shard_cache, readers=readers)
         self.weights = VerifiedWeights(self.store, manifest, self.config.num_layers)
-        self.model = Model(self.config, self.weights, max_tokens=max_tokens)
+        self.model = Model(self.config, self.weights, max_tokens=max_tokens,
+                           activation_reserve=self.plan.activations)
         self.report = RunReport()
 
     def close(self) -> None:
@@ -184,6 +205,9 @@ class Session:
         report.prefill_seconds = time.perf_counter() - t0
         expert_bytes_before = self.store.stats.by_kind.get("expert", 0)
         for i in range(max_new_tokens):
+            if not np.isfinite(logits).all():
+                raise VerificationError(f"the signed weights give non-finite logits at new token {i}: they overflow "
+                                        f"float32")
             token = sample_token(logits, temperature=temperature, top_p=top_p, rng=rng)
             report.generated.append(token)
             report.new_tokens += 1

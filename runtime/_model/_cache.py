@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from shardtool.errors import UsageError
@@ -18,8 +20,7 @@ def _per_token_shapes(cfg: ModelConfig) -> tuple[tuple[tuple[int, ...], int], ..
 
 def bytes_per_token(cfg: ModelConfig) -> int:
     """Cache bytes one token costs across all layers (float32)."""
-    per_layer = sum(int(np.prod([n for i, n in enumerate(shape) if i != axis])) for shape, axis in
-                    _per_token_shapes(cfg))
+    per_layer = sum(math.prod(n for i, n in enumerate(shape) if i != axis) for shape, axis in _per_token_shapes(cfg))
     return 4 * per_layer * cfg.num_layers
 
 
@@ -28,6 +29,10 @@ class KVCache:
 
     A step writes its T new entries at positions [length, length + T) of every layer and `commit(T)`
     moves `length` on only once all layers are done, so a step that fails midway leaves the cache as it was.
+
+    With `max_tokens` each buffer is allocated once at that capacity, so the cache never holds more than
+    `bytes_per_token(cfg) * max_tokens` bytes (the figure the memory budget reserves), never copies itself
+    to grow, and untouched pages cost no resident memory. Without it, buffers grow by doubling.
     """
 
     def __init__(self, cfg: ModelConfig, *, max_tokens: int | None = None, initial_capacity: int = 64):
@@ -60,7 +65,8 @@ class KVCache:
         for i, ((shape, axis), x) in enumerate(zip(self._shapes, new, strict=True)):
             t = x.shape[axis]
             if i == len(bufs):
-                bufs.append(np.empty(_with(shape, axis, max(self._initial, start + t)), np.float32))
+                capacity = self.max_tokens if self.max_tokens is not None else max(self._initial, start + t)
+                bufs.append(np.empty(_with(shape, axis, capacity), np.float32))
             buf = bufs[i]
             if start + t > buf.shape[axis]:
                 grown = np.empty(_with(shape, axis, max(2 * buf.shape[axis], start + t)), np.float32)

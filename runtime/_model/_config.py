@@ -38,6 +38,34 @@ _DEFAULTS: dict[Family, dict[str, Any]] = {
 }
 _ROPE_TYPES = ("default", "linear", "yarn")
 
+# Caps on every number config.json may set. A signed config.json is still untrusted input to this parser: its
+# sizes drive allocations no shard has to back (KV cache, activations, rotary tables, FP8 scale tiles), and a
+# value past these caps is refused before anything is sized from it. Each cap is far above any released MoE
+# (DeepSeek-V3 / Kimi-K2: hidden 7168, vocab 163840, 384 experts, 128 heads, 61 layers, 163840 positions).
+# Integer fields are looked up here by name: a field without a cap cannot be read (`_Reader.int`).
+_MAX_DIM = 1 << 18  # any matrix dimension: intermediate sizes, FP8 block sides
+_MAX_HEAD = 1 << 12  # one attention head's channels
+_MAX_LAYERS = 1 << 12
+_MAX_VOCAB = 1 << 21
+_MAX_POSITIONS = 1 << 24
+INT_CAPS: dict[str, int] = {
+    "hidden_size": 1 << 16, "intermediate_size": _MAX_DIM, "moe_intermediate_size": _MAX_DIM,
+    "shared_expert_intermediate_size": _MAX_DIM, "vocab_size": _MAX_VOCAB, "num_hidden_layers": _MAX_LAYERS,
+    "num_attention_heads": 1 << 10, "num_key_value_heads": 1 << 10, "head_dim": _MAX_HEAD,
+    "num_local_experts": 1 << 14, "num_experts": 1 << 14, "n_routed_experts": 1 << 14, "num_experts_per_tok": 1 << 8,
+    "n_group": 1 << 14, "topk_group": 1 << 14, "n_shared_experts": 1 << 6,
+    "first_k_dense_replace": _MAX_LAYERS, "decoder_sparse_step": _MAX_LAYERS, "max_window_layers": _MAX_LAYERS,
+    "mlp_only_layers": _MAX_LAYERS, "sliding_window": _MAX_POSITIONS, "max_position_embeddings": _MAX_POSITIONS,
+    "original_max_position_embeddings": _MAX_POSITIONS, "bos_token_id": _MAX_VOCAB, "eos_token_id": _MAX_VOCAB,
+    "q_lora_rank": 1 << 16, "kv_lora_rank": 1 << 14, "qk_nope_head_dim": _MAX_HEAD, "qk_rope_head_dim": _MAX_HEAD,
+    "v_head_dim": _MAX_HEAD, "weight_block_size": _MAX_DIM,
+}
+# Floats: the largest magnitude accepted (rope factors, scales, epsilons).
+FLOAT_CAPS: dict[str, float] = {
+    "rope_theta": 1e12, "factor": 1e4, "attention_factor": 1e4, "beta_fast": 1e4, "beta_slow": 1e4,
+    "mscale": 1e4, "mscale_all_dim": 1e4, "rms_norm_eps": 1.0, "clip_qkv": 1e9, "routed_scaling_factor": 1e4,
+}
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -118,13 +146,14 @@ class ModelConfig:
 
 
 class _Reader:
-    """Typed access to config.json fields; every failure names the field and the value."""
+    """Typed access to config.json fields; every failure names the field and the value, every number is capped."""
 
     _REQUIRED = object()
 
-    def __init__(self, d: Mapping[str, Any], defaults: Mapping[str, Any]):
+    def __init__(self, d: Mapping[str, Any], defaults: Mapping[str, Any], prefix: str = ""):
         self.d = d
         self.defaults = defaults
+        self.prefix = prefix  # where `d` sits in config.json, for messages: "rope_scaling."
 
     def _get(self, key: str, default: Any) -> Any:
         if key in self.d and self.d[key] is not None:
@@ -133,36 +162,46 @@ class _Reader:
             return default
         if key in self.defaults:
             return self.defaults[key]
-        raise CheckpointFormatError(f"config.json: missing required field {key!r}")
+        raise CheckpointFormatError(f"config.json: missing required field {self.prefix}{key!r}")
 
     def int(self, key: str, default: Any = _REQUIRED, *, minimum: int = 1) -> int:
         v = self._get(key, default)
         if v is None:
             return v
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise CheckpointFormatError(f"config.json: {key} must be an integer >= {minimum}, got {v!r}")
-        return v
+        return check_int(f"{self.prefix}{key}", v, INT_CAPS[key], minimum)
 
     def float(self, key: str, default: Any = _REQUIRED, *, positive: bool = True) -> float:
         v = self._get(key, default)
         if v is None:
             return v
+        name, cap = f"{self.prefix}{key}", FLOAT_CAPS[key]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
-            raise CheckpointFormatError(f"config.json: {key} must be a {'positive ' if positive else ''}number, "
+            raise CheckpointFormatError(f"config.json: {name} must be a {'positive ' if positive else ''}number, "
                                         f"got {v!r}")
+        if abs(v) > cap:
+            raise CheckpointFormatError(f"config.json: {name} is {v!r}, beyond the cap of {cap:g}")
         return float(v)
 
     def bool(self, key: str, default: Any = _REQUIRED) -> bool:
         v = self._get(key, default)
         if not isinstance(v, bool):
-            raise CheckpointFormatError(f"config.json: {key} must be true or false, got {v!r}")
+            raise CheckpointFormatError(f"config.json: {self.prefix}{key} must be true or false, got {v!r}")
         return v
 
-    def int_list(self, key: str) -> tuple[int, ...]:
+    def int_list(self, key: str, *, minimum: int = 0) -> tuple[int, ...]:
         v = self._get(key, [])
-        if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
-            raise CheckpointFormatError(f"config.json: {key} must be a list of integers, got {v!r}")
-        return tuple(v)
+        if not isinstance(v, list):
+            raise CheckpointFormatError(f"config.json: {self.prefix}{key} must be a list of integers, got {v!r:.80}")
+        return tuple(check_int(f"{self.prefix}{key}[{i}]", x, INT_CAPS[key], minimum) for i, x in enumerate(v))
+
+
+def check_int(name: str, v: Any, cap: int, minimum: int) -> int:
+    """`v` as a config.json integer field `name` in [minimum, cap], or a CheckpointFormatError naming both."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise CheckpointFormatError(f"config.json: {name} must be an integer >= {minimum}, got {v!r:.80}")
+    if v > cap:
+        raise CheckpointFormatError(f"config.json: {name} is {v}, above the cap of {cap}")
+    return v
 
 
 def _common(r: _Reader, model_type: str, family: Family) -> dict[str, Any]:
@@ -175,11 +214,13 @@ def _common(r: _Reader, model_type: str, family: Family) -> dict[str, Any]:
     if heads % kv_heads:
         raise CheckpointFormatError(f"config.json: num_attention_heads {heads} is not a multiple of "
                                     f"num_key_value_heads {kv_heads}")
-    head_dim = r.int("head_dim", None) or hidden // heads
-    eos = r._get("eos_token_id", None)
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    if any(isinstance(x, bool) or not isinstance(x, int) for x in eos_ids):
-        raise CheckpointFormatError(f"config.json: eos_token_id must be an integer or a list of them, got {eos!r}")
+    head_dim = r.int("head_dim", None) or check_int("head_dim (hidden_size / num_attention_heads)", hidden // heads,
+                                                    INT_CAPS["head_dim"], 1)
+    if isinstance(r._get("eos_token_id", None), list):
+        eos_ids = r.int_list("eos_token_id")
+    else:
+        eos = r.int("eos_token_id", None, minimum=0)
+        eos_ids = () if eos is None else (eos,)
     return dict(
         model_type=model_type, family=family, vocab_size=r.int("vocab_size"), hidden_size=hidden,
         num_layers=r.int("num_hidden_layers"), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -195,7 +236,7 @@ def _rope(r: _Reader, dim: int, max_pos: int, interleave: bool = False) -> RopeC
     params = r.d.get("rope_scaling") or r.d.get("rope_parameters") or {}
     if not isinstance(params, Mapping):
         raise CheckpointFormatError(f"config.json: rope_parameters must be an object, got {params!r}")
-    p = _Reader(params, {})
+    p = _Reader(params, {}, prefix="rope_scaling." if r.d.get("rope_scaling") else "rope_parameters.")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in _ROPE_TYPES:
         raise CheckpointFormatError(f"config.json: rope type {kind!r} is not supported",
@@ -336,9 +377,11 @@ def _parse_deepseek_v3(r: _Reader, model_type: str, family: Family) -> ModelConf
         raise CheckpointFormatError(f"config.json: quantization_config quant_method {method!r} is not supported",
                                     hint="only DeepSeek-style block-scaled 'fp8' weights are")
     block = quant.get("weight_block_size", [128, 128])
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+    if not (isinstance(block, list) and len(block) == 2):
         raise CheckpointFormatError(f"config.json: quantization_config.weight_block_size must be two positive "
-                                    f"integers, got {block!r}")
+                                    f"integers, got {block!r:.80}")
+    block = _Reader({"weight_block_size": block}, {}, prefix="quantization_config.").int_list("weight_block_size",
+                                                                                            minimum=1)
     n_shared = r.int("n_shared_experts", minimum=0)
     return ModelConfig(
         **c, **counts, moe_intermediate_size=r.int("moe_intermediate_size"),

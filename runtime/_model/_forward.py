@@ -9,6 +9,7 @@ import numpy as np
 
 from shardtool.errors import CheckpointFormatError, UsageError
 
+from ._activations import prefill_chunk
 from ._cache import KVCache
 from ._config import ModelConfig
 from ._dtypes import to_float32, weight_f32
@@ -198,8 +199,9 @@ class _Float32Experts(Mapping):
 
 
 def forward(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndarray, float], ids: np.ndarray,
-            cache: KVCache, *, last_only: bool = False) -> np.ndarray:
-    """# [T] token ids -> logits [T, V] ([1, V] with last_only), appending T positions to `cache`."""
+            cache: KVCache, *, last_only: bool = False, logits: bool = True) -> np.ndarray | None:
+    """# [T] token ids -> logits [T, V] ([1, V] with last_only; None without `logits`), appending T positions
+    to `cache`."""
     t = len(ids)
     cache.check_room(t)
     q_pos = cache.length + np.arange(t)
@@ -213,6 +215,8 @@ def forward(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndarray, f
         x = decoder_layer(x, weights.layer(layer), cfg, layer, cos, sin, masks[cfg.sliding_windows[layer]],
                           append_kv, weights.expert_fetch(layer))
     cache.commit(t)
+    if not logits:
+        return None
     if last_only:
         x = x[-1:]
     norm, lm_head = weights.head()
@@ -225,20 +229,43 @@ class Model:
     `prefill(ids)` starts a new sequence; `decode(id)` extends it by one token. Both return float32 logits.
     """
 
-    def __init__(self, config: ModelConfig, provider: WeightProvider, *, max_tokens: int | None = None):
+    def __init__(self, config: ModelConfig, provider: WeightProvider, *, max_tokens: int | None = None,
+                 activation_reserve: int | None = None):
+        """`activation_reserve`: bytes a forward step's temporaries may take; prefill then runs in chunks
+        that fit (`prefill_chunk`). None: the whole prompt in one step."""
         if not isinstance(provider, WeightProvider):
             raise UsageError(f"provider {type(provider).__name__} does not implement WeightProvider")
         self.config = config
         self.provider = provider
+        self.activation_reserve = activation_reserve
         self.cache = KVCache(config, max_tokens=max_tokens)
         self._weights = Float32Weights(config, provider)
         self._rope = inv_freq(config.rope)
 
-    def prefill(self, ids: Sequence[int], *, last_only: bool = False) -> np.ndarray:
-        """# [T] -> logits [T, V] ([1, V] with last_only); resets the cache first."""
+    def prefill(self, ids: Sequence[int], *, last_only: bool = False, chunk: int | None = None) -> np.ndarray:
+        """# [T] -> logits [T, V] ([1, V] with last_only); resets the cache first.
+
+        `chunk`: at most this many tokens per forward step (default: as many as fit the activation reserve,
+        `prefill_chunk`), so attention scores are [heads, chunk, T] rather than [heads, T, T]. Each chunk
+        attends to the cached keys of the ones before it: the same sums as one step, up to float32 rounding
+        in the matmuls.
+        """
         tokens = self._check_ids(ids)
+        if chunk is None and self.activation_reserve is not None:
+            chunk = prefill_chunk(self.config, self.activation_reserve, len(tokens))
+        if chunk is not None and chunk < 1:
+            raise UsageError(f"prefill chunk must be >= 1 token, got {chunk}")
         self.cache.reset()
-        return forward(self.config, self._weights, self._rope, tokens, self.cache, last_only=last_only)
+        step = len(tokens) if chunk is None else chunk
+        outs = []
+        for start in range(0, len(tokens), step):
+            last = start + step >= len(tokens)
+            # Only the final chunk's last row matters with last_only: the others skip the lm_head.
+            logits = forward(self.config, self._weights, self._rope, tokens[start:start + step], self.cache,
+                             last_only=last_only, logits=last or not last_only)
+            if logits is not None:
+                outs.append(logits)
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
     def decode(self, token_id: int) -> np.ndarray:
         """# id -> logits [V] for the next position, after everything prefilled or decoded so far."""

@@ -26,8 +26,13 @@ def sample_token(logits: np.ndarray, *, temperature: float = 0.0, top_p: float =
         return int(np.argmax(logits))
     if rng is None:
         raise UsageError("sampling with temperature > 0 needs a random generator (pass a seed)")
-    scaled = logits.astype(np.float64) / temperature
-    probs = np.exp(scaled - scaled.max())
+    if not np.isfinite(logits).all():
+        raise UsageError("cannot sample from logits that are not all finite")
+    # Shift before dividing: (x - max) / t <= 0 for every temperature, so a tiny one cannot overflow to inf.
+    shifted = logits.astype(np.float64)
+    shifted -= shifted.max()
+    with np.errstate(over="ignore", under="ignore"):  # a tiny temperature sends (x - max) / t to -inf: exp 0
+        probs = np.exp(shifted / temperature)
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")
     sorted_probs = probs[order]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -16,30 +17,54 @@ from shardtool.errors import UsageError
 
 app = typer.Typer(name="verify-and-run", add_completion=False, pretty_exceptions_enable=False)
 
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(B|K|KB|KiB|M|MB|MiB|G|GB|GiB|T|TB|TiB)?", re.IGNORECASE)
+# ASCII digits only (`\d` would take any Unicode digit); at most 30 characters, so no text is big to parse.
+_SIZE = re.compile(r"([0-9]{1,20}(?:\.[0-9]{1,6})?)\s*(B|K|KB|KiB|M|MB|MiB|G|GB|GiB|T|TB|TiB)?",
+                   re.IGNORECASE | re.ASCII)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+MAX_SIZE_TEXT = 30
+MAX_MEMORY_BUDGET = 2**50  # 1 PiB: beyond any machine's memory, and every sum the plan makes stays exact
+MAX_PROMPT_IDS = 1 << 20  # tokens; the memory budget usually refuses far fewer (KV cache, plan_budget)
+MAX_TOKEN_ID = (1 << 31) - 1  # the largest id any vocabulary may have (checked against the model's own below)
+MAX_SEED = 2**64 - 1
 
 
 def parse_size(text: str) -> int:
-    """'8GiB', '512MiB', '1.5G', '1000000' -> bytes (K/M/G/T alone are binary units)."""
-    m = _SIZE.fullmatch(text.strip())
+    """'8GiB', '512MiB', '1.5G', '1000000' -> bytes (K/M/G/T alone are binary units), in [1, 1 PiB].
+
+    Any other text is a UsageError: the arithmetic is exact (integers and Fraction, never float), so no
+    string can reach an OverflowError or an infinity."""
+    from fractions import Fraction
+
+    m = _SIZE.fullmatch(text.strip()) if len(text) <= MAX_SIZE_TEXT else None
     if not m:
-        raise UsageError(f"--memory-budget {text!r} is not a size (examples: 8GiB, 512MiB, 2000000000)")
-    value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-    if value <= 0:
-        raise UsageError(f"--memory-budget must be positive, got {text!r}")
+        raise UsageError(f"--memory-budget {text[:40]!r} is not a size from 1 byte to 1PiB (examples: 8GiB, 512MiB, "
+                         f"2000000000)")
+    value = int(Fraction(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if not 1 <= value <= MAX_MEMORY_BUDGET:
+        raise UsageError(f"--memory-budget must be between 1 byte and 1PiB, got {text!r}")
     return value
 
 
 def parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--prompt-ids must be comma-separated integers, got {text[:80]!r}") from None
-    if not ids or any(i < 0 for i in ids):
-        raise UsageError("--prompt-ids needs at least one non-negative integer")
-    return ids
+    """'1,2,3' -> [1, 2, 3]: ASCII digits, at most MAX_PROMPT_IDS ids, each at most MAX_TOKEN_ID."""
+    if len(text) > MAX_PROMPT_IDS * 12:  # before splitting: no list of pieces bigger than the cap allows
+        raise UsageError(f"--prompt-ids is longer than {MAX_PROMPT_IDS} token ids can be")
+    pieces = [p.strip() for p in text.split(",") if p.strip()]
+    if len(pieces) > MAX_PROMPT_IDS:
+        raise UsageError(f"--prompt-ids has {len(pieces)} token ids, more than the cap of {MAX_PROMPT_IDS}")
+    for p in pieces:
+        if not (p.isascii() and p.isdigit() and len(p) <= 10 and int(p) <= MAX_TOKEN_ID):
+            raise UsageError(f"--prompt-ids: {p[:20]!r} is not a token id (an integer from 0 to {MAX_TOKEN_ID})")
+    if not pieces:
+        raise UsageError("--prompt-ids needs at least one token id")
+    return [int(p) for p in pieces]
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
+    bad = next((i for i in ids if i >= vocab_size), None)
+    if bad is not None:
+        raise UsageError(f"--prompt-ids: token id {bad} is outside this model's vocabulary of {vocab_size} ids")
 
 
 class _TextStream:
@@ -77,9 +102,9 @@ def verify_and_run(
     prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text (needs the model's tokenizer.json)."),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as token ids: 1,2,3."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=0, max=1_000_000),
-    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 is greedy."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 is greedy; finite."),
     top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
-    seed: Optional[int] = typer.Option(None, "--seed"),
+    seed: Optional[int] = typer.Option(None, "--seed", min=0, max=MAX_SEED),
     memory_budget: str = typer.Option("8GiB", "--memory-budget", help="Cached shards + KV cache + working buffers."),
     readers: int = typer.Option(2, "--readers", min=1, max=64, help="Reader/verifier threads."),
     threads: int = typer.Option(0, "--threads", min=0, max=1024,
@@ -99,14 +124,19 @@ def verify_and_run(
     from shardtool.cli.manifest_cmd import load_trusted, manifest_path, model_dir
     from shardtool.manifest import load_trusted_manifest
 
-    _set_blas_threads(threads, readers)
-    _keep_freed_memory()
-    from shardtool.runtime._session import Session, encode_prompt, load_tokenizer  # loads numpy
-
+    # Every option is checked before anything is read: a bad value is one usage line, exit 2.
     if (prompt is None) == (prompt_ids is None):
         raise UsageError("give exactly one of --prompt and --prompt-ids")
     budget = parse_size(memory_budget)
     ids = parse_ids(prompt_ids) if prompt_ids is not None else None
+    if not math.isfinite(temperature):
+        raise UsageError(f"--temperature must be a finite number >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
+    _set_blas_threads(threads, readers)
+    _keep_freed_memory()
+    from shardtool.runtime._session import Session, encode_prompt, load_tokenizer  # loads numpy
+
     directory = model_dir(directory)
     trusted = load_trusted(trust)
     path = manifest_path(directory, manifest_file)
@@ -114,10 +144,14 @@ def verify_and_run(
     tokenizer = load_tokenizer(directory, verified)  # verified before it is parsed, like every model file
     if ids is None:
         ids = encode_prompt(tokenizer, prompt)
-    # The KV cache is sized (and budgeted) for exactly this prompt plus the new tokens.
+        if not ids:
+            raise UsageError("--prompt encodes to no tokens")
+    # The KV cache is sized (and budgeted) for exactly this prompt plus the new tokens: a sequence the budget
+    # cannot hold is refused here, before the first token.
     session = Session(directory, verified, budget=budget, max_tokens=len(ids) + max_new_tokens, readers=readers,
                       tokenizer=tokenizer)
     try:
+        check_prompt_ids(ids, session.config.vocab_size)
         if verify_all_first:
             checked = session.verify_all()
             if not quiet:
