@@ -1,7 +1,7 @@
 """One error hierarchy for the whole tool; the CLI maps each class to an exit code.
 
-Exit codes (STYLE.md rule 7): 0 success, 1 verification failed (the thing is untrustworthy),
-2 usage or malformed input to a producing command, 3 I/O or environment trouble.
+Exit codes: 0 success, 1 verification failed (the thing is untrustworthy), 2 usage or malformed input to a
+producing command, 3 I/O or environment trouble, 70 a bug (an unexpected exception, with its traceback).
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ EXIT_OK = 0
 EXIT_UNTRUSTED = 1
 EXIT_USAGE = 2
 EXIT_IO = 3
+# A bug in shardtool (an exception that is not a ShardtoolError): the traceback is printed and the exit code is
+# this one (sysexits' EX_SOFTWARE), so that a script never mistakes a crash for a verdict (1) or a usage error.
+EXIT_CRASH = 70
 
 
 class ShardtoolError(Exception):

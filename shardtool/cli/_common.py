@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 from typing import Any
 
 import typer
 
 from shardtool._text import printable_lines
-from shardtool.errors import EXIT_IO, EXIT_USAGE, ShardtoolError
+from shardtool.errors import EXIT_CRASH, EXIT_IO, EXIT_USAGE, ShardtoolError
 
 
 def say(message: str) -> None:
@@ -27,8 +28,8 @@ def emit_json(document: Any) -> None:
 def run_app(app: typer.Typer, args: list[str] | None = None) -> None:
     """Run a typer app: every error is one line on stderr and a distinct exit code.
 
-    Our errors carry their own exit code; typer's usage errors (unknown flag, bad value) exit 2.
-    Only these are caught: a programming bug stays a traceback, never a fake verdict.
+    Our errors carry their own exit code; typer's usage errors (unknown flag, bad value) exit 2. Any other
+    exception is a bug: its traceback is printed and the exit code is EXIT_CRASH (70), never a fake verdict.
     """
     command = typer.main.get_command(app)
     name = app.info.name
@@ -51,4 +52,9 @@ def run_app(app: typer.Typer, args: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         say(f"{name}: interrupted")
         sys.exit(EXIT_IO)
+    except Exception:  # noqa: BLE001 - not caught to be hidden: printed whole, with a code no verdict uses
+        traceback.print_exc()
+        say(f"{name}: internal error: the traceback above is a bug in shardtool, not a verdict on the input "
+            f"(exit {EXIT_CRASH})")
+        sys.exit(EXIT_CRASH)
     sys.exit(rv if isinstance(rv, int) else 0)
