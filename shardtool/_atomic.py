@@ -87,3 +87,38 @@ def locked_directory(directory: Path | str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def atomic_writer_at(dir_fd: int, name: str, mode: int = 0o644, *, fsync: bool = True,
+                     where: str | None = None) -> Iterator[BinaryIO]:
+    """`atomic_writer` for the entry `name` of an open directory: the temp file is created there with
+    O_EXCL|O_NOFOLLOW and renamed over `name` (replacing a link of that name, never writing through it), so
+    a directory swapped for a link after it was opened cannot redirect the write. `where` names the file in
+    messages."""
+    where = where or name
+    tmp = f".{name[:64]}.{os.urandom(6).hex()}.tmp"  # short enough beside a name of up to 255 bytes
+    try:
+        # O_RDWR: split hashes what landed in the file by mapping it back (`_copy.HashingFileWriter`).
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as e:
+        raise StorageError(f"cannot create a temporary file: {e.strerror}", path=where) from e
+    try:
+        os.fchmod(fd, mode)  # exactly `mode`, whatever the umask
+        with os.fdopen(fd, "wb") as fh:
+            yield fh
+            fh.flush()
+            if fsync:
+                os.fsync(fh.fileno())
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        if fsync:
+            os.fsync(dir_fd)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        reason = "disk full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        raise StorageError(f"write failed: {reason}", path=where) from e
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise

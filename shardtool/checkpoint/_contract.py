@@ -11,9 +11,14 @@ from typing import Any, Mapping
 
 from shardtool.checkpoint._families import CUSTOM, detect_family, text_config
 from shardtool.errors import CheckpointFormatError
+from shardtool.manifest._records import MAX_LAYER
 
 DEFAULT_CONTEXT_TOKENS = 4096
 CONTRACT_VERSION = 1
+# config.json is untrusted: sizes are capped far above any real model (and products that outgrow the manifest's
+# 63-bit contract values are refused when the manifest is built); layer counts by what a manifest can name.
+MAX_CONFIG_INT = 2**40
+MAX_LAYERS = MAX_LAYER + 1
 
 # Order matters only for display; the manifest sorts keys.
 KEYS = (
@@ -63,22 +68,34 @@ def _get(cfg: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
     raise CheckpointFormatError(f"lacks {' / '.join(keys)}, needed for the resource contract", path="config.json")
 
 
-def _int(cfg: Mapping[str, Any], *keys: str, default: int | None = None) -> int:
+def _int(cfg: Mapping[str, Any], *keys: str, default: int | None = None, lo: int = 0,
+         hi: int = MAX_CONFIG_INT) -> int:
     value = _get(cfg, *keys, default=default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise CheckpointFormatError(f"{keys[0]} must be a non-negative integer, got {value!r}", path="config.json")
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise CheckpointFormatError(f"{keys[0]} must be an integer in [{lo}, {hi}], got {value!r:.80}",
+                                    path="config.json")
+    return value
+
+
+def _int_list(cfg: Mapping[str, Any], key: str) -> list[int] | None:
+    """An optional list of layer indices."""
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        raise CheckpointFormatError(f"{key} must be a list of integers, got {value!r:.80}", path="config.json")
     return value
 
 
 def _moe_layer_indices(family: str, cfg: Mapping[str, Any], n: int) -> tuple[int, ...]:
     if family in ("qwen2_moe", "qwen3_moe"):
-        dense = set(_get(cfg, "mlp_only_layers", default=[]))
+        dense = set(_int_list(cfg, "mlp_only_layers") or [])
         step = _int(cfg, "decoder_sparse_step", default=1) or 1
         return tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
     if family == "deepseek_v3":
         return tuple(range(_int(cfg, "first_k_dense_replace", default=0), n))
     if family == "llama4":
-        layers = cfg.get("moe_layers")
+        layers = _int_list(cfg, "moe_layers")
         if layers is None:
             step = _int(cfg, "interleave_moe_layer_step", default=1) or 1
             layers = range(step - 1, n, step)
@@ -88,17 +105,17 @@ def _moe_layer_indices(family: str, cfg: Mapping[str, Any], n: int) -> tuple[int
 
 def _attention(family: str, cfg: Mapping[str, Any], h: int) -> tuple[int, int]:
     """(params of one attention block incl. its norms-in-attention, KV elements per token per layer)."""
-    nh = _int(cfg, "num_attention_heads")
+    nh = _int(cfg, "num_attention_heads", lo=1)
     if family == "deepseek_v3":
         rope, nope = _int(cfg, "qk_rope_head_dim"), _int(cfg, "qk_nope_head_dim")
         v, kv_rank = _int(cfg, "v_head_dim"), _int(cfg, "kv_lora_rank")
-        q_rank = cfg.get("q_lora_rank") or 0
+        q_rank = _int(cfg, "q_lora_rank", default=0)
         q = h * q_rank + q_rank + q_rank * nh * (nope + rope) if q_rank else h * nh * (nope + rope)
         kv = h * (kv_rank + rope) + kv_rank + kv_rank * nh * (nope + v)
         # MLA caches the compressed latent and the shared rope key, not per-head K/V.
         return q + kv + nh * v * h, kv_rank + rope
     nkv = _int(cfg, "num_key_value_heads", default=nh)
-    hd = cfg.get("head_dim") or h // nh
+    hd = _int(cfg, "head_dim", default=0) or h // nh
     params = h * nh * hd + 2 * h * nkv * hd + nh * hd * h
     qkv_bias = nh * hd + 2 * nkv * hd
     if family == "qwen2_moe":
@@ -118,7 +135,8 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
     """Parameter counts for a supported family from config.json alone."""
     family = detect_family(config)
     cfg = text_config(config)
-    h, vocab, n = _int(cfg, "hidden_size"), _int(cfg, "vocab_size"), _int(cfg, "num_hidden_layers")
+    h, vocab = _int(cfg, "hidden_size"), _int(cfg, "vocab_size")
+    n = _int(cfg, "num_hidden_layers", hi=MAX_LAYERS)
     experts = _int(cfg, "num_local_experts", "num_experts", "n_routed_experts")
     top_k = _int(cfg, "num_experts_per_tok", "experts_per_token")
     moe = _moe_layer_indices(family, cfg, n)
@@ -223,7 +241,7 @@ def contract_from_split(config: Mapping[str, Any], sizes: SplitSizes, *,
 def _custom_shape(config: Mapping[str, Any], sizes: SplitSizes) -> ModelShape:
     """For --expert-pattern layouts: structure from the generic config keys, KV from GQA fields if present."""
     cfg = text_config(config)
-    n = _int(cfg, "num_hidden_layers", default=len(sizes.layer_expert_max))
+    n = _int(cfg, "num_hidden_layers", default=len(sizes.layer_expert_max), hi=MAX_LAYERS)
     kv = 0
     if isinstance(cfg.get("hidden_size"), int) and isinstance(cfg.get("num_attention_heads"), int):
         kv = _attention("custom", cfg, cfg["hidden_size"])[1] * n

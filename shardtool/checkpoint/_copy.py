@@ -101,15 +101,19 @@ class HashingFileWriter:
             pass
 
 
-def sync_filesystem(directory: Path) -> None:
-    """Flush every dirty page of the filesystem holding `directory` (syncfs(2); os.sync() where unavailable)."""
+def sync_filesystem(directory: Path | int, where: str | None = None) -> None:
+    """Flush every dirty page of the filesystem holding `directory` (a path, or a descriptor of an open directory
+    that `where` names in messages) with syncfs(2); os.sync() where unavailable."""
     import ctypes
     import ctypes.util
 
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError as e:
-        raise StorageError(f"cannot open directory: {e.strerror}", path=str(directory)) from e
+    if isinstance(directory, int):
+        fd, owned = directory, False
+    else:
+        try:
+            fd, owned = os.open(directory, os.O_RDONLY | os.O_DIRECTORY), True
+        except OSError as e:
+            raise StorageError(f"cannot open directory: {e.strerror}", path=str(directory)) from e
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         syncfs = getattr(libc, "syncfs", None)
@@ -118,6 +122,7 @@ def sync_filesystem(directory: Path) -> None:
         elif syncfs(fd) != 0:
             err = ctypes.get_errno()
             reason = "disk full" if err == errno.ENOSPC else os.strerror(err)
-            raise StorageError(f"flushing to disk failed: {reason}", path=str(directory))
+            raise StorageError(f"flushing to disk failed: {reason}", path=where or str(directory))
     finally:
-        os.close(fd)
+        if owned:
+            os.close(fd)

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 from shardtool.checkpoint._plan import Cut, Piece, ShardPlan
 from shardtool.checkpoint._safetensors import TensorInfo
 from shardtool.errors import CheckpointFormatError, UsageError
+from shardtool.manifest._records import MAX_ENTRIES, MAX_EXPERT, MAX_LAYER
 
 SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "llama4")
 CUSTOM = "custom"
@@ -92,7 +93,7 @@ def _classify(name: str, custom: re.Pattern[str] | None) -> _Routed | None:
                                  hint="add a named group 'name' or stop the pattern before the projection name")
             matched = m.group(0)
             prefix = matched[:matched.index("layers.")] if "layers." in matched else "model."
-            return _Routed(int(m["layer"]), int(m["expert"]), canonical, prefix)
+            return _Routed(_index(m["layer"], name), _index(m["expert"], name), canonical, prefix)
     m = _PER_EXPERT.fullmatch(name)
     if m:
         proj = _MIXTRAL_PROJ.get(m["proj"], m["proj"])
@@ -101,6 +102,22 @@ def _classify(name: str, custom: re.Pattern[str] | None) -> _Routed | None:
     if m:
         return _Routed(int(m["layer"]), None, f"{m['proj']}:{m['part'] or 'weight'}", m["prefix"])
     return None
+
+
+def _index(digits: str | None, name: str) -> int:
+    """A layer or expert number matched by --expert-pattern (whose groups could match anything)."""
+    if digits is None or not digits.isascii() or not digits.isdigit():
+        raise UsageError(f"--expert-pattern matched {digits!r} as a layer/expert number in {name!r}",
+                         hint="the groups 'layer' and 'expert' must match digits, e.g. (?P<layer>\\d+)")
+    return int(digits)
+
+
+def _check_index(value: int, cap: int, what: str, name: str) -> int:
+    """Layer and expert numbers must fit the manifest format (manifest/_records.py), checked while planning."""
+    if value > cap:
+        raise CheckpointFormatError(f"tensor {name!r} has {what} {value}, beyond the largest the manifest format "
+                                    f"allows ({cap})")
+    return value
 
 
 def _fused_cuts(family: str, key: str, info: TensorInfo, hidden: int | None) -> list[tuple[str, Cut]]:
@@ -165,6 +182,10 @@ def plan_split(config: Mapping[str, Any], tensors: Mapping[str, tuple[TensorInfo
     hidden = _int_field(tcfg, "hidden_size")
 
     routed = {name: r for name in tensors if (r := _classify(name, custom)) is not None}
+    for name, r in routed.items():
+        _check_index(r.layer, MAX_LAYER, "layer", name)
+        if r.expert is not None:
+            _check_index(r.expert, MAX_EXPERT, "expert", name)
     prefixes = {r.prefix for r in routed.values()}
     if not routed:
         raise CheckpointFormatError(
@@ -190,14 +211,17 @@ def plan_split(config: Mapping[str, Any], tensors: Mapping[str, tuple[TensorInfo
             if len(info.shape) < 2 or info.shape[0] == 0:
                 raise CheckpointFormatError(f"fused expert tensor {name!r} has shape {list(info.shape)}, "
                                             "expected [E, ...]")
+            _check_index(info.shape[0] - 1, MAX_EXPERT, "expert", name)
             for canonical, c in _fused_cuts(family, r.name, info, hidden):
                 out_shape = c.out_shape(info.shape[1:])
                 for e in range(info.shape[0]):
                     experts[(r.layer, e)].append(Piece(canonical, info.dtype, out_shape, info, file, e, c))
+                if len(experts) > MAX_ENTRIES:  # before a hostile [10^6, 0] tensor per layer eats the memory
+                    raise CheckpointFormatError(f"more than {MAX_ENTRIES} expert files, the most a manifest holds")
             continue
         m = layer_rx.fullmatch(name)
         if m:
-            layer = int(m[1])
+            layer = _check_index(int(m[1]), MAX_LAYER, "layer", name)
             path = f"trunk/layer-{layer:03d}.safetensors"
             trunk[path].append(Piece(m[2], info.dtype, info.shape, info, file))
             trunk_layer[path] = layer
@@ -232,6 +256,9 @@ def _check_experts(experts: Mapping[tuple[int, int], list[Piece]], expected: int
     by_layer: dict[int, dict[int, list[Piece]]] = defaultdict(dict)
     for (layer, e), pieces in experts.items():
         by_layer[layer][e] = pieces
+    if by_layer and expected is not None and not 0 < expected <= MAX_EXPERT + 1:
+        raise CheckpointFormatError(f"the number of routed experts per layer is {expected}, expected 1 to "
+                                    f"{MAX_EXPERT + 1}", path="config.json")
     for layer, found in sorted(by_layer.items()):
         count = expected if expected is not None else max(found) + 1
         missing = sorted(set(range(count)) - set(found))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import stat
-from pathlib import Path
 from typing import Any, Callable
 
 from shardtool.checkpoint._plan import OutputFile
@@ -44,35 +43,36 @@ class _NullFile:
         pass
 
 
-def existing_digest(path: Path, out: OutputFile, sources: Sources, on_bytes: Callable[[int], None],
-               executor: Any = None) -> bytes | None:
-    """The digest of an existing shard whose bytes equal what we would write, else None.
+def existing_digest(dir_fd: int, name: str, out: OutputFile, mode: int, sources: Sources,
+                    on_bytes: Callable[[int], None], executor: Any = None) -> bytes | None:
+    """The digest of the shard `name` in the open output directory `dir_fd` if its bytes and permission bits
+    equal what we would write now, else None (then it is rewritten, which replaces whatever is there).
 
     Safe without trusting mtimes or a journal: every byte is compared with the source-derived stream.
     Costs a read of the old shard instead of a write, and a crash-truncated or stale file simply fails.
+    Only a regular file is ever read: the name is opened with O_NOFOLLOW | O_NONBLOCK, relative to a
+    directory opened without following links, so a link or FIFO planted in OUT is never read through.
     """
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISREG(st.st_mode) or st.st_size != out.size:
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
-        return None
-    hasher = HashingWriter(_NullFile(), executor)
-    done = 0
+        return None  # absent, a link, a socket, unreadable: write it anew
     try:
-        comparer = _Comparer(fd, hasher)
-        for chunk in stream(out, sources):
-            comparer.write(chunk)
-            done += len(chunk)
-            on_bytes(len(chunk))
-    except (_Mismatch, OSError):
-        hasher.digest()  # let a pending hash finish before its buffer is read into again
-        on_bytes(-done)
-        return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != out.size or stat.S_IMODE(st.st_mode) != mode:
+            return None
+        hasher = HashingWriter(_NullFile(), executor)
+        done = 0
+        try:
+            comparer = _Comparer(fd, hasher)
+            for chunk in stream(out, sources):
+                comparer.write(chunk)
+                done += len(chunk)
+                on_bytes(len(chunk))
+        except (_Mismatch, OSError):
+            hasher.digest()  # let a pending hash finish before its buffer is read into again
+            on_bytes(-done)
+            return None
+        return hasher.digest()
     finally:
         os.close(fd)
-    return hasher.digest()

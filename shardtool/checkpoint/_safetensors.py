@@ -200,17 +200,40 @@ def _header_length(prefix: bytes, file_size: int) -> int:
 def read_header(path: str | os.PathLike) -> Header:
     """Read and validate only the header of a file; the tensor bytes are not touched."""
     try:
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            n = _header_length(fh.read(8), size)
-            header = fh.read(n)
-            if len(header) != n:
-                raise CheckpointFormatError("file shrank while its header was read")
-            return parse_header(header, file_size=size)
-    except CheckpointFormatError as e:
-        raise CheckpointFormatError(e.message, path=str(path), hint=e.hint) from None
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not hang us
     except OSError as e:
         raise StorageError(f"cannot read: {e.strerror or e}", path=str(path)) from e
+    try:
+        return read_header_fd(fd, str(path))
+    finally:
+        os.close(fd)
+
+
+def read_header_fd(fd: int, where: str) -> Header:
+    """`read_header` for a file already open (split opens checkpoint files through its own safe open)."""
+    try:
+        size = os.fstat(fd).st_size
+        n = _header_length(_pread_exact(fd, 8, 0), size)
+        header = _pread_exact(fd, n, 8)
+        if len(header) != n:
+            raise CheckpointFormatError("file shrank while its header was read")
+        return parse_header(header, file_size=size)
+    except CheckpointFormatError as e:
+        raise CheckpointFormatError(e.message, path=where, hint=e.hint) from None
+    except OSError as e:
+        raise StorageError(f"cannot read: {e.strerror or e}", path=where) from e
+
+
+def _pread_exact(fd: int, n: int, offset: int) -> bytes:
+    """Up to `n` bytes at `offset`; fewer only at end of file."""
+    parts, got = [], 0
+    while got < n:
+        part = os.pread(fd, n - got, offset + got)
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
 
 
 def parse_safetensors(data: bytes | bytearray | memoryview) -> tuple[dict[str, np.ndarray], Mapping[str, str] | None]:

@@ -1,22 +1,25 @@
-"""Opening a Hugging Face checkpoint directory as untrusted input: config, index, headers, side files."""
+"""Opening a Hugging Face checkpoint directory as untrusted input: config, index, headers, side files.
+
+Every file is read through `_ckptdir.CheckpointDir` (no link out of the checkpoint, regular files only).
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from shardtool.checkpoint._ckptdir import CheckpointDir, Item
 from shardtool.checkpoint._safetensors import (
     Header,
     TensorInfo,
-    read_header,
+    read_header_fd,
     reject_json_constant,
     strict_json_object,
 )
-from shardtool.errors import CheckpointFormatError, StorageError, UsageError
+from shardtool.errors import CheckpointFormatError, VerificationError
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_JSON_BYTES = 64 * 1024 * 1024
@@ -34,6 +37,17 @@ class Checkpoint:
     tensors: Mapping[str, tuple[TensorInfo, str]]      # tensor name -> (info, source file name)
     side_files: tuple[str, ...]                        # copied through unchanged (config, tokenizer, index, ...)
     skipped: tuple[str, ...]                           # present but not copied (other weight formats, subdirs)
+    items: Mapping[str, Item]                          # every entry looked at (links described by their target)
+    identity: tuple[int, int]                          # (device, inode) of the checkpoint directory
+    why_skipped: Mapping[str, str]                     # skipped name -> reason, for the note split prints
+
+    def open_dir(self) -> CheckpointDir:
+        """The same checkpoint directory again (refused if it was replaced), for reading tensor bytes."""
+        return CheckpointDir(self.root, expect=self.identity)
+
+    def expected(self, name: str) -> tuple[int, int, int]:
+        """(device, inode, size) a file had when it was planned; it must still be that file when copied."""
+        return self.items[name].identity
 
 
 def _manifest_safe(name: str) -> bool:
@@ -48,108 +62,146 @@ def _manifest_safe(name: str) -> bool:
     return True
 
 
-def load_json(path: Path) -> Any:
-    """A small JSON file, with duplicate keys and NaN rejected."""
+def parse_json(data: bytes, where: str) -> Any:
+    """Untrusted JSON bytes: UTF-8, duplicate keys and NaN rejected."""
     try:
-        if path.stat().st_size > MAX_JSON_BYTES:
-            raise CheckpointFormatError(f"larger than {MAX_JSON_BYTES} bytes", path=str(path))
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CheckpointFormatError("file not found", path=str(path)) from None
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise CheckpointFormatError(f"not UTF-8: {e.reason}", path=str(path)) from None
-    except OSError as e:
-        raise StorageError(f"cannot read: {e.strerror}", path=str(path)) from e
-
+        raise CheckpointFormatError(f"not UTF-8: {e.reason}", path=where) from None
     try:
         return json.loads(text, object_pairs_hook=strict_json_object, parse_constant=reject_json_constant)
     except json.JSONDecodeError as e:
-        raise CheckpointFormatError(f"not valid JSON: {e.msg} at line {e.lineno}", path=str(path)) from None
+        raise CheckpointFormatError(f"not valid JSON: {e.msg} at line {e.lineno}", path=where) from None
+    except RecursionError:
+        raise CheckpointFormatError("JSON nested too deeply", path=where) from None
     except CheckpointFormatError as e:
+        raise CheckpointFormatError(e.message, path=where) from None
+
+
+def load_json(path: Path) -> Any:
+    """A small JSON file the user named (`inspect --config`), read by the one safe-open: a regular file (a FIFO
+    or device is refused, not waited on), at most MAX_JSON_BYTES. The user's own input: a usage-class error."""
+    from shardtool._safeio import read_regular
+
+    try:
+        data = read_regular(path, MAX_JSON_BYTES, what="JSON file", too_large=CheckpointFormatError)
+    except VerificationError as e:
         raise CheckpointFormatError(e.message, path=str(path)) from None
+    return parse_json(data, str(path))
 
 
 def _plain_name(name: Any, what: str) -> str:
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") \
-            or name.startswith(".") or "\x00" in name:
+    """A weight file name: one plain segment that could also be a manifest path (its name travels into the
+    shards' `shardtool.source` record, from which join recreates the file)."""
+    if not isinstance(name, str) or "/" in name or name.startswith(".") or not _manifest_safe(name):
         raise CheckpointFormatError(f"{what} {name!r} is not a plain file name in the checkpoint directory",
                                     path=INDEX_NAME)
     return name
 
 
-def _weight_files(root: Path, names: list[str]) -> tuple[list[str], dict[str, str] | None]:
+def _regular(d: CheckpointDir, items: Mapping[str, Item], name: str) -> Item:
+    """The entry `name`, which split must read: it has to be a regular file (or a permitted link to one)."""
+    item = items.get(name)
+    if item is None:
+        raise CheckpointFormatError(f"{name!r} not found", path=str(d.root))
+    if item.kind != "file":
+        raise CheckpointFormatError(f"{name!r} is a {item.what}, expected a regular file", path=str(d.root))
+    return item
+
+
+def _read_json(d: CheckpointDir, items: Mapping[str, Item], name: str) -> Any:
+    return parse_json(d.read(name, MAX_JSON_BYTES, expect=_regular(d, items, name).identity), name)
+
+
+def _weight_files(d: CheckpointDir, items: Mapping[str, Item]) -> tuple[list[str], dict[str, str] | None]:
     """The safetensors files to read and, with an index, its weight_map (tensor -> file)."""
-    if INDEX_NAME in names:
-        index = load_json(root / INDEX_NAME)
+    if INDEX_NAME in items:
+        index = _read_json(d, items, INDEX_NAME)
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise CheckpointFormatError("must be a JSON object with a 'weight_map' object", path=INDEX_NAME)
         weight_map = {str(k): _plain_name(v, "weight_map file") for k, v in index["weight_map"].items()}
         if not weight_map:
             raise CheckpointFormatError("weight_map is empty", path=INDEX_NAME)
         files = sorted(set(weight_map.values()))
-        missing = [f for f in files if f not in names]
+        missing = [f for f in files if f not in items]
         if missing:
             raise CheckpointFormatError(
-                f"index names {len(missing)} file(s) that are not in the checkpoint: {', '.join(missing[:8])}"
-                + (" ..." if len(missing) > 8 else ""), path=INDEX_NAME)
+                f"index names {len(missing)} file(s) that are not in the checkpoint: "
+                + ", ".join(repr(f) for f in missing[:8]) + (" ..." if len(missing) > 8 else ""), path=INDEX_NAME)
+        for f in files:
+            _regular(d, items, f)
         return files, weight_map
-    if "model.safetensors" in names:
+    regular = [n for n, i in items.items() if i.kind == "file"]
+    if "model.safetensors" in items:
+        _regular(d, items, "model.safetensors")
         return ["model.safetensors"], None
-    found = sorted(n for n in names if n.endswith(".safetensors"))
+    found = sorted(n for n in regular if n.endswith(".safetensors"))
     if len(found) == 1:
-        return found, None
+        return [_plain_name(found[0], "weight file")], None
     if not found:
-        raise CheckpointFormatError("no safetensors weights found", path=str(root),
+        raise CheckpointFormatError("no safetensors weights found", path=str(d.root),
                                     hint="expected model.safetensors or model-*.safetensors with an index")
-    raise CheckpointFormatError(f"{len(found)} safetensors files but no {INDEX_NAME}", path=str(root))
+    raise CheckpointFormatError(f"{len(found)} safetensors files but no {INDEX_NAME}", path=str(d.root))
+
+
+def _read_header(d: CheckpointDir, items: Mapping[str, Item], name: str) -> Header:
+    fd, _ = d.open(name, expect=_regular(d, items, name).identity)
+    try:
+        return read_header_fd(fd, name)
+    finally:
+        os.close(fd)
+
+
+def _skip_reason(name: str, item: Item) -> str | None:
+    """Why a side file is not copied, or None when it is."""
+    if item.kind != "file":
+        return item.what
+    if name.endswith(_WEIGHT_SUFFIXES):
+        return "another weight format"
+    if item.size > MAX_SIDE_FILE_BYTES:
+        return f"larger than {MAX_SIDE_FILE_BYTES} bytes"
+    if not _manifest_safe(name):
+        return "its name cannot be a manifest path"
+    return None
 
 
 def open_checkpoint(root: Path) -> Checkpoint:
-    """Read and validate everything but the tensor bytes."""
-    root = Path(root)
-    if not root.is_dir():
-        raise UsageError("checkpoint directory not found", path=str(root))
-    try:
-        entries = {e.name: e for e in os.scandir(root)}
-    except OSError as e:
-        raise StorageError(f"cannot list directory: {e.strerror}", path=str(root)) from e
-    names = sorted(n for n, e in entries.items() if e.is_file(follow_symlinks=True))
-    if "config.json" not in names:
-        raise CheckpointFormatError("config.json not found", path=str(root))
-    config = load_json(root / "config.json")
-    if not isinstance(config, dict):
-        raise CheckpointFormatError("must be a JSON object", path="config.json")
+    """Read and validate everything but the tensor bytes, every file through the checkpoint's safe open."""
+    with CheckpointDir(Path(root)) as d:
+        items = d.scan()
+        if "config.json" not in items:
+            raise CheckpointFormatError("config.json not found", path=str(d.root))
+        config = _read_json(d, items, "config.json")
+        if not isinstance(config, dict):
+            raise CheckpointFormatError("must be a JSON object", path="config.json")
 
-    files, weight_map = _weight_files(root, names)
-    headers = {f: read_header(root / f) for f in files}
-    tensors: dict[str, tuple[TensorInfo, str]] = {}
-    for f, header in headers.items():
-        for t in header.tensors:
-            if t.name in tensors:
-                raise CheckpointFormatError(f"tensor {t.name!r} is in both {tensors[t.name][1]} and {f}")
-            tensors[t.name] = (t, f)
-    if weight_map is not None:
-        wrong = sorted(n for n, f in weight_map.items() if n not in tensors or tensors[n][1] != f)
-        if wrong:
-            n = wrong[0]
-            where = f"is in {tensors[n][1]}" if n in tensors else "is in no file"
-            raise CheckpointFormatError(f"index maps {len(wrong)} tensor(s) wrongly: {n!r} -> {weight_map[n]} "
-                                        f"but {where}", path=INDEX_NAME)
-        unlisted = sorted(set(tensors) - set(weight_map))
-        if unlisted:
-            raise CheckpointFormatError(f"{len(unlisted)} tensor(s) are in the files but not in the index, "
-                                        f"e.g. {unlisted[0]!r}", path=INDEX_NAME)
+        files, weight_map = _weight_files(d, items)
+        headers = {f: _read_header(d, items, f) for f in files}
+        tensors: dict[str, tuple[TensorInfo, str]] = {}
+        for f, header in headers.items():
+            for t in header.tensors:
+                if t.name in tensors:
+                    raise CheckpointFormatError(f"tensor {t.name!r} is in both {tensors[t.name][1]!r} and {f!r}")
+                tensors[t.name] = (t, f)
+        if weight_map is not None:
+            wrong = sorted(n for n, f in weight_map.items() if n not in tensors or tensors[n][1] != f)
+            if wrong:
+                n = wrong[0]
+                where = f"is in {tensors[n][1]!r}" if n in tensors else "is in no file"
+                raise CheckpointFormatError(f"index maps {len(wrong)} tensor(s) wrongly: {n!r} -> {weight_map[n]!r} "
+                                            f"but {where}", path=INDEX_NAME)
+            unlisted = sorted(set(tensors) - set(weight_map))
+            if unlisted:
+                raise CheckpointFormatError(f"{len(unlisted)} tensor(s) are in the files but not in the index, "
+                                            f"e.g. {unlisted[0]!r}", path=INDEX_NAME)
 
-    side, skipped = [], []
-    for name in sorted(entries):
-        entry = entries[name]
-        if name.startswith(".") or name in files:
-            continue
-        mode = entry.stat(follow_symlinks=True).st_mode
-        if not stat.S_ISREG(mode) or name.endswith(_WEIGHT_SUFFIXES):
-            skipped.append(name)
-        elif entry.stat().st_size > MAX_SIDE_FILE_BYTES or not _manifest_safe(name):
-            skipped.append(name)
-        else:
-            side.append(name)
-    return Checkpoint(root, config, headers, tensors, tuple(side), tuple(skipped))
+        side, skipped = [], {}
+        for name, item in items.items():
+            if name in headers:
+                continue
+            reason = _skip_reason(name, item)
+            if reason is None:
+                side.append(name)
+            else:
+                skipped[name] = reason
+        return Checkpoint(d.root, config, headers, tensors, tuple(side), tuple(skipped), items, d.identity, skipped)

@@ -3,12 +3,21 @@
 One pass: each source byte is copied once (in the kernel where it goes unchanged) and the bytes that land
 in the shard are hashed; on a rerun, a shard already there is compared instead. The manifest is written
 last, so a failed split leaves none.
+
+Everything split can refuse is refused before OUT is touched: the checkpoint's metadata while planning
+(`prepare_split`: names, shapes, layer and expert numbers, counts, each output as a manifest entry) and the
+manifest as a whole with placeholder digests (`run_split`: model ID, version, entry count, contract). A
+refused split leaves OUT exactly as it was; once writing starts, an earlier manifest is removed first, so
+a split that fails midway leaves none. Reading the checkpoint: `_ckptdir`; writing OUT: `_outdir`.
+Output files are never more permissive than their sources: mode = 0644 & the modes of the files they
+are made from.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -16,20 +25,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from shardtool._atomic import atomic_writer
+from shardtool._atomic import atomic_writer_at
 from shardtool.checkpoint._copy import COPY_UNSUPPORTED, HashingFileWriter, sync_filesystem
 from shardtool.checkpoint._contract import DEFAULT_CONTEXT_TOKENS, SplitSizes, check_config, contract_from_split
 from shardtool.checkpoint._families import plan_split, text_config
+from shardtool.checkpoint._outdir import OutDir
 from shardtool.checkpoint._plan import OutputFile, Piece, ShardPlan
 from shardtool.checkpoint._reuse import existing_digest
 from shardtool.checkpoint._safetensors import TensorSpec, encode_header
 from shardtool.checkpoint._source import Checkpoint, open_checkpoint
 from shardtool.checkpoint._stream import Run, Sources, segments
-from shardtool.errors import CheckpointFormatError, StorageError, UsageError
+from shardtool.errors import CheckpointFormatError, ManifestFormatError, UsageError
 
 SOURCE_KEY = "shardtool.source"
 SOURCE_FORMAT = 1
 MANIFEST_NAME = "manifest.msgpack"
+MAX_SOURCE_METADATA_BYTES = 64 * 1024  # a source file's __metadata__ is copied into every shard made from it
+MAX_OUTPUT_MODE = 0o644  # an output file's mode: this, narrowed by the modes of the files it is made from
+_PLACEHOLDER_DIGEST = bytes(32)
 _SCALE_SUFFIXES = ("_scale_inv", "_scales", "weight_scale", "input_scale")
 
 
@@ -38,6 +51,7 @@ class SplitJob:
     checkpoint: Checkpoint
     family: str
     outputs: tuple[OutputFile, ...]
+    modes: Mapping[str, int]          # output path -> permission bits it is written with
 
     @property
     def total_bytes(self) -> int:
@@ -58,6 +72,7 @@ class SplitResult:
     stale: tuple[str, ...]
     model_id: str
     version: int
+    why_skipped: Mapping[str, str]    # skipped name -> reason (a directory, a FIFO, another weight format, ...)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -93,6 +108,12 @@ def prepare_split(src: Path, *, expert_pattern: str | None = None) -> SplitJob:
     ckpt = open_checkpoint(Path(src))
     family, plans = plan_split(ckpt.config, ckpt.tensors, expert_pattern=expert_pattern)
     check_config(ckpt.config)
+    for name, header in ckpt.headers.items():
+        size = len(json.dumps(dict(header.metadata or {}), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        if size > MAX_SOURCE_METADATA_BYTES:
+            raise CheckpointFormatError(f"safetensors __metadata__ of {size} bytes; split copies it into every shard "
+                                        f"made from this file, so at most {MAX_SOURCE_METADATA_BYTES} are accepted",
+                                        path=name)
     outputs = []
     for plan in plans:
         specs = [TensorSpec(p.name, p.dtype, p.shape) for p in plan.pieces]
@@ -103,16 +124,42 @@ def prepare_split(src: Path, *, expert_pattern: str | None = None) -> SplitJob:
         if name == MANIFEST_NAME:
             continue
         kind, _, _ = classify(name)
-        size = (ckpt.root / name).stat().st_size
-        outputs.append(OutputFile(name, kind, None, None, b"", (), name, size))
-    return SplitJob(ckpt, family, tuple(outputs))
+        outputs.append(OutputFile(name, kind, None, None, b"", (), name, ckpt.items[name].size))
+    _check_entries(outputs)
+    return SplitJob(ckpt, family, tuple(outputs), {o.path: _output_mode(o, ckpt) for o in outputs})
 
 
-def _write(path: Path, out: OutputFile, sources: Sources, on_bytes: Callable[[int], None],
-           executor: Any = None) -> bytes:
+def _output_mode(out: OutputFile, ckpt: Checkpoint) -> int:
+    """Never wider than any file the output is made from: a 0600 source gives a 0600 shard."""
+    mode = MAX_OUTPUT_MODE
+    for name in [out.copy_from] if out.copy_from is not None else {p.file for p in out.pieces}:
+        mode &= ckpt.items[name].mode
+    return mode
+
+
+def _check_entries(outputs: list[OutputFile]) -> None:
+    """Every output must be a valid manifest entry, found under its path by the layout's own classifier,
+    before a byte is written (a layer number beyond the format's cap is refused here, not after the shards)."""
+    from shardtool.manifest import Entry, classify
+
+    directories = {o.path.rsplit("/", i)[0] for o in outputs for i in range(1, o.path.count("/") + 1)}
+    for o in outputs:
+        if o.path in directories:  # e.g. a side file called `trunk`: it cannot be both a file and a directory
+            raise CheckpointFormatError(f"{o.path!r} is both a file to copy and a directory of the split layout")
+        try:
+            Entry(o.path, o.kind, o.size, _PLACEHOLDER_DIGEST, o.layer, o.expert)
+        except ManifestFormatError as e:
+            raise CheckpointFormatError(f"cannot be split into the manifest format: {e.message}") from None
+        if o.copy_from is None and classify(o.path) != (o.kind, o.layer, o.expert):
+            raise CheckpointFormatError(f"output {o.path!r} would not be recognised as {o.kind} layer {o.layer} "
+                                        f"expert {o.expert} by the layout (docs/shard-layout.md)")
+
+
+def _write(dir_fd: int, name: str, where: str, out: OutputFile, mode: int, sources: Sources,
+           on_bytes: Callable[[int], None], executor: Any = None) -> bytes:
     # No fsync per shard: a shard lost to a crash fails the rerun's byte comparison, and run_split
     # flushes the filesystem once before writing the manifest.
-    with atomic_writer(path, fsync=False) as fh:
+    with atomic_writer_at(dir_fd, name, mode, fsync=False, where=where) as fh:
         w = HashingFileWriter(fh.fileno(), executor, use_copy_file_range=sources.copy_file_range_ok)
         try:
             for seg in segments(out, sources):
@@ -150,23 +197,6 @@ def _copy_run(w: HashingFileWriter, run: Run, sources: Sources, on_bytes: Callab
     on_bytes(done)
     if done != run.length:
         raise CheckpointFormatError("file ended early (truncated during split?)", path=str(sources.root / run.file))
-
-
-def _prepare_out(out: Path, src: Path) -> None:
-    try:
-        if out.resolve() == src.resolve():
-            raise UsageError("output directory is the checkpoint itself", path=str(out))
-        if out.exists() and not out.is_dir():
-            raise UsageError("output exists and is not a directory", path=str(out))
-        out.mkdir(parents=True, exist_ok=True)
-        # A manifest from an earlier run must not outlive a failed rerun: it would vouch for changed shards.
-        (out / MANIFEST_NAME).unlink(missing_ok=True)
-        for directory in [out, out / "trunk", *sorted((out / "experts").glob("layer-*"))]:
-            if directory.is_dir():
-                for leftover in directory.glob(".*.tmp"):  # temp files of an interrupted atomic write
-                    leftover.unlink()
-    except OSError as e:
-        raise StorageError(f"cannot prepare output directory: {e.strerror}", path=str(out)) from e
 
 
 def _params(p: Piece) -> int:
@@ -210,69 +240,91 @@ def run_split(job: SplitJob, out: Path, *, model_id: str, version: int = 1, expi
     before the manifest, so a manifest on disk implies its shards are. The manifest itself is always
     written atomically and flushed, and only after every shard is in place.
     """
-    from shardtool.manifest import Entry, build_manifest, save_manifest
-
     out = Path(out)
     on_bytes = on_bytes or (lambda n: None)
     started = time.perf_counter()
-    _check_manifest_options(model_id, version, expires_in_days, now)
-    _prepare_out(out, job.checkpoint.root)
-    sources = Sources(job.checkpoint, {o.copy_from: o.size for o in job.outputs if o.copy_from is not None})
-    entries, sizes = [], {}
+    contract = _check_manifest(job, model_id, version, expires_in_days, now, context_tokens)
+    with OutDir(out, checkpoint=job.checkpoint.identity) as od:
+        _prepare(od, job, fsync)
+        digests, written, reused, bytes_written = _write_all(od, job, on_bytes)
+        if fsync:
+            sync_filesystem(od.fd, str(out))
+        entries = [_entry(o, digests[o.path]) for o in job.outputs]
+        manifest = _manifest(entries, model_id, version, expires_in_days, contract, now)
+        with atomic_writer_at(od.fd, MANIFEST_NAME, 0o644, where=str(out / MANIFEST_NAME)) as fh:
+            fh.write(manifest.to_bytes())
+        stale = od.stale_files({o.path for o in job.outputs})
+    ckpt = job.checkpoint
+    return SplitResult(out, job.family, written, reused, bytes_written, job.total_bytes,
+                       time.perf_counter() - started, contract, ckpt.skipped, stale, model_id, version,
+                       {name: ckpt.why_skipped[name] for name in ckpt.skipped})
+
+
+def _prepare(od: OutDir, job: SplitJob, fsync: bool) -> None:
+    """Open every output directory (refusing links) before the first byte is written; then remove an earlier
+    manifest, which must not outlive a failed rerun (it would vouch for changed shards), and old temp files."""
+    for reldir in sorted({o.path.rpartition("/")[0] for o in job.outputs}):
+        od.dir(reldir)
+    if od.is_directory(MANIFEST_NAME):
+        raise UsageError("is a directory where split writes its manifest", path=str(od.path / MANIFEST_NAME))
+    od.unlink(MANIFEST_NAME)
+    if fsync:
+        os.fsync(od.fd)  # the old manifest is gone for good before any shard changes
+    od.remove_temp_files()
+
+
+def _write_all(od: OutDir, job: SplitJob, on_bytes: Callable[[int], None]) -> tuple[dict[str, bytes], int, int, int]:
+    """(digest per output path, files written, files reused, bytes written)."""
+    sources = Sources(job.checkpoint)
+    digests: dict[str, bytes] = {}
     written = reused = bytes_written = 0
-    made_dirs: set[Path] = set()
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtool-hash")
     try:
         for o in job.outputs:
-            path = out / o.path
-            if path.parent not in made_dirs:
-                try:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                except OSError as e:
-                    raise StorageError(f"cannot create directory: {e.strerror}", path=str(path.parent)) from e
-                made_dirs.add(path.parent)
-            digest = existing_digest(path, o, sources, on_bytes, executor)
+            dir_fd, name = od.locate(o.path)
+            mode = job.modes[o.path]
+            digest = existing_digest(dir_fd, name, o, mode, sources, on_bytes, executor)
             if digest is None:
-                digest = _write(path, o, sources, on_bytes, executor)
+                digest = _write(dir_fd, name, str(od.path / o.path), o, mode, sources, on_bytes, executor)
                 written += 1
                 bytes_written += o.size
             else:
                 reused += 1
-            entries.append(Entry(o.path, o.kind, o.size, digest, o.layer, o.expert))
-            sizes[o.path] = o.size
+            digests[o.path] = digest
     finally:
         executor.shutdown(wait=True)
         sources.close()
-    if fsync:
-        sync_filesystem(out)
-    contract = contract_from_split(job.checkpoint.config, _sizes(job, sizes), context_tokens=context_tokens)
-    manifest = build_manifest(entries, model_id=model_id, version=version, expires_in_days=expires_in_days,
-                              contract=contract, now=now)
-    save_manifest(out / MANIFEST_NAME, manifest)
-    stale = _stale_files(out, {o.path for o in job.outputs} | {MANIFEST_NAME})
-    return SplitResult(out, job.family, written, reused, bytes_written, job.total_bytes,
-                       time.perf_counter() - started, contract, job.checkpoint.skipped, stale, model_id, version)
+    return digests, written, reused, bytes_written
 
 
-def _check_manifest_options(model_id: str, version: int, expires_in_days: int, now: int | None) -> None:
-    """Bad --model-id/--version/--expires-in fail before any work, as usage errors."""
-    from shardtool.errors import ManifestFormatError
+def _entry(o: OutputFile, digest: bytes) -> Any:
+    from shardtool.manifest import Entry
+
+    return Entry(o.path, o.kind, o.size, digest, o.layer, o.expert)
+
+
+def _manifest(entries: list, model_id: str, version: int, expires_in_days: int, contract: Mapping[str, int] | None,
+              now: int | None) -> Any:
+    """build_manifest, whose format errors are usage errors here: split is a producer (exit 2)."""
     from shardtool.manifest import build_manifest
 
     try:
-        build_manifest([], model_id=model_id, version=version, expires_in_days=expires_in_days, now=now)
+        return build_manifest(entries, model_id=model_id, version=version, expires_in_days=expires_in_days,
+                              contract=contract, now=now)
     except ManifestFormatError as e:
-        raise UsageError(e.message) from None
+        raise UsageError(f"the manifest cannot be built: {e.message}") from None
 
 
-def _stale_files(out: Path, expected: set[str]) -> tuple[str, ...]:
-    """Files under OUT that this split did not write (left by an earlier split of another checkpoint)."""
-    found = []
-    for top in ("trunk", "experts"):
-        base = out / top
-        if base.is_dir():
-            found += [p.relative_to(out).as_posix() for p in base.rglob("*") if p.is_file()]
-    return tuple(sorted(set(found) - expected))
+def _check_manifest(job: SplitJob, model_id: str, version: int, expires_in_days: int, now: int | None,
+                    context_tokens: int) -> dict[str, int]:
+    """Build the whole manifest with placeholder digests before any work: bad --model-id/--version/--expires-in,
+    too many entries or a contract value out of range fail here, as usage errors, with OUT untouched.
+    Returns the contract (it depends only on planned sizes, which the writer enforces)."""
+    contract = contract_from_split(job.checkpoint.config, _sizes(job, {o.path: o.size for o in job.outputs}),
+                                   context_tokens=context_tokens)
+    _manifest([_entry(o, _PLACEHOLDER_DIGEST) for o in job.outputs], model_id, version, expires_in_days,
+              contract, now)
+    return contract
 
 
 def split_checkpoint(src: Path, out: Path, *, model_id: str, version: int = 1, expires_in_days: int = 365,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Iterator
 
 from shardtool.checkpoint._plan import OutputFile, cut
 from shardtool.checkpoint._source import Checkpoint
@@ -14,13 +14,17 @@ CHUNK = 8 * 1024 * 1024  # bounded read buffer; peak memory is two of these plus
 
 
 class Sources:
-    """Open source files and bounded, offset-addressed reads from them."""
+    """Open source files and bounded, offset-addressed reads from them.
 
-    def __init__(self, ckpt: Checkpoint, side_sizes: Mapping[str, int]):
+    Files are opened through the checkpoint's safe open (`_ckptdir`) and must still be the very files
+    (device, inode, size) that were planned from.
+    """
+
+    def __init__(self, ckpt: Checkpoint):
         self.root = ckpt.root
         self.copy_file_range_ok = True
-        self._sizes = {f: h.file_size for f, h in ckpt.headers.items()}
-        self._sizes.update(side_sizes)
+        self._ckpt = ckpt
+        self._dir = ckpt.open_dir()
         self._fds: dict[str, int] = {}
         # Two buffers, used in turn: a chunk stays intact while the next one is read (see HashingFileWriter.write).
         self._bufs = (bytearray(CHUNK), bytearray(CHUNK))
@@ -30,17 +34,7 @@ class Sources:
 
     def fd(self, file: str) -> int:
         if file not in self._fds:
-            path = self.root / file
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise StorageError(f"cannot open: {e.strerror}", path=str(path)) from e
-            size = os.fstat(fd).st_size
-            expected = self._sizes.get(file)
-            if expected is not None and size != expected:
-                os.close(fd)
-                raise CheckpointFormatError(f"file changed size during split ({expected} -> {size} bytes)",
-                                            path=str(path))
+            fd, _ = self._dir.open(file, expect=self._ckpt.expected(file))
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             self._fds[file] = fd
@@ -74,6 +68,7 @@ class Sources:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._dir.close()
 
 
 @dataclass(frozen=True)

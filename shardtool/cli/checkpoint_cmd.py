@@ -7,6 +7,7 @@ from typing import Any, List, Mapping, Optional
 
 import typer
 
+from shardtool._text import printable
 from shardtool.cli._common import emit_json, say
 from shardtool.errors import UsageError
 
@@ -37,8 +38,8 @@ def split(
     from shardtool.checkpoint import prepare_split, run_split
     from shardtool.cli._progress import Progress
 
-    if not checkpoint.is_dir():
-        raise UsageError("checkpoint directory not found", path=str(checkpoint))
+    # Refusals (links out of the checkpoint or into OUT, layer numbers beyond the format, bad options) all
+    # happen before the first byte is written; names from disk are escaped before they reach the terminal.
     job = prepare_split(checkpoint, expert_pattern=expert_pattern)
     with Progress(job.total_bytes, "split", enabled=not quiet) as progress:
         result = run_split(job, out, model_id=model_id or out.resolve().name, version=version,
@@ -46,14 +47,14 @@ def split(
     if json_out:
         emit_json(result.summary())
     for name in result.skipped:
-        say(f"note: not copied: {name}")
+        say(f"note: not copied: {printable(name)} ({result.why_skipped[name]})")
     if result.stale:
-        say(f"note: {len(result.stale)} file(s) under {out} are not part of this split (not in the manifest), "
-            f"e.g. {result.stale[0]}")
+        say(f"note: {len(result.stale)} file(s) under {printable(str(out))} are not part of this split (not in the "
+            f"manifest), e.g. {printable(result.stale[0])}")
     gbps = result.bytes_total / result.seconds / 1e9 if result.seconds else 0.0
-    say(f"split {result.family} checkpoint into {out}: {result.files_written} file(s) written, "
+    say(f"split {result.family} checkpoint into {printable(str(out))}: {result.files_written} file(s) written, "
         f"{result.files_reused} reused, {result.bytes_total / 1e9:.3f} GB in {result.seconds:.1f} s "
-        f"({gbps:.2f} GB/s); unsigned manifest {out / 'manifest.msgpack'}")
+        f"({gbps:.2f} GB/s); unsigned manifest {printable(str(out / 'manifest.msgpack'))}")
 
 
 def join(

@@ -318,14 +318,16 @@ def test_fsync_flushes_once_before_the_manifest(make_tiny, tmp_path: Path, monke
     out = tmp_path / "out"
     calls = []
 
-    def record(directory: Path) -> None:
-        calls.append((directory, (out / "manifest.msgpack").exists(), len(list(out.rglob("*.safetensors")))))
+    def record(directory: int, where: str) -> None:  # split passes its descriptor of OUT
+        calls.append((os.path.samestat(os.fstat(directory), os.stat(out)), where, (out / "manifest.msgpack").exists(),
+                      len(list(out.rglob("*.safetensors")))))
 
     monkeypatch.setattr(split_module, "sync_filesystem", record)
     _split(src, out)
     assert calls == []
     _split(src, out, fsync=True)
-    assert calls == [(out, False, len(list(out.rglob("*.safetensors"))))]  # every shard in place, no manifest yet
+    # every shard in place, no manifest yet
+    assert calls == [(True, str(out), False, len(list(out.rglob("*.safetensors"))))]
 
 
 @pytest.mark.slow
