@@ -15,22 +15,20 @@ from shardtool.checkpoint._contract import (
 )
 from shardtool.checkpoint._families import SUPPORTED_FAMILIES, detect_family
 from shardtool.checkpoint._join import JoinResult, join_checkpoint
-from shardtool.checkpoint._safetensors import (
+from shardtool.checkpoint._writer import HashingWriter, TensorSpec, encode_header, serialize
+from shardtool.safetensors_format import (
     DTYPE_SIZES,
     Header,
     TensorInfo,
-    TensorSpec,
-    encode_header,
     numpy_dtype,
     parse_header,
     parse_safetensors,
     read_header,
-    serialize,
 )
 from shardtool.checkpoint._split import SplitJob, SplitResult, prepare_split, run_split, split_checkpoint
 
 __all__ = [
-    "CONTRACT_KEYS", "DEFAULT_CONTEXT_TOKENS", "DTYPE_SIZES", "Estimate", "Header", "JoinResult", "ModelShape",
+    "CONTRACT_KEYS", "DEFAULT_CONTEXT_TOKENS", "DTYPE_SIZES", "Estimate", "HashingWriter", "Header", "JoinResult", "ModelShape",
     "SUPPORTED_FAMILIES", "SplitJob", "SplitResult", "TensorInfo", "TensorSpec", "contract_from_config",
     "detect_family", "encode_header", "estimate", "join_checkpoint", "model_shape", "numpy_dtype", "parse_header",
     "parse_safetensors", "prepare_split", "read_header", "run_split", "serialize", "split_checkpoint",

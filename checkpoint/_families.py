@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from shardtool.checkpoint._plan import Cut, Piece, ShardPlan
-from shardtool.checkpoint._safetensors import TensorInfo
+from shardtool.safetensors_format import TensorInfo
 from shardtool.errors import CheckpointFormatError, UsageError
 from shardtool.manifest._records import MAX_ENTRIES, MAX_EXPERT, MAX_LAYER
 

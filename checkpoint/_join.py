@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from shardtool._atomic import atomic_writer, atomic_write_bytes
 from shardtool.checkpoint._plan import Cut, paste, uint_view
-from shardtool.checkpoint._safetensors import (DTYPE_SIZES, MAX_HEADER_BYTES, TensorSpec, encode_header,
-                                               parse_header)
+from shardtool.checkpoint._writer import TensorSpec, encode_header
+from shardtool.safetensors_format import DTYPE_SIZES, MAX_HEADER_BYTES, parse_header
 from shardtool.checkpoint._split import MANIFEST_NAME, SOURCE_FORMAT, SOURCE_KEY
 from shardtool.errors import (CheckpointFormatError, DigestMismatchError, ShardFormatError, StorageError,
                               UsageError)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING
 
-from shardtool.checkpoint._safetensors import DTYPE_SIZES, TensorInfo
+from shardtool.safetensors_format import DTYPE_SIZES, TensorInfo
 from shardtool.errors import CheckpointFormatError
 
 if TYPE_CHECKING:  # numpy is imported where bytes are actually cut, so a plain split never loads it

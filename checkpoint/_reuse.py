@@ -7,7 +7,7 @@ import stat
 from typing import Any, Callable
 
 from shardtool.checkpoint._plan import OutputFile
-from shardtool.checkpoint._safetensors import HashingWriter
+from shardtool.checkpoint._writer import HashingWriter
 from shardtool.checkpoint._stream import CHUNK, Sources, stream
 
 

@@ -5,20 +5,14 @@ Every file is read through `_ckptdir.CheckpointDir` (no link out of the checkpoi
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from shardtool.checkpoint._ckptdir import CheckpointDir, Item
-from shardtool.checkpoint._safetensors import (
-    Header,
-    TensorInfo,
-    read_header_fd,
-    reject_json_constant,
-    strict_json_object,
-)
+from shardtool.safetensors_format import Header, TensorInfo, read_header_fd
+from shardtool.strict_json import loads_strict
 from shardtool.errors import CheckpointFormatError, VerificationError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -63,19 +57,8 @@ def _manifest_safe(name: str) -> bool:
 
 
 def parse_json(data: bytes, where: str) -> Any:
-    """Untrusted JSON bytes: UTF-8, duplicate keys and NaN rejected."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise CheckpointFormatError(f"not UTF-8: {e.reason}", path=where) from None
-    try:
-        return json.loads(text, object_pairs_hook=strict_json_object, parse_constant=reject_json_constant)
-    except json.JSONDecodeError as e:
-        raise CheckpointFormatError(f"not valid JSON: {e.msg} at line {e.lineno}", path=where) from None
-    except RecursionError:
-        raise CheckpointFormatError("JSON nested too deeply", path=where) from None
-    except CheckpointFormatError as e:
-        raise CheckpointFormatError(e.message, path=where) from None
+    """Untrusted JSON bytes: UTF-8, duplicate keys and NaN rejected (the one strict reader)."""
+    return loads_strict(data, where)
 
 
 def load_json(path: Path) -> Any:

@@ -32,7 +32,7 @@ from shardtool.checkpoint._families import plan_split, text_config
 from shardtool.checkpoint._outdir import OutDir
 from shardtool.checkpoint._plan import OutputFile, Piece, ShardPlan
 from shardtool.checkpoint._reuse import existing_digest
-from shardtool.checkpoint._safetensors import TensorSpec, encode_header
+from shardtool.checkpoint._writer import TensorSpec, encode_header
 from shardtool.checkpoint._source import Checkpoint, open_checkpoint
 from shardtool.checkpoint._stream import Run, Sources, segments
 from shardtool.errors import CheckpointFormatError, ManifestFormatError, UsageError

@@ -4,7 +4,6 @@ size the shard cache from the memory budget, generate, and measure where the tim
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import resource
 import time
@@ -14,6 +13,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from shardtool.strict_json import loads_strict
 from shardtool.errors import CheckpointFormatError, UsageError, VerificationError
 from shardtool.manifest._document import VerifiedManifest
 from shardtool.manifest._files import read_verified
@@ -44,13 +44,15 @@ def _signed_text(root: Path, manifest: VerifiedManifest, path: str, cap: int) ->
 
 
 def _verified_json(root: Path, manifest: VerifiedManifest, path: str) -> dict:
+    """A signed JSON file, parsed by the one strict reader (duplicate keys, NaN, huge integers, deep nesting
+    refused) only after its bytes were verified."""
     text = _signed_text(root, manifest, path, MAX_CONFIG_BYTES)
     if text is None:
         raise VerificationError(f"the signed manifest lists no {path}")
     try:
-        value = json.loads(text)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError; an integer of > 4300 digits; deep nesting
-        raise VerificationError(f"signed {path} is not valid JSON: {str(e)[:200]}", path=path) from None
+        value = loads_strict(text.encode("utf-8"), path)
+    except CheckpointFormatError as e:
+        raise VerificationError(f"signed {path} is not valid JSON: {e.message}", path=path) from None
     if not isinstance(value, dict):
         raise VerificationError(f"signed {path} is not a JSON object", path=path)
     return value

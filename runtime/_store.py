@@ -47,7 +47,7 @@ class StoreStats:
 
 def parse_shard(entry: Entry, data: np.ndarray | bytes) -> Arrays:
     """Parse verified bytes. Malformed-but-signed shards fail cleanly as a verification error."""
-    from shardtool.checkpoint._safetensors import parse_safetensors
+    from shardtool.safetensors_format import parse_safetensors
 
     try:
         arrays, _ = parse_safetensors(data)

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from shardtool.checkpoint import (TensorSpec, encode_header, numpy_dtype, parse_header, parse_safetensors,
                                   read_header, serialize)
-from shardtool.checkpoint._safetensors import MAX_HEADER_BYTES, HashingWriter
+from shardtool.checkpoint import HashingWriter
+from shardtool.safetensors_format import MAX_HEADER_BYTES
 from shardtool.errors import CheckpointFormatError
 
 ARRAYS = {

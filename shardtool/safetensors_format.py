@@ -1,4 +1,5 @@
-"""Strict safetensors: a header parser for untrusted files, a bytes parser for verified shards, and a writer.
+"""Strict safetensors parsing, shared by the producer (split, join) and the runtime: a header parser for
+untrusted files and a parser for whole verified shards. (Writing shards is the producer's: checkpoint.)
 
 Format (safetensors README, "Format"): 8-byte little-endian header length N, N bytes of UTF-8 JSON, then
 the data buffer. Every tensor's `data_offsets` are relative to the buffer; together they must tile it
@@ -13,11 +14,12 @@ import struct
 from dataclasses import dataclass
 from math import prod
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping
 
 from shardtool.errors import CheckpointFormatError, StorageError
+from shardtool.strict_json import reject_json_constant, strict_json_object
 
-if TYPE_CHECKING:  # imported where arrays are built: reading headers and writing shards need no numpy
+if TYPE_CHECKING:  # imported where arrays are built: reading headers needs no numpy
     import numpy as np
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's own cap
@@ -83,21 +85,6 @@ class Header:
 
     def by_name(self) -> dict[str, TensorInfo]:
         return {t.name: t for t in self.tensors}
-
-
-def strict_json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """json object_pairs_hook for untrusted JSON: a key named twice is an error, not last-one-wins."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise CheckpointFormatError(f"names {key!r} twice")
-        out[key] = value
-    return out
-
-
-def reject_json_constant(name: str) -> Any:
-    """json parse_constant hook: NaN and Infinity are not JSON."""
-    raise CheckpointFormatError(f"contains the non-JSON constant {name}")
 
 
 def _int_list(value: Any, what: str) -> list[int]:
@@ -184,7 +171,7 @@ def _tensor(name: str, spec: Any, data_start: int) -> TensorInfo:
     return TensorInfo(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
 
 
-def _header_length(prefix: bytes, file_size: int) -> int:
+def header_length(prefix: bytes, file_size: int) -> int:
     if len(prefix) < 8:
         raise CheckpointFormatError(f"file of {file_size} bytes is too short for a safetensors header")
     (n,) = struct.unpack("<Q", prefix[:8])
@@ -197,23 +184,11 @@ def _header_length(prefix: bytes, file_size: int) -> int:
     return n
 
 
-def read_header(path: str | os.PathLike) -> Header:
-    """Read and validate only the header of a file; the tensor bytes are not touched."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not hang us
-    except OSError as e:
-        raise StorageError(f"cannot read: {e.strerror or e}", path=str(path)) from e
-    try:
-        return read_header_fd(fd, str(path))
-    finally:
-        os.close(fd)
-
-
 def read_header_fd(fd: int, where: str) -> Header:
     """`read_header` for a file already open (split opens checkpoint files through its own safe open)."""
     try:
         size = os.fstat(fd).st_size
-        n = _header_length(_pread_exact(fd, 8, 0), size)
+        n = header_length(_pread_exact(fd, 8, 0), size)
         header = _pread_exact(fd, n, 8)
         if len(header) != n:
             raise CheckpointFormatError("file shrank while its header was read")
@@ -241,7 +216,7 @@ def parse_safetensors(data: bytes | bytearray | memoryview) -> tuple[dict[str, n
     import numpy as np
 
     view = memoryview(data).cast("B")
-    n = _header_length(bytes(view[:8]), len(view))
+    n = header_length(bytes(view[:8]), len(view))
     header = parse_header(bytes(view[8:8 + n]), file_size=len(view))
     arrays: dict[str, np.ndarray] = {}
     for t in header.tensors:
@@ -251,84 +226,15 @@ def parse_safetensors(data: bytes | bytearray | memoryview) -> tuple[dict[str, n
     return arrays, header.metadata
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """What the writer needs to lay out one tensor before its bytes arrive."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return prod(self.shape) * DTYPE_SIZES[self.dtype]
 
 
-def encode_header(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None) -> bytes:
-    """Length prefix + JSON header for tensors stored in the given order.
+def read_header(path: str | os.PathLike) -> Header:
+    """Read and validate only the header of a regular file (through the one safe-open); the tensor bytes
+    are not touched."""
+    from shardtool._safeio import open_regular
 
-    Same form as the reference writer (compact JSON, `__metadata__` first, tensors in data order, space
-    padding to a multiple of 8), so a file it wrote and a file we rebuild from its tensors match byte
-    for byte when the order is the same.
-    """
-    doc: dict[str, Any] = {}
-    if metadata is not None:
-        doc[METADATA_KEY] = dict(metadata)
-    offset = 0
-    for spec in specs:
-        if spec.name in doc:
-            raise CheckpointFormatError(f"tensor {spec.name!r} would be written twice")
-        if spec.dtype not in DTYPE_SIZES:
-            raise CheckpointFormatError(f"tensor {spec.name!r} has unsupported dtype {spec.dtype!r}")
-        end = offset + spec.nbytes
-        doc[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [offset, end]}
-        offset = end
-    body = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    body += b" " * (-(8 + len(body)) % 8)
-    return struct.pack("<Q", len(body)) + body
-
-
-class HashingWriter:
-    """Wraps a binary file: every byte written is also fed to BLAKE3 and counted.
-
-    With an executor, hashing a chunk overlaps with writing it (BLAKE3 releases the GIL). The caller must
-    keep a chunk's buffer unchanged until the next `write` or `digest` call, which wait for its hash.
-    """
-
-    PARALLEL_MIN = 1 << 20
-
-    def __init__(self, fh: BinaryIO, executor: Any = None):
-        import blake3
-
-        self._fh = fh
-        self._hash = blake3.blake3()
-        self._executor = executor
-        self._pending: Any = None
-        self.size = 0
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
-        if self._executor is not None and len(data) >= self.PARALLEL_MIN:
-            self._pending = self._executor.submit(self._hash.update, data)
-        else:
-            self._hash.update(data)
-        self._fh.write(data)
-        self.size += len(data)
-
-    def digest(self) -> bytes:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
-        return self._hash.digest()
-
-
-def serialize(tensors: Iterable[tuple[TensorSpec, bytes | memoryview]],
-              metadata: Mapping[str, str] | None = None) -> bytes:
-    """Whole-file writer for small files and tests: tensors in the order given."""
-    items = list(tensors)
-    for spec, data in items:
-        if len(data) != spec.nbytes:
-            raise CheckpointFormatError(f"tensor {spec.name!r}: {len(data)} bytes given, {spec.nbytes} expected")
-    return encode_header([s for s, _ in items], metadata) + b"".join(bytes(d) for _, d in items)
+    fd = open_regular(path)
+    try:
+        return read_header_fd(fd, str(path))
+    finally:
+        os.close(fd)

@@ -1,0 +1,97 @@
+"""Writing safetensors shards (the producer's side): header encoding in the reference writer's form, and a
+writer that hashes what it writes. Parsing lives in `shardtool.safetensors_format`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from math import prod
+from typing import Any, BinaryIO, Iterable, Mapping, Sequence
+
+from shardtool.errors import CheckpointFormatError
+from shardtool.safetensors_format import DTYPE_SIZES, METADATA_KEY
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the writer needs to lay out one tensor before its bytes arrive."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+
+def encode_header(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Length prefix + JSON header for tensors stored in the given order.
+
+    Same form as the reference writer (compact JSON, `__metadata__` first, tensors in data order, space
+    padding to a multiple of 8), so a file it wrote and a file we rebuild from its tensors match byte
+    for byte when the order is the same.
+    """
+    doc: dict[str, Any] = {}
+    if metadata is not None:
+        doc[METADATA_KEY] = dict(metadata)
+    offset = 0
+    for spec in specs:
+        if spec.name in doc:
+            raise CheckpointFormatError(f"tensor {spec.name!r} would be written twice")
+        if spec.dtype not in DTYPE_SIZES:
+            raise CheckpointFormatError(f"tensor {spec.name!r} has unsupported dtype {spec.dtype!r}")
+        end = offset + spec.nbytes
+        doc[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [offset, end]}
+        offset = end
+    body = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    body += b" " * (-(8 + len(body)) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+class HashingWriter:
+    """Wraps a binary file: every byte written is also fed to BLAKE3 and counted.
+
+    With an executor, hashing a chunk overlaps with writing it (BLAKE3 releases the GIL). The caller must
+    keep a chunk's buffer unchanged until the next `write` or `digest` call, which wait for its hash.
+    """
+
+    PARALLEL_MIN = 1 << 20
+
+    def __init__(self, fh: BinaryIO, executor: Any = None):
+        import blake3
+
+        self._fh = fh
+        self._hash = blake3.blake3()
+        self._executor = executor
+        self._pending: Any = None
+        self.size = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        if self._executor is not None and len(data) >= self.PARALLEL_MIN:
+            self._pending = self._executor.submit(self._hash.update, data)
+        else:
+            self._hash.update(data)
+        self._fh.write(data)
+        self.size += len(data)
+
+    def digest(self) -> bytes:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        return self._hash.digest()
+
+
+def serialize(tensors: Iterable[tuple[TensorSpec, bytes | memoryview]],
+              metadata: Mapping[str, str] | None = None) -> bytes:
+    """Whole-file writer for small files and tests: tensors in the order given."""
+    items = list(tensors)
+    for spec, data in items:
+        if len(data) != spec.nbytes:
+            raise CheckpointFormatError(f"tensor {spec.name!r}: {len(data)} bytes given, {spec.nbytes} expected")
+    return encode_header([s for s, _ in items], metadata) + b"".join(bytes(d) for _, d in items)
