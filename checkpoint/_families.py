@@ -13,6 +13,7 @@ from typing import Any, Mapping
 from shardtool.checkpoint._plan import Cut, Piece, ShardPlan
 from shardtool.safetensors_format import TensorInfo
 from shardtool.errors import CheckpointFormatError, UsageError
+from shardtool.layout import EMBED, EXTRA, HEAD, expert_path, trunk_path
 from shardtool.manifest._records import MAX_ENTRIES, MAX_EXPERT, MAX_LAYER
 
 SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "llama4")
@@ -222,7 +223,7 @@ def plan_split(config: Mapping[str, Any], tensors: Mapping[str, tuple[TensorInfo
         m = layer_rx.fullmatch(name)
         if m:
             layer = _check_index(int(m[1]), MAX_LAYER, "layer", name)
-            path = f"trunk/layer-{layer:03d}.safetensors"
+            path = trunk_path(layer)
             trunk[path].append(Piece(m[2], info.dtype, info.shape, info, file))
             trunk_layer[path] = layer
         else:
@@ -234,7 +235,7 @@ def plan_split(config: Mapping[str, Any], tensors: Mapping[str, tuple[TensorInfo
     order = lambda p: (p.file, p.source.start, p.expert or 0, p.cut.start if p.cut else 0)  # noqa: E731
     plans = [ShardPlan(path, "trunk", trunk_layer[path], None, tuple(sorted(pieces, key=order)))
              for path, pieces in trunk.items()]
-    plans += [ShardPlan(f"experts/layer-{layer:03d}/expert-{e:04d}.safetensors", "expert", layer, e,
+    plans += [ShardPlan(expert_path(layer, e), "expert", layer, e,
                         tuple(sorted(pieces, key=order)))
               for (layer, e), pieces in experts.items()]
     for plan in plans:
@@ -246,10 +247,10 @@ def plan_split(config: Mapping[str, Any], tensors: Mapping[str, tuple[TensorInfo
 
 def _non_layer_file(name: str, prefix: str) -> str:
     if name == f"{prefix}embed_tokens.weight":
-        return "trunk/embed.safetensors"
+        return EMBED
     if name in (f"{prefix}norm.weight", f"{prefix}norm.bias") or name.endswith("lm_head.weight"):
-        return "trunk/head.safetensors"
-    return "trunk/extra.safetensors"
+        return HEAD
+    return EXTRA
 
 
 def _check_experts(experts: Mapping[tuple[int, int], list[Piece]], expected: int | None) -> None:

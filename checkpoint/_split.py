@@ -103,7 +103,7 @@ def _source_record(plan: ShardPlan, ckpt: Checkpoint) -> str:
 
 def prepare_split(src: Path, *, expert_pattern: str | None = None) -> SplitJob:
     """Read and validate the checkpoint's headers and decide every output file; reads no tensor bytes."""
-    from shardtool.manifest import classify
+    from shardtool.layout import classify
 
     ckpt = open_checkpoint(Path(src))
     family, plans = plan_split(ckpt.config, ckpt.tensors, expert_pattern=expert_pattern)
@@ -140,7 +140,8 @@ def _output_mode(out: OutputFile, ckpt: Checkpoint) -> int:
 def _check_entries(outputs: list[OutputFile]) -> None:
     """Every output must be a valid manifest entry, found under its path by the layout's own classifier,
     before a byte is written (a layer number beyond the format's cap is refused here, not after the shards)."""
-    from shardtool.manifest import Entry, classify
+    from shardtool.layout import classify
+    from shardtool.manifest import Entry
 
     directories = {o.path.rsplit("/", i)[0] for o in outputs for i in range(1, o.path.count("/") + 1)}
     for o in outputs:

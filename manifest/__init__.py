@@ -31,12 +31,11 @@ from shardtool.manifest._io import (
 )
 from shardtool.manifest._proof import ProvenEntry, build_proof, verify_proof
 from shardtool.manifest._records import KINDS, Entry, Head
-from shardtool.manifest._scan import classify
 from shardtool.manifest._state import check_and_record, default_state_dir
 
 __all__ = [
     "FORMAT", "KINDS", "MANIFEST_NAME", "PAYLOAD_TYPE", "Entry", "Envelope", "Head", "Manifest", "Signature",
-    "ProvenEntry", "VerifiedManifest", "build_proof", "verify_proof", "build_manifest", "check_and_record", "check_freshness", "classify", "decode_manifest",
+    "ProvenEntry", "VerifiedManifest", "build_proof", "verify_proof", "build_manifest", "check_and_record", "check_freshness", "decode_manifest",
     "default_manifest_path", "default_state_dir", "describe_head", "entry_bytes", "hash_directory", "load_manifest", "load_trusted_manifest", "load_trusted_proof", "check_model_id",
     "load_verified_manifest", "pae", "read_verified", "read_verified_prefix", "save_manifest", "verify_envelope", "verify_manifest",
 ]

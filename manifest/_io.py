@@ -17,7 +17,8 @@ from shardtool.manifest._files import digest_fd
 from shardtool.manifest._paths import check_relpath
 from shardtool.manifest._proof import MAX_PROOF_BYTES, ProvenEntry, verify_proof
 from shardtool.manifest._records import Entry
-from shardtool.manifest._scan import classify, walk
+from shardtool.layout import classify
+from shardtool.manifest._scan import walk
 
 MANIFEST_NAME = "manifest.msgpack"
 

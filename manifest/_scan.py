@@ -7,19 +7,11 @@ links and special files as findings).
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 from shardtool.errors import ManifestFormatError, StorageError
-
-_EXPERT = re.compile(r"experts/layer-(\d{3,5})/expert-(\d{4,7})\.safetensors")
-_TRUNK_LAYER = re.compile(r"trunk/layer-(\d{3,5})\.safetensors")
-_CONFIG = {"config.json", "generation_config.json"}
-_TOKENIZER = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-              "tokenizer.model", "added_tokens.json", "chat_template.jinja", "tiktoken.model"}
-
 
 @dataclass(frozen=True)
 class DirItem:
@@ -27,23 +19,6 @@ class DirItem:
     kind: str  # "file", "symlink", "directory", "special", or "unreadable" (a directory we could not enter)
     size: int | None = None  # lstat size, for the items the walk was asked to stat
     detail: str = ""  # "unreadable": why
-
-
-def classify(relpath: str) -> tuple[str, int | None, int | None]:
-    """(kind, layer, expert) for a path of the split layout (docs/shard-layout.md); `other` when unknown."""
-    m = _EXPERT.fullmatch(relpath)
-    if m:
-        return "expert", int(m.group(1)), int(m.group(2))
-    m = _TRUNK_LAYER.fullmatch(relpath)
-    if m:
-        return "trunk", int(m.group(1)), None
-    if relpath.startswith("trunk/") and relpath.endswith(".safetensors"):
-        return "trunk", None, None
-    if relpath in _CONFIG:
-        return "config", None, None
-    if relpath in _TOKENIZER:
-        return "tokenizer", None, None
-    return "other", None, None
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

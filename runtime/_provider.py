@@ -9,21 +9,10 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from shardtool.errors import VerificationError
+from shardtool.layout import EMBED, HEAD, expert_path, trunk_path
 from shardtool.manifest._document import VerifiedManifest
 from shardtool.manifest._records import Entry
 from shardtool.runtime._store import ShardStore
-
-EMBED = "trunk/embed.safetensors"
-HEAD = "trunk/head.safetensors"
-
-
-def trunk_path(layer: int) -> str:
-    return f"trunk/layer-{layer:03d}.safetensors"
-
-
-def expert_path(layer: int, expert: int) -> str:
-    return f"experts/layer-{layer:03d}/expert-{expert:04d}.safetensors"
-
 
 class VerifiedWeights:
     """A `WeightProvider` whose every array comes from bytes verified against the signed manifest."""
