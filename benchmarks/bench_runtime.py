@@ -350,7 +350,7 @@ def run_decode(out: Path, model: str, pub: str, budget_mib: str, tokens: str, mo
         import numpy as np
 
         import shardtool.runtime._store as store_mod
-        from shardtool._safeio import open_beneath
+        from shardtool.safeio import open_beneath
         from shardtool.manifest._files import READ_CHUNK, VerifiedBytes
 
         def read_without_hash(root, entry):

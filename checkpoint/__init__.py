@@ -7,6 +7,7 @@
 from shardtool.checkpoint._contract import (
     DEFAULT_CONTEXT_TOKENS,
     KEYS as CONTRACT_KEYS,
+    check_contract_keys,
     Estimate,
     ModelShape,
     contract_from_config,
@@ -15,6 +16,7 @@ from shardtool.checkpoint._contract import (
 )
 from shardtool.checkpoint._families import SUPPORTED_FAMILIES, detect_family
 from shardtool.checkpoint._join import JoinResult, join_checkpoint
+from shardtool.checkpoint._source import load_json
 from shardtool.checkpoint._writer import HashingWriter, TensorSpec, encode_header, serialize
 from shardtool.safetensors_format import (
     DTYPE_SIZES,
@@ -28,6 +30,7 @@ from shardtool.safetensors_format import (
 from shardtool.checkpoint._split import SplitJob, SplitResult, prepare_split, run_split, split_checkpoint
 
 __all__ = [
+    "check_contract_keys", "load_json",
     "CONTRACT_KEYS", "DEFAULT_CONTEXT_TOKENS", "DTYPE_SIZES", "Estimate", "HashingWriter", "Header", "JoinResult", "ModelShape",
     "SUPPORTED_FAMILIES", "SplitJob", "SplitResult", "TensorInfo", "TensorSpec", "contract_from_config",
     "detect_family", "encode_header", "estimate", "join_checkpoint", "model_shape", "numpy_dtype", "parse_header",

@@ -2,7 +2,7 @@
 
 A checkpoint is whatever a stranger handed us, so (docs/shard-layout.md, "What split reads"):
 
-* Only the directory's own entries are read, each opened by the one safe-open (`shardtool._safeio`)
+* Only the directory's own entries are read, each opened by the one safe-open (`shardtool.safeio`)
   relative to a descriptor of the directory (O_NOFOLLOW | O_NONBLOCK, then `fstat` must say regular file):
   a FIFO cannot hang us, a device or socket is never read, a directory is never taken for a file. Its
   errors are verdicts about a signed tree; here the tree is a producer's input, so they become
@@ -25,7 +25,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardtool._safeio import describe_mode, open_file_at
+from shardtool.safeio import describe_mode, open_file_at
 from shardtool.errors import CheckpointFormatError, NotARegularFileError, StorageError, UsageError, VerificationError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from shardtool.checkpoint._families import CUSTOM, detect_family, text_config
 from shardtool.errors import CheckpointFormatError
-from shardtool.manifest._records import MAX_LAYER
+from shardtool.manifest import MAX_LAYER
 
 DEFAULT_CONTEXT_TOKENS = 4096
 CONTRACT_VERSION = 1

@@ -14,7 +14,7 @@ from shardtool.checkpoint._plan import Cut, Piece, ShardPlan
 from shardtool.safetensors_format import TensorInfo
 from shardtool.errors import CheckpointFormatError, UsageError
 from shardtool.layout import EMBED, EXTRA, HEAD, expert_path, trunk_path
-from shardtool.manifest._records import MAX_ENTRIES, MAX_EXPERT, MAX_LAYER
+from shardtool.manifest import MAX_ENTRIES, MAX_EXPERT, MAX_LAYER
 
 SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "llama4")
 CUSTOM = "custom"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from shardtool._atomic import atomic_writer, atomic_write_bytes
+from shardtool.atomic import atomic_writer, atomic_write_bytes
 from shardtool.checkpoint._plan import Cut, paste, uint_view
 from shardtool.checkpoint._writer import TensorSpec, encode_header
 from shardtool.safetensors_format import DTYPE_SIZES, MAX_HEADER_BYTES, parse_header

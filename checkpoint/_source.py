@@ -47,7 +47,7 @@ class Checkpoint:
 def _manifest_safe(name: str) -> bool:
     """Whether a file name can be a manifest path (NFC, no control characters, ...); others are not copied."""
     from shardtool.errors import ManifestFormatError
-    from shardtool.manifest._paths import check_relpath
+    from shardtool.manifest import check_relpath
 
     try:
         check_relpath(name)
@@ -64,7 +64,7 @@ def parse_json(data: bytes, where: str) -> Any:
 def load_json(path: Path) -> Any:
     """A small JSON file the user named (`inspect --config`), read by the one safe-open: a regular file (a FIFO
     or device is refused, not waited on), at most MAX_JSON_BYTES. The user's own input: a usage-class error."""
-    from shardtool._safeio import read_regular
+    from shardtool.safeio import read_regular
 
     try:
         data = read_regular(path, MAX_JSON_BYTES, what="JSON file", too_large=CheckpointFormatError)

@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from shardtool._text import printable_lines
+from shardtool.text import printable_lines
 from shardtool.errors import EXIT_CRASH, EXIT_IO, EXIT_USAGE, ShardtoolError
 
 

@@ -7,7 +7,7 @@ from typing import Any, List, Mapping, Optional
 
 import typer
 
-from shardtool._text import printable
+from shardtool.text import printable
 from shardtool.cli._common import emit_json, say
 from shardtool.errors import UsageError
 
@@ -122,7 +122,7 @@ def inspect(
 ) -> None:
     """Print the resource contract (bytes, experts, KV cache, memory floor) and seconds per token."""
     from shardtool.checkpoint import DEFAULT_CONTEXT_TOKENS, contract_from_config, estimate
-    from shardtool.checkpoint._source import load_json
+    from shardtool.checkpoint import load_json
 
     if (out is None) == (config is None):
         raise UsageError("give either a split directory or --config config.json")
@@ -151,7 +151,7 @@ def inspect(
 
 
 def _contract_of(out: Path) -> tuple[Mapping[str, int], dict[str, Any]]:
-    from shardtool.checkpoint._contract import check_contract_keys
+    from shardtool.checkpoint import check_contract_keys
     from shardtool.errors import CheckpointFormatError, VerificationError
     from shardtool.manifest import load_manifest
 

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import typer
 
-from shardtool._text import printable
+from shardtool.text import printable
 from shardtool.cli._common import emit_json, say
 from shardtool.errors import ShardtoolError, UsageError
 
@@ -82,7 +82,7 @@ def sign(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Add a signature over the manifest's head. Several publishers can sign the same manifest."""
-    from shardtool._atomic import locked_directory
+    from shardtool.atomic import locked_directory
     from shardtool.cli._passphrase import get_passphrase
     from shardtool.errors import VerificationError
     from shardtool.keys import load_private_key
@@ -182,7 +182,7 @@ def prove(
     manifest_file: Optional[Path] = typer.Option(None, "--manifest", help=MANIFEST_HELP),
 ) -> None:
     """Write a self-contained proof for one shard: signed head, entry, Merkle inclusion path."""
-    from shardtool._atomic import atomic_write_bytes
+    from shardtool.atomic import atomic_write_bytes
     from shardtool.errors import VerificationError
     from shardtool.manifest import build_proof, load_manifest
 
@@ -216,7 +216,7 @@ def verify_shard(
     """Check one shard against a proof, without the full manifest."""
     from shardtool.errors import MissingFileError
     from shardtool.manifest import load_trusted_proof
-    from shardtool.manifest._files import verify_file
+    from shardtool.manifest import verify_file
 
     trusted = load_trusted(trust)
     try:

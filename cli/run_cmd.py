@@ -120,7 +120,7 @@ def verify_and_run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No report on stderr."),
 ) -> None:
     """Verify the signed manifest, then generate, checking every shard's BLAKE3 before its weights are used."""
-    from shardtool._atomic import atomic_write_bytes
+    from shardtool.atomic import atomic_write_bytes
     from shardtool.cli.manifest_cmd import load_trusted, manifest_path, model_dir
     from shardtool.manifest import load_trusted_manifest
 
@@ -135,7 +135,7 @@ def verify_and_run(
         raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
     _set_blas_threads(threads, readers)
     _keep_freed_memory()
-    from shardtool.runtime._session import Session, encode_prompt, load_tokenizer  # loads numpy
+    from shardtool.runtime import Session, encode_prompt, load_tokenizer  # loads numpy
 
     directory = model_dir(directory)
     trusted = load_trusted(trust)

@@ -1,6 +1,6 @@
 """Reading key material from disk: private keys, public keys and passphrase files all come through here.
 
-The open rule is the tool's one safe-open (`shardtool._safeio`: non-blocking, regular files only, size cap
+The open rule is the tool's one safe-open (`shardtool.safeio`: non-blocking, regular files only, size cap
 before reading); added here is one permission rule for secrets, checked on that same descriptor (no
 stat-then-open race): a file group or others can access is refused, as ssh does.
 """
@@ -11,7 +11,7 @@ import os
 import stat
 from pathlib import Path
 
-from shardtool._safeio import read_regular
+from shardtool.safeio import read_regular
 from shardtool.errors import KeyFileError, MissingFileError, NotARegularFileError, UnreadableFileError
 
 MAX_KEY_FILE = 64 * 1024

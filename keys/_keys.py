@@ -17,7 +17,7 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from shardtool._atomic import atomic_write_bytes
+from shardtool.atomic import atomic_write_bytes
 from shardtool.errors import KeyFileError, SignatureError, StorageError, UsageError
 from shardtool.keys._files import read_key_file
 from shardtool.keys._pkcs8 import PEM_LABEL, SCRYPT_N, SCRYPT_P, SCRYPT_R, encrypt_pkcs8, kdf_name

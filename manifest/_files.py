@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 import blake3
 
-from shardtool._safeio import open_beneath, open_regular
+from shardtool.safeio import open_beneath, open_regular
 from shardtool.errors import DigestMismatchError, StorageError, VerificationError
 from shardtool.manifest._records import Entry
 

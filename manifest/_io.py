@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from shardtool._atomic import atomic_write_bytes
-from shardtool._safeio import open_beneath, read_regular
+from shardtool.atomic import atomic_write_bytes
+from shardtool.safeio import open_beneath, read_regular
 from shardtool.errors import (ManifestFormatError, MissingFileError, NotARegularFileError, StorageError,
                               UsageError, VerificationError)
 from shardtool.keys import PublicKey

@@ -15,8 +15,8 @@ from typing import Iterator, Sequence
 
 import blake3
 
-from shardtool._atomic import atomic_write_bytes
-from shardtool._safeio import read_regular
+from shardtool.atomic import atomic_write_bytes
+from shardtool.safeio import read_regular
 from shardtool.errors import MissingFileError, RollbackError, StorageError, VerificationError
 from shardtool.keys import PublicKey
 from shardtool.manifest._document import head_digest

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from shardtool._safeio import open_beneath, open_dir_beneath, open_file_at
-from shardtool._text import printable
+from shardtool.safeio import open_beneath, open_dir_beneath, open_file_at
+from shardtool.text import printable
 from shardtool.errors import (DigestMismatchError, MissingFileError, NotARegularFileError, ShardtoolError,
                               VerificationError)
 from shardtool.manifest._document import VerifiedManifest

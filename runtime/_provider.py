@@ -10,8 +10,7 @@ import numpy as np
 
 from shardtool.errors import VerificationError
 from shardtool.layout import EMBED, HEAD, expert_path, trunk_path
-from shardtool.manifest._document import VerifiedManifest
-from shardtool.manifest._records import Entry
+from shardtool.manifest import Entry, VerifiedManifest
 from shardtool.runtime._store import ShardStore
 
 class VerifiedWeights:

@@ -15,8 +15,7 @@ import numpy as np
 
 from shardtool.strict_json import loads_strict
 from shardtool.errors import CheckpointFormatError, UsageError, VerificationError
-from shardtool.manifest._document import VerifiedManifest
-from shardtool.manifest._files import read_verified
+from shardtool.manifest import VerifiedManifest, read_verified
 from shardtool.runtime._model import Model, ModelConfig, bytes_per_token, sample_token
 from shardtool.runtime._model._activations import step_bytes
 from shardtool.runtime._model._sampling import check_sampling
@@ -180,7 +179,7 @@ class Session:
         """--verify-all-first: every listed file checked before the first token. The bytes are not used
         (shards are read and verified again when needed), so they are streamed, as audit does, rather
         than held whole in memory; the errors are the ones a verified read gives."""
-        from shardtool.manifest._files import verify_entry
+        from shardtool.manifest import verify_entry
 
         for entry in self.manifest.entries:
             verify_entry(self.root, entry)

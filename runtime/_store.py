@@ -18,8 +18,7 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 
 from shardtool.errors import CheckpointFormatError, ShardFormatError, VerificationError
-from shardtool.manifest._files import read_verified_timed
-from shardtool.manifest._records import Entry
+from shardtool.manifest import Entry, read_verified_timed
 
 Arrays = Mapping[str, np.ndarray]
 # Each chunk is hashed right after it is read, while it is still in the CPU cache: one pass over memory

@@ -6,7 +6,7 @@ producing command, 3 I/O or environment trouble, 70 a bug (an unexpected excepti
 
 from __future__ import annotations
 
-from shardtool._text import printable
+from shardtool.text import printable
 
 EXIT_OK = 0
 EXIT_UNTRUSTED = 1

@@ -231,7 +231,7 @@ def parse_safetensors(data: bytes | bytearray | memoryview) -> tuple[dict[str, n
 def read_header(path: str | os.PathLike) -> Header:
     """Read and validate only the header of a regular file (through the one safe-open); the tensor bytes
     are not touched."""
-    from shardtool._safeio import open_regular
+    from shardtool.safeio import open_regular
 
     fd = open_regular(path)
     try:

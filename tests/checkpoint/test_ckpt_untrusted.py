@@ -14,7 +14,7 @@ import pytest
 from shardtool.checkpoint import prepare_split, run_split
 from shardtool.checkpoint._ckptdir import CheckpointDir
 from shardtool.checkpoint._outdir import OutDir
-from shardtool._text import printable
+from shardtool.text import printable
 from shardtool.errors import CheckpointFormatError, UsageError
 
 from ckpt_helpers import NOW
@@ -187,5 +187,5 @@ def test_outdir_refuses_links_and_cleans_without_following(tmp_path: Path, raise
                                         ("back\\slash", "back\\\\slash")],
                          ids=["plain", "cr", "ansi", "c1-csi", "bidi-override", "undecodable-byte", "backslash"])
 def test_printable_escapes_what_split_prints(text: str, shown: str) -> None:
-    """The escaping split's notes use (`shardtool._text.printable`): visible, unambiguous, one line."""
+    """The escaping split's notes use (`shardtool.text.printable`): visible, unambiguous, one line."""
     assert printable(text) == shown and shown.isprintable()

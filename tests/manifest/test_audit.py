@@ -66,9 +66,9 @@ def test_file_changing_while_hashed_is_a_finding(tmp_path, monkeypatch):
 def test_vanishing_file_is_missing_not_a_crash(tmp_path, monkeypatch):
     entries = [_write(tmp_path, "d/a.bin", b"a"), _write(tmp_path, "d/b.bin", b"b")]
     verified = _verified(entries)
-    from shardtool import _safeio
+    from shardtool import safeio
 
-    real = _safeio.open_file_at
+    real = safeio.open_file_at
 
     def vanish_then_open(dir_fd, name, relpath):
         if name == "b.bin" and (tmp_path / "d/b.bin").exists():
