@@ -291,7 +291,7 @@ class Estimate:
     """Derived figures for a disk bandwidth; floats are fine here, they are never signed."""
 
     seconds_per_token_cold: float
-    tokens_per_second_cold: float
+    tokens_per_second_cold: float | None  # None when no expert bytes stream per token (nothing to divide by)
     seconds_to_load_trunk: float
     min_memory_bytes: int
 
@@ -320,5 +320,5 @@ def estimate(contract: Mapping[str, int], *, disk_gbps: float, context_tokens: i
     memory = contract.get("min_memory_bytes", 0)
     if context_tokens is not None:
         memory += contract.get("kv_cache_bytes_per_token", 0) * (context_tokens - contract.get("context_tokens", 0))
-    return Estimate(cold, 1 / cold if cold else float("inf"), contract.get("resident_trunk_bytes", 0) / rate,
+    return Estimate(cold, 1 / cold if cold else None, contract.get("resident_trunk_bytes", 0) / rate,
                     memory)

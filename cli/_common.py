@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from typing import Any
 
 import typer
 
-from shardtool.text import printable_lines
+from shardtool.text import printable, printable_lines
 from shardtool.errors import EXIT_CRASH, EXIT_IO, EXIT_USAGE, ShardtoolError
 
 
@@ -49,6 +50,10 @@ def run_app(app: typer.Typer, args: list[str] | None = None) -> None:
         where = ctx.command_path if ctx is not None else name
         say(f"{name}: usage error: {' '.join(message.split())} (see {where} --help) [UsageError]")
         sys.exit(getattr(ex, "exit_code", EXIT_USAGE))
+    except OSError as e:  # a path the operator named that the system refuses (too long, no space, ...)
+        where = f"{printable(os.fsdecode(e.filename))}: " if e.filename is not None else ""
+        say(f"{name}: error: {where}{e.strerror or e} [StorageError]")
+        sys.exit(EXIT_IO)
     except KeyboardInterrupt:
         say(f"{name}: interrupted")
         sys.exit(EXIT_IO)

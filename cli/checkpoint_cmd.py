@@ -200,7 +200,9 @@ def _render(c: Mapping[str, int], est: Any, disk_gbps: float, context: Optional[
         ("KV cache per token of context", f"{c['kv_cache_bytes_per_token']:,} bytes"),
         (f"minimum memory at {ctx:,} tokens of context", _gb(est.min_memory_bytes)),
         (f"seconds per token, cold, at {disk_gbps:g} GB/s", f"{est.seconds_per_token_cold:,.3f} s "
-                                                            f"({est.tokens_per_second_cold:,.2f} tokens/s)"),
+                                                            + (f"({est.tokens_per_second_cold:,.2f} tokens/s)"
+                                                               if est.tokens_per_second_cold is not None else
+                                                               "(no expert bytes stream per token)")),
         (f"seconds to load the trunk at {disk_gbps:g} GB/s", f"{est.seconds_to_load_trunk:,.2f} s"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from shardtool.cli._common import emit_json, say
+from shardtool.errors import UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -26,6 +27,8 @@ def keygen(
     from shardtool import keys
     from shardtool.cli._passphrase import get_passphrase
 
+    if not out.name or out.name in (".", ".."):
+        raise UsageError("--out must name a file (NAME gives NAME.key and NAME.pub)", path=str(out))
     passphrase = None if no_passphrase else get_passphrase(passphrase_file, new_key=True)
     key = keys.generate()
     key_path, pub_path = keys.write_keypair(out, key, passphrase, force=force)

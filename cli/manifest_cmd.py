@@ -39,10 +39,10 @@ def manifest_path(directory: Path, override: Optional[Path]) -> Path:
 
 def relative_inside(directory: Path, path: Path) -> list[str]:
     """The manifest file's own path relative to DIR, when it lives there (it is not a model file)."""
-    try:
-        return [path.resolve().relative_to(directory.resolve()).as_posix()]
-    except ValueError:
-        return []
+    from shardtool.manifest import manifest_relpath
+
+    rel = manifest_relpath(directory, path)
+    return [rel] if rel is not None else []
 
 
 def manifest(

@@ -14,11 +14,11 @@ from shardtool.keys import PublicKey
 from shardtool.manifest._document import (MAX_MANIFEST_BYTES, Manifest, VerifiedManifest, check_model_id,
                                           decode_manifest, verify_manifest)
 from shardtool.manifest._files import digest_fd
-from shardtool.manifest._paths import check_relpath
+from shardtool.manifest._paths import MAX_SEGMENTS, check_relpath
 from shardtool.manifest._proof import MAX_PROOF_BYTES, ProvenEntry, verify_proof
 from shardtool.manifest._records import Entry
 from shardtool.layout import classify
-from shardtool.manifest._scan import walk
+from shardtool.manifest._scan import implied_directories, walk
 
 MANIFEST_NAME = "manifest.msgpack"
 
@@ -30,7 +30,9 @@ def default_manifest_path(model_dir: Path) -> Path:
 def read_manifest_bytes(path: Path) -> bytes:
     """The manifest file's bytes, capped; a missing manifest is a verification failure, not an I/O error."""
     try:
-        return read_regular(path, MAX_MANIFEST_BYTES, what="manifest", too_large=ManifestFormatError)
+        # The manifest usually sits in the model directory, which others may write: no link at its name.
+        return read_regular(path, MAX_MANIFEST_BYTES, what="manifest", too_large=ManifestFormatError,
+                            follow_link=False)
     except MissingFileError:
         raise VerificationError("no manifest here", path=str(path),
                                 hint="run `shardtool manifest` or `shardtool split`, then `shardtool sign`") from None
@@ -38,6 +40,16 @@ def read_manifest_bytes(path: Path) -> bytes:
         if e.found == "directory":
             raise VerificationError("manifest path is a directory", path=str(path)) from None
         raise VerificationError(f"manifest is not a regular file ({e.message})", path=str(path)) from None
+
+
+def manifest_relpath(directory: Path, manifest: Path) -> str | None:
+    """Where the manifest file sits inside `directory` ('/'-separated), or None when outside it. Worked out
+    from the two paths as written, never by resolving links: a link swapped in after the manifest was read
+    must not make audit skip some other file."""
+    rel = os.path.relpath(os.path.abspath(manifest), os.path.abspath(directory))
+    if rel == os.curdir or rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        return None
+    return rel.replace(os.sep, "/")
 
 
 def _with_path(err: Exception, path: Path) -> Exception:
@@ -112,11 +124,15 @@ def hash_directory(root: Path, *, exclude: Sequence[str] = ()) -> list[Entry]:
     root = Path(root)
     excluded = set(exclude)
     entries = []
-    for item in walk(root):
-        if item.relpath in excluded or item.kind == "directory":
+    directories = []
+    for item in walk(root, max_depth=MAX_SEGMENTS):
+        if item.relpath in excluded:
+            continue
+        if item.kind == "directory":
+            directories.append(item.relpath)
             continue
         where = str(root / item.relpath)
-        if item.kind == "unreadable":
+        if item.kind in ("unreadable", "too-deep"):
             raise UsageError(item.detail, path=where)
         if item.kind != "file":
             raise UsageError(f"is a {item.kind}; a manifest lists regular files only", path=where)
@@ -139,4 +155,9 @@ def hash_directory(root: Path, *, exclude: Sequence[str] = ()) -> list[Entry]:
             raise StorageError("file changed while it was being hashed", path=where)
         entries.append(Entry(path=item.relpath, kind=kind, size=result.size, digest=result.digest, layer=layer,
                              expert=expert))
+    implied = implied_directories([e.path for e in entries] + list(excluded))
+    for reldir in directories:
+        if reldir not in implied:  # audit would report it: a clean tree holds only directories files lie in
+            raise UsageError("is an empty directory: a manifest lists files, and audit reports any directory "
+                             "no listed file lies in; remove it", path=str(root / reldir))
     return entries

@@ -9,16 +9,28 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from shardtool.errors import ManifestFormatError, StorageError
 
 @dataclass(frozen=True)
 class DirItem:
     relpath: str  # '/'-separated, as found on disk (may be non-canonical: that is for the caller to judge)
-    kind: str  # "file", "symlink", "directory", "special", or "unreadable" (a directory we could not enter)
+    kind: str  # "file", "symlink", "directory", "special", "unreadable" (a directory we could not enter),
+    #            "too-deep" (a directory at max_depth, not entered)
     size: int | None = None  # lstat size, for the items the walk was asked to stat
     detail: str = ""  # "unreadable": why
+
+
+def implied_directories(paths: Iterable[str]) -> set[str]:
+    """Every directory a listed path lies in: the only directories a clean tree holds."""
+    out: set[str] = set()
+    for path in paths:
+        reldir = path.rpartition("/")[0]
+        while reldir and reldir not in out:
+            out.add(reldir)
+            reldir = reldir.rpartition("/")[0]
+    return out
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -63,7 +75,8 @@ class _Frame:
     identity: tuple[int, int]  # (st_dev, st_ino), to check the way back up
 
 
-def walk(root: Path, *, stat_if: Callable[[str], bool] | None = None) -> Iterator[DirItem]:
+def walk(root: Path, *, stat_if: Callable[[str], bool] | None = None,
+         max_depth: int | None = None) -> Iterator[DirItem]:
     """Every entry below `root`, sorted, each directory after its contents; symlinks are reported, never
     followed. `stat_if(relpath)`: which non-directory items get their lstat size.
 
@@ -72,6 +85,9 @@ def walk(root: Path, *, stat_if: Callable[[str], bool] | None = None) -> Iterato
     PATH_MAX, is walked like any other. Going back up opens `..` and checks it is the directory we came
     from. A directory that cannot be entered or listed is an "unreadable" item, and the walk goes on;
     one moved while it is walked ends the walk with an "unreadable" item (what is beyond it is unknown).
+    `max_depth`: a directory at that depth (that many path segments) is not entered but reported as a
+    "too-deep" item: nothing below it can be a manifest path, and a walk of a hostile tree thousands of
+    levels deep would otherwise hold memory quadratic in its depth (every frame keeps its whole path).
     """
     try:
         root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -94,6 +110,11 @@ def walk(root: Path, *, stat_if: Callable[[str], bool] | None = None) -> Iterato
                 if kind != "directory":
                     size = _lstat_size(cur, name) if stat_if is not None and stat_if(relpath) else None
                     yield DirItem(relpath, kind, size)
+                    continue
+                if max_depth is not None and len(frames) >= max_depth:
+                    yield DirItem(relpath, "too-deep",
+                                  detail=f"a directory {max_depth} levels deep; nothing below it can be listed, "
+                                         "so it was not entered")
                     continue
                 try:
                     child = os.open(name, _DIR_FLAGS, dir_fd=cur)

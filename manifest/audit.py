@@ -17,8 +17,9 @@ from shardtool.errors import (DigestMismatchError, MissingFileError, NotARegular
                               VerificationError)
 from shardtool.manifest._document import VerifiedManifest
 from shardtool.manifest._files import CHUNK, FileDigest, check_digest, digest_fd
+from shardtool.manifest._paths import MAX_SEGMENTS
 from shardtool.manifest._records import Entry
-from shardtool.manifest._scan import walk
+from shardtool.manifest._scan import implied_directories, walk
 
 FINDING_CLASSES = ("missing", "size-mismatch", "digest-mismatch", "unlisted", "symlink", "not-a-regular-file",
                    "unreadable")
@@ -152,16 +153,18 @@ def audit_directory(root: Path, manifest: VerifiedManifest, *, ignore: Iterable[
     `root` is checked through its target; links leaving `root` stay findings. `progress(n)` is called
     with bytes hashed as they accrue."""
     listed = manifest.by_path()
-    implied = _implied_directories(listed)
     ignored = set(ignore)
+    implied = implied_directories([*listed, *ignored])  # the manifest file itself may sit in a subdirectory
     report = AuditReport()
     on_disk: dict[str, str] = {}
-    for item in walk(root, stat_if=lambda relpath: relpath not in listed):
+    for item in walk(root, stat_if=lambda relpath: relpath not in listed, max_depth=MAX_SEGMENTS):
         if item.relpath in ignored:
             continue
         on_disk[item.relpath] = item.kind
         entry = listed.get(item.relpath)
-        if item.kind == "unreadable":
+        if item.kind == "too-deep":
+            report.findings.append(Finding(path=item.relpath, finding="unlisted", detail=item.detail))
+        elif item.kind == "unreadable":
             report.findings.append(_from_entry(entry, "unreadable", item.detail) if entry is not None
                                    else Finding(path=item.relpath, finding="unreadable", detail=item.detail))
         elif item.kind == "directory":
@@ -211,17 +214,6 @@ def _lies_in(path: str, directories: set[str]) -> bool:
             return True
         reldir = reldir.rpartition("/")[0]
     return False
-
-
-def _implied_directories(listed: Iterable[str]) -> set[str]:
-    """Every directory a listed path lies in: the only directories a clean tree holds."""
-    out: set[str] = set()
-    for path in listed:
-        reldir = path.rpartition("/")[0]
-        while reldir and reldir not in out:
-            out.add(reldir)
-            reldir = reldir.rpartition("/")[0]
-    return out
 
 
 BATCH_FILES = 256

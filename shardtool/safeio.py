@@ -27,7 +27,9 @@ _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 # Errors that the content of the tree explains (its owner can arrange each): a finding, not our I/O trouble.
-_TREE_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENAMETOOLONG, errno.EOVERFLOW, errno.EFBIG}
+# EAGAIN/EWOULDBLOCK: a non-blocking open of a file someone holds a lease on (fcntl F_SETLEASE).
+_TREE_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENAMETOOLONG, errno.EOVERFLOW, errno.EFBIG, errno.EAGAIN,
+                errno.EWOULDBLOCK}
 # Errors open() gives for something that is not a regular file (a socket: ENXIO; some devices: ENODEV).
 _SPECIAL_ERRNOS = {errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP, errno.EISDIR, errno.ETXTBSY}
 
@@ -98,12 +100,25 @@ def open_dir_beneath(root: Path | str, reldir: str) -> int:
 
 def open_file_at(dir_fd: int, name: str, relpath: str) -> int:
     """Descriptor of regular file `name` in directory `dir_fd`, never through a link; `relpath` names it
-    in messages."""
+    in messages. The type is checked before the open (`fstatat` without following links), so a device
+    node is never opened (opening one can have side effects); the opened file must be that same file."""
     try:
-        fd = os.open(name, _READ_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
+        before = os.lstat(name, dir_fd=dir_fd)
     except OSError as e:
         raise open_error(e, relpath, name=name, dir_fd=dir_fd) from None
-    _check_regular(fd, relpath)
+    if not stat.S_ISREG(before.st_mode):
+        what = describe_mode(before.st_mode)
+        finding = "symlink" if stat.S_ISLNK(before.st_mode) else "not-a-regular-file"
+        tail = "; links are not followed" if finding == "symlink" else ", expected a regular file"
+        raise NotARegularFileError(f"is a {what}{tail}", path=relpath, finding=finding, found=what)
+    try:
+        fd = os.open(name, _READ_FLAGS | os.O_NOFOLLOW | os.O_NOCTTY, dir_fd=dir_fd)
+    except OSError as e:
+        raise open_error(e, relpath, name=name, dir_fd=dir_fd) from None
+    st = _check_regular(fd, relpath)
+    if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+        os.close(fd)
+        raise UnreadableFileError("was replaced while it was opened", path=relpath)
     return fd
 
 
@@ -123,24 +138,43 @@ def open_beneath(root: Path | str, relpath: str) -> int:
         os.close(dir_fd)
 
 
-def open_regular(path: Path | str) -> int:
-    """Descriptor of the regular file at a path the operator named (`--proof`, `--trust`, `--manifest`,
-    a shard received from a peer). A link at the path is followed: the operator chose it."""
+def open_regular(path: Path | str, *, follow_link: bool = True) -> int:
+    """Descriptor of the regular file at a path the operator named (`--proof`, `--trust`, a shard received
+    from a peer). A link at the path is followed (the operator chose it) unless `follow_link` is False:
+    then the last component is opened like a file beneath its directory (a manifest, which sits in the
+    model directory that others may write)."""
+    if not follow_link:
+        parent, name = os.path.split(os.fspath(path))
+        dir_fd = open_dir_beneath(parent or ".", "")
+        try:
+            return open_file_at(dir_fd, name, str(path))
+        finally:
+            os.close(dir_fd)
+    try:
+        before = os.stat(path)
+    except OSError as e:
+        raise open_error(e, str(path), name=path) from None
+    if not stat.S_ISREG(before.st_mode):
+        what = describe_mode(before.st_mode)
+        raise NotARegularFileError(f"is a {what}, expected a regular file", path=str(path), found=what)
     try:
         fd = os.open(path, _READ_FLAGS | os.O_NOCTTY)
     except OSError as e:
         raise open_error(e, str(path), name=path) from None
-    _check_regular(fd, str(path))
+    st = _check_regular(fd, str(path))
+    if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+        os.close(fd)
+        raise UnreadableFileError("was replaced while it was opened", path=str(path))
     return fd
 
 
 def read_regular(path: Path | str, cap: int, *, what: str, too_large: type[ShardtoolError],
-                 check: Callable[[os.stat_result], None] | None = None) -> bytes:
+                 check: Callable[[os.stat_result], None] | None = None, follow_link: bool = True) -> bytes:
     """The whole of a small regular file (a manifest, proof, key, config), refused by its `fstat` size
     before a byte is read when over `cap`, and read at most `cap + 1` bytes in any case (it may grow).
     `check(st)`: a further rule on the opened file's own `fstat` (a secret's permissions), so there is no
     gap between the check and the read."""
-    fd = open_regular(path)
+    fd = open_regular(path, follow_link=follow_link)
     try:
         st = os.fstat(fd)
         if check is not None:

@@ -205,3 +205,47 @@ def test_inspect_contract_it_cannot_read(edit, model, world):
     doc.sign().write(model)  # unsigned: inspect never asks for signatures
     r = kit.run("shardtool", "inspect", model, cwd=world.tmp)
     _assert_refused(r, 2, "UsageError", "resource contract")
+
+
+def test_manifest_refuses_an_empty_directory(world, tmp_path):
+    """`shardtool manifest` used to list a tree holding an empty directory, which audit then reported:
+    the publisher's own clean tree failed its audit. The producer refuses it instead (exit 2)."""
+    d = tmp_path / "md"
+    (d / "assets").mkdir(parents=True)
+    (d / "a.txt").write_text("hi")
+    r = kit.run("shardtool", "manifest", d, cwd=world.tmp)
+    _assert_refused(r, 2, "UsageError", "is an empty directory")
+    assert not (d / MANIFEST).exists()
+    (d / "assets" / "b.txt").write_text("b")
+    assert kit.run("shardtool", "manifest", d, cwd=world.tmp).code == 0
+
+
+def test_inspect_zero_streamed_bytes_prints_valid_json(model, world):
+    """A contract with no expert bytes per token: tokens/s is null in --json (it was Infinity, not JSON,
+    and a traceback once --json refused it)."""
+    import json
+
+    doc = kit.Doc.read(model)
+    doc.head["contract"]["expert_bytes_per_token_cold"] = 0
+    doc.sign().write(model)
+    r = kit.run("shardtool", "inspect", model, "--json", cwd=world.tmp)
+    assert r.code == 0, r.err
+    assert json.loads(r.out)["tokens_per_second_cold"] is None
+    r = kit.run("shardtool", "inspect", model, cwd=world.tmp)
+    assert r.code == 0 and "no expert bytes stream per token" in r.err, r.err
+
+
+@pytest.mark.parametrize("args", [["keygen", "--out", "", "--no-passphrase"],
+                                  ["keygen", "--out", "a" * 300, "--no-passphrase"],
+                                  ["inspect", "a" * 300]], ids=["keygen-empty-name", "keygen-long-name",
+                                                                 "inspect-long-name"])
+def test_operator_path_the_system_refuses_is_one_line(args, world):
+    r = kit.run("shardtool", *args, cwd=world.tmp)
+    kit.assert_no_traceback(r)
+    assert r.code in (2, 3) and len(r.err.strip().splitlines()) == 1, r.err
+
+
+def test_join_into_a_path_the_system_refuses_is_one_line(model, world):
+    r = _join(model, world.tmp / ("a" * 300), world, *_trusted(world))
+    kit.assert_no_traceback(r)
+    assert r.code in (2, 3) and len(r.err.strip().splitlines()) == 1, r.err

@@ -174,9 +174,10 @@ CASES = {
     "directory-instead-of-expert": Attack(lambda m, w: kit.replace_file(m / EXPERT, os.mkdir),
                                           found((EXPERT, "not-a-regular-file")),
                                           refused(NOT_REGULAR, f"{EXPERT}: is a directory")),
+    # Directories 1..32 levels deep are reported; the one 32 levels deep is not entered (no manifest path
+    # has more than 32 segments), which keeps the walk's memory bounded however deep the tree.
     "unlisted-file-in-very-deep-tree": Attack(
-        _deep_tree, found(("d/" * DEEP + "f", "unlisted"), *(("/".join("d" * (i + 1)), "unlisted") for i in range(DEEP))),
-        kit.CLEAN),
+        _deep_tree, found(*(("/".join("d" * (i + 1)), "unlisted") for i in range(32))), kit.CLEAN),
     "tampered-expert-beside-tree-beyond-path-max": Attack(
         _tampered_beside_tree_beyond_path_max,
         found((EXPERT, "digest-mismatch"), ("/".join([LONG] * LONG_LEVELS + ["f"]), "unlisted"),
@@ -226,3 +227,109 @@ def test_directory(case, model, world):
     finally:
         if case in ("unlisted-file-in-very-deep-tree", "tampered-expert-beside-tree-beyond-path-max"):
             kit.remove_tree(model)
+
+
+# --- found by an attack review of the hardening ------------------------------------------------------------
+
+
+def test_directory_manifest_is_a_symlink(model, world):
+    """DIR/manifest.msgpack replaced by a link to a genuine copy: the manifest sits where others write, so its
+    name is opened without following links (a link there once let audit skip another file, and let
+    `/proc/kmsg` be read as a manifest)."""
+    genuine = world.tmp / "genuine.msgpack"
+    (model / kit.MANIFEST).rename(genuine)
+    (model / kit.MANIFEST).symlink_to(genuine)
+    states = world.tmp / "s1", world.tmp / "s2"
+    audit_r, run_r = kit.run_many([kit.audit_cmd(model, [world.keys.pub("A")], 1, states[0]),
+                                   kit.run_cmd(model, [world.keys.pub("A")], 1, states[1])], cwd=world.tmp)
+    kit.assert_audit_refused(audit_r, "VerificationError", "manifest is not a regular file (is a symlink")
+    kit.assert_run_refused(run_r, "VerificationError", "manifest is not a regular file (is a symlink")
+
+
+def test_directory_manifest_in_a_subdirectory_is_not_a_finding(model, world):
+    """`--manifest DIR/meta/manifest.msgpack`: the directory holding the manifest is implied too."""
+    (model / "meta").mkdir()
+    (model / kit.MANIFEST).rename(model / "meta" / kit.MANIFEST)
+    r = kit.run(*kit.audit_cmd(model, [world.keys.pub("A")], 1, world.tmp / "s",
+                               ["--manifest", model / "meta" / kit.MANIFEST]), cwd=world.tmp)
+    assert r.code == 0 and r.report["ok"], r.err
+
+
+def test_directory_deep_tree_of_long_names_in_bounded_memory(model, world):
+    """2,000 levels of 250-character names: the walk stops 32 levels down (no manifest path is deeper), so
+    audit runs in bounded memory. Before, each frame held its whole path: 1 GB here, MemoryError under a
+    limit. The child runs with a 1 GiB address-space limit: any quadratic growth crashes it (exit 70)."""
+    import resource
+    import subprocess
+
+    name = "n" * 250
+    here = os.open(model, os.O_RDONLY)
+    try:
+        for _ in range(2000):
+            os.mkdir(name, dir_fd=here)
+            nxt = os.open(name, os.O_RDONLY, dir_fd=here)
+            os.close(here)
+            here = nxt
+    finally:
+        os.close(here)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    try:
+        cmd = [str(a) for a in kit.audit_cmd(model, [world.keys.pub("A")], 1, world.tmp / "s")]
+        proc = subprocess.run([str(kit.BIN / cmd[0]), *cmd[1:]], capture_output=True, text=True, timeout=120,
+                              preexec_fn=limit, env=kit.env_for(world.tmp / "xdg"), stdin=subprocess.DEVNULL)
+        r = kit.Result(proc.returncode, proc.stdout, proc.stderr)
+        kit.assert_audit_findings(r, {("/".join([name] * (i + 1)), "unlisted") for i in range(32)})
+        deepest = [f for f in r.report["findings"] if f["path"].count("/") == 31]
+        assert "not entered" in deepest[0]["detail"]
+    finally:
+        kit.remove_tree(model)
+
+
+def test_directory_leased_file_is_a_finding_not_io_trouble(model, world):
+    """Whoever owns a listed file can take a write lease on it: our non-blocking open then fails with
+    EWOULDBLOCK. That is the tree's doing (exit 1, reported in --json), not our I/O trouble (exit 3)."""
+    import fcntl
+    import signal
+
+    old = signal.signal(signal.SIGIO, signal.SIG_IGN)  # the lease break signal would end this process
+    fd = os.open(model / EXPERT, os.O_RDWR)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        states = world.tmp / "s1", world.tmp / "s2"
+        audit_r, run_r = kit.run_many([kit.audit_cmd(model, [world.keys.pub("A")], 1, states[0]),
+                                       kit.run_cmd(model, [world.keys.pub("A")], 1, states[1])], cwd=world.tmp)
+        kit.assert_audit_findings(audit_r, {(EXPERT, "unreadable")})
+        kit.assert_run_refused(run_r, "UnreadableFileError", EXPERT)
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        os.close(fd)
+        signal.signal(signal.SIGIO, old)
+
+
+def test_directory_special_files_are_never_opened(tmp_path, monkeypatch):
+    """The type is checked before the open: a device node is never opened (opening one can have side
+    effects: a tape rewinds, a tty becomes the controlling terminal)."""
+    from shardtool import safeio
+    from shardtool.errors import NotARegularFileError
+
+    os.mkfifo(tmp_path / "fifo")
+    opened = []
+    real_open = os.open
+
+    def spy(path, flags, *a, **k):
+        opened.append(path)
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(safeio.os, "open", spy)
+    dir_fd = real_open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(NotARegularFileError, match="is a FIFO"):
+            safeio.open_file_at(dir_fd, "fifo", "fifo")
+        with pytest.raises(NotARegularFileError, match="is a FIFO"):
+            safeio.open_regular(tmp_path / "fifo")
+    finally:
+        os.close(dir_fd)
+    assert "fifo" not in [os.path.basename(str(p)) for p in opened]

@@ -122,3 +122,17 @@ def test_entry_fast_encoding_is_the_canonical_encoding():
                         digest=bytes(range(32)), layer=65_535, expert=1_048_575),
                   Entry(path="trunk/layer-000.safetensors", kind="trunk", size=300, digest=b"\1" * 32, layer=0)):
         assert entry_bytes(entry) == _canonical.encode(entry.to_dict())
+
+
+def test_manifest_relpath_is_lexical_never_resolved(tmp_path):
+    """Which file audit skips as "the manifest" is decided from the paths as written: a link swapped in at
+    the manifest's name must not turn the skipped path into some other file's."""
+    from shardtool.manifest import manifest_relpath
+
+    (tmp_path / "experts").mkdir()
+    (tmp_path / "experts/e.bin").write_bytes(b"e")
+    (tmp_path / "manifest.msgpack").symlink_to(tmp_path / "experts/e.bin")
+    assert manifest_relpath(tmp_path, tmp_path / "manifest.msgpack") == "manifest.msgpack"
+    assert manifest_relpath(tmp_path, tmp_path / "meta" / "m.msgpack") == "meta/m.msgpack"
+    assert manifest_relpath(tmp_path, tmp_path.parent / "m.msgpack") is None
+    assert manifest_relpath(tmp_path, tmp_path) is None
