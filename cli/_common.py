@@ -2,16 +2,70 @@
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import json
 import os
 import sys
 import traceback
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import typer
 
 from shardtool.text import printable, printable_lines
-from shardtool.errors import EXIT_CRASH, EXIT_IO, EXIT_USAGE, ShardtoolError
+from shardtool.errors import EXIT_CRASH, EXIT_IO, EXIT_USAGE, ShardtoolError, UsageError, VerificationError
+
+
+MANIFEST_HELP = "Manifest file (default: DIR/manifest.msgpack)."
+
+# The role of the command running: a verifier's verdict on bad input is "untrustworthy" (exit 1); for a
+# producer (keygen, split, manifest, sign, prove, inspect) the same errors mean "malformed input" (exit 2).
+_ROLE: contextvars.ContextVar[str] = contextvars.ContextVar("shardtool_command_role", default="verifier")
+
+
+def producer(command: Callable) -> Callable:
+    """Mark a command as a producer: the one place where its errors get their producer's exit codes."""
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _ROLE.set("producer")
+        return command(*args, **kwargs)
+    return run
+
+
+def exit_code(err: ShardtoolError) -> int:
+    """The exit code of an error, by the role of the command that met it."""
+    if _ROLE.get() == "producer" and isinstance(err, VerificationError):
+        return EXIT_USAGE
+    return err.exit_code
+
+
+def model_dir(path: Path) -> Path:
+    if not path.exists():
+        raise UsageError("directory does not exist", path=str(path))
+    if not path.is_dir():
+        raise UsageError("not a directory", path=str(path))
+    return path
+
+
+def manifest_path(directory: Path, override: Optional[Path]) -> Path:
+    from shardtool.manifest import default_manifest_path
+    return override if override is not None else default_manifest_path(directory)
+
+
+def relative_inside(directory: Path, path: Path) -> list[str]:
+    """The manifest file's own path relative to DIR, when it lives there (it is not a model file)."""
+    from shardtool.manifest import manifest_relpath
+
+    rel = manifest_relpath(directory, path)
+    return [rel] if rel is not None else []
+
+
+def load_trusted(paths: list[Path]) -> list:
+    from shardtool.keys import load_public_key
+    if not paths:
+        raise UsageError("no trusted public key given", hint="pass --trust KEY.pub (repeatable)")
+    return [load_public_key(p) for p in paths]
 
 
 def say(message: str) -> None:
@@ -34,11 +88,12 @@ def run_app(app: typer.Typer, args: list[str] | None = None) -> None:
     """
     command = typer.main.get_command(app)
     name = app.info.name
+    _ROLE.set("verifier")  # until a producer command starts (an earlier in-process call may have set it)
     try:
         rv = command.main(args=args, prog_name=name, standalone_mode=False)
     except ShardtoolError as err:
         say(f"{name}: error: {err.one_line()} [{type(err).__name__}]")
-        sys.exit(err.exit_code)
+        sys.exit(exit_code(err))
     except typer.Exit as ex:  # raised by commands for a chosen exit code (and by --help)
         sys.exit(ex.exit_code)
     except typer.Abort:

@@ -8,14 +8,14 @@ from typing import Any, List, Mapping, Optional
 import typer
 
 from shardtool.text import printable
-from shardtool.cli._common import emit_json, say
+from shardtool.cli._common import emit_json, producer, say
 from shardtool.errors import UsageError
 
 
 def register(app: typer.Typer) -> None:
-    app.command("split")(split)
+    app.command("split")(producer(split))
     app.command("join")(join)
-    app.command("inspect")(inspect)
+    app.command("inspect")(producer(inspect))
 
 
 def split(
@@ -77,7 +77,7 @@ def join(
     byte for byte per tensor."""
     from shardtool.checkpoint import join_checkpoint
     from shardtool.cli._progress import Progress
-    from shardtool.cli.manifest_cmd import load_trusted, model_dir
+    from shardtool.cli._common import load_trusted, model_dir
     from shardtool.errors import VerificationError
     from shardtool.manifest import default_manifest_path, load_manifest, load_trusted_manifest
 
@@ -158,16 +158,13 @@ def _contract_of(out: Path) -> tuple[Mapping[str, int], dict[str, Any]]:
     path = out / "manifest.msgpack" if out.is_dir() else out
     if not path.is_file():
         raise UsageError("no manifest.msgpack found", path=str(out))
-    try:
-        manifest = load_manifest(path)
-    except VerificationError as e:
-        raise UsageError(e.message, path=str(path)) from e
+    manifest = load_manifest(path)  # a bad manifest: exit 2 for a producer (`producer`)
     if manifest.head.contract is None:
         raise UsageError("this manifest carries no resource contract (not made by `shardtool split`)", path=str(path))
     try:
         check_contract_keys(manifest.head.contract)
     except CheckpointFormatError as e:
-        raise UsageError(e.message, path=str(path)) from None
+        raise CheckpointFormatError(e.message, path=str(path)) from None
     return manifest.head.contract, {"manifest": str(path), "model_id": manifest.head.model_id,
                                     "version": manifest.head.version}
 

@@ -7,12 +7,12 @@ from typing import Optional
 
 import typer
 
-from shardtool.cli._common import emit_json, say
+from shardtool.cli._common import emit_json, producer, say
 from shardtool.errors import UsageError
 
 
 def register(app: typer.Typer) -> None:
-    app.command("keygen")(keygen)
+    app.command("keygen")(producer(keygen))
 
 
 def keygen(

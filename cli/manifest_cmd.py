@@ -10,39 +10,16 @@ from typing import List, Optional
 import typer
 
 from shardtool.text import printable
-from shardtool.cli._common import emit_json, say
+from shardtool.cli._common import (MANIFEST_HELP, emit_json, load_trusted, manifest_path, model_dir, producer,
+                                   relative_inside, say)
 from shardtool.errors import ShardtoolError, UsageError
 
-MANIFEST_HELP = "Manifest file (default: DIR/manifest.msgpack)."
-
-
 def register(app: typer.Typer) -> None:
-    app.command("manifest")(manifest)
-    app.command("sign")(sign)
+    app.command("manifest")(producer(manifest))
+    app.command("sign")(producer(sign))
     app.command("audit")(audit)
-    app.command("prove")(prove)
+    app.command("prove")(producer(prove))
     app.command("verify-shard")(verify_shard)
-
-
-def model_dir(path: Path) -> Path:
-    if not path.exists():
-        raise UsageError("directory does not exist", path=str(path))
-    if not path.is_dir():
-        raise UsageError("not a directory", path=str(path))
-    return path
-
-
-def manifest_path(directory: Path, override: Optional[Path]) -> Path:
-    from shardtool.manifest import default_manifest_path
-    return override if override is not None else default_manifest_path(directory)
-
-
-def relative_inside(directory: Path, path: Path) -> list[str]:
-    """The manifest file's own path relative to DIR, when it lives there (it is not a model file)."""
-    from shardtool.manifest import manifest_relpath
-
-    rel = manifest_relpath(directory, path)
-    return [rel] if rel is not None else []
 
 
 def manifest(
@@ -54,18 +31,14 @@ def manifest(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Hash every file of an existing model directory into an unsigned manifest."""
-    from shardtool.errors import ManifestFormatError
     from shardtool.manifest import build_manifest, describe_head, hash_directory, save_manifest
 
     directory = model_dir(directory)
     out = manifest_path(directory, manifest_file)
     started = time.monotonic()
     entries = hash_directory(directory, exclude=relative_inside(directory, out))
-    try:
-        built = build_manifest(entries, model_id=model_id or directory.resolve().name, version=version,
-                               expires_in_days=expires_in)
-    except ManifestFormatError as e:
-        raise UsageError(e.message, path=str(directory)) from e
+    built = build_manifest(entries, model_id=model_id or directory.resolve().name, version=version,
+                           expires_in_days=expires_in)
     save_manifest(out, built)
     summary = {"manifest": str(out), "signed": False, **describe_head(built.head),
                "bytes": sum(e.size for e in built.entries), "seconds": round(time.monotonic() - started, 3)}
@@ -96,24 +69,13 @@ def sign(
         say(f"note: {private.protection_note}")
     # Read, add, write under a lock: two publishers signing at once must not lose one signature.
     with locked_directory(path.parent if str(path.parent) else Path(".")):
-        try:
-            current = load_manifest(path)
-        except VerificationError as e:
-            # For a producing command, a bad input manifest is malformed input (exit 2), not a verdict.
-            raise UsageError(e.message, path=e.path or str(path)) from e
+        current = load_manifest(path)  # a bad input manifest: exit 2 for a producer (`producer`)
         signed = current.with_envelope(current.envelope.signed_by(private))
         save_manifest(path, signed)
     keyid = private.public.keyid
     if json_out:
         emit_json({"manifest": str(path), "keyid": keyid, "signatures": len(signed.envelope.signatures)})
     say(f"signed {path} with key {keyid} ({len(signed.envelope.signatures)} signature(s) now)")
-
-
-def load_trusted(paths: List[Path]) -> list:
-    from shardtool.keys import load_public_key
-    if not paths:
-        raise UsageError("no trusted public key given", hint="pass --trust KEY.pub (repeatable)")
-    return [load_public_key(p) for p in paths]
 
 
 def audit(
@@ -188,11 +150,11 @@ def prove(
 
     directory = model_dir(directory)
     path = manifest_path(directory, manifest_file)
+    current = load_manifest(path)
     try:
-        current = load_manifest(path)
         data = build_proof(current, entry)
     except VerificationError as e:
-        raise UsageError(e.message, path=e.path or str(path)) from e
+        raise type(e)(e.message, path=e.path or str(path)) from e
     if out is None:
         sys.stdout.buffer.write(data)
         sys.stdout.flush()

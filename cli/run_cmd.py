@@ -121,7 +121,7 @@ def verify_and_run(
 ) -> None:
     """Verify the signed manifest, then generate, checking every shard's BLAKE3 before its weights are used."""
     from shardtool.atomic import atomic_write_bytes
-    from shardtool.cli.manifest_cmd import load_trusted, manifest_path, model_dir
+    from shardtool.cli._common import load_trusted, manifest_path, model_dir
     from shardtool.manifest import load_trusted_manifest
 
     # Every option is checked before anything is read: a bad value is one usage line, exit 2.

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import msgpack
 
-from shardtool.errors import ExpiredError, ManifestFormatError, MerkleProofError, UsageError, VerificationError
+from shardtool.errors import ExpiredError, ManifestFormatError, MerkleProofError, TrustSettingsError, VerificationError
 from shardtool.keys import PublicKey
 from shardtool.manifest import _canonical
 from shardtool.manifest._envelope import PAYLOAD_TYPE, Envelope, verify_envelope
@@ -173,7 +173,7 @@ def check_model_id(head: Head, expected: str | None) -> None:
         try:
             check_model_id_form(expected)
         except ManifestFormatError as e:
-            raise UsageError(f"--model-id: {e.message}") from None
+            raise TrustSettingsError(f"model ID pin: {e.message}") from None
     if expected is not None and head.model_id != expected:
         raise VerificationError(f"manifest is for model {head.model_id!r}, expected {expected!r}")
 

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from shardtool.errors import ManifestFormatError, SignatureError, ThresholdError, UsageError
+from shardtool.errors import ManifestFormatError, SignatureError, ThresholdError, TrustSettingsError
 from shardtool.keys import SIGNATURE_SIZE, PrivateKey, PublicKey
 from shardtool.manifest._canonical import take_fields
 
@@ -102,9 +102,9 @@ def distinct_keys(keys: Iterable[PublicKey]) -> tuple[PublicKey, ...]:
 def check_threshold(trusted: Sequence[PublicKey], threshold: int) -> tuple[PublicKey, ...]:
     keys = distinct_keys(trusted)
     if not keys:
-        raise UsageError("no trusted public key given", hint="pass --trust KEY.pub")
+        raise TrustSettingsError("no trusted public key given", hint="pass --trust KEY.pub")
     if isinstance(threshold, bool) or not isinstance(threshold, int) or not 1 <= threshold <= len(keys):
-        raise UsageError(f"threshold must be between 1 and the number of distinct trusted keys ({len(keys)}), "
+        raise TrustSettingsError(f"threshold must be between 1 and the number of distinct trusted keys ({len(keys)}), "
                          f"got {threshold}")
     return keys
 

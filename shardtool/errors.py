@@ -41,6 +41,11 @@ class UsageError(ShardtoolError):
     exit_code = EXIT_USAGE
 
 
+class TrustSettingsError(UsageError):
+    """The trust settings a caller gave cannot decide anything: no trusted key, a threshold out of range, a
+    model ID no manifest could carry. Raised by the trust layer about its arguments (exit 2), never a verdict."""
+
+
 class StorageError(ShardtoolError):
     """Reading or writing failed for reasons outside the data itself (permissions, disk full)."""
 

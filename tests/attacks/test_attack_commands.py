@@ -204,7 +204,7 @@ def test_inspect_contract_it_cannot_read(edit, model, world):
         contract["contract_version"] = 99
     doc.sign().write(model)  # unsigned: inspect never asks for signatures
     r = kit.run("shardtool", "inspect", model, cwd=world.tmp)
-    _assert_refused(r, 2, "UsageError", "resource contract")
+    _assert_refused(r, 2, "CheckpointFormatError", "resource contract")
 
 
 def test_manifest_refuses_an_empty_directory(world, tmp_path):

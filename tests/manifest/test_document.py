@@ -15,7 +15,7 @@ from shardtool.errors import (
     MerkleProofError,
     SignatureError,
     ThresholdError,
-    UsageError,
+    TrustSettingsError,
 )
 from shardtool.manifest import (
     PAYLOAD_TYPE,
@@ -262,7 +262,7 @@ REFUSALS = {
         lambda c: _with_signatures(c, lambda s: [s[0], {"keyid": c.k[1].public.keyid, "sig": s[0]["sig"]}], c.k[0]),
         [0, 1], 2, 0, ThresholdError),
     "trusted-key-passed-twice": (lambda c: c.built(c.k[0]), [0, 0, 1], 2, 0, ThresholdError),
-    "trusted-key-passed-twice-only-key": (lambda c: c.built(c.k[0]), [0, 0], 2, 0, UsageError),
+    "trusted-key-passed-twice-only-key": (lambda c: c.built(c.k[0]), [0, 0], 2, 0, TrustSettingsError),
     "wrong-payload-type-signed": (lambda c: c.forge(c.raw, signers=[c.k[0]], payload_type="application/vnd.in-toto+json"),
                                   [0], 1, 0, ManifestFormatError),
     "wrong-payload-type-unsigned": (lambda c: c.forge(c.raw, payload_type="application/vnd.in-toto+json"), [0], 1, 0,

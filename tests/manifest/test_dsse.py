@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature, encode_dss_signature
 
-from shardtool.errors import ManifestFormatError, SignatureError, ThresholdError, UsageError
+from shardtool.errors import ManifestFormatError, SignatureError, ThresholdError, TrustSettingsError
 from shardtool.manifest import PAYLOAD_TYPE, Envelope, Signature, pae, verify_envelope
 from shardtool.manifest._envelope import MAX_PAYLOAD, MAX_SIGNATURES
 
@@ -240,10 +240,10 @@ VERIFY_CASES = {
                                      SignatureError),
     "wrong-payload-type-under-threshold": (lambda k: _signed([k[0]], payload_type="application/json"), [0, 1], 2,
                                            ThresholdError),
-    "no-trusted-keys": (lambda k: _signed([k[0]]), [], 1, UsageError),
-    "threshold-zero": (lambda k: _signed([k[0]]), [0], 0, UsageError),
-    "threshold-above-distinct-keys": (lambda k: _signed([k[0]]), [0, 0], 2, UsageError),
-    "threshold-bool": (lambda k: _signed([k[0]]), [0], True, UsageError),
+    "no-trusted-keys": (lambda k: _signed([k[0]]), [], 1, TrustSettingsError),
+    "threshold-zero": (lambda k: _signed([k[0]]), [0], 0, TrustSettingsError),
+    "threshold-above-distinct-keys": (lambda k: _signed([k[0]]), [0, 0], 2, TrustSettingsError),
+    "threshold-bool": (lambda k: _signed([k[0]]), [0], True, TrustSettingsError),
 }
 
 
