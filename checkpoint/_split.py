@@ -101,6 +101,33 @@ def _source_record(plan: ShardPlan, ckpt: Checkpoint) -> str:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def default_model_id(job: SplitJob) -> str:
+    """The model ID when the publisher gives none: the source's, never the output directory's (two releases
+    split into `out-v1/` and `out-v2/` must share one ID, or the rollback floor never applies).
+
+    In order: config.json's `_name_or_path` (the hub repository it was saved from), a Hugging Face cache
+    snapshot's repository (`models--ORG--NAME/snapshots/REV` -> `ORG/NAME`), the checkpoint directory's name.
+    """
+    from shardtool.manifest import check_model_id_form
+
+    candidates = []
+    name_or_path = job.checkpoint.config.get("_name_or_path")
+    if isinstance(name_or_path, str):
+        candidates.append(name_or_path)
+    root = Path(os.path.abspath(job.checkpoint.root))
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        candidates.append(root.parent.parent.name[len("models--"):].replace("--", "/"))
+    candidates.append(root.name)
+    for candidate in candidates:
+        try:
+            check_model_id_form(candidate)
+            return candidate
+        except ManifestFormatError:
+            continue
+    raise UsageError("no model ID can be taken from the checkpoint (config.json's _name_or_path, the directory "
+                     "name)", path=str(job.checkpoint.root), hint="pass --model-id ORG/NAME")
+
+
 def prepare_split(src: Path, *, expert_pattern: str | None = None) -> SplitJob:
     """Read and validate the checkpoint's headers and decide every output file; reads no tensor bytes."""
     from shardtool.layout import classify

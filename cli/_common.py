@@ -68,6 +68,12 @@ def load_trusted(paths: list[Path]) -> list:
     return [load_public_key(p) for p in paths]
 
 
+def unpinned_warning(model_id: str) -> str:
+    """What a verifier says when the operator did not pin the model: any model the keys signed would pass."""
+    return (f"warning: no --model-id given: any model these keys signed is accepted; pass --model-id {model_id} "
+            "to refuse the others")
+
+
 def say(message: str) -> None:
     """Human text goes to stderr so stdout stays clean for --json. Control characters are escaped on
     every line (a safety net: untrusted names are escaped where they are quoted, with `printable`)."""

@@ -21,7 +21,9 @@ def register(app: typer.Typer) -> None:
 def split(
     checkpoint: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json + safetensors)."),
     out: Path = typer.Argument(..., help="Output directory for the split layout (created; reruns reuse shards)."),
-    model_id: Optional[str] = typer.Option(None, "--model-id", help="Model identifier (default: OUT's name)."),
+    model_id: Optional[str] = typer.Option(
+        None, "--model-id", help="Model identifier (default: the checkpoint's: config.json's _name_or_path, a "
+                                 "Hugging Face cache repository, or the checkpoint directory's name; never OUT's)."),
     version: int = typer.Option(1, "--version", min=1, help="Manifest version; raise it for every release."),
     expires_in: int = typer.Option(365, "--expires-in", min=1, max=36500, help="Days until the manifest expires."),
     expert_pattern: Optional[str] = typer.Option(
@@ -35,14 +37,15 @@ def split(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Split a MoE checkpoint into per-expert and trunk shards and write its unsigned manifest."""
-    from shardtool.checkpoint import prepare_split, run_split
+    from shardtool.checkpoint import default_model_id, prepare_split, run_split
     from shardtool.cli._progress import Progress
 
     # Refusals (links out of the checkpoint or into OUT, layer numbers beyond the format, bad options) all
     # happen before the first byte is written; names from disk are escaped before they reach the terminal.
     job = prepare_split(checkpoint, expert_pattern=expert_pattern)
+    model_id = model_id or default_model_id(job)
     with Progress(job.total_bytes, "split", enabled=not quiet) as progress:
-        result = run_split(job, out, model_id=model_id or out.resolve().name, version=version,
+        result = run_split(job, out, model_id=model_id, version=version,
                            expires_in_days=expires_in, on_bytes=progress.advance, fsync=fsync)
     if json_out:
         emit_json(result.summary())
@@ -54,7 +57,8 @@ def split(
     gbps = result.bytes_total / result.seconds / 1e9 if result.seconds else 0.0
     say(f"split {result.family} checkpoint into {printable(str(out))}: {result.files_written} file(s) written, "
         f"{result.files_reused} reused, {result.bytes_total / 1e9:.3f} GB in {result.seconds:.1f} s "
-        f"({gbps:.2f} GB/s); unsigned manifest {printable(str(out / 'manifest.msgpack'))}")
+        f"({gbps:.2f} GB/s); unsigned manifest {printable(str(out / 'manifest.msgpack'))} for model "
+        f"{result.model_id} version {result.version}")
 
 
 def join(

@@ -11,7 +11,7 @@ import typer
 
 from shardtool.text import printable
 from shardtool.cli._common import (MANIFEST_HELP, emit_json, load_trusted, manifest_path, model_dir, producer,
-                                   relative_inside, say)
+                                   relative_inside, say, unpinned_warning)
 from shardtool.errors import ShardtoolError, UsageError
 
 def register(app: typer.Typer) -> None:
@@ -123,6 +123,8 @@ def audit(
     head = verified.head
     say(f"manifest {head.model_id} version {head.version}: signed by {len(verified.signers)} trusted key(s) "
         f"({', '.join(k.keyid for k in verified.signers)}), threshold {threshold}")
+    if expect_model is None:
+        say(unpinned_warning(head.model_id))
     say(f"checked {report.files_checked} files, {report.bytes_hashed} bytes in {seconds:.2f}s"
         + (f"; {len(report.absent)} listed shard(s) absent (--present-only)" if present_only else ""))
     if report.ok:

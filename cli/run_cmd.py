@@ -121,7 +121,7 @@ def verify_and_run(
 ) -> None:
     """Verify the signed manifest, then generate, checking every shard's BLAKE3 before its weights are used."""
     from shardtool.atomic import atomic_write_bytes
-    from shardtool.cli._common import load_trusted, manifest_path, model_dir
+    from shardtool.cli._common import load_trusted, manifest_path, model_dir, unpinned_warning
     from shardtool.manifest import load_trusted_manifest
 
     # Every option is checked before anything is read: a bad value is one usage line, exit 2.
@@ -166,6 +166,8 @@ def verify_and_run(
         atomic_write_bytes(json_report, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
     if not quiet:
         _print_report(summary)
+    if expect_model is None and not quiet:  # after the output: a refused run still prints one line only
+        say(unpinned_warning(verified.head.model_id))
 
 
 _BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")

@@ -39,12 +39,12 @@ from shardtool.manifest._io import (
     save_manifest,
 )
 from shardtool.manifest._proof import ProvenEntry, build_proof, verify_proof
-from shardtool.manifest._records import KINDS, MAX_ENTRIES, MAX_EXPERT, MAX_LAYER, Entry, Head
+from shardtool.manifest._records import KINDS, MAX_ENTRIES, MAX_EXPERT, MAX_LAYER, Entry, Head, check_model_id_form
 from shardtool.manifest._state import check_and_record, default_state_dir
 
 __all__ = [
     "MAX_ENTRIES", "MAX_EXPERT", "MAX_LAYER", "VerifiedBytes", "check_relpath", "read_verified_timed",
-    "verify_entry", "verify_file", "manifest_relpath",
+    "verify_entry", "verify_file", "manifest_relpath", "check_model_id_form",
     "FORMAT", "KINDS", "MANIFEST_NAME", "PAYLOAD_TYPE", "Entry", "Envelope", "Head", "Manifest", "Signature",
     "ProvenEntry", "VerifiedManifest", "build_proof", "verify_proof", "build_manifest", "check_and_record", "check_freshness", "decode_manifest",
     "default_manifest_path", "default_state_dir", "describe_head", "entry_bytes", "hash_directory", "load_manifest", "load_trusted_manifest", "load_trusted_proof", "check_model_id",

@@ -6,7 +6,6 @@ installed `shardtool audit` and `verify-and-run`.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,11 +43,7 @@ class World:
 
 
 def _make_checkpoint(out: Path, seed: int) -> Path:
-    try:
-        from examples import make_tiny_moe
-    except ModuleNotFoundError:
-        sys.path.insert(0, str(kit.REPO))
-        from examples import make_tiny_moe
+    from examples import make_tiny_moe  # the repository root is on pytest's pythonpath
     return make_tiny_moe.make_checkpoint(out, "mixtral", seed=seed, **kit.MODEL_KNOBS)
 
 

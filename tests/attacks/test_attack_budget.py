@@ -148,11 +148,7 @@ def fp8_models(tmp_path_factory, keys):
 
 
 def make_checkpoint(out: Path, family: str, **knobs) -> Path:
-    try:
-        from examples import make_tiny_moe
-    except ModuleNotFoundError:
-        sys.path.insert(0, str(kit.REPO))
-        from examples import make_tiny_moe
+    from examples import make_tiny_moe  # the repository root is on pytest's pythonpath
     return make_tiny_moe.make_checkpoint(out, family, **knobs)
 
 

@@ -13,7 +13,6 @@ import os
 import shutil
 import socket
 import stat
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,11 +24,7 @@ TIMEOUT = 60  # a FIFO that hangs split fails the test through subprocess.Timeou
 
 
 def _generator():
-    try:
-        from examples import make_tiny_moe
-    except ModuleNotFoundError:
-        sys.path.insert(0, str(kit.REPO))
-        from examples import make_tiny_moe
+    from examples import make_tiny_moe  # the repository root is on pytest's pythonpath
     return make_tiny_moe
 
 

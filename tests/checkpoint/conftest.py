@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -13,11 +12,7 @@ from ckpt_helpers import NOW, tensors_of  # noqa: F401  (re-exported for fixture
 
 
 def _generator():
-    try:
-        from examples import make_tiny_moe
-    except ModuleNotFoundError:
-        sys.path.insert(0, str(ROOT))
-        from examples import make_tiny_moe
+    from examples import make_tiny_moe  # the repository root is on pytest's pythonpath
     return make_tiny_moe
 
 

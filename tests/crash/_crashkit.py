@@ -118,9 +118,5 @@ def is_temp(name: str) -> bool:
 
 
 def make_checkpoint(out: Path, **knobs) -> Path:
-    try:
-        from examples import make_tiny_moe
-    except ModuleNotFoundError:
-        sys.path.insert(0, str(REPO))
-        from examples import make_tiny_moe
+    from examples import make_tiny_moe  # the repository root is on pytest's pythonpath
     return make_tiny_moe.make_checkpoint(out, "mixtral", **knobs)

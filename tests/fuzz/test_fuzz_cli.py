@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -65,7 +64,6 @@ def signed(tmp_path_factory):
     from shardtool.checkpoint import split_checkpoint
     from shardtool.manifest import build_proof, load_manifest, save_manifest
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from examples import make_tiny_moe
 
     base = tmp_path_factory.mktemp("cli-fuzz")
