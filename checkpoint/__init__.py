@@ -17,7 +17,7 @@ from shardtool.checkpoint._contract import (
 from shardtool.checkpoint._families import SUPPORTED_FAMILIES, detect_family
 from shardtool.checkpoint._join import JoinResult, join_checkpoint
 from shardtool.checkpoint._source import load_json
-from shardtool.checkpoint._writer import HashingWriter, TensorSpec, encode_header, serialize
+from shardtool.checkpoint._writer import HashingWriter, TensorSpec, encode_header
 from shardtool.safetensors_format import (
     DTYPE_SIZES,
     Header,
@@ -35,5 +35,5 @@ __all__ = [
     "CONTRACT_KEYS", "DEFAULT_CONTEXT_TOKENS", "DTYPE_SIZES", "Estimate", "HashingWriter", "Header", "JoinResult", "ModelShape",
     "SUPPORTED_FAMILIES", "SplitJob", "SplitResult", "TensorInfo", "TensorSpec", "contract_from_config",
     "detect_family", "encode_header", "estimate", "join_checkpoint", "model_shape", "numpy_dtype", "parse_header",
-    "parse_safetensors", "prepare_split", "read_header", "run_split", "serialize", "split_checkpoint",
+    "parse_safetensors", "prepare_split", "read_header", "run_split", "split_checkpoint",
 ]

@@ -7,7 +7,7 @@ import stat
 from typing import Any, Callable
 
 from shardtool.checkpoint._plan import OutputFile
-from shardtool.checkpoint._writer import HashingWriter
+from shardtool.checkpoint._writer import OverlappedHasher
 from shardtool.checkpoint._stream import CHUNK, Sources, stream
 
 
@@ -18,7 +18,7 @@ class _Mismatch(Exception):
 class _Comparer:
     """A writer that writes nothing: it checks each chunk against the file already on disk."""
 
-    def __init__(self, fd: int, hasher: HashingWriter):
+    def __init__(self, fd: int, hasher: OverlappedHasher):
         self._fd, self._hash = fd, hasher
         self._pos = 0
         self._buf = memoryview(bytearray(CHUNK))
@@ -35,12 +35,7 @@ class _Comparer:
                                                           self._np.frombuffer(part, "u1")):
                 raise _Mismatch
             self._pos += n
-        self._hash.write(data)
-
-
-class _NullFile:
-    def write(self, data: Any) -> None:
-        pass
+        self._hash.update(data)
 
 
 def existing_digest(dir_fd: int, name: str, out: OutputFile, mode: int, sources: Sources,
@@ -61,7 +56,7 @@ def existing_digest(dir_fd: int, name: str, out: OutputFile, mode: int, sources:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != out.size or stat.S_IMODE(st.st_mode) != mode:
             return None
-        hasher = HashingWriter(_NullFile(), executor)
+        hasher = OverlappedHasher(executor)
         done = 0
         try:
             comparer = _Comparer(fd, hasher)

@@ -51,47 +51,49 @@ def encode_header(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | Non
     return struct.pack("<Q", len(body)) + body
 
 
-class HashingWriter:
-    """Wraps a binary file: every byte written is also fed to BLAKE3 and counted.
-
-    With an executor, hashing a chunk overlaps with writing it (BLAKE3 releases the GIL). The caller must
-    keep a chunk's buffer unchanged until the next `write` or `digest` call, which wait for its hash.
-    """
+class OverlappedHasher:
+    """BLAKE3 of a stream of chunks. With an executor, hashing a chunk overlaps with whatever the caller does
+    next (BLAKE3 releases the GIL); the caller keeps a chunk's buffer unchanged until the next `update` or
+    `digest`, which wait for its hash."""
 
     PARALLEL_MIN = 1 << 20
 
-    def __init__(self, fh: BinaryIO, executor: Any = None):
+    def __init__(self, executor: Any = None):
         import blake3
 
-        self._fh = fh
         self._hash = blake3.blake3()
         self._executor = executor
         self._pending: Any = None
-        self.size = 0
 
-    def write(self, data: bytes | bytearray | memoryview) -> None:
+    def _wait(self) -> None:
         if self._pending is not None:
             self._pending.result()
             self._pending = None
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._wait()
         if self._executor is not None and len(data) >= self.PARALLEL_MIN:
             self._pending = self._executor.submit(self._hash.update, data)
         else:
             self._hash.update(data)
+
+    def digest(self) -> bytes:
+        self._wait()
+        return self._hash.digest()
+
+
+class HashingWriter:
+    """Wraps a binary file: every byte written is also hashed (overlapped, see OverlappedHasher) and counted."""
+
+    def __init__(self, fh: BinaryIO, executor: Any = None):
+        self._fh = fh
+        self._hash = OverlappedHasher(executor)
+        self.size = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._hash.update(data)
         self._fh.write(data)
         self.size += len(data)
 
     def digest(self) -> bytes:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
         return self._hash.digest()
-
-
-def serialize(tensors: Iterable[tuple[TensorSpec, bytes | memoryview]],
-              metadata: Mapping[str, str] | None = None) -> bytes:
-    """Whole-file writer for small files and tests: tensors in the order given."""
-    items = list(tensors)
-    for spec, data in items:
-        if len(data) != spec.nbytes:
-            raise CheckpointFormatError(f"tensor {spec.name!r}: {len(data)} bytes given, {spec.nbytes} expected")
-    return encode_header([s for s, _ in items], metadata) + b"".join(bytes(d) for _, d in items)

@@ -73,12 +73,6 @@ class Manifest:
         return _canonical.encode({"format": FORMAT, "envelope": self.envelope.to_dict(),
                                   "entries": [entry_bytes(e) for e in self.entries]})
 
-    def entry(self, path: str) -> Entry:
-        for e in self.entries:
-            if e.path == path:
-                return e
-        raise KeyError(path)
-
     def with_envelope(self, envelope: Envelope) -> "Manifest":
         return Manifest(envelope, self.head, self.entries)
 

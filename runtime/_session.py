@@ -185,9 +185,6 @@ class Session:
             verify_entry(self.root, entry)
         return sum(entry.size for entry in self.manifest.entries)
 
-    def encode(self, prompt: str) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt)
-
     def decode_text(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer else ""
 

@@ -27,3 +27,14 @@ def join_unsigned(out: Path, rebuilt: Path, **kwargs):
     from shardtool.manifest import load_manifest
 
     return join_checkpoint(out, rebuilt, load_manifest(Path(out) / "manifest.msgpack"), **kwargs)
+
+
+def serialize(tensors, metadata=None) -> bytes:
+    """A whole safetensors file from (TensorSpec, bytes) pairs, in the order given: our writer's header
+    encoding, for tests that compare it with the reference writer."""
+    from shardtool.checkpoint import encode_header
+
+    items = list(tensors)
+    for spec, data in items:
+        assert len(data) == spec.nbytes, (spec, len(data))
+    return encode_header([s for s, _ in items], metadata) + b"".join(bytes(d) for _, d in items)

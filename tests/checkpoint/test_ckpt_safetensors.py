@@ -15,11 +15,12 @@ import safetensors.numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardtool.checkpoint import (TensorSpec, encode_header, numpy_dtype, parse_header, parse_safetensors,
-                                  read_header, serialize)
-from shardtool.checkpoint import HashingWriter
+from shardtool.checkpoint import (HashingWriter, TensorSpec, encode_header, numpy_dtype, parse_header,
+                                  parse_safetensors, read_header)
 from shardtool.safetensors_format import MAX_HEADER_BYTES
 from shardtool.errors import CheckpointFormatError
+
+from ckpt_helpers import serialize
 
 ARRAYS = {
     "f32": np.arange(12, dtype=np.float32).reshape(3, 4),
