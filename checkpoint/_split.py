@@ -28,7 +28,8 @@ from typing import Any, Callable, Mapping
 from shardtool.atomic import atomic_writer_at
 from shardtool.checkpoint._copy import COPY_UNSUPPORTED, HashingFileWriter, sync_filesystem
 from shardtool.checkpoint._contract import DEFAULT_CONTEXT_TOKENS, SplitSizes, check_config, contract_from_split
-from shardtool.checkpoint._families import plan_split, text_config
+from shardtool.checkpoint._families import plan_split
+from shardtool.families import text_config
 from shardtool.checkpoint._outdir import OutDir
 from shardtool.checkpoint._plan import OutputFile, Piece, ShardPlan
 from shardtool.checkpoint._reuse import existing_digest

@@ -13,9 +13,9 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from shardtool.errors import CheckpointFormatError
+from shardtool.families import EXPERT_PROJ_ALIASES
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
-_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
                      r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|weight_scale_inv|bias)")
@@ -73,7 +73,7 @@ class DictWeightProvider:
                 self._head[name] = array
             elif m := _EXPERT.fullmatch(name):
                 layer, expert, proj, kind = int(m[1]), int(m[2]), m[3], m[4]
-                proj = _MIXTRAL_PROJ.get(proj, proj)
+                proj = EXPERT_PROJ_ALIASES.get(proj, proj)
                 self._experts.setdefault(layer, {}).setdefault(expert, {})[f"{proj}.{kind}"] = array
             elif m := _FUSED.fullmatch(name):
                 fused.setdefault(int(m[1]), {})[m[2]] = array
