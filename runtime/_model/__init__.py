@@ -10,13 +10,13 @@ from ._forward import Float32Weights, Model, forward, prepare_layer, trunk_shape
 from ._layers import (attention, decoder_layer, expert_mlp, gqa_attention, mla_attention, moe_layer, rms_norm,
                       route_deepseek, route_softmax_topk)
 from ._rope import apply_rope, apply_rope_interleave
-from ._sampling import generate, sample_token, stream
+from ._sampling import sample_token
 from ._weights import DictWeightProvider, WeightProvider
 
 __all__ = [
     "DictWeightProvider", "Float32Weights", "KVCache", "MlaConfig", "Model", "ModelConfig", "RopeConfig",
     "WeightProvider", "apply_rope", "apply_rope_interleave", "attention", "bytes_per_token", "decoder_layer",
-    "dequantize", "expert_mlp", "forward", "generate", "gqa_attention", "mla_attention", "moe_layer",
-    "prepare_layer", "quantize_fp8", "rms_norm", "route_deepseek", "route_softmax_topk", "sample_token", "stream",
+    "dequantize", "expert_mlp", "forward", "gqa_attention", "mla_attention", "moe_layer",
+    "prepare_layer", "quantize_fp8", "rms_norm", "route_deepseek", "route_softmax_topk", "sample_token",
     "to_float32", "trunk_shapes",
 ]

@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 
 from shardtool.cli.run_cmd import MAX_MEMORY_BUDGET, MAX_PROMPT_IDS, MAX_TOKEN_ID, parse_ids, parse_size
 from shardtool.errors import CheckpointFormatError, UsageError
-from shardtool.runtime._model import DictWeightProvider, Model, ModelConfig, dequantize, generate, quantize_fp8
+from shardtool.runtime._model import DictWeightProvider, Model, ModelConfig, dequantize, quantize_fp8
 from shardtool.runtime._model._activations import prefill_chunk, step_bytes
 from shardtool.hf_config import FLOAT_CAPS, INT_CAPS
 from shardtool.runtime._model._sampling import sample_token
 
+from _decode import generate
 from test_model_numpy import CONFIGS, make
 
 # ---------------------------------------------------------------- config caps
