@@ -9,18 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from shardtool.checkpoint._families import config_reader
 from shardtool.errors import CheckpointFormatError
 from shardtool.families import (BY_NAME, CUSTOM, Family, detect_family, expert_count, experts_per_token,
                                 moe_layers, text_config)
-from shardtool.hf_config import CONTRACT_INT_CAPS, ConfigReader
-from shardtool.manifest import MAX_LAYER
+from shardtool.hf_config import ConfigReader
 
 DEFAULT_CONTEXT_TOKENS = 4096
 CONTRACT_VERSION = 1
-# config.json is untrusted: sizes are capped far above any real model (CONTRACT_INT_CAPS; products that outgrow
-# the manifest's 63-bit contract values are refused when the manifest is built); layer counts by what a manifest
-# can name.
-MAX_LAYERS = MAX_LAYER + 1
+# config.json is untrusted: it is read with the producer's caps (checkpoint/_families.py config_reader); products
+# that outgrow the manifest's 63-bit contract values are refused when the manifest is built.
 
 # Order matters only for display; the manifest sorts keys.
 KEYS = (
@@ -61,16 +59,12 @@ class ModelShape:
         return self.params_embed + self.params_head + sum(self.params_layers) + routed
 
 
-def _reader(config: Mapping[str, Any]) -> ConfigReader:
-    return ConfigReader(text_config(config), int_caps=CONTRACT_INT_CAPS)
-
-
 def _int(r: ConfigReader, *keys: str, default: int | None = None, lo: int = 0) -> int:
     """The first of `keys` (aliases) config.json sets, an integer in [lo, its cap]."""
     key = r.first(*keys)
     if not r.has(key) and default is None:
         r.raw(key, aliases=keys[1:])  # raises: lacks ... / ...
-    return r.int(key, default, minimum=lo, cap=MAX_LAYERS if key == "num_hidden_layers" else None)
+    return r.int(key, default, minimum=lo)
 
 
 def _attention(family: Family | None, r: ConfigReader, h: int) -> tuple[int, int]:
@@ -106,7 +100,7 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
     """Parameter counts for a supported family from config.json alone."""
     family = BY_NAME[detect_family(config)]
     cfg = text_config(config)
-    r = _reader(config)
+    r = config_reader(config)
     h, vocab = _int(r, "hidden_size"), _int(r, "vocab_size")
     n = _int(r, "num_hidden_layers")
     experts = expert_count(family, r)[1]
@@ -186,7 +180,7 @@ class SplitSizes:
 def check_config(config: Mapping[str, Any]) -> None:
     """Fail before split writes anything if config.json lacks what the contract needs."""
     if detect_family(config, custom_ok=True) == CUSTOM:
-        _int(_reader(config), *_CUSTOM_TOP_K)
+        _int(config_reader(config), *_CUSTOM_TOP_K)
     else:
         model_shape(config)
 
@@ -214,7 +208,7 @@ _CUSTOM_TOP_K = ("num_experts_per_tok", "experts_per_token", "moe_topk")
 def _custom_shape(config: Mapping[str, Any], sizes: SplitSizes) -> ModelShape:
     """For --expert-pattern layouts: structure from the generic config keys, KV from GQA fields if present."""
     cfg = text_config(config)
-    r = _reader(config)
+    r = config_reader(config)
     n = _int(r, "num_hidden_layers", default=len(sizes.layer_expert_max))
     kv = 0
     if isinstance(cfg.get("hidden_size"), int) and isinstance(cfg.get("num_attention_heads"), int):

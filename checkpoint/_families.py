@@ -118,12 +118,26 @@ def _fused_cuts(family: str, key: str, info: TensorInfo, hidden: int | None) -> 
             (f"up_proj.{canon}", Cut(axis, half, 1, half, transpose))]
 
 
+# The producer's caps (split, inspect, the contract): arithmetic caps, and no more layers than a manifest names.
+PRODUCER_INT_CAPS = {**CONTRACT_INT_CAPS, "num_hidden_layers": MAX_LAYER + 1}
+
+
+def config_reader(config: Mapping[str, Any]) -> ConfigReader:
+    """config.json's language-model fields, read with the producer's caps."""
+    return ConfigReader(text_config(config), int_caps=PRODUCER_INT_CAPS)
+
+
+def decoder_layers(config: Mapping[str, Any]) -> int | None:
+    """num_hidden_layers; layers stored at or past it are DeepSeek multi-token-prediction layers."""
+    return config_reader(config).int("num_hidden_layers", None, minimum=0)
+
+
 def expected_experts(config: Mapping[str, Any]) -> int | None:
     """Routed experts per layer as config.json states it; None for a --expert-pattern layout."""
     family = BY_NAME.get(detect_family(config, custom_ok=True))
     if family is None:
         return None
-    return expert_count(family, ConfigReader(text_config(config), int_caps=CONTRACT_INT_CAPS))[1]
+    return expert_count(family, config_reader(config))[1]
 
 
 def plan_split(config: Mapping[str, Any], tensors: Mapping[str, tuple[TensorInfo, str]], *,
@@ -131,9 +145,8 @@ def plan_split(config: Mapping[str, Any], tensors: Mapping[str, tuple[TensorInfo
     """(family, output files) for a checkpoint whose tensors are `name -> (info, source file)`."""
     custom = compile_expert_pattern(expert_pattern) if expert_pattern else None
     family = detect_family(config, custom_ok=custom is not None)
-    r = ConfigReader(text_config(config), int_caps=CONTRACT_INT_CAPS)
-    n_layers = r.int("num_hidden_layers", None, minimum=0, cap=MAX_LAYER + 1)
-    hidden = r.int("hidden_size", None, minimum=0)
+    n_layers = decoder_layers(config)
+    hidden = config_reader(config).int("hidden_size", None, minimum=0)
 
     routed = {name: r for name in tensors if (r := _classify(name, custom)) is not None}
     for name, r in routed.items():
