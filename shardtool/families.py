@@ -90,6 +90,10 @@ _BY_ARCHITECTURE = {a: f for f in TABLE for a in f.architectures}
 # model_type -> family, for the families the runtime runs.
 RUNTIME_MODEL_TYPES: dict[str, str] = {mt: f.name for f in TABLE if f.runtime for mt in f.model_types}
 
+# Module names older checkpoints use for the MoE block, and the name the runtime reads them under (Mixtral
+# keeps the pre-v5 `block_sparse_moe` for its router and experts).
+MOE_MODULE_ALIASES = {"block_sparse_moe.": "mlp."}
+
 # HF tensor names of routed experts, every family's original layout. Per expert (Mixtral's w1/w3/w2 are
 # gate/up/down):
 EXPERT_PROJ_ALIASES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
