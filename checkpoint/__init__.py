@@ -14,7 +14,7 @@ from shardtool.checkpoint._contract import (
     estimate,
     model_shape,
 )
-from shardtool.checkpoint._families import SUPPORTED_FAMILIES, detect_family
+from shardtool.families import SUPPORTED_FAMILIES, detect_family
 from shardtool.checkpoint._join import JoinResult, join_checkpoint
 from shardtool.checkpoint._source import load_json
 from shardtool.checkpoint._writer import HashingWriter, TensorSpec, encode_header

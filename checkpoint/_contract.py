@@ -9,16 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from shardtool.checkpoint._families import CUSTOM, detect_family, text_config
+from shardtool.checkpoint._families import config_reader
 from shardtool.errors import CheckpointFormatError
-from shardtool.manifest import MAX_LAYER
+from shardtool.families import (BY_NAME, CUSTOM, Family, detect_family, expert_count, experts_per_token,
+                                moe_layers, text_config)
+from shardtool.hf_config import ConfigReader
 
 DEFAULT_CONTEXT_TOKENS = 4096
 CONTRACT_VERSION = 1
-# config.json is untrusted: sizes are capped far above any real model (and products that outgrow the manifest's
-# 63-bit contract values are refused when the manifest is built); layer counts by what a manifest can name.
-MAX_CONFIG_INT = 2**40
-MAX_LAYERS = MAX_LAYER + 1
+# config.json is untrusted: it is read with the producer's caps (checkpoint/_families.py config_reader); products
+# that outgrow the manifest's 63-bit contract values are refused when the manifest is built.
 
 # Order matters only for display; the manifest sorts keys.
 KEYS = (
@@ -59,111 +59,74 @@ class ModelShape:
         return self.params_embed + self.params_head + sum(self.params_layers) + routed
 
 
-def _get(cfg: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    if default is not None:
-        return default
-    raise CheckpointFormatError(f"lacks {' / '.join(keys)}, needed for the resource contract", path="config.json")
+def _int(r: ConfigReader, *keys: str, default: int | None = None, lo: int = 0) -> int:
+    """The first of `keys` (aliases) config.json sets, an integer in [lo, its cap]."""
+    key = r.first(*keys)
+    if not r.has(key) and default is None:
+        r.raw(key, aliases=keys[1:])  # raises: lacks ... / ...
+    return r.int(key, default, minimum=lo)
 
 
-def _int(cfg: Mapping[str, Any], *keys: str, default: int | None = None, lo: int = 0,
-         hi: int = MAX_CONFIG_INT) -> int:
-    value = _get(cfg, *keys, default=default)
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise CheckpointFormatError(f"{keys[0]} must be an integer in [{lo}, {hi}], got {value!r:.80}",
-                                    path="config.json")
-    return value
-
-
-def _int_list(cfg: Mapping[str, Any], key: str) -> list[int] | None:
-    """An optional list of layer indices."""
-    value = cfg.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
-        raise CheckpointFormatError(f"{key} must be a list of integers, got {value!r:.80}", path="config.json")
-    return value
-
-
-def _moe_layer_indices(family: str, cfg: Mapping[str, Any], n: int) -> tuple[int, ...]:
-    if family in ("qwen2_moe", "qwen3_moe"):
-        dense = set(_int_list(cfg, "mlp_only_layers") or [])
-        step = _int(cfg, "decoder_sparse_step", default=1) or 1
-        return tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
-    if family == "deepseek_v3":
-        return tuple(range(_int(cfg, "first_k_dense_replace", default=0), n))
-    if family == "llama4":
-        layers = _int_list(cfg, "moe_layers")
-        if layers is None:
-            step = _int(cfg, "interleave_moe_layer_step", default=1) or 1
-            layers = range(step - 1, n, step)
-        return tuple(i for i in layers if isinstance(i, int) and 0 <= i < n)
-    return tuple(range(n))
-
-
-def _attention(family: str, cfg: Mapping[str, Any], h: int) -> tuple[int, int]:
+def _attention(family: Family | None, r: ConfigReader, h: int) -> tuple[int, int]:
     """(params of one attention block incl. its norms-in-attention, KV elements per token per layer)."""
-    nh = _int(cfg, "num_attention_heads", lo=1)
-    if family == "deepseek_v3":
-        rope, nope = _int(cfg, "qk_rope_head_dim"), _int(cfg, "qk_nope_head_dim")
-        v, kv_rank = _int(cfg, "v_head_dim"), _int(cfg, "kv_lora_rank")
-        q_rank = _int(cfg, "q_lora_rank", default=0)
+    nh = _int(r, "num_attention_heads", lo=1)
+    if family is not None and family.attention == "mla":
+        rope, nope = _int(r, "qk_rope_head_dim"), _int(r, "qk_nope_head_dim")
+        v, kv_rank = _int(r, "v_head_dim"), _int(r, "kv_lora_rank")
+        q_rank = _int(r, "q_lora_rank", default=0)
         q = h * q_rank + q_rank + q_rank * nh * (nope + rope) if q_rank else h * nh * (nope + rope)
         kv = h * (kv_rank + rope) + kv_rank + kv_rank * nh * (nope + v)
         # MLA caches the compressed latent and the shared rope key, not per-head K/V.
         return q + kv + nh * v * h, kv_rank + rope
-    nkv = _int(cfg, "num_key_value_heads", default=nh)
-    hd = _int(cfg, "head_dim", default=0) or h // nh
+    nkv = _int(r, "num_key_value_heads", default=nh)
+    hd = _int(r, "head_dim", default=0) or h // nh
     params = h * nh * hd + 2 * h * nkv * hd + nh * hd * h
     qkv_bias = nh * hd + 2 * nkv * hd
-    if family == "qwen2_moe":
-        params += qkv_bias if _get(cfg, "qkv_bias", default=True) else 0
-    elif family == "gpt_oss":
-        params += (qkv_bias + h if _get(cfg, "attention_bias", default=True) else 0) + nh  # + attention sinks
-    elif _get(cfg, "attention_bias", default=False):
-        params += qkv_bias + h
-    if family == "qwen3_moe":
+    if family is None:
+        params += qkv_bias + h if r.bool("attention_bias", False) else 0
+    else:
+        if r.bool(family.bias_key, family.bias_default):
+            params += qkv_bias + (h if family.o_proj_bias else 0)
+        params += nh if family.attention_sinks else 0
+    qk_norm = family.qk_norm if family is not None else "none"
+    if qk_norm == "per_head":
         params += 2 * hd          # per-head q_norm, k_norm
-    elif family == "olmoe":
+    elif qk_norm == "full":
         params += nh * hd + nkv * hd  # q_norm, k_norm over whole projections
     return params, 2 * nkv * hd
 
 
 def model_shape(config: Mapping[str, Any]) -> ModelShape:
     """Parameter counts for a supported family from config.json alone."""
-    family = detect_family(config)
+    family = BY_NAME[detect_family(config)]
     cfg = text_config(config)
-    h, vocab = _int(cfg, "hidden_size"), _int(cfg, "vocab_size")
-    n = _int(cfg, "num_hidden_layers", hi=MAX_LAYERS)
-    experts = _int(cfg, "num_local_experts", "num_experts", "n_routed_experts")
-    top_k = _int(cfg, "num_experts_per_tok", "experts_per_token")
-    moe = _moe_layer_indices(family, cfg, n)
+    r = config_reader(config)
+    h, vocab = _int(r, "hidden_size"), _int(r, "vocab_size")
+    n = _int(r, "num_hidden_layers")
+    experts = expert_count(family, r)[1]
+    top_k = experts_per_token(family, r, minimum=0)
+    moe = tuple(i for i, sparse in enumerate(moe_layers(family, r, n)) if sparse)
 
-    if family in ("qwen2_moe", "qwen3_moe", "deepseek_v3"):
-        expert_i = _int(cfg, "moe_intermediate_size")
-    else:
-        expert_i = _int(cfg, "intermediate_size")
-    dense_i = _int(cfg, "intermediate_size_mlp" if family == "llama4" else "intermediate_size")
-    params_expert = 3 * h * expert_i + (2 * expert_i + h if family == "gpt_oss" else 0)
+    expert_i = _int(r, family.expert_size_key)
+    dense_i = _int(r, family.dense_size_key)
+    params_expert = 3 * h * expert_i + (2 * expert_i + h if family.expert_bias else 0)
 
-    router = experts * h + (experts if family in ("gpt_oss", "deepseek_v3") else 0)
+    router = experts * h + (experts if family.router_bias else 0)
     shared, shared_params = 0, 0
-    if family == "qwen2_moe" and _int(cfg, "shared_expert_intermediate_size", default=0):
-        shared, shared_params = 1, 3 * h * _int(cfg, "shared_expert_intermediate_size") + h
-    elif family == "deepseek_v3":
-        shared = _int(cfg, "n_shared_experts", default=0)
+    if family.shared_expert == "gated" and _int(r, "shared_expert_intermediate_size", default=0):
+        shared, shared_params = 1, 3 * h * _int(r, "shared_expert_intermediate_size") + h
+    elif family.shared_expert == "plain":
+        shared = _int(r, "n_shared_experts", default=0)
         shared_params = 3 * h * expert_i * shared
-    elif family == "llama4":
+    elif family.shared_expert == "one":
         shared, shared_params = 1, 3 * h * expert_i
 
-    attn, kv_per_layer = _attention(family, cfg, h)
+    attn, kv_per_layer = _attention(family, r, h)
     base = attn + 2 * h  # + input_layernorm, post_attention_layernorm
     moe_set = set(moe)
     layers = tuple(base + (router + shared_params if i in moe_set else 3 * h * dense_i) for i in range(n))
 
-    mtp = _int(cfg, "num_nextn_predict_layers", "num_mtp_layers", default=0) if family == "deepseek_v3" else 0
+    mtp = _int(r, *family.mtp_keys, default=0) if family.mtp_keys else 0
     # Each DeepSeek MTP module: a full MoE decoder layer + enorm, hnorm, eh_proj, shared_head.norm and its own
     # copies of the embedding and output head (as stored in the released checkpoints).
     mtp_params = mtp * (base + router + shared_params + experts * params_expert + 3 * h + 2 * h * h
@@ -217,7 +180,7 @@ class SplitSizes:
 def check_config(config: Mapping[str, Any]) -> None:
     """Fail before split writes anything if config.json lacks what the contract needs."""
     if detect_family(config, custom_ok=True) == CUSTOM:
-        _int(text_config(config), "num_experts_per_tok", "experts_per_token", "moe_topk")
+        _int(config_reader(config), *_CUSTOM_TOP_K)
     else:
         model_shape(config)
 
@@ -238,18 +201,23 @@ def contract_from_split(config: Mapping[str, Any], sizes: SplitSizes, *,
         context_tokens=context_tokens, experts_per_layer=sizes.experts_per_layer)
 
 
+# --expert-pattern layouts have no row: the generic names transformers and remote code use.
+_CUSTOM_TOP_K = ("num_experts_per_tok", "experts_per_token", "moe_topk")
+
+
 def _custom_shape(config: Mapping[str, Any], sizes: SplitSizes) -> ModelShape:
     """For --expert-pattern layouts: structure from the generic config keys, KV from GQA fields if present."""
     cfg = text_config(config)
-    n = _int(cfg, "num_hidden_layers", default=len(sizes.layer_expert_max), hi=MAX_LAYERS)
+    r = config_reader(config)
+    n = _int(r, "num_hidden_layers", default=len(sizes.layer_expert_max))
     kv = 0
     if isinstance(cfg.get("hidden_size"), int) and isinstance(cfg.get("num_attention_heads"), int):
-        kv = _attention("custom", cfg, cfg["hidden_size"])[1] * n
+        kv = _attention(None, r, _int(r, "hidden_size"))[1] * n
     return ModelShape(
         family=CUSTOM, num_layers=n, moe_layers=tuple(sorted(sizes.layer_expert_max)), mtp_layers=0,
         experts_per_layer=sizes.experts_per_layer,
-        experts_per_token=_int(cfg, "num_experts_per_tok", "experts_per_token", "moe_topk"),
-        shared_experts=_int(cfg, "n_shared_experts", "num_shared_experts", default=0),
+        experts_per_token=_int(r, *_CUSTOM_TOP_K),
+        shared_experts=_int(r, "n_shared_experts", "num_shared_experts", default=0),
         params_embed=0, params_head=0, params_layers=(), params_expert=0, params_mtp=0,
         kv_elements_per_token=kv, kv_element_bytes=4 if cfg.get("torch_dtype") == "float32" else 2)
 

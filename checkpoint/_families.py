@@ -1,6 +1,7 @@
-"""Which model family a checkpoint is, and where each of its tensors goes in the split layout.
+"""Where each tensor of a checkpoint goes in the split layout.
 
-Pure functions of config.json and the tensor names/shapes (see docs/shard-layout.md for the layout).
+Pure functions of config.json and the tensor names/shapes (see docs/shard-layout.md for the layout); what a
+family's tensors look like comes from the family table (shardtool/families.py).
 """
 
 from __future__ import annotations
@@ -11,58 +12,13 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from shardtool.checkpoint._plan import Cut, Piece, ShardPlan
-from shardtool.safetensors_format import TensorInfo
 from shardtool.errors import CheckpointFormatError, UsageError
+from shardtool.families import (BY_NAME, CUSTOM, EXPERT_PROJ_ALIASES, FUSED, PER_EXPERT, detect_family,
+                                expert_count, text_config)
+from shardtool.hf_config import CONTRACT_INT_CAPS, ConfigReader
+from shardtool.safetensors_format import TensorInfo
 from shardtool.layout import EMBED, EXTRA, HEAD, expert_path, trunk_path
 from shardtool.manifest import MAX_ENTRIES, MAX_EXPERT, MAX_LAYER
-
-SUPPORTED_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "llama4")
-CUSTOM = "custom"
-
-_MODEL_TYPES = {
-    "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe",
-    "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "gpt_oss": "gpt_oss",
-    "llama4": "llama4", "llama4_text": "llama4",
-}
-_ARCHITECTURES = {
-    "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
-    "OlmoeForCausalLM": "olmoe", "DeepseekV3ForCausalLM": "deepseek_v3", "GptOssForCausalLM": "gpt_oss",
-    "Llama4ForConditionalGeneration": "llama4", "Llama4ForCausalLM": "llama4",
-}
-
-# Per-expert source tensors (every family's original layout; Mixtral's w1/w3/w2 are gate/up/down).
-_PER_EXPERT = re.compile(
-    r"(?P<prefix>(?:[A-Za-z0-9_]+\.)*?)layers\.(?P<layer>\d+)\.(?:block_sparse_moe|mlp|feed_forward)\.experts\."
-    r"(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.(?P<suffix>[A-Za-z0-9_.]+)")
-_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-# Fused 3-D source tensors: [E, ...] holding every expert of a layer.
-_FUSED = re.compile(
-    r"(?P<prefix>(?:[A-Za-z0-9_]+\.)*?)layers\.(?P<layer>\d+)\.(?:block_sparse_moe|mlp|feed_forward)\.experts\."
-    r"(?P<proj>gate_up_proj|down_proj)(?:_(?P<part>bias|blocks|scales))?")
-
-
-def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The language-model part of a config (Llama 4 nests it under text_config)."""
-    inner = config.get("text_config")
-    return inner if isinstance(inner, Mapping) else config
-
-
-def detect_family(config: Mapping[str, Any], *, custom_ok: bool = False) -> str:
-    model_type = config.get("model_type")
-    if isinstance(model_type, str) and model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[model_type]
-    archs = config.get("architectures")
-    for arch in archs if isinstance(archs, list) else []:
-        if isinstance(arch, str) and arch in _ARCHITECTURES:
-            return _ARCHITECTURES[arch]
-    if custom_ok:
-        return CUSTOM
-    raise CheckpointFormatError(
-        f"unsupported model family (model_type={model_type!r}, architectures={archs!r})",
-        path="config.json",
-        hint=f"supported: {', '.join(SUPPORTED_FAMILIES)}; for another layout pass --expert-pattern REGEX "
-             "with named groups 'layer' and 'expert'")
-
 
 def compile_expert_pattern(pattern: str) -> re.Pattern[str]:
     try:
@@ -95,11 +51,11 @@ def _classify(name: str, custom: re.Pattern[str] | None) -> _Routed | None:
             matched = m.group(0)
             prefix = matched[:matched.index("layers.")] if "layers." in matched else "model."
             return _Routed(_index(m["layer"], name), _index(m["expert"], name), canonical, prefix)
-    m = _PER_EXPERT.fullmatch(name)
+    m = PER_EXPERT.fullmatch(name)
     if m:
-        proj = _MIXTRAL_PROJ.get(m["proj"], m["proj"])
+        proj = EXPERT_PROJ_ALIASES.get(m["proj"], m["proj"])
         return _Routed(int(m["layer"]), int(m["expert"]), f"{proj}.{m['suffix']}", m["prefix"])
-    m = _FUSED.fullmatch(name)
+    m = FUSED.fullmatch(name)
     if m:
         return _Routed(int(m["layer"]), None, f"{m['proj']}:{m['part'] or 'weight'}", m["prefix"])
     return None
@@ -132,9 +88,10 @@ def _fused_cuts(family: str, key: str, info: TensorInfo, hidden: int | None) -> 
                                      f"for the {family} layout")
 
     canon = {"weight": "weight", "bias": "bias", "blocks": "weight_blocks", "scales": "weight_scales"}[part]
-    interleaved = family == "gpt_oss"
+    layout = BY_NAME[family].fused_layout if family in BY_NAME else "out_in"
+    interleaved = layout == "in_out_interleaved"
     # Which axis of S carries the output features, and whether the weight is stored [in, out].
-    if part == "weight" and family in ("gpt_oss", "llama4"):
+    if part == "weight" and layout != "out_in":
         axis, transpose = 1, True        # [E, H, 2I] and [E, I, H]: nn.Linear orientation is the transpose
     else:
         axis, transpose = 0, False       # [E, 2I, H], [E, H, I], biases [E, 2I], MXFP4 blocks [E, 2I, G, 16]
@@ -154,23 +111,33 @@ def _fused_cuts(family: str, key: str, info: TensorInfo, hidden: int | None) -> 
     if two_i % 2:
         raise bad("an even gate+up width")
     half = two_i // 2
-    if interleaved:  # gpt-oss: gate = [..., ::2], up = [..., 1::2]
+    if interleaved:  # gate = [..., ::2], up = [..., 1::2]
         return [(f"gate_proj.{canon}", Cut(axis, 0, 2, half, transpose)),
                 (f"up_proj.{canon}", Cut(axis, 1, 2, half, transpose))]
     return [(f"gate_proj.{canon}", Cut(axis, 0, 1, half, transpose)),
             (f"up_proj.{canon}", Cut(axis, half, 1, half, transpose))]
 
 
-def _int_field(config: Mapping[str, Any], *keys: str) -> int | None:
-    for key in keys:
-        value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
+# The producer's caps (split, inspect, the contract): arithmetic caps, and no more layers than a manifest names.
+PRODUCER_INT_CAPS = {**CONTRACT_INT_CAPS, "num_hidden_layers": MAX_LAYER + 1}
+
+
+def config_reader(config: Mapping[str, Any]) -> ConfigReader:
+    """config.json's language-model fields, read with the producer's caps."""
+    return ConfigReader(text_config(config), int_caps=PRODUCER_INT_CAPS)
+
+
+def decoder_layers(config: Mapping[str, Any]) -> int | None:
+    """num_hidden_layers; layers stored at or past it are DeepSeek multi-token-prediction layers."""
+    return config_reader(config).int("num_hidden_layers", None, minimum=0)
 
 
 def expected_experts(config: Mapping[str, Any]) -> int | None:
-    return _int_field(text_config(config), "num_local_experts", "num_experts", "n_routed_experts")
+    """Routed experts per layer as config.json states it; None for a --expert-pattern layout."""
+    family = BY_NAME.get(detect_family(config, custom_ok=True))
+    if family is None:
+        return None
+    return expert_count(family, config_reader(config))[1]
 
 
 def plan_split(config: Mapping[str, Any], tensors: Mapping[str, tuple[TensorInfo, str]], *,
@@ -178,9 +145,8 @@ def plan_split(config: Mapping[str, Any], tensors: Mapping[str, tuple[TensorInfo
     """(family, output files) for a checkpoint whose tensors are `name -> (info, source file)`."""
     custom = compile_expert_pattern(expert_pattern) if expert_pattern else None
     family = detect_family(config, custom_ok=custom is not None)
-    tcfg = text_config(config)
-    n_layers = _int_field(tcfg, "num_hidden_layers")
-    hidden = _int_field(tcfg, "hidden_size")
+    n_layers = decoder_layers(config)
+    hidden = config_reader(config).int("hidden_size", None, minimum=0)
 
     routed = {name: r for name in tensors if (r := _classify(name, custom)) is not None}
     for name, r in routed.items():
@@ -231,7 +197,7 @@ def plan_split(config: Mapping[str, Any], tensors: Mapping[str, tuple[TensorInfo
             trunk[path].append(Piece(name, info.dtype, info.shape, info, file))
             trunk_layer[path] = None
 
-    _check_experts(experts, expected_experts(config) if family != CUSTOM else None)
+    _check_experts(experts, expected_experts(config))
     order = lambda p: (p.file, p.source.start, p.expert or 0, p.cut.start if p.cut else 0)  # noqa: E731
     plans = [ShardPlan(path, "trunk", trunk_layer[path], None, tuple(sorted(pieces, key=order)))
              for path, pieces in trunk.items()]

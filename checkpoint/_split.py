@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 from shardtool.atomic import atomic_writer_at
 from shardtool.checkpoint._copy import COPY_UNSUPPORTED, HashingFileWriter, sync_filesystem
 from shardtool.checkpoint._contract import DEFAULT_CONTEXT_TOKENS, SplitSizes, check_config, contract_from_split
-from shardtool.checkpoint._families import plan_split, text_config
+from shardtool.checkpoint._families import decoder_layers, plan_split
 from shardtool.checkpoint._outdir import OutDir
 from shardtool.checkpoint._plan import OutputFile, Piece, ShardPlan
 from shardtool.checkpoint._reuse import existing_digest
@@ -236,7 +236,7 @@ def _params(p: Piece) -> int:
 
 
 def _sizes(job: SplitJob, sizes: Mapping[str, int]) -> SplitSizes:
-    n_layers = text_config(job.checkpoint.config).get("num_hidden_layers")
+    n_layers = decoder_layers(job.checkpoint.config)
     trunk = mtp = expert_total = params_total = params_resident = 0
     layer_max: dict[int, int] = defaultdict(int)
     layer_params: dict[int, int] = defaultdict(int)
@@ -246,7 +246,7 @@ def _sizes(job: SplitJob, sizes: Mapping[str, int]) -> SplitSizes:
         params_total += params
         if o.kind == "trunk":
             trunk += sizes[o.path]
-            is_mtp = o.layer is not None and isinstance(n_layers, int) and o.layer >= n_layers
+            is_mtp = o.layer is not None and n_layers is not None and o.layer >= n_layers
             mtp += sizes[o.path] if is_mtp else 0
             params_resident += 0 if is_mtp else params
         elif o.kind == "expert":

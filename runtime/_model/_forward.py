@@ -8,6 +8,7 @@ from itertools import chain
 import numpy as np
 
 from shardtool.errors import CheckpointFormatError, UsageError
+from shardtool.families import MOE_MODULE_ALIASES
 
 from ._activations import prefill_chunk
 from ._cache import KVCache
@@ -69,8 +70,10 @@ def _mlp_shapes(prefix: str, i: int, h: int) -> Shapes:
 
 
 def _canonical_trunk_name(name: str) -> str:
-    # Mixtral checkpoints keep the pre-v5 module name for the router.
-    return "mlp." + name[len("block_sparse_moe."):] if name.startswith("block_sparse_moe.") else name
+    for old, new in MOE_MODULE_ALIASES.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 def prepare_layer(cfg: ModelConfig, layer: int, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

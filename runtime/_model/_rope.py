@@ -9,11 +9,7 @@ import math
 
 import numpy as np
 
-from ._config import RopeConfig
-
-
-def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+from ._config import RopeConfig, yarn_get_mscale
 
 
 def inv_freq(rope: RopeConfig) -> tuple[np.ndarray, float]:  # -> [dim/2] f32, cos/sin scaling
@@ -30,9 +26,9 @@ def inv_freq(rope: RopeConfig) -> tuple[np.ndarray, float]:  # -> [dim/2] f32, c
     attention_factor = rope.attention_factor
     if attention_factor is None:
         if rope.mscale and rope.mscale_all_dim:
-            attention_factor = _yarn_get_mscale(factor, rope.mscale) / _yarn_get_mscale(factor, rope.mscale_all_dim)
+            attention_factor = yarn_get_mscale(factor, rope.mscale) / yarn_get_mscale(factor, rope.mscale_all_dim)
         else:
-            attention_factor = _yarn_get_mscale(factor)
+            attention_factor = yarn_get_mscale(factor)
 
     def correction_dim(num_rotations: float) -> float:
         return (dim * math.log(rope.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (

@@ -1,14 +1,12 @@
-"""Choosing the next token from logits (greedy, or temperature + top-p with a seeded generator), and `generate`."""
+"""Choosing the next token from logits (greedy, or temperature + top-p with a seeded generator).
+
+The decode loop that uses it is the runtime's `Session.generate`."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from shardtool.errors import UsageError
-
-from ._forward import Model
 
 
 def check_sampling(temperature: float, top_p: float) -> None:
@@ -40,29 +38,3 @@ def sample_token(logits: np.ndarray, *, temperature: float = 0.0, top_p: float =
     keep = (np.cumsum(sorted_probs) - sorted_probs) < top_p
     kept = sorted_probs[keep]
     return int(order[rng.choice(len(kept), p=kept / kept.sum())])
-
-
-def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
-           top_p: float = 1.0, seed: int | None = None, stop_ids: Sequence[int] | None = None) -> Iterator[int]:
-    """Yield up to `max_new_tokens` new token ids; stops after a stop id (default: the config's eos ids)."""
-    if max_new_tokens < 0:
-        raise UsageError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    check_sampling(temperature, top_p)
-    stops = set(model.config.eos_token_ids if stop_ids is None else stop_ids)
-    rng = np.random.default_rng(seed)
-    if max_new_tokens == 0:
-        return
-    logits = model.prefill(prompt_ids, last_only=True)[0]
-    for i in range(max_new_tokens):
-        token = sample_token(logits, temperature=temperature, top_p=top_p, rng=rng)
-        yield token
-        if token in stops or i == max_new_tokens - 1:
-            return
-        logits = model.decode(token)
-
-
-def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int | None = None, stop_ids: Sequence[int] | None = None) -> list[int]:
-    """The new token ids (not the prompt), as a list; see `stream`."""
-    return list(stream(model, prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                       stop_ids=stop_ids))

@@ -13,13 +13,11 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from shardtool.errors import CheckpointFormatError
+from shardtool.families import EXPERT_PROJ_ALIASES, FUSED, PER_EXPERT
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
-_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-                     r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|weight_scale_inv|bias)")
-_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_EXPERT_SUFFIXES = ("weight", "weight_scale_inv", "bias")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
@@ -71,12 +69,12 @@ class DictWeightProvider:
                 self._embed[name] = array
             elif name in ("model.norm.weight", "lm_head.weight"):
                 self._head[name] = array
-            elif m := _EXPERT.fullmatch(name):
-                layer, expert, proj, kind = int(m[1]), int(m[2]), m[3], m[4]
-                proj = _MIXTRAL_PROJ.get(proj, proj)
-                self._experts.setdefault(layer, {}).setdefault(expert, {})[f"{proj}.{kind}"] = array
-            elif m := _FUSED.fullmatch(name):
-                fused.setdefault(int(m[1]), {})[m[2]] = array
+            elif (m := PER_EXPERT.fullmatch(name)) and m["prefix"] == "model." and m["suffix"] in _EXPERT_SUFFIXES:
+                layer, expert, proj = int(m["layer"]), int(m["expert"]), m["proj"]
+                proj = EXPERT_PROJ_ALIASES.get(proj, proj)
+                self._experts.setdefault(layer, {}).setdefault(expert, {})[f"{proj}.{m['suffix']}"] = array
+            elif (m := FUSED.fullmatch(name)) and m["prefix"] == "model." and m["part"] is None:
+                fused.setdefault(int(m["layer"]), {})[m["proj"]] = array
             elif m := _LAYER.fullmatch(name):
                 self._layers.setdefault(int(m[1]), {})[m[2]] = array
             # Anything else (rotary buffers, vision towers) is not part of the decoder.

@@ -11,7 +11,7 @@ import pytest
 import safetensors.numpy
 
 from shardtool.checkpoint import detect_family, prepare_split
-from shardtool.checkpoint._families import SUPPORTED_FAMILIES
+from shardtool.families import SUPPORTED_FAMILIES
 from shardtool.errors import CheckpointFormatError, UsageError
 
 DETECT = {

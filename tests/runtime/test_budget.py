@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 
 from shardtool.cli.run_cmd import MAX_MEMORY_BUDGET, MAX_PROMPT_IDS, MAX_TOKEN_ID, parse_ids, parse_size
 from shardtool.errors import CheckpointFormatError, UsageError
-from shardtool.runtime._model import DictWeightProvider, Model, ModelConfig, dequantize, generate, quantize_fp8
+from shardtool.runtime._model import DictWeightProvider, Model, ModelConfig, dequantize, quantize_fp8
 from shardtool.runtime._model._activations import prefill_chunk, step_bytes
-from shardtool.runtime._model._config import FLOAT_CAPS, INT_CAPS
+from shardtool.hf_config import FLOAT_CAPS, INT_CAPS
 from shardtool.runtime._model._sampling import sample_token
 
+from _decode import generate
 from test_model_numpy import CONFIGS, make
 
 # ---------------------------------------------------------------- config caps
@@ -95,7 +96,7 @@ def test_config_at_its_caps_parses_and_derived_head_dim_is_capped():
 
 
 def test_every_integer_field_the_parser_reads_has_a_cap():
-    # _Reader.int looks the cap up by name: parsing every family's config exercises every field it reads.
+    # ConfigReader.int looks the cap up by name: parsing every family's config exercises every field it reads.
     for config in CONFIGS.values():
         ModelConfig.from_hf_config(config)
     assert all(isinstance(v, int) and v > 0 for v in INT_CAPS.values())

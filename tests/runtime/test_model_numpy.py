@@ -10,7 +10,9 @@ import pytest
 
 from shardtool.errors import CheckpointFormatError, UsageError
 from shardtool.runtime._model import (DictWeightProvider, KVCache, Model, ModelConfig, bytes_per_token, dequantize,
-                                      generate, quantize_fp8, sample_token, stream, to_float32, trunk_shapes)
+                                      quantize_fp8, sample_token, to_float32, trunk_shapes)
+
+from _decode import generate, stream
 
 _BASE = {"vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 40, "max_position_embeddings": 64}

@@ -13,7 +13,9 @@ pytest.importorskip("transformers", reason="parity oracle needs transformers (pi
 
 import _hf_oracle as oracle  # noqa: E402  (tests/runtime is on sys.path: pytest's prepend import mode)
 
-from shardtool.runtime._model import DictWeightProvider, Model, ModelConfig, generate  # noqa: E402
+from shardtool.runtime._model import DictWeightProvider, Model, ModelConfig  # noqa: E402
+
+from _decode import generate  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
