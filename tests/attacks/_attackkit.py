@@ -191,6 +191,31 @@ def flip(path: Path, offset: int | None = None) -> None:
     path.write_bytes(bytes(data))
 
 
+def plant_socket(path: Path, scratch: Path) -> None:
+    """Replace `path` by a Unix socket (bind() wants a path under 108 bytes: bind in `scratch`, then rename)."""
+    import socket
+    import tempfile
+
+    short = tempfile.mkdtemp(dir=scratch)
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(os.path.join(short, "s"))
+    finally:
+        sock.close()
+    path.unlink()
+    os.rename(os.path.join(short, "s"), path)
+
+
+def publish_rewritten(model: Path, rel: str, rewrite, signer) -> None:
+    """Rewrite file `rel`, then publish it properly: its entry updated, the root resealed, re-signed."""
+    rewrite(model / rel)
+    doc = Doc.read(model)
+    for i, e in enumerate(doc.entries):
+        if e["path"] == rel:
+            doc.entries[i] = entry_for(model, rel, kind=e["kind"], layer=e["layer"], expert=e["expert"])
+    doc.reseal().sign(signer).write(model)
+
+
 def replace_file(path: Path, make) -> None:
     """Unlink and recreate `path` as something else (symlink, FIFO, directory)."""
     path.unlink()

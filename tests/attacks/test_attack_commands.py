@@ -7,8 +7,6 @@ complete, and decide `--model-id` before the rollback state is written.
 from __future__ import annotations
 
 import os
-import socket
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,14 +24,7 @@ def _fifo(model, world):
 
 
 def _socket(model, world):
-    short = tempfile.mkdtemp(dir=world.tmp)
-    sock = socket.socket(socket.AF_UNIX)
-    try:
-        sock.bind(os.path.join(short, "s"))
-    finally:
-        sock.close()
-    (model / EXPERT).unlink()
-    os.rename(os.path.join(short, "s"), model / EXPERT)
+    kit.plant_socket(model / EXPERT, world.tmp)
 
 
 def _sparse(model, world):

@@ -86,17 +86,7 @@ def _tampered_beside_tree_beyond_path_max(model, world):
 
 def _socket_instead_of_expert(model, world):
     """A Unix socket where a shard belongs (open() of a socket fails with ENXIO: a finding, not I/O trouble)."""
-    import socket
-    import tempfile
-
-    short = tempfile.mkdtemp(dir=world.tmp)  # bind() wants a path under 108 bytes: bind nearby, then rename
-    sock = socket.socket(socket.AF_UNIX)
-    try:
-        sock.bind(os.path.join(short, "s"))
-    finally:
-        sock.close()
-    (model / EXPERT).unlink()
-    os.rename(os.path.join(short, "s"), model / EXPERT)
+    kit.plant_socket(model / EXPERT, world.tmp)
 
 
 SPARSE_SIZE = 1 << 42  # 4 TiB of holes: hours of hashing if anyone read it before comparing sizes

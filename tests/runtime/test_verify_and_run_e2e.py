@@ -17,6 +17,7 @@ import pytest
 
 from shardtool.keys import load_private_key
 from shardtool.manifest import build_manifest, load_manifest, save_manifest
+from shardtool.runtime import encode_prompt
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +78,7 @@ def _trace(model: Path, pub: Path, state: Path) -> tuple[dict, list[int], int, i
 
     session.weights.experts = experts
     try:
-        session.generate(session.encode(PROMPT), NEW, temperature=0.0, top_p=1.0, seed=None, on_token=printed.append)
+        session.generate(encode_prompt(session.tokenizer, PROMPT), NEW, temperature=0.0, top_p=1.0, seed=None, on_token=printed.append)
     finally:
         session.close()
     return first, printed, session.config.num_experts, session.config.num_layers
@@ -222,7 +223,7 @@ def _latest_first_use(built) -> tuple[tuple[int, int], int]:
 def test_tampered_expert_in_use_stops_the_run_before_its_token(built, copy, mode):
     (layer, expert), printed = _latest_first_use(built)
     rel = expert_rel(layer, expert)
-    expected = load_manifest(copy / "manifest.msgpack").entry(rel).digest.hex()
+    expected = next(e for e in load_manifest(copy / "manifest.msgpack").entries if e.path == rel).digest.hex()
     flip(copy / rel)
     actual = blake3.blake3((copy / rel).read_bytes()).hexdigest()
     r = var(built, copy, "--prompt", PROMPT, "--max-new-tokens", NEW, "-q", *(["--print-ids"] if mode == "ids" else []))
