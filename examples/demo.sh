@@ -29,10 +29,10 @@ step "5. the resource contract the manifest now carries"
 shardtool inspect "$D/model" --disk-gbps 3
 
 step "6. audit the directory against the signed manifest"
-shardtool audit "$D/model" --trust "$D/publisher.pub" --state-dir "$D/state"
+shardtool audit "$D/model" --trust "$D/publisher.pub" --model-id demo/tiny-moe --state-dir "$D/state"
 
 step "7. verify-and-run: every shard checked before its weights are used"
-verify-and-run "$D/model" --trust "$D/publisher.pub" --state-dir "$D/state" --memory-budget 64MiB \
+verify-and-run "$D/model" --trust "$D/publisher.pub" --model-id demo/tiny-moe --state-dir "$D/state" --memory-budget 64MiB \
     --prompt "The quick brown fox" --max-new-tokens 24 --temperature 0
 
 step "8. poison layer 0's experts (one byte each) and try again"
@@ -42,10 +42,10 @@ for p in sorted(pathlib.Path(sys.argv[1], "experts/layer-000").glob("*.safetenso
     data = bytearray(p.read_bytes()); data[-1] ^= 0x01; p.write_bytes(bytes(data))
 PY
 set +e
-verify-and-run "$D/model" --trust "$D/publisher.pub" --state-dir "$D/state" --memory-budget 64MiB \
+verify-and-run "$D/model" --trust "$D/publisher.pub" --model-id demo/tiny-moe --state-dir "$D/state" --memory-budget 64MiB \
     --prompt "The quick brown fox" --max-new-tokens 24
 run_rc=$?
-shardtool audit "$D/model" --trust "$D/publisher.pub" --state-dir "$D/state" --quiet
+shardtool audit "$D/model" --trust "$D/publisher.pub" --model-id demo/tiny-moe --state-dir "$D/state" --quiet
 audit_rc=$?
 set -e
 if [ "$run_rc" -ne 1 ] || [ "$audit_rc" -ne 1 ]; then
