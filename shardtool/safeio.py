@@ -145,7 +145,10 @@ def open_regular(path: Path | str, *, follow_link: bool = True) -> int:
     model directory that others may write)."""
     if not follow_link:
         parent, name = os.path.split(os.fspath(path))
-        dir_fd = open_dir_beneath(parent or ".", "")
+        try:
+            dir_fd = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise open_error(e, str(path), name=parent or ".") from None
         try:
             return open_file_at(dir_fd, name, str(path))
         finally:
