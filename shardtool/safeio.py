@@ -98,28 +98,36 @@ def open_dir_beneath(root: Path | str, reldir: str) -> int:
     return dir_fd
 
 
-def open_file_at(dir_fd: int, name: str, relpath: str) -> int:
-    """Descriptor of regular file `name` in directory `dir_fd`, never through a link; `relpath` names it
-    in messages. The type is checked before the open (`fstatat` without following links), so a device
-    node is never opened (opening one can have side effects); the opened file must be that same file."""
+def _open_checked(name: str | os.PathLike, where: str, *, dir_fd: int | None = None, follow_link: bool) -> int:
+    """The one open of a regular file: its type is checked before the open (`stat`, following a link at
+    `name` only when `follow_link`), so a device node is never opened (opening one can have side effects);
+    then it is opened non-blocking and must be that same regular file."""
     try:
-        before = os.lstat(name, dir_fd=dir_fd)
+        before = os.stat(name, dir_fd=dir_fd, follow_symlinks=follow_link)
     except OSError as e:
-        raise open_error(e, relpath, name=name, dir_fd=dir_fd) from None
+        raise open_error(e, where, name=name, dir_fd=dir_fd) from None
     if not stat.S_ISREG(before.st_mode):
         what = describe_mode(before.st_mode)
-        finding = "symlink" if stat.S_ISLNK(before.st_mode) else "not-a-regular-file"
-        tail = "; links are not followed" if finding == "symlink" else ", expected a regular file"
-        raise NotARegularFileError(f"is a {what}{tail}", path=relpath, finding=finding, found=what)
+        if stat.S_ISLNK(before.st_mode):
+            raise NotARegularFileError(f"is a {what}; links are not followed", path=where, finding="symlink",
+                                       found=what)
+        raise NotARegularFileError(f"is a {what}, expected a regular file", path=where, found=what)
+    flags = _READ_FLAGS | os.O_NOCTTY | (0 if follow_link else os.O_NOFOLLOW)
     try:
-        fd = os.open(name, _READ_FLAGS | os.O_NOFOLLOW | os.O_NOCTTY, dir_fd=dir_fd)
+        fd = os.open(name, flags, dir_fd=dir_fd)
     except OSError as e:
-        raise open_error(e, relpath, name=name, dir_fd=dir_fd) from None
-    st = _check_regular(fd, relpath)
+        raise open_error(e, where, name=name, dir_fd=dir_fd) from None
+    st = _check_regular(fd, where)
     if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
         os.close(fd)
-        raise UnreadableFileError("was replaced while it was opened", path=relpath)
+        raise UnreadableFileError("was replaced while it was opened", path=where)
     return fd
+
+
+def open_file_at(dir_fd: int, name: str, relpath: str) -> int:
+    """Descriptor of regular file `name` in directory `dir_fd`, never through a link; `relpath` names it
+    in messages."""
+    return _open_checked(name, relpath, dir_fd=dir_fd, follow_link=False)
 
 
 def open_beneath(root: Path | str, relpath: str) -> int:
@@ -153,22 +161,7 @@ def open_regular(path: Path | str, *, follow_link: bool = True) -> int:
             return open_file_at(dir_fd, name, str(path))
         finally:
             os.close(dir_fd)
-    try:
-        before = os.stat(path)
-    except OSError as e:
-        raise open_error(e, str(path), name=path) from None
-    if not stat.S_ISREG(before.st_mode):
-        what = describe_mode(before.st_mode)
-        raise NotARegularFileError(f"is a {what}, expected a regular file", path=str(path), found=what)
-    try:
-        fd = os.open(path, _READ_FLAGS | os.O_NOCTTY)
-    except OSError as e:
-        raise open_error(e, str(path), name=path) from None
-    st = _check_regular(fd, str(path))
-    if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
-        os.close(fd)
-        raise UnreadableFileError("was replaced while it was opened", path=str(path))
-    return fd
+    return _open_checked(path, str(path), follow_link=True)
 
 
 def read_regular(path: Path | str, cap: int, *, what: str, too_large: type[ShardtoolError],
