@@ -26,18 +26,17 @@ PARALLEL_HASH_MIN = 4 * 1024 * 1024  # below this, BLAKE3's own threads cost mor
 
 def size_mismatch(entry: Entry, found: int | str, where: str | None = None) -> DigestMismatchError:
     return DigestMismatchError(f"size is {found} bytes, manifest says {entry.size}", path=where or entry.path,
-                               expected=str(entry.size), actual=str(found), mismatch="size")
+                               expected=str(entry.size), actual=str(found))
 
 
 def digest_mismatch(entry: Entry, found: bytes, where: str | None = None) -> DigestMismatchError:
     return DigestMismatchError(f"BLAKE3 is {found.hex()}, manifest says {entry.digest.hex()}", path=where or entry.path,
-                               expected=entry.digest.hex(), actual=found.hex(), mismatch="digest")
+                               expected=entry.digest.hex(), actual=found.hex())
 
 
 def changed_while_read(entry: Entry, done: int | str, where: str | None = None) -> DigestMismatchError:
     return DigestMismatchError(f"size changed while reading: expected {entry.size} bytes, read {done}",
-                               path=where or entry.path, expected=str(entry.size), actual=str(done),
-                               mismatch="changed")
+                               path=where or entry.path, expected=str(entry.size), actual=str(done))
 
 
 def digest_bytes(data: bytes | memoryview) -> bytes:
@@ -210,14 +209,27 @@ def digest_fd(fd: int, buffer: bytearray | None = None, *, parallel: bool = True
     return FileDigest(total, hasher.digest(), changed)
 
 
-def check_digest(entry: Entry, result: FileDigest, where: str | None = None) -> None:
-    """The entry check over a streamed digest, raising form (audit's finding form wraps it): the size
-    first, then whether the file changed while it was hashed, then BLAKE3."""
+def mismatch(entry: Entry, result: FileDigest) -> str | None:
+    """The entry check over a streamed digest: "size" first, then "changed" (the file changed while it was
+    hashed), then "digest"; None when the file is the entry's. `check_digest` raises on it; audit turns
+    it into a finding."""
     if result.digest is None or (result.size != entry.size and not result.changed):
-        raise size_mismatch(entry, result.size, where)
+        return "size"
     if result.changed:
-        raise changed_while_read(entry, result.size, where)
+        return "changed"
     if result.digest != entry.digest:
+        return "digest"
+    return None
+
+
+def check_digest(entry: Entry, result: FileDigest, where: str | None = None) -> None:
+    """The raising form of `mismatch`."""
+    found = mismatch(entry, result)
+    if found == "size":
+        raise size_mismatch(entry, result.size, where)
+    if found == "changed":
+        raise changed_while_read(entry, result.size, where)
+    if found == "digest":
         raise digest_mismatch(entry, result.digest, where)
 
 

@@ -22,14 +22,22 @@ class DirItem:
     detail: str = ""  # "unreadable": why
 
 
+def parent_directories(path: str) -> Iterator[str]:
+    """The directories a '/'-separated relative path lies in, innermost first: "a/b/c" -> "a/b", "a"."""
+    reldir = path.rpartition("/")[0]
+    while reldir:
+        yield reldir
+        reldir = reldir.rpartition("/")[0]
+
+
 def implied_directories(paths: Iterable[str]) -> set[str]:
     """Every directory a listed path lies in: the only directories a clean tree holds."""
     out: set[str] = set()
     for path in paths:
-        reldir = path.rpartition("/")[0]
-        while reldir and reldir not in out:
+        for reldir in parent_directories(path):
+            if reldir in out:
+                break  # and so are all its parents
             out.add(reldir)
-            reldir = reldir.rpartition("/")[0]
     return out
 
 

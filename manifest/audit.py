@@ -13,13 +13,12 @@ from typing import Callable, Iterable
 
 from shardtool.safeio import open_beneath, open_dir_beneath, open_file_at
 from shardtool.text import printable
-from shardtool.errors import (DigestMismatchError, MissingFileError, NotARegularFileError, ShardtoolError,
-                              VerificationError)
+from shardtool.errors import MissingFileError, NotARegularFileError, ShardtoolError, VerificationError
 from shardtool.manifest._document import VerifiedManifest
-from shardtool.manifest._files import CHUNK, FileDigest, check_digest, digest_fd
+from shardtool.manifest._files import CHUNK, FileDigest, digest_fd, mismatch
 from shardtool.manifest._paths import MAX_SEGMENTS
 from shardtool.manifest._records import Entry
-from shardtool.manifest._scan import implied_directories, walk
+from shardtool.manifest._scan import implied_directories, parent_directories, walk
 
 FINDING_CLASSES = ("missing", "size-mismatch", "digest-mismatch", "unlisted", "symlink", "not-a-regular-file",
                    "unreadable")
@@ -70,15 +69,14 @@ def _from_entry(entry: Entry, finding: str, detail: str, **found) -> Finding:
 
 
 def _compare(entry: Entry, result: FileDigest) -> Finding | None:
-    """The finding form of the one entry check (`check_digest`)."""
-    try:
-        check_digest(entry, result)
-    except DigestMismatchError as e:
-        if e.mismatch == "size":
-            return _from_entry(entry, "size-mismatch", f"{result.size} bytes, manifest says {entry.size}",
-                               found_size=result.size, found_digest=result.digest.hex() if result.digest else None)
-        if e.mismatch == "changed":
-            return _from_entry(entry, "unreadable", "file changed while it was being hashed", found_size=result.size)
+    """The finding form of the one entry check (`mismatch`)."""
+    found = mismatch(entry, result)
+    if found == "size":
+        return _from_entry(entry, "size-mismatch", f"{result.size} bytes, manifest says {entry.size}",
+                           found_size=result.size, found_digest=result.digest.hex() if result.digest else None)
+    if found == "changed":
+        return _from_entry(entry, "unreadable", "file changed while it was being hashed", found_size=result.size)
+    if found == "digest":
         return _from_entry(entry, "digest-mismatch", f"BLAKE3 {result.digest.hex()}, manifest says {entry.digest.hex()}",
                            found_size=result.size, found_digest=result.digest.hex())
     return None
@@ -115,8 +113,6 @@ def check_file(root: Path, entry: Entry, buffer: bytearray | None = None, *, dir
         return _from_entry(entry, "unreadable", f"read failed: {e.strerror}")
     finally:
         os.close(fd)
-    if result.digest == entry.digest and result.size == entry.size and not result.changed:
-        return None  # the common case, without the exception machinery of the full check
     return _compare(entry, result)
 
 
@@ -193,7 +189,7 @@ def audit_directory(root: Path, manifest: VerifiedManifest, *, ignore: Iterable[
     unreadable_dirs = {path for path, kind in on_disk.items() if kind == "unreadable"}
     for path, entry in listed.items():
         kind = on_disk.get(path)
-        if kind is None and unreadable_dirs and _lies_in(path, unreadable_dirs):
+        if kind is None and unreadable_dirs and any(d in unreadable_dirs for d in parent_directories(path)):
             report.findings.append(_from_entry(entry, "unreadable", "lies in a directory that could not be walked"))
         elif kind is None:
             if present_only:
@@ -205,15 +201,6 @@ def audit_directory(root: Path, manifest: VerifiedManifest, *, ignore: Iterable[
     report.findings.extend(_hash_all(root, to_hash, workers, progress, report))
     report.findings.sort(key=lambda f: (f.path, f.finding))
     return report
-
-
-def _lies_in(path: str, directories: set[str]) -> bool:
-    reldir = path.rpartition("/")[0]
-    while reldir:
-        if reldir in directories:
-            return True
-        reldir = reldir.rpartition("/")[0]
-    return False
 
 
 BATCH_FILES = 256

@@ -78,10 +78,9 @@ class DigestMismatchError(VerificationError):
     """A file's size or BLAKE3 digest differs from what the manifest says."""
 
     def __init__(self, message: str, *, path: str | None = None, expected: str = "", actual: str = "",
-                 hint: str | None = None, mismatch: str = "digest"):
+                 hint: str | None = None):
         self.expected = expected
         self.actual = actual
-        self.mismatch = mismatch  # "size", "digest", or "changed" (the file changed while it was read)
         super().__init__(message, path=path, hint=hint)
 
 
