@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from shardtool.checkpoint._plan import Cut, Piece, ShardPlan
 from shardtool.errors import CheckpointFormatError, UsageError
-from shardtool.families import (BY_NAME, CUSTOM, EXPERT_PROJ_ALIASES, FUSED, PER_EXPERT, detect_family,
+from shardtool.families import (BY_NAME, EXPERT_PROJ_ALIASES, FUSED, PER_EXPERT, detect_family,
                                 expert_count, text_config)
 from shardtool.hf_config import CONTRACT_INT_CAPS, ConfigReader
 from shardtool.safetensors_format import TensorInfo

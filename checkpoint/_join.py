@@ -21,7 +21,7 @@ from shardtool.atomic import atomic_writer, atomic_write_bytes
 from shardtool.checkpoint._plan import Cut, paste, uint_view
 from shardtool.checkpoint._writer import TensorSpec, encode_header
 from shardtool.safetensors_format import DTYPE_SIZES, MAX_HEADER_BYTES, parse_header
-from shardtool.checkpoint._split import MANIFEST_NAME, SOURCE_FORMAT, SOURCE_KEY
+from shardtool.checkpoint._split import SOURCE_FORMAT, SOURCE_KEY
 from shardtool.errors import (CheckpointFormatError, DigestMismatchError, ShardFormatError, StorageError,
                               UsageError)
 

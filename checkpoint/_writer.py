@@ -8,7 +8,7 @@ import json
 import struct
 from dataclasses import dataclass
 from math import prod
-from typing import Any, BinaryIO, Iterable, Mapping, Sequence
+from typing import Any, BinaryIO, Mapping, Sequence
 
 from shardtool.errors import CheckpointFormatError
 from shardtool.safetensors_format import DTYPE_SIZES, METADATA_KEY

@@ -156,7 +156,7 @@ def inspect(
 
 def _contract_of(out: Path) -> tuple[Mapping[str, int], dict[str, Any]]:
     from shardtool.checkpoint import check_contract_keys
-    from shardtool.errors import CheckpointFormatError, VerificationError
+    from shardtool.errors import CheckpointFormatError
     from shardtool.manifest import load_manifest
 
     path = out / "manifest.msgpack" if out.is_dir() else out

@@ -57,7 +57,6 @@ def sign(
     """Add a signature over the manifest's head. Several publishers can sign the same manifest."""
     from shardtool.atomic import locked_directory
     from shardtool.cli._passphrase import get_passphrase
-    from shardtool.errors import VerificationError
     from shardtool.keys import load_private_key
     from shardtool.manifest import load_manifest, save_manifest
 

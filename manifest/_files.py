@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 import blake3
 
 from shardtool.safeio import open_beneath, open_regular
-from shardtool.errors import DigestMismatchError, StorageError, VerificationError
+from shardtool.errors import DigestMismatchError, StorageError
 from shardtool.manifest._records import Entry
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from shardtool.errors import CheckpointFormatError, ShardFormatError, VerificationError
+from shardtool.errors import CheckpointFormatError, ShardFormatError
 from shardtool.manifest import Entry, read_verified_timed
 
 Arrays = Mapping[str, np.ndarray]
