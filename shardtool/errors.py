@@ -120,6 +120,21 @@ class ExpiredError(VerificationError):
     """The manifest's `expires` lies in the past (or its `created` lies in the future)."""
 
 
+class RequestRefusedError(UsageError):
+    """A generation request the engine can never run as asked: a prompt plus max_tokens longer than the
+    context or than the whole KV cache, token ids outside the vocabulary, an empty prompt (HTTP 400)."""
+
+
+class OverloadedError(ShardtoolError):
+    """The engine's wait queue is full: the request may succeed later (HTTP 503 with Retry-After)."""
+
+    exit_code = EXIT_IO
+
+    def __init__(self, message: str, *, retry_after: int = 1, **kw):
+        self.retry_after = retry_after
+        super().__init__(message, **kw)
+
+
 class CheckpointFormatError(ShardtoolError):
     """A checkpoint or safetensors file that cannot be parsed safely.
 
