@@ -86,6 +86,9 @@ class _ExpertStream(Mapping):
             return self._weights.store.get(self._weights._entry(expert_path(self._layer, expert)))
         return wait()
 
+    def __contains__(self, expert: object) -> bool:  # Mapping's default would load the expert to answer
+        return expert in self._position
+
     def __iter__(self) -> Iterator[int]:
         return iter(self._ids)
 
