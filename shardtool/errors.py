@@ -120,6 +120,21 @@ class ExpiredError(VerificationError):
     """The manifest's `expires` lies in the past (or its `created` lies in the future)."""
 
 
+class RequestRefusedError(UsageError):
+    """A generation request the engine can never run as asked: a prompt plus max_tokens longer than the
+    context or than the whole KV cache, token ids outside the vocabulary, an empty prompt (HTTP 400)."""
+
+
+class OverloadedError(ShardtoolError):
+    """The engine's wait queue is full: the request may succeed later (HTTP 503 with Retry-After)."""
+
+    exit_code = EXIT_IO
+
+    def __init__(self, message: str, *, retry_after: int = 1, **kw):
+        self.retry_after = retry_after
+        super().__init__(message, **kw)
+
+
 class CheckpointFormatError(ShardtoolError):
     """A checkpoint or safetensors file that cannot be parsed safely.
 
@@ -134,3 +149,16 @@ class KeyFileError(ShardtoolError):
     """A key file that cannot be read: wrong passphrase, wrong type, unsafe permissions."""
 
     exit_code = EXIT_USAGE
+
+
+class InvalidRequestError(UsageError):
+    """An HTTP request the server refuses as sent: a field of the wrong type or out of range, an unknown field,
+    a model it does not serve, a body too large or too slow. `status` is the HTTP status (4xx); `param` names
+    the field (a JSON path such as "messages[1].content"), `code` is a machine-readable reason
+    ("model_not_found"), both as in OpenAI's error bodies."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None):
+        self.status = status
+        self.param = param
+        self.code = code
+        super().__init__(message)
