@@ -1,9 +1,15 @@
 """The verifying runtime: shard store (`_store`: where every weight is verified before use), the
-provider that maps the split layout onto it (`_provider`), and the numpy MoE forward pass (`_model`)."""
+provider that maps the split layout onto it (`_provider`), the numpy MoE forward pass (`_model`), and the
+one decode loop (`_engine`: continuous batching under the memory budget, `_plan`)."""
 
+from shardtool.runtime._engine import (Engine, ErrorEvent, Event, FinishEvent, SamplingParams, Ticket,
+                                       TokenEvent)
+from shardtool.runtime._plan import BudgetPlan, plan_budget
 from shardtool.runtime._provider import VerifiedWeights
-from shardtool.runtime._session import Session, encode_prompt, load_tokenizer
+from shardtool.runtime._session import Session, encode_prompt
+from shardtool.runtime._signed import load_tokenizer
 from shardtool.runtime._store import ShardFormatError, ShardStore, StoreStats
 
-__all__ = ["Session", "ShardFormatError", "ShardStore", "StoreStats", "VerifiedWeights", "encode_prompt",
+__all__ = ["BudgetPlan", "Engine", "ErrorEvent", "Event", "FinishEvent", "SamplingParams", "Session", "ShardFormatError",
+           "Ticket", "TokenEvent", "plan_budget", "ShardStore", "StoreStats", "VerifiedWeights", "encode_prompt",
            "load_tokenizer"]

@@ -18,10 +18,12 @@ class VerifiedWeights:
 
     cache_float32 = False  # float32 copies of the trunk would sit outside the store's budget
 
-    def __init__(self, store: ShardStore, manifest: VerifiedManifest, num_layers: int):
+    def __init__(self, store: ShardStore, manifest: VerifiedManifest, num_layers: int, *, window: int = 8):
+        """`window`: expert loads started ahead of the one being computed (the plan sizes it: top-k)."""
         self.store = store
         self.entries = manifest.by_path()
         self.num_layers = num_layers
+        self.window = max(1, window)
 
     def _entry(self, path: str) -> Entry:
         entry = self.entries.get(path)
@@ -43,23 +45,55 @@ class VerifiedWeights:
         return arrays
 
     def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Mapping[str, np.ndarray]]:
-        """Starts every selected expert's load at once; indexing waits for that expert only."""
-        ids = list(expert_ids)
-        waiters = self.store.request([self._entry(expert_path(layer, e)) for e in ids])
-        return _PendingExperts(dict(zip(ids, waiters)))
+        """The selected experts as they are verified, `window` loads ahead of the one being computed.
+
+        A batch may select many more experts per layer than one sequence's top-k; loading at most `window`
+        ahead keeps what is held in memory at once to the single-sequence figure the budget plans for. An
+        expert whose shard is missing or fails verification raises when it is reached, not before, so the
+        caller knows which rows needed it."""
+        return _ExpertStream(self, layer, list(expert_ids))
 
 
-class _PendingExperts(Mapping):
-    """expert id -> verified arrays, each available as soon as its own shard is verified."""
+class _ExpertStream(Mapping):
+    """expert id -> verified arrays, read in the order the ids were given; each expert's load starts once
+    the ones `window` places before it are reached, and is dropped from here once handed over."""
 
-    def __init__(self, waiters: dict[int, Callable[[], Mapping[str, np.ndarray]]]):
-        self._waiters = waiters
+    def __init__(self, weights: VerifiedWeights, layer: int, ids: list[int]):
+        self._weights, self._layer, self._ids = weights, layer, ids
+        self._position = {e: i for i, e in enumerate(ids)}
+        self._waiters: dict[int, Callable[[], Mapping[str, np.ndarray]]] = {}
+        self._started = 0  # ids[:_started] have had their loads started
+
+    def _start_until(self, stop: int) -> None:
+        stop = min(stop, len(self._ids))
+        if stop <= self._started:
+            return
+        batch = self._ids[self._started:stop]
+        self._started = stop
+        entries = {e: self._weights.entries.get(expert_path(self._layer, e)) for e in batch}
+        listed = [e for e in batch if entries[e] is not None]
+        for e, wait in zip(listed, self._weights.store.request([entries[e] for e in listed])):
+            self._waiters[e] = wait
+        for e in batch:
+            if entries[e] is None:
+                self._waiters[e] = _unlisted(expert_path(self._layer, e))
 
     def __getitem__(self, expert: int) -> Mapping[str, np.ndarray]:
-        return self._waiters[expert]()
+        i = self._position[expert]
+        self._start_until(i + self._weights.window)
+        wait = self._waiters.pop(expert, None)
+        if wait is None:  # asked for again after it was handed over: a cache hit or a new verified read
+            return self._weights.store.get(self._weights._entry(expert_path(self._layer, expert)))
+        return wait()
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._waiters)
+        return iter(self._ids)
 
     def __len__(self) -> int:
-        return len(self._waiters)
+        return len(self._ids)
+
+
+def _unlisted(path: str) -> Callable[[], Mapping[str, np.ndarray]]:
+    def wait() -> Mapping[str, np.ndarray]:
+        raise VerificationError(f"the signed manifest lists no {path}; the model needs it")
+    return wait

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
@@ -14,7 +15,7 @@ from ._activations import prefill_chunk
 from ._cache import KVCache
 from ._config import ModelConfig
 from ._dtypes import to_float32, weight_f32
-from ._layers import ExpertFetch, causal_mask, decoder_layer, matmul_t, rms_norm
+from ._layers import ExpertFetch, ExpertUnavailable, causal_mask, decoder_layer, gqa_attention, matmul_t, mla_attention, rms_norm
 from ._rope import cos_sin, inv_freq
 from ._weights import WeightProvider
 
@@ -201,29 +202,71 @@ class _Float32Experts(Mapping):
         return len(self.got)
 
 
+@dataclass
+class Segment:
+    """One sequence's rows in a forward step: its new token ids, its own KV cache, and which logits it wants
+    ("last": its last row's, "all": every row's, "none")."""
+
+    ids: np.ndarray  # [t] int64, t >= 1
+    cache: KVCache
+    logits: str = "last"
+
+
+def forward_batch(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndarray, float],
+                  segments: Sequence[Segment]) -> np.ndarray | None:
+    """# segments of t_i token ids -> logits [n, V] for the rows the segments ask for, in segment order
+    (None when none asks).
+
+    The rows of every segment go through each layer together: attention runs each segment against its own
+    cache and positions, the MLP and the experts run on all rows at once, so an expert chosen by several
+    sequences is fetched once per step. Each segment's keys and values are appended to its cache, and every
+    cache commits only after the last layer and the head succeeded: a step that fails leaves all as they were.
+    """
+    for seg in segments:
+        seg.cache.check_room(len(seg.ids))
+    bounds = np.cumsum([0] + [len(seg.ids) for seg in segments])
+    windows = set(cfg.sliding_windows)
+    where = []  # per segment: cos [t, d], sin [t, d], {window: mask [t, S] or None}
+    for seg in segments:
+        q_pos = seg.cache.length + np.arange(len(seg.ids))
+        cos, sin = cos_sin(rope[0], rope[1], q_pos)
+        where.append((cos, sin, {w: causal_mask(q_pos, seg.cache.length + len(seg.ids), w) for w in windows}))
+    attention = mla_attention if cfg.mla is not None else gqa_attention
+    x = weights.embed_rows(np.concatenate([seg.ids for seg in segments]))  # [sum t, H]
+    for layer in range(cfg.num_layers):
+        window = cfg.sliding_windows[layer]
+
+        def attend(xn: np.ndarray, w: Mapping[str, np.ndarray], _layer: int = layer, _window=window) -> np.ndarray:
+            outs = []
+            for seg, (cos, sin, masks), lo, hi in zip(segments, where, bounds[:-1], bounds[1:]):
+                def append_kv(*new: np.ndarray, _cache: KVCache = seg.cache) -> tuple[np.ndarray, ...]:
+                    return _cache.append(_layer, *new)
+                outs.append(attention(xn[lo:hi], w, cfg, cos, sin, masks[_window], append_kv))
+            return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+        x = decoder_layer(x, weights.layer(layer), cfg, layer, attend, weights.expert_fetch(layer))
+    rows = list(chain.from_iterable(
+        range(lo, hi) if seg.logits == "all" else [hi - 1] if seg.logits == "last" else []
+        for seg, lo, hi in zip(segments, bounds[:-1], bounds[1:])))
+    logits = None
+    if rows:
+        norm, lm_head = weights.head()
+        picked = x if len(rows) == len(x) else x[rows]
+        logits = matmul_t(rms_norm(picked, norm, cfg.rms_norm_eps), lm_head)
+    for seg in segments:
+        seg.cache.commit(len(seg.ids))
+    return logits
+
+
 def forward(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndarray, float], ids: np.ndarray,
             cache: KVCache, *, last_only: bool = False, logits: bool = True) -> np.ndarray | None:
     """# [T] token ids -> logits [T, V] ([1, V] with last_only; None without `logits`), appending T positions
-    to `cache`."""
-    t = len(ids)
-    cache.check_room(t)
-    q_pos = cache.length + np.arange(t)
-    cos, sin = cos_sin(rope[0], rope[1], q_pos)
-    kv_len = cache.length + t
-    masks = {w: causal_mask(q_pos, kv_len, w) for w in set(cfg.sliding_windows)}
-    x = weights.embed_rows(ids)
-    for layer in range(cfg.num_layers):
-        def append_kv(*new: np.ndarray, _layer: int = layer) -> tuple[np.ndarray, ...]:
-            return cache.append(_layer, *new)
-        x = decoder_layer(x, weights.layer(layer), cfg, layer, cos, sin, masks[cfg.sliding_windows[layer]],
-                          append_kv, weights.expert_fetch(layer))
-    cache.commit(t)
-    if not logits:
-        return None
-    if last_only:
-        x = x[-1:]
-    norm, lm_head = weights.head()
-    return matmul_t(rms_norm(x, norm, cfg.rms_norm_eps), lm_head)
+    to `cache`: one sequence's step (`forward_batch` with one segment)."""
+    want = "none" if not logits else "last" if last_only else "all"
+    try:
+        return forward_batch(cfg, weights, rope, [Segment(ids, cache, want)])
+    except ExpertUnavailable as e:  # one sequence: it needed the expert, so the error is simply its own
+        raise e.cause from None
 
 
 class Model:

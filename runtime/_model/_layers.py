@@ -10,12 +10,17 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from shardtool.errors import ShardtoolError
+
 from ._config import ModelConfig
 from ._rope import apply_rope, apply_rope_interleave
 
 Weights = Mapping[str, np.ndarray]
 # expert ids -> {id: (gate [I, H], up [I, H], down [H, I])} in float32
 ExpertFetch = Callable[[Sequence[int]], Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]]]
+
+# [T, H] normed input, the layer's weights -> [T, H]: self-attention over each sequence's own cache
+Attend = Callable[[np.ndarray, Mapping[str, np.ndarray]], np.ndarray]
 
 MLA_NORM_EPS = 1e-6  # DeepseekV3RMSNorm default; q_a_layernorm / kv_a_layernorm do not get rms_norm_eps
 
@@ -200,18 +205,31 @@ def route_deepseek(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, t
     return weights * np.float32(scaling), idx
 
 
+class ExpertUnavailable(Exception):
+    """An expert some rows of a step chose could not be had (its shard failed verification or does not fit the
+    config). Carries the rows, so a batch can fail only the sequences that need that expert."""
+
+    def __init__(self, cause: ShardtoolError, rows: np.ndarray):
+        super().__init__(str(cause))
+        self.cause, self.rows = cause, rows
+
+
 def moe_experts(x: np.ndarray, weights: np.ndarray, idx: np.ndarray,
                 experts: Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:
     """# [T, H], [T, k], [T, k] -> [T, H]: sum over each token's experts of weight * expert(x).
 
-    `experts` holds every expert any token picked (fetched in one call); each runs once on its tokens,
-    and a streaming mapping may hand each over only when it is verified.
+    `experts` holds every expert any token picked (fetched in one call, in ascending id order); each runs once
+    on all its tokens, whichever sequence of a batch they belong to, and a streaming mapping may hand each
+    over only when it is verified.
     """
     ids = np.unique(idx)
     out = np.zeros_like(x)
     for e in ids:
         tokens, slots = np.nonzero(idx == e)
-        gate, up, down = experts[int(e)]
+        try:
+            gate, up, down = experts[int(e)]
+        except ShardtoolError as cause:  # a bug is not caught here: it fails the whole step
+            raise ExpertUnavailable(cause, tokens) from cause
         out[tokens] += expert_mlp(x[tokens], gate, up, down) * weights[tokens, slots, None]
     return out
 
@@ -240,11 +258,13 @@ def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch) -
     return out
 
 
-def decoder_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, cos: np.ndarray, sin: np.ndarray,
-                  mask: np.ndarray | None, append_kv: Callable, fetch: ExpertFetch) -> np.ndarray:
-    """# [T, H] -> [T, H]  (pre-norm residual block: attention, then MoE or dense MLP)"""
-    attend = mla_attention if cfg.mla is not None else gqa_attention
-    h = x + attend(rms_norm(x, w["input_layernorm.weight"], cfg.rms_norm_eps), w, cfg, cos, sin, mask, append_kv)
+def decoder_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, attend: Attend,
+                  fetch: ExpertFetch) -> np.ndarray:
+    """# [T, H] -> [T, H]  (pre-norm residual block: attention, then MoE or dense MLP)
+
+    The rows may belong to several sequences (a batch): `attend` runs each sequence's rows against its own
+    cache; the MLP and the experts run on all rows at once, so each expert is fetched once per step."""
+    h = x + attend(rms_norm(x, w["input_layernorm.weight"], cfg.rms_norm_eps), w)
     y = rms_norm(h, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
     if cfg.moe_layers[layer]:
         return h + moe_layer(y, w, cfg, fetch)

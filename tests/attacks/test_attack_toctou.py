@@ -37,9 +37,9 @@ def _run_in_process(monkeypatch, capsys, model: Path, world, *extra: str) -> tup
 
 
 def _rewrite_after_use(monkeypatch, model: Path) -> set[str]:
-    """After each file is first handed out as verified (config and tokenizer by the session, shards by the
+    """After each file is first handed out as verified (config and tokenizer by `_signed`, shards by the
     store), flip a byte of it on disk. Returns the set of paths rewritten so far."""
-    import shardtool.runtime._session as session_mod
+    import shardtool.runtime._signed as signed_mod
     from shardtool.runtime._store import ShardStore
 
     rewritten: set[str] = set()
@@ -50,7 +50,7 @@ def _rewrite_after_use(monkeypatch, model: Path) -> set[str]:
                 rewritten.add(e.path)
                 kit.flip(model / e.path)
 
-    real_read_verified = session_mod.read_verified
+    real_read_verified = signed_mod.read_verified
     real_request = ShardStore.request
 
     def read_verified(root, entry):
@@ -69,7 +69,7 @@ def _rewrite_after_use(monkeypatch, model: Path) -> set[str]:
             return waiter
         return [handed_out(e, w) for e, w in zip(entries, real_request(self, entries))]
 
-    monkeypatch.setattr(session_mod, "read_verified", read_verified)
+    monkeypatch.setattr(signed_mod, "read_verified", read_verified)
     monkeypatch.setattr(ShardStore, "request", request)
     return rewritten
 

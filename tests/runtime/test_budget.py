@@ -119,12 +119,12 @@ def test_signed_config_json_with_a_huge_integer_or_deep_nesting_is_a_verificatio
     # Python's json refuses a > 4300-digit integer with ValueError and deep nesting with RecursionError:
     # both are the signed file's fault, so a clean VerificationError, never a traceback.
     from shardtool.errors import VerificationError
-    from shardtool.runtime._session import _verified_json
+    from shardtool.runtime._signed import signed_json
 
     for text in ('{"a": 1' + "0" * 5000 + "}", "[" * 100_000 + "]" * 100_000):
         (tmp_path / "config.json").write_text(text)
         with pytest.raises(VerificationError, match="signed config.json is not valid JSON"):
-            _verified_json(tmp_path, _verified(tmp_path, {"config.json": "other"}), "config.json")
+            signed_json(tmp_path, _verified(tmp_path, {"config.json": "other"}), "config.json")
 
 
 # ---------------------------------------------------------------- FP8 dequantisation is O(weight)
@@ -229,7 +229,7 @@ def _signed_model(tmp_path, config: dict):
 
 
 def test_plan_refuses_a_sequence_the_budget_cannot_hold_naming_the_budget_needed(tmp_path):
-    from shardtool.runtime._session import plan_budget
+    from shardtool.runtime._plan import plan_budget
 
     cfg = ModelConfig.from_hf_config(CONFIGS["mixtral"])
     manifest = _signed_model(tmp_path, CONFIGS["mixtral"])

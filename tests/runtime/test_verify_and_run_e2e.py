@@ -188,7 +188,7 @@ def test_budget_hint_is_enough_and_a_minimal_budget_evicts_yet_gives_the_same_to
     from shardtool.keys import load_public_key
     from shardtool.manifest import load_verified_manifest
     from shardtool.runtime._model import ModelConfig
-    from shardtool.runtime._session import plan_budget
+    from shardtool.runtime._plan import plan_budget
 
     args = ("--prompt", PROMPT, "--max-new-tokens", NEW, "--print-ids", "-q")
     too_small = var(built, built.model, *args, "--memory-budget", "1MiB", state=tmp_path)
