@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
-import traceback
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -209,8 +207,8 @@ async def _http_exception(request: Request, exc: HTTPException) -> Response:
 
 
 async def _crash(request: Request, exc: Exception) -> Response:
-    """A bug: its traceback goes to the server's stderr, the client gets a JSON 500 without it."""
-    traceback.print_exception(exc, file=sys.stderr)
+    """A bug: the client gets a JSON 500 without its traceback. (Starlette re-raises the exception after this
+    response, and uvicorn logs it with its traceback on the server's stderr.)"""
     return JSONResponse(error_body("internal server error (a bug in shardtool: see the server's log)", 500),
                         status_code=500)
 
