@@ -29,20 +29,20 @@ MAX_TOKEN_ID = (1 << 31) - 1  # the largest id any vocabulary may have (checked 
 MAX_SEED = 2**64 - 1
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, flag: str = "--memory-budget") -> int:
     """'8GiB', '512MiB', '1.5G', '1000000' -> bytes (K/M/G/T alone are binary units), in [1, 1 PiB].
 
-    Any other text is a UsageError: the arithmetic is exact (integers and Fraction, never float), so no
-    string can reach an OverflowError or an infinity."""
+    Any other text is a UsageError naming `flag`: the arithmetic is exact (integers and Fraction, never float),
+    so no string can reach an OverflowError or an infinity."""
     from fractions import Fraction
 
     m = _SIZE.fullmatch(text.strip()) if len(text) <= MAX_SIZE_TEXT else None
     if not m:
-        raise UsageError(f"--memory-budget {text[:40]!r} is not a size from 1 byte to 1PiB (examples: 8GiB, 512MiB, "
+        raise UsageError(f"{flag} {text[:40]!r} is not a size from 1 byte to 1PiB (examples: 8GiB, 512MiB, "
                          f"2000000000)")
     value = int(Fraction(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
     if not 1 <= value <= MAX_MEMORY_BUDGET:
-        raise UsageError(f"--memory-budget must be between 1 byte and 1PiB, got {text!r}")
+        raise UsageError(f"{flag} must be between 1 byte and 1PiB, got {text!r}")
     return value
 
 

@@ -77,11 +77,12 @@ class Knobs:
     kv_lora_rank: int | None = None  # deepseek_v3 only
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
+    chat_template: bool = True  # tokenizer_config.json carries CHAT_TEMPLATE; False: a model without one
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("dtype", "fp8", "tie_word_embeddings", "shard_size_mb") or value is None:
+            if f.name in ("dtype", "fp8", "tie_word_embeddings", "shard_size_mb", "chat_template") or value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise UsageError(f"{f.name} must be an integer, got {value!r}")
@@ -625,7 +626,21 @@ def build_tokenizer(vocab_size: int):
     return tok
 
 
-def _tokenizer_files(vocab_size: int, max_len: int) -> dict[str, str]:
+# A small ChatML-style template, as Qwen's: role markers are plain text to this tokenizer (it has no <|im_start|>
+# token), the BOS token opens the conversation, and raise_exception refuses a system message after the first.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('a system message must come first') }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _tokenizer_files(vocab_size: int, max_len: int, chat_template: bool = True) -> dict[str, str]:
     tok = build_tokenizer(vocab_size)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -637,6 +652,8 @@ def _tokenizer_files(vocab_size: int, max_len: int) -> dict[str, str]:
         "add_bos_token": False,
         "add_eos_token": False,
     }
+    if chat_template:
+        tokenizer_config["chat_template"] = CHAT_TEMPLATE
     special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
     return {
         "tokenizer.json": tok.to_str(pretty=True),
@@ -698,7 +715,7 @@ def make_checkpoint(out_dir: Path | str, family: str, *, overwrite: bool = False
         files = {"config.json": _json(config),
                  "generation_config.json": _json({"_from_model_config": True, "bos_token_id": BOS_ID,
                                                   "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}),
-                 **_tokenizer_files(k.vocab, k.max_position_embeddings)}
+                 **_tokenizer_files(k.vocab, k.max_position_embeddings, k.chat_template)}
         if len(shards) > 1:
             files["model.safetensors.index.json"] = _json(index_document(shards, names))
         for name, text in files.items():
@@ -743,6 +760,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="max tensor bytes per shard file, in 10^6 bytes (HF's max_shard_size)")
     ap.add_argument("--fp8", action="store_true", help="deepseek_v3: F8_E4M3 weights + 128x128 weight_scale_inv")
     ap.add_argument("--tie-word-embeddings", action="store_true")
+    ap.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+                    help="tokenizer_config.json without a chat_template")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     return ap
 

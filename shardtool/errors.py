@@ -149,3 +149,16 @@ class KeyFileError(ShardtoolError):
     """A key file that cannot be read: wrong passphrase, wrong type, unsafe permissions."""
 
     exit_code = EXIT_USAGE
+
+
+class InvalidRequestError(UsageError):
+    """An HTTP request the server refuses as sent: a field of the wrong type or out of range, an unknown field,
+    a model it does not serve, a body too large or too slow. `status` is the HTTP status (4xx); `param` names
+    the field (a JSON path such as "messages[1].content"), `code` is a machine-readable reason
+    ("model_not_found"), both as in OpenAI's error bodies."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None):
+        self.status = status
+        self.param = param
+        self.code = code
+        super().__init__(message)

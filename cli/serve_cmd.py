@@ -1,0 +1,104 @@
+"""`shardtool serve`: verify the signed manifest once, then serve the model over an OpenAI-style HTTP API,
+every weight still verified before use, every request inside one memory budget."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from shardtool.errors import UsageError
+
+# Connections and requests uvicorn lets in beyond the engine's batch and queue (health checks, scrapes, idle
+# keep-alive connections); past the sum it answers 503 itself, before the engine's own 503 with Retry-After.
+SPARE_CONNECTIONS = 128
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
+
+
+def serve(
+    directory: Path = typer.Argument(..., help="Split model directory (shardtool split)."),
+    trust: List[Path] = typer.Option([], "--trust", help="Trusted public key (repeatable)."),
+    threshold: int = typer.Option(1, "--threshold", help="Distinct trusted keys that must have signed."),
+    expect_model: Optional[str] = typer.Option(
+        None, "--model-id", help="Refuse a manifest signed for any other model; also the `model` clients name."),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Rollback state directory."),
+    manifest_file: Optional[Path] = typer.Option(None, "--manifest", help="Manifest (default DIR/manifest.msgpack)."),
+    memory_budget: str = typer.Option(..., "--memory-budget",
+                                      help="Cached shards + KV cache of all requests + working buffers, e.g. 8GiB."),
+    kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="KV cache share of the budget (default: the "
+                                                                     "engine's choice)."),
+    max_context: Optional[int] = typer.Option(None, "--max-context", min=1, max=1 << 24,
+                                              help="Most prompt + max_tokens tokens one request may ask for."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="0: any free port (printed)."),
+    max_batch: int = typer.Option(16, "--max-batch", min=1, max=1024, help="Requests decoded together."),
+    max_queue: int = typer.Option(64, "--max-queue", min=0, max=1 << 16,
+                                  help="Requests waiting for admission; past it, HTTP 503 with Retry-After."),
+    readers: int = typer.Option(2, "--readers", min=1, max=64, help="Reader/verifier threads."),
+    threads: int = typer.Option(0, "--threads", min=0, max=1024,
+                                help="Compute (BLAS) threads; 0: the cores the readers leave free, at least 1."),
+    read_timeout: float = typer.Option(30.0, "--read-timeout", min=0.1, max=3600.0,
+                                       help="Seconds a client has to send a request's headers, and again its body."),
+    max_body: str = typer.Option("1MiB", "--max-body", help="Largest request body (HTTP 413 past it)."),
+) -> None:
+    """Serve a verified model: POST /v1/completions and /v1/chat/completions (OpenAI-style, streaming as
+    server-sent events), GET /v1/models, /health, /metrics."""
+    from shardtool.cli._common import load_trusted, manifest_path, model_dir, say, unpinned_warning
+    from shardtool.cli.run_cmd import _keep_freed_memory, _set_blas_threads, parse_size
+
+    # Every option is checked before anything is read: a bad value is one usage line, exit 2.
+    budget = parse_size(memory_budget)
+    kv_bytes = parse_size(kv_cache, "--kv-cache") if kv_cache is not None else None
+    body_cap = parse_size(max_body, "--max-body")
+    if not math.isfinite(read_timeout):
+        raise UsageError(f"--read-timeout must be a number of seconds, got {read_timeout}")
+    _set_blas_threads(threads, readers)
+    _keep_freed_memory()
+
+    from shardtool.manifest import load_trusted_manifest
+    from shardtool.runtime import Engine  # loads numpy
+    from shardtool.serve import (ChatTemplate, Limits, ServerSettings, Stopped, bind, create_app, run,
+                                 stop_on_signals, url_of)
+
+    with stop_on_signals():
+        try:
+            directory = model_dir(directory)
+            trusted = load_trusted(trust)
+            verified = load_trusted_manifest(manifest_path(directory, manifest_file), trusted, threshold, state_dir,
+                                             model_id=expect_model)
+            model_id = verified.head.model_id
+            engine = Engine(directory, verified, budget=budget, max_batch=max_batch, max_queue=max_queue,
+                            kv_cache=kv_bytes, max_context=max_context, readers=readers)
+        except Stopped:
+            say("shardtool serve: stopped before serving")
+            return
+        try:
+            if engine.tokenizer is None:
+                raise UsageError("this model ships no tokenizer.json: serve answers with text, so it needs one",
+                                 hint="use verify-and-run --prompt-ids --print-ids")
+            chat = ChatTemplate.from_tokenizer_config(engine.signed_json("tokenizer_config.json"))
+            if isinstance(chat.problem, Exception) and not isinstance(chat.problem, UsageError):
+                say(f"warning: chat is unavailable (/v1/chat/completions answers 500): {chat.problem.one_line()}")
+            app = create_app(engine, model_id=model_id, chat=chat,
+                             limits=Limits(max_body_bytes=body_cap, body_timeout=read_timeout))
+            settings = ServerSettings(header_timeout=read_timeout,
+                                      limit_concurrency=max_batch + max_queue + SPARE_CONNECTIONS)
+            sock = bind(host, port)
+            try:
+                engine.start()
+                if expect_model is None:
+                    say(unpinned_warning(model_id))
+                say(f"serving {model_id} on {url_of(sock)}")
+                run(app, sock, settings)
+            finally:
+                sock.close()
+        except Stopped:
+            pass
+        finally:
+            engine.close()
+    say("shardtool serve: stopped")

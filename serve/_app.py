@@ -1,0 +1,392 @@
+"""The ASGI application: OpenAI-style routes over one engine, which it only feeds.
+
+Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics. Every
+error is a JSON body {"error": {"message", "type", "param", "code"}}, never a traceback. A request body is
+read with a size cap (Content-Length first, then while it streams) and a deadline. A client that goes away,
+while its result streams or while it waits for one, has its request cancelled in the engine (its KV cache
+is freed at the next step boundary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from shardtool.errors import (InvalidRequestError, OverloadedError, RequestRefusedError, ShardtoolError,
+                              UsageError)
+from shardtool.runtime import ErrorEvent, FinishEvent, SamplingParams, TokenEvent, encode_prompt
+from shardtool.serve._chat import ChatTemplate
+from shardtool.serve._metrics import CONTENT_TYPE, Metrics
+from shardtool.serve._protocol import Sampling, parse_chat, parse_completion
+from shardtool.serve._text import TextStream
+from shardtool.strict_json import loads_strict
+
+ROUTES = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics")
+_JSON_TYPES = ("application/json",)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 1 << 20
+    body_timeout: float = 30.0  # seconds to receive a whole request body, once its headers are in
+
+
+def create_app(engine, *, model_id: str, chat: ChatTemplate | None = None, limits: Limits = Limits()) -> Starlette:
+    """`engine`: a started runtime Engine (or anything with its interface); `model_id`: the verified
+    manifest's model ID, the only `model` requests may name."""
+    api = _API(engine, model_id, chat if chat is not None else ChatTemplate(None, {}), limits)
+    routes = [
+        Route("/health", api.health, methods=["GET"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/metrics", api.metrics_page, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception, Exception: _crash})
+    app.add_middleware(_CountRequests, metrics=api.metrics)
+    return app
+
+
+class _API:
+    def __init__(self, engine, model_id: str, chat: ChatTemplate, limits: Limits):
+        self.engine = engine
+        self.model_id = model_id
+        self.chat = chat
+        self.limits = limits
+        self.metrics = Metrics(engine.metrics)
+        self.created = int(time.time())
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_id, "object": "model", "created": self.created, "owned_by": "shardtool",
+            "max_model_len": self.engine.max_context}]})
+
+    async def metrics_page(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            req = parse_completion(await _read_json(request, self.limits), self.model_id)
+            if isinstance(req.prompt, str):
+                ids = await anyio.to_thread.run_sync(encode_prompt, self.engine.tokenizer, req.prompt)
+            else:
+                ids = list(req.prompt)
+            return self._start(ids, req.sampling, req.stream, req.include_usage, _CompletionFormat(self.model_id))
+        except ShardtoolError as err:
+            return error_response(err)
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            req = parse_chat(await _read_json(request, self.limits), self.model_id)
+            if self.engine.tokenizer is None:
+                raise UsageError("this model ships no tokenizer.json: chat needs one; use /v1/completions with "
+                                 "token ids")
+            messages = [m.as_template_dict() for m in req.messages]
+            # Rendering and encoding may take a while on a long conversation: off the event loop.
+            ids = await anyio.to_thread.run_sync(self.chat.prompt_ids, self.engine.tokenizer, messages)
+            return self._start(ids, req.sampling, req.stream, req.include_usage, _ChatFormat(self.model_id))
+        except ShardtoolError as err:
+            return error_response(err)
+
+    def _start(self, ids: list[int], sampling: Sampling, stream: bool, include_usage: bool, fmt) -> Response:
+        """Submit to the engine (refusals and a full queue are raised here, before any response starts)."""
+        if sampling.stop and self.engine.tokenizer is None:
+            raise UsageError("stop strings need the model's tokenizer.json, which this model does not ship")
+        max_tokens = sampling.max_tokens
+        if max_tokens is None:  # the rest of the context (the engine refuses a prompt that leaves none)
+            max_tokens = max(1, self.engine.max_context - len(ids))
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                                seed=sampling.seed)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def sink(event) -> None:  # on the engine's thread: never blocks, never raises
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop is closed: the server is gone, nobody is listening
+                pass
+
+        ticket = self.engine.submit(ids, params, sink)
+        text = TextStream(self._decode, sampling.stop)
+        return _Generation(self.engine, ticket, events, text, fmt, len(ids), stream, include_usage)
+
+    def _decode(self, ids) -> str:
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode(list(ids), skip_special_tokens=True) if tokenizer is not None else ""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading the request
+
+
+async def _read_json(request: Request, limits: Limits) -> Any:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind and kind not in _JSON_TYPES:
+        raise InvalidRequestError(f"the body must be JSON (Content-Type: application/json), got Content-Type "
+                                  f"{kind[:60]!r}", status=415)
+    body = await _read_body(request, limits)
+    try:
+        return loads_strict(body, "the request body")
+    except ShardtoolError as err:
+        raise InvalidRequestError(f"the request body is not valid JSON: {err.message}") from None
+
+
+async def _read_body(request: Request, limits: Limits) -> bytes:
+    cap = limits.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not (declared.isascii() and declared.isdigit()):
+            raise InvalidRequestError(f"Content-Length {declared[:40]!r} is not a number of bytes")
+        if int(declared) > cap:
+            raise InvalidRequestError(f"the request body is {int(declared)} bytes, more than the cap of {cap}",
+                                      status=413, code="request_too_large")
+    chunks, size = [], 0
+    try:
+        with anyio.fail_after(limits.body_timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > cap:
+                    raise InvalidRequestError(f"the request body is more than the cap of {cap} bytes", status=413,
+                                              code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise InvalidRequestError(f"the request body did not arrive within {limits.body_timeout:g} seconds",
+                                  status=408, code="request_timeout") from None
+    except ClientDisconnect:
+        raise InvalidRequestError("the client closed the connection before its request body was complete",
+                                  code="client_disconnected") from None
+    return b"".join(chunks)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Errors
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(err: ShardtoolError) -> JSONResponse:
+    """Our error classes -> HTTP status (the one place that maps them)."""
+    headers = {}
+    param = code = None
+    if isinstance(err, InvalidRequestError):
+        status, param, code = err.status, err.param, err.code
+    elif isinstance(err, OverloadedError):
+        status, code = 503, "overloaded"
+        headers["Retry-After"] = str(max(1, int(err.retry_after)))
+    elif isinstance(err, (RequestRefusedError, UsageError)):
+        status = 400
+    else:  # verification failures and anything else on the server's side
+        status = 500
+    if status in (408, 413):  # the rest of the body may still be on its way: do not read it as a next request
+        headers["Connection"] = "close"
+    return JSONResponse(error_body(err.one_line(), status, param, code), status_code=status, headers=headers)
+
+
+async def _http_exception(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own 404 (no such route) and 405 (wrong method), as JSON bodies."""
+    message = {404: f"no route {request.url.path[:100]!r}: this server has {', '.join(ROUTES)}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+    return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _crash(request: Request, exc: Exception) -> Response:
+    """A bug: the client gets a JSON 500 without its traceback. (Starlette re-raises the exception after this
+    response, and uvicorn logs it with its traceback on the server's stderr.)"""
+    return JSONResponse(error_body("internal server error (a bug in shardtool: see the server's log)", 500),
+                        status_code=500)
+
+
+class _CountRequests:
+    """Counts every response by route (the path when it is one of ours, else "other") and status."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.count(route, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Responses: one request's events from the engine, as one JSON document or as server-sent events
+
+
+class _CompletionFormat:
+    prefix, obj, chunk_obj = "cmpl-", "text_completion", "text_completion"
+
+    def __init__(self, model_id: str):
+        self.model_id = model_id
+
+    def choice(self, text: str, finish: str | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def delta(self, text: str, finish: str | None, first: bool) -> dict:
+        return self.choice(text, finish)
+
+    def first_chunk(self) -> dict | None:
+        return None
+
+
+class _ChatFormat(_CompletionFormat):
+    prefix, obj, chunk_obj = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+
+    def choice(self, text: str, finish: str | None) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish}
+
+    def delta(self, text: str, finish: str | None, first: bool) -> dict:
+        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+
+    def first_chunk(self) -> dict | None:
+        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+
+class _Generation(Response):
+    """An ASGI response that waits for the engine's events while watching for the client going away."""
+
+    def __init__(self, engine, ticket, events: asyncio.Queue, text: TextStream, fmt: _CompletionFormat,
+                 prompt_tokens: int, stream: bool, include_usage: bool):
+        self.engine, self.ticket, self.events, self.text, self.fmt = engine, ticket, events, text, fmt
+        self.prompt_tokens, self.stream, self.include_usage = prompt_tokens, stream, include_usage
+        self.ended = False  # the ticket ended (a finish or error event) or we cancelled it
+        self.id = fmt.prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.background = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(self._watch, receive, tasks.cancel_scope)
+                if self.stream:
+                    await self._send_events(send)
+                else:
+                    await self._send_document(send)
+                tasks.cancel_scope.cancel()
+        finally:
+            self._cancel()  # a disconnect, a server shutdown, a bug: the engine frees the request's KV cache
+
+    async def _watch(self, receive: Callable, scope: anyio.CancelScope) -> None:
+        """The body was read in full, so the next message is the disconnect (or nothing, until the response)."""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                scope.cancel()
+                return
+
+    def _cancel(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.engine.cancel(self.ticket)
+
+    async def _next(self) -> tuple[str, Any]:
+        """("text", delta) per token, then ("finish", reason) or ("error", ErrorEvent)."""
+        while True:
+            event = await self.events.get()
+            if isinstance(event, TokenEvent):
+                delta = self.text.push(event.token)
+                if self.text.stopped:  # a stop string: the text is complete, the rest is not wanted
+                    self._cancel()
+                    return "finish", ("stop", delta)
+                if delta:
+                    return "text", delta
+            elif isinstance(event, FinishEvent):
+                self.ended = True
+                return "finish", (event.reason, self.text.finish())
+            elif isinstance(event, ErrorEvent):
+                self.ended = True
+                return "error", event
+            else:  # pragma: no cover - the engine's interface has exactly three events
+                raise TypeError(f"unexpected engine event {event!r}")
+
+    def _usage(self) -> dict:
+        done = self.text.tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
+
+    async def _send_document(self, send) -> None:
+        while True:
+            kind, value = await self._next()
+            if kind == "error":
+                return await _send_json(send, value.status, error_body(value.message, value.status))
+            if kind == "finish":
+                reason, _ = value
+                break
+        document = {"id": self.id, "object": self.fmt.obj, "created": self.created, "model": self.fmt.model_id,
+                    "choices": [self.fmt.choice(self.text.text, reason)], "usage": self._usage()}
+        await _send_json(send, 200, document)
+
+    async def _send_events(self, send) -> None:
+        kind, value = await self._next()
+        if kind == "error":  # nothing was sent yet: a real status
+            return await _send_json(send, value.status, error_body(value.message, value.status))
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no")]})
+        first = self.fmt.first_chunk()
+        if first is not None:
+            await self._chunk(send, [first])
+        while True:
+            if kind == "error":  # mid-stream: an error event, and the stream ends without [DONE]
+                await _send_sse(send, error_body(value.message, value.status))
+                break
+            if kind == "text":
+                await self._chunk(send, [self.fmt.delta(value, None, False)])
+            else:
+                reason, delta = value
+                if delta:
+                    await self._chunk(send, [self.fmt.delta(delta, None, False)])
+                await self._chunk(send, [self.fmt.delta("", reason, False)])
+                if self.include_usage:
+                    await self._chunk(send, [], usage=self._usage())
+                await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+                break
+            kind, value = await self._next()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _chunk(self, send, choices: list, usage: dict | None = None) -> None:
+        chunk = {"id": self.id, "object": self.fmt.chunk_obj, "created": self.created, "model": self.fmt.model_id,
+                 "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = usage
+        await _send_sse(send, chunk)
+
+
+async def _send_json(send, status: int, document: dict) -> None:
+    body = _dumps(document)
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_sse(send, document: dict) -> None:
+    await send({"type": "http.response.body", "body": b"data: " + _dumps(document) + b"\n\n", "more_body": True})
+
+
+def _dumps(document: dict) -> bytes:
+    return json.dumps(document, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")

@@ -1,0 +1,79 @@
+"""GET /metrics: the engine's figures, read at scrape time, and the HTTP requests served, by route and status,
+in the Prometheus text format. A private registry: nothing global, no process-wide default collectors."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "shardtool_"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# engine.metrics() key -> help text. A key ending in _total is a counter, any other a gauge; a key the engine
+# adds later is exported too (with a generic help text), so no figure goes missing from a scrape.
+ENGINE_HELP = {
+    "queue_depth": "Requests waiting for admission (KV cache or batch slot).",
+    "running": "Requests in the running batch.",
+    "last_batch_size": "Sequences in the most recent decode step.",
+    "kv_cache_bytes_capacity": "Bytes of the memory budget set aside for the KV cache.",
+    "kv_cache_bytes_reserved": "KV cache bytes reserved by admitted requests (prompt + max_tokens each).",
+    "kv_cache_bytes_in_use": "KV cache bytes holding keys and values now.",
+    "prompt_tokens_total": "Prompt tokens prefilled.",
+    "generation_tokens_total": "Tokens generated.",
+    "steps_total": "Batched forward steps run.",
+    "step_sequences_total": "Sequences summed over all steps (divide by steps_total for the mean batch size).",
+    "step_rows_total": "Token rows summed over all steps (decode tokens plus prefill chunks).",
+    "step_seconds_total": "Seconds spent in forward steps.",
+    "requests_admitted_total": "Requests admitted to the running batch (their KV cache reserved).",
+    "requests_finished_total": "Requests that ended with a finish reason (stop, length).",
+    "requests_failed_total": "Requests that ended with an error.",
+    "requests_cancelled_total": "Requests cancelled (a client went away, or a stop string was met).",
+    "requests_rejected_queue_full_total": "Requests refused with 503 because the wait queue was full.",
+    "expert_bytes_read_total": "Routed-expert shard bytes read from disk.",
+    "verification_failures_total": "Shards that failed verification (size or BLAKE3) when read.",
+    "cache_hits_total": "Verified-shard cache hits.",
+    "cache_misses_total": "Verified-shard cache misses (each a read and a verification).",
+    "cache_evictions_total": "Shards evicted from the verified-shard cache.",
+    "bytes_read_total": "Shard bytes read from disk.",
+    "bytes_verified_total": "Shard bytes hashed and compared with the signed manifest.",
+    "read_seconds_total": "Reader-thread seconds spent reading shards.",
+    "verify_seconds_total": "Reader-thread seconds spent hashing shards.",
+}
+
+
+class EngineCollector(Collector):
+    """Calls `read()` (the engine's metrics()) at every scrape: the figures are never stale."""
+
+    def __init__(self, read: Callable[[], Mapping[str, int | float]]):
+        self._read = read
+
+    def collect(self) -> Iterator:
+        for key, value in sorted(self._read().items()):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            help_text = ENGINE_HELP.get(key, f"Engine figure {key}.")
+            if key.endswith("_total"):
+                # prometheus_client appends _total to a counter's name itself.
+                yield CounterMetricFamily(PREFIX + key[: -len("_total")], help_text, value=value)
+            else:
+                yield GaugeMetricFamily(PREFIX + key, help_text, value=value)
+
+    def describe(self) -> list:
+        return []  # the names are known only at scrape time: no registration-time collision check
+
+
+class Metrics:
+    def __init__(self, read_engine: Callable[[], Mapping[str, int | float]]):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(read_engine))
+        self.http_requests = Counter(PREFIX + "http_requests", "HTTP requests answered, by route and status.",
+                                     ("route", "status"), registry=self.registry)
+
+    def count(self, route: str, status: int) -> None:
+        self.http_requests.labels(route=route, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

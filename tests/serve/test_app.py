@@ -1,0 +1,381 @@
+"""serve/_app.py and _server.py over a scripted engine (tests/serve/_fake_engine.py): the real uvicorn server on
+127.0.0.1 in a thread, driven by raw HTTP. Responses, SSE framing, errors, caps, timeouts, disconnects, metrics.
+(The real engine and the real `shardtool serve` process: test_serve_e2e.py.)"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from examples.make_tiny_moe import build_tokenizer
+from shardtool.runtime import ErrorEvent
+from shardtool.serve import ChatTemplate, Limits, ServerSettings, bind, create_app, url_of
+from shardtool.serve._server import uvicorn_server
+
+from _fake_engine import EOS, FakeEngine  # noqa: E402  (tests/serve is on sys.path: pytest's prepend mode)
+
+MODEL = "acme/tiny"
+REPLY = "Hello world, said the miller."
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(512)
+
+
+@contextlib.contextmanager
+def serving(engine: FakeEngine, *, limits: Limits = Limits(), settings: ServerSettings = ServerSettings(),
+            chat: ChatTemplate | None = None):
+    app = create_app(engine, model_id=MODEL, chat=chat, limits=limits)
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn_server(app, settings)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    engine.start()
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        yield url_of(sock)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.close()
+        sock.close()
+
+
+def replying(tok, text: str = REPLY, *, eos: bool = True):
+    ids = tok.encode(text).ids + ([EOS] if eos else [])
+    return lambda prompt, params: ids
+
+
+@pytest.fixture
+def engine(tok):
+    return FakeEngine(tok, reply=replying(tok), tokenizer_config={"chat_template": CHAT_TEMPLATE})
+
+
+@pytest.fixture
+def url(engine):
+    chat = ChatTemplate.from_tokenizer_config(engine.tokenizer_config)
+    with serving(engine, chat=chat) as base:
+        yield base
+
+
+def post(url: str, path: str, body, **kw) -> httpx.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    headers = {"content-type": "application/json", **kw.pop("headers", {})}
+    return httpx.post(url + path, content=data, headers=headers, timeout=30, **kw)
+
+
+def sse(response_text: str) -> list:
+    """Server-sent events as a client reads them: `data:` lines, each a JSON document or [DONE]."""
+    events = []
+    for block in response_text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_error(r: httpx.Response, status: int, *, param=None, code=None, words: str = "", kind=None) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == (kind or ("invalid_request_error" if status < 500 else "server_error"))
+    assert (error["param"], error["code"]) == (param, code)
+    assert words in error["message"], error["message"]
+    assert "Traceback" not in r.text and "\n" not in error["message"]
+    return error
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_health_models_and_json_404_405(url):
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    models = httpx.get(url + "/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 64
+    assert_error(httpx.get(url + "/v2/nothing"), 404, words="no route '/v2/nothing'")
+    assert_error(httpx.get(url + "/v1/completions"), 405, words="GET is not allowed")
+
+
+def test_a_completion(url, engine, tok):
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "The miller", "max_tokens": 40, "temperature": 0})
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["object"] == "text_completion" and doc["model"] == MODEL and doc["id"].startswith("cmpl-")
+    assert doc["choices"] == [{"index": 0, "text": REPLY, "logprobs": None, "finish_reason": "stop"}]
+    n_reply = len(tok.encode(REPLY).ids) + 1  # the eos token counts as generated
+    n_prompt = len(tok.encode("The miller").ids)
+    assert doc["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": n_reply, "total_tokens": n_prompt + n_reply}
+    params = engine.submitted[0].params
+    assert (params.max_new_tokens, params.temperature, params.top_p, params.seed) == (40, 0.0, 1.0, None)
+    assert engine.submitted[0].prompt == tok.encode("The miller").ids
+
+
+def test_token_id_prompt_and_length_finish(url, engine, tok):
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "seed": 3})
+    doc = r.json()
+    assert doc["choices"][0]["finish_reason"] == "length"
+    assert doc["choices"][0]["text"] == tok.decode(tok.encode(REPLY).ids[:2])
+    assert engine.submitted[0].prompt == [5, 6, 7] and engine.submitted[0].params.seed == 3
+
+
+def test_a_stop_string_cuts_the_text_and_cancels_the_request(url, engine):
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 40, "stop": [", said", "zzz"]})
+    doc = r.json()
+    assert doc["choices"][0]["text"] == "Hello world" and doc["choices"][0]["finish_reason"] == "stop"
+    assert engine.cancels == [engine.submitted[0].id]
+
+
+def test_a_streamed_completion(url, engine):
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 40, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len({c["id"] for c in chunks}) == 1 and all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == REPLY
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["stop"]
+    assert all("usage" not in c for c in chunks)
+
+
+def test_a_streamed_completion_with_usage_and_a_stop_string(url, engine, tok):
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 40, "stream": True,
+                                      "stream_options": {"include_usage": True}, "stop": "miller"})
+    events = sse(r.text)
+    assert events[-1] == "[DONE]"
+    *chunks, usage = events[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "Hello world, said the "
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(c["usage"] is None for c in chunks)
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == 1
+    assert usage["usage"]["completion_tokens"] == next(
+        i + 1 for i in range(40) if "miller" in tok.decode(tok.encode(REPLY).ids[:i + 1]))
+    assert engine.cancels == [engine.submitted[0].id]
+
+
+def test_a_chat_completion_and_its_stream(url, engine, tok):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 40}
+    doc = post(url, "/v1/chat/completions", body).json()
+    assert doc["object"] == "chat.completion" and doc["id"].startswith("chatcmpl-")
+    assert doc["choices"] == [{"index": 0, "message": {"role": "assistant", "content": REPLY}, "logprobs": None,
+                               "finish_reason": "stop"}]
+    assert engine.submitted[0].prompt == tok.encode("user: Hi\nassistant:", add_special_tokens=False).ids
+    events = sse(post(url, "/v1/chat/completions", {**body, "stream": True}).text)
+    assert events[-1] == "[DONE]" and all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == REPLY
+    assert events[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+
+
+def test_chat_max_tokens_default_is_the_rest_of_the_context(url, engine, tok):
+    post(url, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    prompt = engine.submitted[0].prompt
+    assert engine.submitted[0].params.max_new_tokens == 64 - len(prompt)
+
+
+def test_engine_refusals_are_400_and_a_full_queue_is_503_with_retry_after(url, engine):
+    assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": [1, 600]}), 400, words="token id 600")
+    assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 64}), 400,
+                 words="exceed the context of 64")
+    engine.max_batch = 0  # nothing is admitted: every request waits in the queue
+    held = [threading.Thread(target=post, args=(url, "/v1/completions", {"model": MODEL, "prompt": "x"}))
+            for _ in range(engine.max_queue)]
+    for t in held:
+        t.start()
+    _wait(lambda: len(engine.submitted) == engine.max_queue, "the queue to fill")
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "x"})
+    engine.max_batch = 2
+    for t in held:
+        t.join()
+    assert_error(r, 503, code="overloaded", words="wait queue is full")
+    assert r.headers["retry-after"] == "3"
+
+
+def test_an_error_before_the_first_token_is_a_real_status(url, engine):
+    engine.reply = lambda prompt, params: [ErrorEvent(500, "expert 3 of layer 1 failed verification", ValueError())]
+    assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True}), 500,
+                 words="expert 3 of layer 1 failed verification")
+    assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": "x"}), 500, words="failed verification")
+
+
+def test_an_error_mid_stream_is_an_error_event_and_no_done(url, engine, tok):
+    ids = tok.encode("Hello world").ids
+    engine.reply = lambda prompt, params: ids + [ErrorEvent(500, "a shard failed verification", ValueError())]
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True})
+    assert r.status_code == 200
+    events = sse(r.text)
+    assert events[-1] == {"error": {"message": "a shard failed verification", "type": "server_error", "param": None,
+                                    "code": None}}
+    assert "[DONE]" not in events
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "Hello world"
+    # Not streamed: no partial text, only the error.
+    assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": "x"}), 500, words="failed verification")
+
+
+def test_a_bug_is_a_json_500_without_traceback(url, engine):
+    def broken(prompt, params):
+        raise RuntimeError("a planted bug")
+
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        engine.reply = broken
+        assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": "x"}), 500, words="internal server error")
+    finally:
+        logger.removeHandler(handler)
+    # The traceback is in the server's log instead.
+    assert any(r.exc_info and "a planted bug" in str(r.exc_info[1]) for r in logged)
+
+
+# name -> (raw body, extra headers, status, param, code, words)
+RAW_BAD = {
+    "malformed-json": (b'{"model": "acme/tiny", "prompt": ', {}, 400, None, None, "not valid JSON"),
+    "not-utf8": (b'{"model": "\xff"}', {}, 400, None, None, "not UTF-8"),
+    "duplicate-key": (b'{"model": "acme/tiny", "prompt": "a", "prompt": "b"}', {}, 400, None, None, "twice"),
+    "nan": (b'{"model": "acme/tiny", "prompt": "a", "temperature": NaN}', {}, 400, None, None, "NaN"),
+    "deep-nesting": (b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}, 400, None, None, "nested too deeply"),
+    "top-level-array": (b'[1, 2]', {}, 400, None, None, "must be a JSON object"),
+    "empty-body": (b"", {}, 400, None, None, "not valid JSON"),
+    "form-content-type": (b"prompt=x", {"content-type": "application/x-www-form-urlencoded"}, 415, None, None,
+                          "must be JSON"),
+    "wrong-type": (b'{"model": "acme/tiny", "prompt": "a", "max_tokens": "ten"}', {}, 400, "max_tokens", None,
+                   "must be an integer"),
+    "other-model": (b'{"model": "gpt-4", "prompt": "a"}', {}, 404, "model", "model_not_found", "does not exist"),
+}
+
+
+@pytest.mark.parametrize("name", RAW_BAD)
+def test_bad_raw_bodies(url, name):
+    body, headers, status, param, code, words = RAW_BAD[name]
+    assert_error(post(url, "/v1/completions", body, headers=headers), status, param=param, code=code, words=words)
+
+
+def test_body_cap_by_content_length_and_while_streaming(engine):
+    with serving(engine, limits=Limits(max_body_bytes=1000)) as base:
+        big = json.dumps({"model": MODEL, "prompt": "x" * 2000})
+        assert_error(post(base, "/v1/completions", big), 413, code="request_too_large", words=f"{len(big)} bytes")
+
+        def chunks():  # no Content-Length: chunked transfer encoding
+            for _ in range(10):
+                yield b" " * 500
+
+        r = httpx.post(base + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert_error(r, 413, code="request_too_large", words="more than the cap of 1000 bytes")
+        assert r.headers["connection"] == "close"
+
+
+def test_a_slow_body_times_out_with_408(engine):
+    with serving(engine, limits=Limits(body_timeout=0.5)) as base:
+        host, port = base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"model\":")
+            reply = _read_all(s)
+        assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+
+
+def test_slow_headers_time_out_with_408_and_a_closed_connection(engine):
+    with serving(engine, settings=ServerSettings(header_timeout=0.5)) as base:
+        host, port = base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # ... and the rest never comes
+            t0 = time.monotonic()
+            reply = _read_all(s)
+            assert time.monotonic() - t0 < 9  # closed by the server, not by our socket timeout
+        assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+        with socket.create_connection((host, int(port)), timeout=10) as s:  # a keep-alive request after one answer
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = b""
+            while not first.endswith(b'{"status":"ok"}'):
+                first += s.recv(65536)
+            assert first.startswith(b"HTTP/1.1 200 ")
+            s.sendall(b"GET /health HTTP/1.1\r\nHo")  # the next request's headers stall
+            assert _read_all(s).startswith(b"HTTP/1.1 408 ")
+
+
+def _read_all(s: socket.socket) -> bytes:
+    out = b""
+    while True:
+        try:
+            data = s.recv(65536)
+        except ConnectionResetError:
+            return out
+        if not data:
+            return out
+        out += data
+
+
+def _wait(predicate, what: str, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_goes_away_while_queued_is_cancelled(url, engine, stream):
+    engine.gate.clear()
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "prompt": "x", "stream": stream}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        _wait(lambda: engine.submitted, "the request to reach the engine")
+    _wait(lambda: engine.cancels == [engine.submitted[0].id], "the cancel")
+    engine.gate.set()
+
+
+def test_a_client_that_goes_away_mid_stream_is_cancelled(url, engine, tok):
+    engine.reply = lambda prompt, params: tok.encode("word " * 50).ids
+    engine.step_seconds = 0.05
+    with httpx.stream("POST", url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 60,
+                                                             "stream": True}) as r:
+        next(r.iter_lines())
+    _wait(lambda: engine.cancels == [engine.submitted[0].id], "the cancel")
+
+
+def test_metrics(url, engine):
+    post(url, "/v1/completions", {"model": MODEL, "prompt": "x"})
+    post(url, "/v1/completions", {"model": MODEL, "prompt": ""})
+    httpx.get(url + "/nowhere")
+    r = httpx.get(url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for line in ("# TYPE shardtool_queue_depth gauge", "# TYPE shardtool_generation_tokens_total counter",
+                 "shardtool_requests_finished_total 1.0", "shardtool_kv_cache_bytes_capacity 1.048576e+06",
+                 'shardtool_http_requests_total{route="/v1/completions",status="200"} 1.0',
+                 'shardtool_http_requests_total{route="/v1/completions",status="400"} 1.0',
+                 'shardtool_http_requests_total{route="other",status="404"} 1.0'):
+        assert line in text, line
+    assert "python_gc" not in text and "process_" not in text  # a private registry: only ours
+
+
+def test_chat_without_a_template_is_400_and_a_broken_one_500(engine):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    with serving(engine, chat=ChatTemplate.from_tokenizer_config({})) as base:
+        assert_error(post(base, "/v1/chat/completions", body), 400, param="messages", code="no_chat_template",
+                     words="no chat template")
+        assert post(base, "/v1/completions", {"model": MODEL, "prompt": "x"}).status_code == 200
+    engine2 = FakeEngine(engine.tokenizer, reply=engine.reply)
+    with serving(engine2, chat=ChatTemplate.from_tokenizer_config({"chat_template": "{% if %}"})) as base:
+        assert_error(post(base, "/v1/chat/completions", body), 500, words="does not compile")

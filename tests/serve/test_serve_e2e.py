@@ -1,0 +1,384 @@
+"""The installed `shardtool serve` on a tiny generated, split and signed Mixtral: the real server process on
+127.0.0.1 (a free port, its own process group, ended by that group's id), driven by the official `openai`
+client and by raw HTTP for the bad inputs. Greedy text equals verify-and-run's for the same prompt."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
+MODEL_ID = "test/tiny-serve"
+MAX_CONTEXT = 128
+READ_TIMEOUT = 2
+SERVE_FLAGS = ("--memory-budget", "256MiB", "--max-context", str(MAX_CONTEXT), "--max-batch", "4",
+               "--max-queue", "8", "--read-timeout", str(READ_TIMEOUT), "--readers", "1")
+
+
+@dataclass
+class Built:
+    work: Path
+    model: Path  # split, signed by a.key; its tokenizer_config.json has a chat template
+    plain: Path  # the same without a chat template
+
+
+def cli(*args, program: str = "shardtool", cwd: Path, timeout: int = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XDG_STATE_HOME": str(cwd)}
+    return subprocess.run([str(BIN / program), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def ok(*args, **kw) -> subprocess.CompletedProcess:
+    r = cli(*args, **kw)
+    assert r.returncode == 0, f"{' '.join(map(str, args))} exited {r.returncode}:\n{r.stderr}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Built:
+    if not (BIN / "shardtool").exists():
+        pytest.fail(f"the shardtool console script is not installed next to {sys.executable}; run `make install`")
+    work = tmp_path_factory.mktemp("serve")
+    ok("keygen", "--out", "a", "--no-passphrase", cwd=work)
+    out = {}
+    for name, extra in (("model", ()), ("plain", ("--no-chat-template",))):
+        subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(work / f"{name}-hf"),
+                        "--family", "mixtral", "--experts", "8", "--layers", "2", *extra], check=True,
+                       capture_output=True)
+        ok("split", "-q", work / f"{name}-hf", work / name, "--model-id", MODEL_ID, "--version", "1", cwd=work)
+        ok("sign", work / name, "--key", "a.key", cwd=work)
+        out[name] = work / name
+    return Built(work, out["model"], out["plain"])
+
+
+class Server:
+    """One `shardtool serve` process in its own session; `stop()` signals its process group."""
+
+    def __init__(self, built: Built, model: Path, *extra, trust: str = "a.pub", state: str = "state"):
+        self.log = built.work / f"serve-{time.monotonic_ns()}.log"
+        self.err = open(self.log, "w+")
+        env = {**os.environ, "XDG_STATE_HOME": str(built.work)}
+        self.proc = subprocess.Popen(
+            [str(BIN / "shardtool"), "serve", str(model), "--trust", str(built.work / trust), "--state-dir",
+             str(built.work / state), "--port", "0", *SERVE_FLAGS, *map(str, extra)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.err, cwd=built.work, env=env,
+            start_new_session=True)
+        self.url = None
+
+    def wait_listening(self, seconds: float = 120) -> "Server":
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            m = re.search(r"serving (\S+) on (http://127\.0\.0\.1:\d+)", self.stderr())
+            if m:
+                assert m.group(1) == MODEL_ID
+                self.url = m.group(2)
+                return self
+            if self.proc.poll() is not None:
+                raise AssertionError(f"shardtool serve exited {self.proc.returncode}:\n{self.stderr()}")
+            time.sleep(0.05)
+        raise AssertionError(f"shardtool serve did not listen within {seconds}s:\n{self.stderr()}")
+
+    def stderr(self) -> str:
+        return self.log.read_text()
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            self.err.close()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.url.removeprefix("http://").split(":")
+        return host, int(port)
+
+
+@pytest.fixture(scope="module")
+def server(built):
+    s = Server(built, built.model, "--model-id", MODEL_ID).wait_listening()
+    yield s
+    code = s.stop()
+    assert code == 0, s.stderr()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def verify_and_run(built: Built, *args) -> str:
+    r = ok(built.model, "--trust", built.work / "a.pub", "--state-dir", built.work / "state", "--model-id", MODEL_ID,
+           "-q", *args, program="verify-and-run", cwd=built.work)
+    assert r.stdout.endswith("\n")
+    return r.stdout[:-1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt, new", [("Hi", 24), ("The miller said the river", 40)])
+def test_greedy_completion_equals_verify_and_run(built, client, prompt, new):
+    result = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=new, temperature=0)
+    assert result.choices[0].text == verify_and_run(built, "--prompt", prompt, "--max-new-tokens", new)
+    assert result.choices[0].finish_reason in ("stop", "length")
+    assert result.usage.completion_tokens <= new and result.usage.prompt_tokens >= 1
+
+
+def test_streamed_completion_equals_the_whole_one(client):
+    whole = client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=30, temperature=0)
+    chunks = list(client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=30, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_token_id_prompt_equals_verify_and_run(built, client):
+    result = client.completions.create(model=MODEL_ID, prompt=[5, 77, 300], max_tokens=16, temperature=0)
+    assert result.choices[0].text == verify_and_run(built, "--prompt-ids", "5,77,300", "--max-new-tokens", 16)
+
+
+def test_chat_equals_verify_and_run_on_the_rendered_prompt(built, client):
+    from tokenizers import Tokenizer
+
+    from shardtool.serve import ChatTemplate
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the mill?"}]
+    config = json.loads((built.model / "tokenizer_config.json").read_text())
+    tok = Tokenizer.from_file(str(built.model / "tokenizer.json"))
+    ids = ChatTemplate.from_tokenizer_config(config).prompt_ids(tok, messages)
+    expected = verify_and_run(built, "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", 20)
+
+    result = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=20, temperature=0)
+    assert result.choices[0].message.role == "assistant"
+    assert result.choices[0].message.content == expected
+    assert result.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=20, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == expected
+
+
+def test_stop_strings(client):
+    whole = client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=40, temperature=0).choices[0].text
+    stop = whole[10:13]
+    assert len(stop) == 3
+    cut = client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=40, temperature=0, stop=[stop])
+    assert cut.choices[0].text == whole[:whole.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_sampling_with_a_seed_is_reproducible(client):
+    def run():
+        return client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=20, temperature=0.9, top_p=0.9,
+                                         seed=7).choices[0].text
+    assert run() == run()
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list()] == [MODEL_ID]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("shardtool_queue_depth", "shardtool_last_batch_size", "shardtool_cache_hits_total",
+                 "shardtool_cache_misses_total", "shardtool_cache_evictions_total", "shardtool_bytes_read_total",
+                 "shardtool_bytes_verified_total", "shardtool_verification_failures_total",
+                 "shardtool_kv_cache_bytes_in_use", "shardtool_generation_tokens_total",
+                 'shardtool_http_requests_total{route="/v1/models",status="200"}'):
+        assert re.search(rf"^{re.escape(name)} ", text, re.M), name
+
+
+def test_openai_client_errors(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-4o", prompt="Hi", max_tokens=2)
+    assert info.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2, n=2)
+    assert info.value.param == "n"
+
+
+def assert_error(r: httpx.Response, status: int, words: str, param=None) -> None:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert words in error["message"], error["message"]
+    assert error["param"] == param
+    assert "Traceback" not in r.text
+
+
+def post(server, body, path="/v1/completions", **kw) -> httpx.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=data, headers={"content-type": "application/json"}, timeout=60, **kw)
+
+
+# name -> (body, status, words in the message, param)
+BAD = {
+    "malformed-json": (b'{"model": "x", ', 400, "not valid JSON", None),
+    "duplicate-key": (b'{"model": "test/tiny-serve", "model": "test/tiny-serve", "prompt": "a"}', 400, "twice", None),
+    "wrong-type": ({"model": MODEL_ID, "prompt": "a", "temperature": "warm"}, 400, "temperature must be a number",
+                   "temperature"),
+    "unknown-field": ({"model": MODEL_ID, "prompt": "a", "functions": []}, 400, "unknown field 'functions'",
+                      "functions"),
+    "negative-max-tokens": ({"model": MODEL_ID, "prompt": "a", "max_tokens": -1}, 400, "got -1", "max_tokens"),
+    "huge-max-tokens": ({"model": MODEL_ID, "prompt": "a", "max_tokens": 10**12}, 400, "from 1 to", "max_tokens"),
+    "max-tokens-over-context": ({"model": MODEL_ID, "prompt": "a", "max_tokens": MAX_CONTEXT}, 400,
+                                f"more than the context of {MAX_CONTEXT}", None),
+    "id-outside-vocab": ({"model": MODEL_ID, "prompt": [3, 512], "max_tokens": 2}, 400,
+                         "token id 512 is outside this model's vocabulary of 512", None),
+    "negative-id": ({"model": MODEL_ID, "prompt": [-3], "max_tokens": 2}, 400, "token id from 0", "prompt[0]"),
+    "empty-prompt": ({"model": MODEL_ID, "prompt": "", "max_tokens": 2}, 400, "prompt is empty", "prompt"),
+    "empty-id-list": ({"model": MODEL_ID, "prompt": [], "max_tokens": 2}, 400, "prompt is empty", "prompt"),
+    "prompt-over-context": ({"model": MODEL_ID, "prompt": [5] * (MAX_CONTEXT + 1), "max_tokens": 1}, 400,
+                            f"more than the context of {MAX_CONTEXT}", None),
+    "text-prompt-over-context": ({"model": MODEL_ID, "prompt": "the river " * 200, "max_tokens": 1}, 400,
+                                 f"more than the context of {MAX_CONTEXT}", None),
+    "several-prompts": ({"model": MODEL_ID, "prompt": ["a", "b"]}, 400, "one prompt per request", "prompt"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_inputs(server, name):
+    body, status, words, param = BAD[name]
+    assert_error(post(server, body), status, words, param)
+
+
+def test_chat_bad_inputs(server):
+    assert_error(post(server, {"model": MODEL_ID, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                      "/v1/chat/completions"), 400, "text only", "messages[0].content[0].type")
+    late_system = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]
+    assert_error(post(server, {"model": MODEL_ID, "messages": late_system, "max_tokens": 2}, "/v1/chat/completions"),
+                 400, "chat template refused these messages: a system message must come first", "messages")
+
+
+def test_a_10mb_body_is_refused_by_its_length(server):
+    with socket.create_connection(server.address, timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 10485760\r\n\r\n")
+        reply = _read_response(s)
+    assert reply.startswith(b"HTTP/1.1 413 "), reply[:200]
+    assert b"more than the cap of 1048576" in reply
+
+
+def test_a_10mb_chunked_body_is_refused_while_it_streams(server):
+    sent = []
+
+    def body():
+        for _ in range(10):
+            sent.append(1)
+            yield b" " * (1 << 20)
+
+    r = httpx.post(server.url + "/v1/completions", content=body(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert_error(r, 413, "more than the cap of 1048576 bytes")
+    assert len(sent) < 10  # refused before the whole body was read
+
+
+def test_slow_clients_time_out(server):
+    with socket.create_connection(server.address, timeout=30) as s:  # a body that stalls
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 50\r\n\r\n{\"model\":")
+        reply = _read_response(s)
+    assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+    with socket.create_connection(server.address, timeout=30) as s:  # headers that stall (slowloris)
+        t0 = time.monotonic()
+        s.sendall(b"GET /health HTTP/1.1\r\n")
+        for _ in range(4 * READ_TIMEOUT):
+            time.sleep(0.5)
+            try:
+                s.sendall(b"X-a: b\r\n")  # a header line now and then never extends the deadline
+            except OSError:
+                break
+        reply = _read_response(s)
+        assert time.monotonic() - t0 < 4 * READ_TIMEOUT
+    assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+    assert httpx.get(server.url + "/health").status_code == 200  # and the server is fine
+
+
+def _read_response(s: socket.socket) -> bytes:
+    out = b""
+    while True:
+        try:
+            data = s.recv(65536)
+        except (ConnectionResetError, socket.timeout):
+            return out
+        if not data:
+            return out
+        out += data
+
+
+def _metric(server, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(server.url + "/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_client_that_disconnects_mid_stream_is_cancelled(server, client):
+    body = {"model": MODEL_ID, "prompt": "Hi", "max_tokens": MAX_CONTEXT - 10, "temperature": 0}
+    # Greedy decoding of this prompt runs to max_tokens (no eos): a stream closed after its first chunk is
+    # still running in the engine.
+    assert client.completions.create(**body).choices[0].finish_reason == "length"
+    before = _metric(server, "shardtool_requests_cancelled_total")
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={**body, "stream": True}) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+    deadline = time.monotonic() + 30
+    while _metric(server, "shardtool_requests_cancelled_total") <= before:
+        assert time.monotonic() < deadline, "the disconnected request was not cancelled"
+        time.sleep(0.05)
+
+
+def test_chat_on_a_model_without_a_chat_template(built):
+    # Its own rollback state: the same model ID and version with other bytes is refused (two manifests, one version).
+    s = Server(built, built.plain, "--model-id", MODEL_ID, state="state-plain").wait_listening()
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as info:
+            c.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert "no chat template" in str(info.value) and info.value.code == "no_chat_template"
+        assert c.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2).choices[0].text is not None
+    finally:
+        assert s.stop(signal.SIGINT) == 0  # Ctrl-C is a clean stop too
+    assert s.stderr().rstrip().endswith("shardtool serve: stopped")
+
+
+@pytest.mark.parametrize("case", ["untrusted-key", "tampered-manifest", "budget-too-small", "bad-flag"])
+def test_refuses_to_start(built, tmp_path, case):
+    import shutil
+
+    model = Path(shutil.copytree(built.model, tmp_path / "model"))
+    extra: tuple = ()
+    trust = "a.pub"
+    if case == "untrusted-key":
+        ok("keygen", "--out", tmp_path / "b", "--no-passphrase", cwd=built.work)
+        trust = str(tmp_path / "b.pub")
+        expected = 1
+    elif case == "tampered-manifest":
+        data = bytearray((model / "manifest.msgpack").read_bytes())
+        data[len(data) // 2] ^= 0x01
+        (model / "manifest.msgpack").write_bytes(bytes(data))
+        expected = 1
+    elif case == "budget-too-small":
+        extra = ("--memory-budget", "2MiB")
+        expected = 2
+    else:
+        extra = ("--kv-cache", "lots")
+        expected = 2
+    s = Server(built, model, *extra, trust=trust)
+    code = s.proc.wait(timeout=120)
+    log = s.stderr()
+    s.err.close()
+    assert code == expected, log
+    assert "serving" not in log and "Traceback" not in log
+    assert re.search(r"shardtool: (usage )?error: .*\[\w+Error\]$", log.strip().splitlines()[-1]), log
