@@ -35,7 +35,37 @@ step "7. verify-and-run: every shard checked before its weights are used"
 verify-and-run "$D/model" --trust "$D/publisher.pub" --model-id demo/tiny-moe --state-dir "$D/state" --memory-budget 64MiB \
     --prompt "The quick brown fox" --max-new-tokens 24 --temperature 0
 
-step "8. poison layer 0's experts (one byte each) and try again"
+step "8. serve it: an OpenAI-compatible server, one streamed chat request, then stop it"
+shardtool serve "$D/model" --trust "$D/publisher.pub" --model-id demo/tiny-moe --state-dir "$D/state" \
+    --memory-budget 128MiB --max-context 256 --port 0 2> "$D/serve.log" &
+serve_pid=$!
+trap 'kill "$serve_pid" 2>/dev/null || true' EXIT
+url=""
+for _ in $(seq 1 300); do
+    url=$(grep -o 'http://127\.0\.0\.1:[0-9]*' "$D/serve.log" | head -n 1 || true)
+    [ -n "$url" ] && break
+    kill -0 "$serve_pid" 2>/dev/null || { cat "$D/serve.log" >&2; echo "demo: FAILED: serve exited" >&2; exit 1; }
+    sleep 0.1
+done
+[ -n "$url" ] || { cat "$D/serve.log" >&2; echo "demo: FAILED: serve did not start" >&2; exit 1; }
+echo "listening on $url"
+curl -sS --fail-with-body -N "$url/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d '{"model": "demo/tiny-moe", "stream": true, "max_tokens": 16, "temperature": 0,
+         "messages": [{"role": "user", "content": "The quick brown fox"}]}' > "$D/chat.sse"
+head -n 3 "$D/chat.sse"
+python - "$D/chat.sse" <<'PY'
+import json, sys
+events = [line[6:] for line in open(sys.argv[1]) if line.startswith("data: ")]
+assert events[-1].strip() == "[DONE]", "the stream did not end with [DONE]"
+chunks = [json.loads(e) for e in events[:-1]]
+text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+print(f"... {len(chunks)} server-sent events, then [DONE]; the reply: {text!r}")
+PY
+kill "$serve_pid"
+wait "$serve_pid" || { echo "demo: FAILED: serve did not stop cleanly" >&2; exit 1; }
+trap - EXIT
+
+step "9. poison layer 0's experts (one byte each) and try again"
 python - "$D/model" <<'PY'
 import pathlib, sys
 for p in sorted(pathlib.Path(sys.argv[1], "experts/layer-000").glob("*.safetensors")):
