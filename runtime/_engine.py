@@ -277,7 +277,13 @@ class Engine:
                     self._wake.wait()
                 if self._closed:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - outside a forward pass (a bug, MemoryError): fail the batch,
+                traceback.print_exc(file=sys.stderr)  # keep the loop, so no request waits forever
+                with self._lock:
+                    batch = list(self._running)
+                self._fail(batch, e)
 
     def close(self) -> None:
         """Stop the loop; requests still waiting or running get ErrorEvent(503)."""

@@ -312,3 +312,42 @@ def test_a_tampered_trunk_shard_fails_the_step_and_the_engine_serves_on(signed, 
         assert isinstance(again.end, FinishEvent) and len(again.tokens) == 4
     finally:
         engine.close()
+
+
+def test_a_bug_outside_the_forward_pass_fails_the_batch_and_the_loop_serves_on(signed, tmp_path, monkeypatch):
+    """On the background thread (serve), an unexpected exception in a step must not kill the loop: the
+    requests in that step get a 500, later ones run."""
+    import threading
+
+    import shardtool.runtime._engine as engine_mod
+
+    engine = _engine(signed, tmp_path, max_batch=4)
+    real = engine_mod.sample_token
+    calls = {"n": 0}
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(engine_mod, "sample_token", flaky)
+    engine.start()
+    try:
+        ends = []
+        for _ in range(2):
+            done = threading.Event()
+            sink = Collect()
+
+            def on(event, _sink=sink, _done=done):
+                _sink(event)
+                if not isinstance(event, TokenEvent):
+                    _done.set()
+
+            engine.submit(PROMPTS[1], SamplingParams(3), on)
+            assert done.wait(120), "the request never ended"
+            ends.append(sink.end)
+    finally:
+        engine.close()
+    assert isinstance(ends[0], ErrorEvent) and ends[0].status == 500 and "RuntimeError" in ends[0].message
+    assert isinstance(ends[1], FinishEvent)
