@@ -39,7 +39,7 @@ from shardtool.errors import (CheckpointFormatError, OverloadedError, RequestRef
 from shardtool.manifest import VerifiedManifest
 from shardtool.runtime._model import (ExpertUnavailable, Float32Weights, KVCache, ModelConfig, Segment,
                                       bytes_per_token, forward_batch, sample_token)
-from shardtool.runtime._model._activations import prefill_chunk
+from shardtool.runtime._model._activations import step_rows
 from shardtool.runtime._model._rope import inv_freq
 from shardtool.runtime._model._sampling import check_sampling
 from shardtool.runtime._plan import BudgetPlan, plan_budget
@@ -166,6 +166,11 @@ class Engine:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ requests (any thread)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most prompt + max_tokens one request can ever hold: the context, or the whole KV share."""
+        return min(self.max_context, self.plan.kv_cache // self.bytes_per_token)
 
     def signed_json(self, path: str) -> dict | None:
         """A signed JSON file of the model (e.g. tokenizer_config.json), read through verification; None when
@@ -294,7 +299,8 @@ class Engine:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join()
-        with self._lock:
+        with self._lock:  # a ticket that ended in the last step already had its one terminal event
+            pending = [ticket for ticket in pending if not ticket.done]
             for ticket in pending:
                 self._release(ticket)
         err = OverloadedError("the server is shutting down")
@@ -368,7 +374,7 @@ class Engine:
         decoding = [(t, np.array([t.next_token], np.int64)) for t in batch if t.next_token is not None]
         prefilling = [t for t in batch if t.next_token is None]
         keys = max([t.cache.length + 1 for t, _ in decoding] + [len(t.prompt) for t in prefilling])
-        room = prefill_chunk(self.config, self.plan.activations, keys) - len(decoding)
+        room = step_rows(self.config, self.plan.activations, keys) - len(decoding)
         plan = list(decoding)
         for ticket in prefilling:
             if room <= 0 and plan:

@@ -107,8 +107,8 @@ class _API:
         if sampling.stop and self.engine.tokenizer is None:
             raise UsageError("stop strings need the model's tokenizer.json, which this model does not ship")
         max_tokens = sampling.max_tokens
-        if max_tokens is None:  # the rest of the context (the engine refuses a prompt that leaves none)
-            max_tokens = max(1, self.engine.max_context - len(ids))
+        if max_tokens is None:  # the rest of what one request can ever hold: the context, or the KV share
+            max_tokens = max(1, self.engine.max_request_tokens - len(ids))
         params = SamplingParams(max_new_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                                 seed=sampling.seed)
         loop = asyncio.get_running_loop()

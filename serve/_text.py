@@ -51,7 +51,10 @@ class TextStream:
             # verify-and-run prints it.
             if not final:
                 return ""
-            return self._send(full[len(self.text):])
+            rest = full[len(self.text):]
+            hits = [i for i in (rest.find(s) for s in self._stop) if i >= 0]
+            self.stopped = bool(hits)
+            return self._send(rest[:min(hits)] if hits else rest)
         pending = full[len(self.text):]
         # Sent text never ends inside a possible stop string, so a stop string can only start in `pending`.
         hits = [i for i in (pending.find(s) for s in self._stop) if i >= 0]

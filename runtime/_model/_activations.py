@@ -62,7 +62,8 @@ def per_query_bytes(cfg: ModelConfig, keys: int) -> int:
     """Bytes one query token adds to a forward step that attends over `keys` keys."""
     h = cfg.hidden_size
     rotary = 6 * cfg.rope.dim  # cos, sin, the angle table and its doubled copy
-    linear = 8 * h + rotary + _attention_per_query(cfg) + _mlp_per_query(cfg)
+    # a row whose logits a step returns (each decoding sequence of a batch) holds a float32 row of the vocabulary
+    linear = 8 * h + rotary + _attention_per_query(cfg) + _mlp_per_query(cfg) + cfg.vocab_size
     return F32 * linear + (F32 * SCORE_COPIES * cfg.num_heads + MASK_BYTES) * keys
 
 
@@ -75,6 +76,11 @@ def fixed_bytes(cfg: ModelConfig, keys: int) -> int:
 def step_bytes(cfg: ModelConfig, queries: int, keys: int) -> int:
     """Upper estimate of the scratch bytes of one forward step of `queries` tokens over `keys` keys."""
     return queries * per_query_bytes(cfg, keys) + fixed_bytes(cfg, keys)
+
+
+def step_rows(cfg: ModelConfig, reserve: int, keys: int) -> int:
+    """The most query rows one step over at most `keys` keys may take within `reserve` bytes (at least 1)."""
+    return max(1, (reserve - fixed_bytes(cfg, keys)) // per_query_bytes(cfg, keys))
 
 
 def prefill_chunk(cfg: ModelConfig, reserve: int, tokens: int) -> int:

@@ -351,3 +351,31 @@ def test_a_bug_outside_the_forward_pass_fails_the_batch_and_the_loop_serves_on(s
         engine.close()
     assert isinstance(ends[0], ErrorEvent) and ends[0].status == 500 and "RuntimeError" in ends[0].message
     assert isinstance(ends[1], FinishEvent)
+
+
+def test_close_ends_every_request_exactly_once(signed, tmp_path):
+    engine = _engine(signed, tmp_path, max_batch=4, max_queue=8)
+    sinks = [Collect() for _ in range(10)]
+    engine.start()
+    for i, sink in enumerate(sinks):
+        engine.submit(PROMPTS[i], SamplingParams(1 + i % 3), sink)
+    engine.close()
+    for sink in sinks:
+        ends = [e for e in sink.events if not isinstance(e, TokenEvent)]
+        assert len(ends) == 1, ends
+
+
+def test_a_new_prompt_is_prefilled_at_once_beside_many_decoding_sequences(signed, tmp_path):
+    engine = _engine(signed, tmp_path, max_batch=16)
+    try:
+        for i in range(12):
+            engine.submit([5 + i], SamplingParams(40, stop_token_ids=()), Collect())
+        engine.step()
+        engine.step()
+        late = Collect()
+        ticket = engine.submit([7, 8, 9], SamplingParams(2, stop_token_ids=()), late)
+        for _ in range(2):
+            engine.step()
+        assert ticket.done and len(late.tokens) == 2, "the new prompt waited behind the decoding sequences"
+    finally:
+        engine.close()

@@ -47,6 +47,10 @@ class FakeEngine:
     submitted: list = field(default_factory=list)
     cancels: list = field(default_factory=list)
 
+    @property
+    def max_request_tokens(self) -> int:
+        return self.max_context
+
     def __post_init__(self):
         vocab = self.tokenizer.get_vocab_size() if self.tokenizer is not None else 512
         self.config = SimpleNamespace(vocab_size=vocab, eos_token_ids=(EOS,), max_position_embeddings=self.max_context)

@@ -199,3 +199,18 @@ def test_a_shard_tampered_while_serving_fails_only_the_requests_that_need_it(bui
     failures = float(re.search(r"^shardtool_verification_failures_total (\S+)", metrics, re.M)[1])
     assert failures >= len(need) >= 1
     assert "Traceback" not in server.stderr()
+
+
+def test_chat_without_max_tokens_asks_only_what_the_kv_share_can_hold(built, tmp_path):  # noqa: F811
+    probe = _engine(built, built.model, tmp_path / "probe")
+    bpt = bytes_per_token(probe.config)
+    probe.close()
+    server = Server(built, built.model, "--model-id", MODEL_ID, "--kv-cache", str(bpt * 48))  # 48 < --max-context
+    server.wait_listening()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        r = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}],
+                                           temperature=0)
+    finally:
+        assert server.stop() == 0, server.stderr()
+    assert r.usage.prompt_tokens + r.usage.completion_tokens <= 48
