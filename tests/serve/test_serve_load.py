@@ -14,7 +14,6 @@ from pathlib import Path
 
 import httpx
 import openai
-import pytest
 
 from shardtool.keys import load_public_key
 from shardtool.manifest import load_trusted_manifest
