@@ -95,3 +95,22 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def make_mixtral_without_eos(ck: Path, knobs: dict) -> None:
+    """A tiny Mixtral checkpoint (examples/make_tiny_moe.py with `knobs`) whose config names no EOS token, so
+    every run, ours and any reference, generates exactly the tokens asked for."""
+    import json
+
+    repo = Path(__file__).resolve().parents[1]
+    args = [x for k, v in knobs.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    subprocess.run([sys.executable, str(repo / "examples" / "make_tiny_moe.py"), str(ck), "--family", "mixtral",
+                    *args], check=True, capture_output=True)
+    config = json.loads((ck / "config.json").read_text())
+    config["eos_token_id"] = None
+    (ck / "config.json").write_text(json.dumps(config, indent=2))
+    gen = ck / "generation_config.json"
+    if gen.exists():
+        g = json.loads(gen.read_text())
+        g.pop("eos_token_id", None)
+        gen.write_text(json.dumps(g, indent=2))

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import VENV_BIN, Sample, run_command  # noqa: E402
+from _harness import VENV_BIN, make_mixtral_without_eos, Sample, run_command  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 300, 42, 9, 100, 7, 250]
@@ -63,18 +63,7 @@ def build(work: Path, name: str) -> Path:
         return out
     shutil.rmtree(work / name, ignore_errors=True)
     ck = work / name / "ck"
-    knobs = [x for k, v in MODELS[name].items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(ck), "--family", "mixtral",
-                    *knobs], check=True, capture_output=True)
-    # No EOS, so every run (ours and transformers') generates exactly the tokens asked for.
-    config = json.loads((ck / "config.json").read_text())
-    config["eos_token_id"] = None
-    (ck / "config.json").write_text(json.dumps(config, indent=2))
-    gen = ck / "generation_config.json"
-    if gen.exists():
-        g = json.loads(gen.read_text())
-        g.pop("eos_token_id", None)
-        gen.write_text(json.dumps(g, indent=2))
+    make_mixtral_without_eos(ck, MODELS[name])
     shardtool = str(VENV_BIN / "shardtool")
     subprocess.run([shardtool, "split", "-q", str(ck), str(out), "--model-id", f"bench/{name}"], check=True,
                    capture_output=True)

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import VENV_BIN, run_command  # noqa: E402
+from _harness import VENV_BIN, make_mixtral_without_eos, run_command  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -68,18 +68,7 @@ def build(work: Path) -> Path:
         subprocess.run([shardtool, "keygen", "--out", str(work / "bench"), "--no-passphrase"], check=True,
                        capture_output=True)
     ck = work / "ck"
-    knobs = [x for k, v in MODEL.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(ck), "--family", "mixtral",
-                    *knobs], check=True, capture_output=True)
-    # No EOS: the server and the CLI stop only at the length asked for, so every request generates --tokens.
-    config = json.loads((ck / "config.json").read_text())
-    config["eos_token_id"] = None
-    (ck / "config.json").write_text(json.dumps(config, indent=2))
-    gen = ck / "generation_config.json"
-    if gen.exists():
-        g = json.loads(gen.read_text())
-        g.pop("eos_token_id", None)
-        gen.write_text(json.dumps(g, indent=2))
+    make_mixtral_without_eos(ck, MODEL)
     subprocess.run([shardtool, "split", "-q", str(ck), str(out), "--model-id", MODEL_ID], check=True,
                    capture_output=True)
     subprocess.run([shardtool, "sign", str(out), "--key", str(work / "bench.key")], check=True, capture_output=True)
