@@ -12,7 +12,7 @@ from shardtool.runtime._model import ModelConfig, bytes_per_token
 from shardtool.runtime._model._activations import step_bytes
 
 # The least the budget keeps for one forward step's temporaries; more when the step's queries over the whole
-# sequence need more (`step_bytes`). Prefill runs in chunks that fit (`prefill_chunk`).
+# sequence need more (`step_bytes`). A step takes as many rows as fit (`step_rows`, `prefill_chunk`).
 MIN_ACTIVATION_RESERVE = 32 * 1024 * 1024
 MIB = 2**20
 
