@@ -34,8 +34,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from shardtool.errors import (CheckpointFormatError, OverloadedError, RequestRefusedError, ShardFormatError,
-                              ShardtoolError, UsageError, VerificationError)
+from shardtool.errors import (CheckpointFormatError, OverloadedError, RequestRefusedError, ShardtoolError,
+                              UsageError, VerificationError)
 from shardtool.manifest import VerifiedManifest
 from shardtool.runtime._model import (ExpertUnavailable, Float32Weights, KVCache, ModelConfig, Segment,
                                       bytes_per_token, forward_batch, sample_token)
@@ -44,7 +44,7 @@ from shardtool.runtime._model._rope import inv_freq
 from shardtool.runtime._model._sampling import check_sampling
 from shardtool.runtime._plan import BudgetPlan, plan_budget
 from shardtool.runtime._provider import VerifiedWeights
-from shardtool.runtime._signed import signed_json, verified_config, load_tokenizer
+from shardtool.runtime._signed import load_tokenizer, signed_json, unusable_shards, verified_config
 from shardtool.runtime._store import ShardStore
 
 
@@ -409,7 +409,8 @@ class Engine:
         return None, []
 
     def _fail(self, tickets: list[Ticket], error: BaseException) -> None:
-        error = _as_verdict(error)
+        if isinstance(error, CheckpointFormatError):
+            error = unusable_shards(error)
         message = error.one_line() if isinstance(error, ShardtoolError) else f"internal error: {type(error).__name__}"
         with self._lock:
             for ticket in tickets:
@@ -468,14 +469,6 @@ class Engine:
                 "read_seconds_total": st.read_seconds, "verify_seconds_total": st.verify_seconds,
                 "step_seconds_total": s.step_seconds,
             }
-
-
-def _as_verdict(error: BaseException) -> BaseException:
-    """A signed shard or config the model cannot use is a verification failure of the signed bytes."""
-    if isinstance(error, CheckpointFormatError):
-        return ShardFormatError(f"signed shards do not fit the signed config.json: {error.message}", path=error.path,
-                                hint=error.hint)
-    return error
 
 
 def _deliver(ticket: Ticket, event: Event) -> None:

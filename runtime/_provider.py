@@ -28,7 +28,7 @@ class VerifiedWeights:
     def _entry(self, path: str) -> Entry:
         entry = self.entries.get(path)
         if entry is None:
-            raise VerificationError(f"the signed manifest lists no {path}; the model needs it")
+            raise _unlisted_error(path)
         return entry
 
     def embed(self) -> Mapping[str, np.ndarray]:
@@ -96,7 +96,11 @@ class _ExpertStream(Mapping):
         return len(self._ids)
 
 
+def _unlisted_error(path: str) -> VerificationError:
+    return VerificationError(f"the signed manifest lists no {path}; the model needs it")
+
+
 def _unlisted(path: str) -> Callable[[], Mapping[str, np.ndarray]]:
     def wait() -> Mapping[str, np.ndarray]:
-        raise VerificationError(f"the signed manifest lists no {path}; the model needs it")
+        raise _unlisted_error(path)
     return wait

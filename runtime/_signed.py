@@ -45,17 +45,21 @@ def signed_json(root: Path, manifest: VerifiedManifest, path: str) -> dict | Non
 
 
 @contextlib.contextmanager
-def signed_content(path: str | None = None) -> Iterator[None]:
-    """The model's format errors here are about signed, verified bytes: the publisher shipped a model that
-    cannot run (a shard without a tensor its signed config.json implies, a wrong shape, a config the model
-    cannot use). That is a verification failure (exit 1), not a usage error (errors.py, CheckpointFormatError)."""
+def signed_content(path: str) -> Iterator[None]:
+    """Format errors about signed file `path` are about signed, verified bytes: the publisher shipped a model that
+    cannot run (a config the model cannot use). That is a verification failure (exit 1), not a usage error
+    (errors.py, CheckpointFormatError)."""
     try:
         yield
     except CheckpointFormatError as e:
-        if path is not None:
-            raise VerificationError(f"signed {path} is unusable: {e.message}", path=path, hint=e.hint) from None
-        raise ShardFormatError(f"signed shards do not fit the signed config.json: {e.message}", path=e.path,
-                               hint=e.hint) from None
+        raise VerificationError(f"signed {path} is unusable: {e.message}", path=path, hint=e.hint) from None
+
+
+def unusable_shards(error: CheckpointFormatError) -> ShardFormatError:
+    """A signed shard without a tensor its signed config.json implies, or with a wrong shape: the signed model
+    cannot run, a verification failure of the signed bytes (exit 1)."""
+    return ShardFormatError(f"signed shards do not fit the signed config.json: {error.message}", path=error.path,
+                            hint=error.hint)
 
 
 def verified_config(root: Path, manifest: VerifiedManifest) -> ModelConfig:
