@@ -118,6 +118,13 @@ def verify_and_run(
     json_report: Optional[Path] = typer.Option(None, "--json-report", help="Write the run report as JSON here."),
     verify_all_first: bool = typer.Option(False, "--verify-all-first", help="Check every shard before the first token."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No report on stderr."),
+    receipt_key: Optional[Path] = typer.Option(None, "--receipt-key", help="Operator private key: sign a run "
+                                                                           "receipt (needs --receipt-out)."),
+    receipt_passphrase_file: Optional[Path] = typer.Option(None, "--receipt-passphrase-file",
+                                                           help="Passphrase of --receipt-key."),
+    receipt_out: Optional[Path] = typer.Option(None, "--receipt-out", help="Write the signed run receipt here."),
+    trace_out: Optional[Path] = typer.Option(None, "--trace-out", help="Write the run's routing trace here "
+                                                                       "(verify-receipt --trace)."),
 ) -> None:
     """Verify the signed manifest, then generate, checking every shard's BLAKE3 before its weights are used."""
     from shardtool.atomic import atomic_write_bytes
@@ -133,9 +140,20 @@ def verify_and_run(
         raise UsageError(f"--temperature must be a finite number >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
+    if (receipt_key is None) != (receipt_out is None):
+        raise UsageError("--receipt-key and --receipt-out go together")
+    if receipt_key is None and (trace_out is not None or receipt_passphrase_file is not None):
+        raise UsageError("--trace-out and --receipt-passphrase-file need --receipt-key")
+    if max_new_tokens == 0 and receipt_key is not None:
+        raise UsageError("a receipt covers an answer: --max-new-tokens must be at least 1 with --receipt-key")
+    operator_key = None
+    if receipt_key is not None:  # before any work: a wrong key or passphrase fails here, not after generating
+        from shardtool.cli._passphrase import get_passphrase
+        from shardtool.keys import load_private_key
+        operator_key = load_private_key(receipt_key, lambda: get_passphrase(receipt_passphrase_file, new_key=False))
     _set_blas_threads(threads, readers)
     _keep_freed_memory()
-    from shardtool.runtime import Session, encode_prompt, load_tokenizer  # loads numpy
+    from shardtool.runtime import Session, encode_prompt, load_tokenizer, make_receipt  # loads numpy
 
     directory = model_dir(directory)
     trusted = load_trusted(trust)
@@ -157,11 +175,23 @@ def verify_and_run(
             if not quiet:
                 say(f"verified all {len(verified.entries)} files ({checked / 2**20:.1f} MiB) before the first token")
         out = _TextStream(session, print_ids)
-        session.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, on_token=out)
+        session.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, on_token=out,
+                         record=operator_key is not None)
         out.finish()
         summary = session.summary()
+        signed = None
+        if operator_key is not None:
+            signed = make_receipt(session.record, verified, session.config, operator_key)
+            summary["receipt_id"] = signed.id
     finally:
         session.close()
+    if signed is not None:  # the trace first: a receipt on disk always has its trace beside it when asked for
+        if trace_out is not None:
+            atomic_write_bytes(trace_out, signed.trace)
+        atomic_write_bytes(receipt_out, signed.data)
+        if not quiet:
+            say(f"wrote receipt {signed.id} to {receipt_out}" + (f" and its routing trace to {trace_out}"
+                                                                  if trace_out is not None else ""))
     if json_report is not None:
         atomic_write_bytes(json_report, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
     if not quiet:

@@ -7,7 +7,7 @@ type, and only then does anyone parse the payload.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from shardtool.errors import ManifestFormatError, SignatureError, ThresholdError, TrustSettingsError
@@ -51,12 +51,14 @@ class Envelope:
     payload_type: str
     payload: bytes
     signatures: tuple[Signature, ...] = ()
+    # The payload cap of the document kind (a manifest head is small; a run receipt carries token ids).
+    max_payload: int = field(default=MAX_PAYLOAD, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.payload_type, str) or not 0 < len(self.payload_type) <= 256:
             raise ManifestFormatError("envelope payloadType must be a string of 1-256 characters")
-        if not isinstance(self.payload, bytes) or len(self.payload) > MAX_PAYLOAD:
-            raise ManifestFormatError(f"envelope payload must be binary, at most {MAX_PAYLOAD} bytes")
+        if not isinstance(self.payload, bytes) or len(self.payload) > self.max_payload:
+            raise ManifestFormatError(f"envelope payload must be binary, at most {self.max_payload} bytes")
         if len(self.signatures) > MAX_SIGNATURES:
             raise ManifestFormatError(f"envelope has {len(self.signatures)} signatures, at most {MAX_SIGNATURES} allowed")
 
@@ -65,7 +67,7 @@ class Envelope:
                 "signatures": [s.to_dict() for s in self.signatures]}
 
     @classmethod
-    def from_dict(cls, raw: Any) -> "Envelope":
+    def from_dict(cls, raw: Any, *, max_payload: int = MAX_PAYLOAD) -> "Envelope":
         d = take_fields(raw, ("payloadType", "payload", "signatures"), "envelope")
         sigs = d["signatures"]
         if not isinstance(sigs, list):
@@ -73,14 +75,14 @@ class Envelope:
         if len(sigs) > MAX_SIGNATURES:
             raise ManifestFormatError(f"envelope has {len(sigs)} signatures, at most {MAX_SIGNATURES} allowed")
         return cls(payload_type=d["payloadType"], payload=d["payload"],
-                   signatures=tuple(Signature.from_dict(s) for s in sigs))
+                   signatures=tuple(Signature.from_dict(s) for s in sigs), max_payload=max_payload)
 
     def signed_by(self, key: PrivateKey) -> "Envelope":
         """A copy with `key`'s signature added (replacing an earlier one by the same key)."""
         public = key.public
         sig = Signature(keyid=public.keyid, sig=key.sign(pae(self.payload_type, self.payload)))
         kept = tuple(s for s in self.signatures if not _verifies(public, s, self))
-        return Envelope(self.payload_type, self.payload, kept + (sig,))
+        return Envelope(self.payload_type, self.payload, kept + (sig,), self.max_payload)
 
 
 def _verifies(key: PublicKey, signature: Signature, envelope: Envelope) -> bool:
@@ -110,7 +112,8 @@ def check_threshold(trusted: Sequence[PublicKey], threshold: int) -> tuple[Publi
 
 
 def verify_envelope(envelope: Envelope, trusted: Sequence[PublicKey], threshold: int,
-                    payload_type: str = PAYLOAD_TYPE) -> tuple[bytes, tuple[PublicKey, ...]]:
+                    payload_type: str = PAYLOAD_TYPE, *, what: str = "manifest",
+                    signer_hint: str = "run `shardtool sign` with a publisher key") -> tuple[bytes, tuple[PublicKey, ...]]:
     """Return (payload, keys that signed) once `threshold` distinct trusted keys have signed it.
 
     Each trusted key counts at most once however many signatures it made, whatever key IDs claim;
@@ -118,7 +121,7 @@ def verify_envelope(envelope: Envelope, trusted: Sequence[PublicKey], threshold:
     """
     keys = check_threshold(trusted, threshold)
     if not envelope.signatures:
-        raise SignatureError("manifest is not signed", hint="run `shardtool sign` with a publisher key")
+        raise SignatureError(f"{what} is not signed", hint=signer_hint)
     message = pae(envelope.payload_type, envelope.payload)
     signers = []
     for key in keys:

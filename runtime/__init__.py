@@ -1,15 +1,18 @@
 """The verifying runtime: shard store (`_store`: where every weight is verified before use), the
 provider that maps the split layout onto it (`_provider`), the numpy MoE forward pass (`_model`), and the
-one decode loop (`_engine`: continuous batching under the memory budget, `_plan`)."""
+one decode loop (`_engine`: continuous batching under the memory budget, `_plan`); run receipts: what a run
+records (`_record`) and the teacher-forced replay that checks one (`_replay`)."""
 
 from shardtool.runtime._engine import (Engine, ErrorEvent, Event, FinishEvent, SamplingParams, Ticket,
                                        TokenEvent)
 from shardtool.runtime._plan import BudgetPlan, plan_budget
 from shardtool.runtime._provider import VerifiedWeights
+from shardtool.runtime._record import RunRecord, SignedReceipt, make_receipt
+from shardtool.runtime._replay import Tolerances, replay_receipt
 from shardtool.runtime._session import Session, encode_prompt
 from shardtool.runtime._signed import load_tokenizer
 from shardtool.runtime._store import ShardFormatError, ShardStore, StoreStats
 
 __all__ = ["BudgetPlan", "Engine", "ErrorEvent", "Event", "FinishEvent", "SamplingParams", "Session", "ShardFormatError",
            "Ticket", "TokenEvent", "plan_budget", "ShardStore", "StoreStats", "VerifiedWeights", "encode_prompt",
-           "load_tokenizer"]
+           "load_tokenizer", "RunRecord", "SignedReceipt", "make_receipt", "Tolerances", "replay_receipt"]

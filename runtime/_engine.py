@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import secrets
 import sys
 import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -37,12 +38,13 @@ import numpy as np
 from shardtool.errors import (CheckpointFormatError, OverloadedError, RequestRefusedError, ShardtoolError,
                               UsageError, VerificationError)
 from shardtool.manifest import VerifiedManifest
-from shardtool.runtime._model import (ExpertUnavailable, Float32Weights, KVCache, ModelConfig, Segment,
+from shardtool.runtime._model import (ExpertUnavailable, Float32Weights, KVCache, ModelConfig, Segment, StepTrace,
                                       bytes_per_token, forward_batch, sample_token)
-from shardtool.runtime._model._activations import step_rows
+from shardtool.runtime._model._activations import prefill_chunk, step_rows
 from shardtool.runtime._model._rope import inv_freq
 from shardtool.runtime._model._sampling import check_sampling
 from shardtool.runtime._plan import BudgetPlan, plan_budget
+from shardtool.runtime._record import RunRecord
 from shardtool.runtime._provider import VerifiedWeights
 from shardtool.runtime._signed import load_tokenizer, signed_json, unusable_shards, verified_config
 from shardtool.runtime._store import ShardStore
@@ -53,7 +55,7 @@ class SamplingParams:
     max_new_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: int | None = None
+    seed: int | None = None  # None: the engine draws one (a receipt records the seed that was used)
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's eos ids
 
 
@@ -65,6 +67,7 @@ class TokenEvent:
 @dataclass(frozen=True)
 class FinishEvent:
     reason: str  # "stop" (a stop token), "length" (max_new_tokens reached), "cancelled"
+    record: RunRecord | None = None  # what a receipt needs, for a request submitted with record=True
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class Ticket:
     prefill_seconds: float = 0.0  # wall seconds of the steps that fed its prompt
     decode_seconds: float = 0.0  # ... and of the steps that fed its generated tokens
     decode_expert_bytes: int = 0  # expert bytes read by steps in which it decoded
+    record: RunRecord | None = None  # routing and fingerprints of every fed position, for a receipt
 
     @property
     def total_tokens(self) -> int:
@@ -203,12 +207,19 @@ class Engine:
                                       f"whole KV cache is {self.plan.kv_cache} bytes ({fits} tokens)")
         return prompt
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink) -> Ticket:
-        """Queue a request; its events go to `sink` (called on the engine thread, must not block)."""
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, *,
+               record: bool = False) -> Ticket:
+        """Queue a request; its events go to `sink` (called on the engine thread, must not block). With
+        `record`, its FinishEvent carries the RunRecord a receipt is made from."""
         prompt = self.check_request(prompt_ids, params)
+        if params.seed is None:
+            params = replace(params, seed=secrets.randbits(64))
         stops = self.config.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
         ticket = Ticket(next(self._ids), prompt, params, sink, self.bytes_per_token * (len(prompt) +
                         params.max_new_tokens), frozenset(stops), np.random.default_rng(params.seed))
+        if record:
+            ticket.record = RunRecord(prompt=tuple(int(t) for t in prompt), params=params,
+                                      stop_token_ids=tuple(sorted(ticket.stops)))
         with self._lock:
             if self._closed:
                 raise OverloadedError("the engine is shutting down", retry_after=1)
@@ -309,8 +320,9 @@ class Engine:
         self.store.close()
 
     def run_one(self, prompt_ids: Sequence[int], params: SamplingParams,
-                on_token: Callable[[int], None]) -> Ticket:
-        """Generate for one request on this thread (verify-and-run). Raises what failed it, as it was raised."""
+                on_token: Callable[[int], None], *, record: bool = False) -> Ticket:
+        """Generate for one request on this thread (verify-and-run). Raises what failed it, as it was raised.
+        With `record`, the returned ticket's `record` is complete (RunRecord.finish_reason set)."""
         failure: list[BaseException] = []
 
         def sink(event: Event) -> None:
@@ -319,7 +331,7 @@ class Engine:
             elif isinstance(event, ErrorEvent):
                 failure.append(event.error)
 
-        ticket = self.submit(prompt_ids, params, sink)
+        ticket = self.submit(prompt_ids, params, sink, record=record)
         while not ticket.done:
             self.step()
         if failure:
@@ -344,8 +356,11 @@ class Engine:
         plan = self._plan_rows(batch)
         t0 = time.perf_counter()
         expert_bytes = self.store.stats.by_kind.get("expert", 0)
-        logits, plan = self._forward(plan)
+        logits, plan, traces = self._forward(plan)
         seconds = time.perf_counter() - t0
+        for (ticket, _), trace in zip(plan, traces):
+            if ticket.record is not None:
+                ticket.record.add_step(trace)
         expert_bytes = self.store.stats.by_kind.get("expert", 0) - expert_bytes
         with self._lock:
             s = self.stats
@@ -384,14 +399,17 @@ class Engine:
             room -= len(chunk)
         return plan
 
-    def _forward(self, plan: list[tuple[Ticket, np.ndarray]]) -> tuple[np.ndarray | None, list]:
-        """forward_batch over the plan; a failure fails the sequences it concerns and the rest try again."""
+    def _forward(self, plan: list[tuple[Ticket, np.ndarray]]) -> tuple[np.ndarray | None, list, list]:
+        """forward_batch over the plan; a failure fails the sequences it concerns and the rest try again.
+        Returns the logits, the plan that ran, and each planned sequence's StepTrace (None unless recording)."""
         while plan:
             segments = [Segment(ids, ticket.cache,
                                 "last" if ticket.next_token is not None or ticket.fed + len(ids) >= len(ticket.prompt)
-                                else "none") for ticket, ids in plan]
+                                else "none", StepTrace() if ticket.record is not None else None)
+                        for ticket, ids in plan]
             try:
-                return forward_batch(self.config, self._weights, self._rope, segments), plan
+                logits = forward_batch(self.config, self._weights, self._rope, segments)
+                return logits, plan, [seg.trace for seg in segments]
             except ExpertUnavailable as e:  # only the sequences whose rows chose that expert needed it
                 bounds = np.cumsum([0] + [len(ids) for _, ids in plan])
                 hit = {int(np.searchsorted(bounds, r, side="right")) - 1 for r in e.rows}
@@ -399,14 +417,14 @@ class Engine:
                 plan = [p for i, p in enumerate(plan) if i not in hit]
             except ShardtoolError as e:  # trunk, embedding or head: every sequence in the step needs it
                 self._fail([ticket for ticket, _ in plan], e)
-                return None, []
+                return None, [], []
             except Exception as e:  # noqa: BLE001 - a bug or MemoryError fails this step's requests, not the server
                 if self._thread is None:
                     raise  # verify-and-run: a crash keeps its traceback and exit code
                 traceback.print_exc(file=sys.stderr)
                 self._fail([ticket for ticket, _ in plan], e)
-                return None, []
-        return None, []
+                return None, [], []
+        return None, [], []
 
     def _fail(self, tickets: list[Ticket], error: BaseException) -> None:
         if isinstance(error, CheckpointFormatError):
@@ -433,6 +451,8 @@ class Engine:
         p = ticket.params
         token = sample_token(logits, temperature=p.temperature, top_p=p.top_p, rng=ticket.rng)
         ticket.generated += 1
+        if ticket.record is not None:
+            ticket.record.tokens.append(token)
         if ticket.first_token_at is None:
             ticket.first_token_at = time.perf_counter()
         with self._lock:
@@ -445,7 +465,26 @@ class Engine:
         with self._lock:
             self._release(ticket)
             self.stats.finished += 1
-        _deliver(ticket, FinishEvent(reason))
+        if ticket.record is not None:
+            ticket.record.finish_reason = reason
+        _deliver(ticket, FinishEvent(reason, ticket.record))
+
+    def teacher_forced(self, ids: np.ndarray, *, logits_from: int = 0):
+        """Feed one whole sequence [T] through the model at once (a receipt's replay), in prefill chunks that fit
+        the activation reserve; yield (start, logits [t, V] or None, StepTrace with alternatives) per chunk.
+        Logits are asked only of chunks that reach row `logits_from`. Not for use while `start` runs."""
+        ids = np.asarray(ids, dtype=np.int64)
+        cache = KVCache(self.config, max_tokens=len(ids))
+        chunk = prefill_chunk(self.config, self.plan.activations, len(ids))
+        for start in range(0, len(ids), chunk):
+            part = ids[start:start + chunk]
+            segment = Segment(part, cache, "all" if start + len(part) > logits_from else "none",
+                              StepTrace(alternatives=True))
+            try:
+                logits = forward_batch(self.config, self._weights, self._rope, [segment])
+            except ExpertUnavailable as e:
+                raise e.cause from None
+            yield start, logits, segment.trace
 
     # ------------------------------------------------------------------ observation
 

@@ -62,6 +62,7 @@ class Session:
         # The forward pass alone, over the same verified weights, for callers that want logits (tests).
         self.model = Model(self.config, self.weights, max_tokens=max_tokens, activation_reserve=self.plan.activations)
         self.report = RunReport()
+        self.record = None
         self._kv_cache_bytes = 0
 
     def close(self) -> None:
@@ -81,7 +82,8 @@ class Session:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer else ""
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float, top_p: float,
-                 seed: int | None, on_token: Callable[[int], None]) -> RunReport:
+                 seed: int | None, on_token: Callable[[int], None], record: bool = False) -> RunReport:
+        """Generate; with `record`, `self.record` is then the RunRecord a receipt is made from."""
         check_sampling(temperature, top_p)
         report = self.report
         report.prompt_tokens = len(prompt_ids)
@@ -94,7 +96,8 @@ class Session:
             on_token(token)
 
         params = SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-        ticket = self.engine.run_one(prompt_ids, params, emit)
+        ticket = self.engine.run_one(prompt_ids, params, emit, record=record)
+        self.record = ticket.record
         report.prefill_seconds = ticket.prefill_seconds
         report.decode_seconds = ticket.decode_seconds
         report.decode_expert_bytes = ticket.decode_expert_bytes

@@ -112,6 +112,10 @@ class ShardFormatError(VerificationError):
     tensors the signed config implies: the signed model is unusable (exit 1), not a usage error."""
 
 
+class ReceiptMismatchError(VerificationError):
+    """A run receipt names other weights, or claims what the verified weights do not produce."""
+
+
 class RollbackError(VerificationError):
     """A manifest version lower than one already accepted for this model and key set."""
 

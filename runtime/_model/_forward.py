@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -203,13 +203,42 @@ class _Float32Experts(Mapping):
 
 
 @dataclass
+class StepTrace:
+    """What one forward step saw of one segment's rows, for run receipts: per MoE layer the chosen experts,
+    and the last hidden state (after the final norm). With `alternatives` (a receipt's replay), also per MoE
+    layer each row's gap between its k-th and (k+1)-th selection score and the two experts on either side of
+    it, so a near-tie can be told from a divergence."""
+
+    alternatives: bool = False
+    routes: list[np.ndarray] = field(default_factory=list)  # per MoE layer: [t, k] expert ids, rows sorted
+    gaps: list[np.ndarray] = field(default_factory=list)  # per MoE layer: [t] float32 (inf when k = E)
+    swaps: list[np.ndarray] = field(default_factory=list)  # per MoE layer: [t, 2] (k-th chosen, (k+1)-th best)
+    hidden: np.ndarray | None = None  # [t, H] float32
+
+    def observe(self, idx: np.ndarray, scores: np.ndarray) -> None:  # [t, k], [t, E]
+        self.routes.append(np.sort(idx, axis=1))
+        if not self.alternatives:
+            return
+        k = idx.shape[1]
+        if k >= scores.shape[1]:
+            self.gaps.append(np.full(len(idx), np.inf, np.float32))
+            self.swaps.append(np.zeros((len(idx), 2), np.int64))
+            return
+        order = np.argsort(-scores, axis=1, kind="stable")[:, :k + 1]  # [t, k+1]
+        best = np.take_along_axis(scores, order, axis=1)
+        self.gaps.append((best[:, k - 1] - best[:, k]).astype(np.float32))
+        self.swaps.append(order[:, k - 1:k + 1].astype(np.int64))
+
+
+@dataclass
 class Segment:
     """One sequence's rows in a forward step: its new token ids, its own KV cache, and which logits it wants
-    ("last": its last row's, "all": every row's, "none")."""
+    ("last": its last row's, "all": every row's, "none"); with a `trace`, what the step saw of its rows."""
 
     ids: np.ndarray  # [t] int64, t >= 1
     cache: KVCache
     logits: str = "last"
+    trace: StepTrace | None = None
 
 
 def forward_batch(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndarray, float],
@@ -232,6 +261,12 @@ def forward_batch(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndar
         cos, sin = cos_sin(rope[0], rope[1], q_pos)
         where.append((cos, sin, {w: causal_mask(q_pos, seg.cache.length + len(seg.ids), w) for w in windows}))
     attention = mla_attention if cfg.mla is not None else gqa_attention
+    traced = [(seg.trace, lo, hi) for seg, lo, hi in zip(segments, bounds[:-1], bounds[1:]) if seg.trace is not None]
+    observe = None
+    if traced:
+        def observe(idx: np.ndarray, scores: np.ndarray) -> None:  # [sum t, k], [sum t, E]
+            for trace, lo, hi in traced:
+                trace.observe(idx[lo:hi], scores[lo:hi])
     x = weights.embed_rows(np.concatenate([seg.ids for seg in segments]))  # [sum t, H]
     for layer in range(cfg.num_layers):
         window = cfg.sliding_windows[layer]
@@ -244,7 +279,11 @@ def forward_batch(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndar
                 outs.append(attention(xn[lo:hi], w, cfg, cos, sin, masks[_window], append_kv))
             return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
-        x = decoder_layer(x, weights.layer(layer), cfg, layer, attend, weights.expert_fetch(layer))
+        x = decoder_layer(x, weights.layer(layer), cfg, layer, attend, weights.expert_fetch(layer), observe)
+    if traced:
+        norm, _ = weights.head()
+        for trace, lo, hi in traced:
+            trace.hidden = rms_norm(x[lo:hi], norm, cfg.rms_norm_eps)
     rows = list(chain.from_iterable(
         range(lo, hi) if seg.logits == "all" else [hi - 1] if seg.logits == "last" else []
         for seg, lo, hi in zip(segments, bounds[:-1], bounds[1:])))

@@ -21,6 +21,8 @@ ExpertFetch = Callable[[Sequence[int]], Mapping[int, tuple[np.ndarray, np.ndarra
 
 # [T, H] normed input, the layer's weights -> [T, H]: self-attention over each sequence's own cache
 Attend = Callable[[np.ndarray, Mapping[str, np.ndarray]], np.ndarray]
+# expert ids [T, k], selection scores [T, E] (what top-k ran on) -> None: sees each MoE layer's routing
+ObserveRoute = Callable[[np.ndarray, np.ndarray], None]
 
 MLA_NORM_EPS = 1e-6  # DeepseekV3RMSNorm default; q_a_layernorm / kv_a_layernorm do not get rms_norm_eps
 
@@ -174,12 +176,17 @@ def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
 
 def route_softmax_topk(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
     """# [T, E] -> weights [T, k], expert ids [T, k]  (Mixtral/Qwen/OLMoE TopKRouter)"""
+    return _route_softmax_topk(logits, k, norm_topk_prob)[:2]
+
+
+def _route_softmax_topk(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.ndarray, ...]:
+    """# -> weights [T, k], expert ids [T, k], selection scores [T, E] (the probabilities)"""
     probs = softmax(logits)
     idx = _top_k(probs, k)
     weights = np.take_along_axis(probs, idx, axis=-1)
     if norm_topk_prob:
         weights = weights / np.sum(weights, axis=-1, keepdims=True)
-    return weights, idx
+    return weights, idx, probs
 
 
 def route_deepseek(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, topk_group: int,
@@ -189,6 +196,12 @@ def route_deepseek(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, t
     Sigmoid scores; `e_score_correction_bias` only steers selection. Experts are picked from the
     `topk_group` groups whose two best biased scores sum highest; weights are the unbiased scores.
     """
+    return _route_deepseek(logits, bias, k, n_group, topk_group, norm_topk_prob, scaling)[:2]
+
+
+def _route_deepseek(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, topk_group: int,
+                    norm_topk_prob: bool, scaling: float) -> tuple[np.ndarray, ...]:
+    """# -> weights [T, k], expert ids [T, k], selection scores [T, E] (biased, -inf outside the chosen groups)"""
     t, e = logits.shape
     scores = sigmoid(logits)
     choice = scores + bias
@@ -202,7 +215,7 @@ def route_deepseek(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, t
     weights = np.take_along_axis(scores, idx, axis=-1)
     if norm_topk_prob:
         weights = weights / (np.sum(weights, axis=-1, keepdims=True) + np.float32(1e-20))
-    return weights * np.float32(scaling), idx
+    return weights * np.float32(scaling), idx, choice
 
 
 class ExpertUnavailable(Exception):
@@ -234,14 +247,20 @@ def moe_experts(x: np.ndarray, weights: np.ndarray, idx: np.ndarray,
     return out
 
 
-def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch) -> np.ndarray:
-    """# [T, H] -> [T, H]: router -> top-k -> selected experts (+ the family's shared expert)."""
+def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch,
+              observe: ObserveRoute | None = None) -> np.ndarray:
+    """# [T, H] -> [T, H]: router -> top-k -> selected experts (+ the family's shared expert).
+
+    `observe(idx, scores)`, when given, sees the routing (run receipts record it, their replay checks it)."""
     logits = matmul_t(x, w["mlp.gate.weight"])  # [T, E]
     if cfg.router == "sigmoid_group":
-        weights, idx = route_deepseek(logits, w["mlp.gate.e_score_correction_bias"], cfg.top_k, cfg.n_group,
-                                      cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        weights, idx, scores = _route_deepseek(logits, w["mlp.gate.e_score_correction_bias"], cfg.top_k,
+                                               cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+                                               cfg.routed_scaling_factor)
     else:
-        weights, idx = route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
+        weights, idx, scores = _route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
+    if observe is not None:
+        observe(idx, scores)
     # Ask for the routed experts first: a streaming provider loads them while the shared expert computes.
     experts = fetch([int(e) for e in np.unique(idx)])
     shared = None
@@ -259,7 +278,7 @@ def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch) -
 
 
 def decoder_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, attend: Attend,
-                  fetch: ExpertFetch) -> np.ndarray:
+                  fetch: ExpertFetch, observe: ObserveRoute | None = None) -> np.ndarray:
     """# [T, H] -> [T, H]  (pre-norm residual block: attention, then MoE or dense MLP)
 
     The rows may belong to several sequences (a batch): `attend` runs each sequence's rows against its own
@@ -267,5 +286,5 @@ def decoder_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, atten
     h = x + attend(rms_norm(x, w["input_layernorm.weight"], cfg.rms_norm_eps), w)
     y = rms_norm(h, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
     if cfg.moe_layers[layer]:
-        return h + moe_layer(y, w, cfg, fetch)
+        return h + moe_layer(y, w, cfg, fetch, observe)
     return h + expert_mlp(y, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])

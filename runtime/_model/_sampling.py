@@ -1,6 +1,6 @@
 """Choosing the next token from logits (greedy, or temperature + top-p with a seeded generator).
 
-The decode loop that uses it is the runtime's `Session.generate`."""
+The decode loop that uses it is the runtime's engine; a receipt's replay re-derives each draw (`sampling_slack`)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,27 @@ def sample_token(logits: np.ndarray, *, temperature: float = 0.0, top_p: float =
         return int(np.argmax(logits))
     if rng is None:
         raise UsageError("sampling with temperature > 0 needs a random generator (pass a seed)")
+    order, cdf = nucleus(logits, temperature, top_p)
+    # One uniform draw per token, then the first cumulative probability above it: the draw is what a receipt's
+    # replay re-derives from the seed (`sampling_slack`).
+    u = rng.random()
+    return int(order[min(int(np.searchsorted(cdf, u, side="right")), len(cdf) - 1)])
+
+
+def nucleus(logits: np.ndarray, temperature: float, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """# [V] -> token ids [m], cumulative probabilities [m] (float64, ending at 1): the top-p nucleus of the
+    temperature-scaled distribution, most probable first."""
     if not np.isfinite(logits).all():
         raise UsageError("cannot sample from logits that are not all finite")
+    order, probs = _sorted_probs(logits, temperature)
+    # Nucleus: the smallest prefix whose mass reaches top_p (always at least the top token).
+    keep = int(np.count_nonzero((np.cumsum(probs) - probs) < top_p))
+    cdf = np.cumsum(probs[:keep] / probs[:keep].sum())
+    cdf /= cdf[-1]
+    return order[:keep], cdf
+
+
+def _sorted_probs(logits: np.ndarray, temperature: float) -> tuple[np.ndarray, np.ndarray]:
     # Shift before dividing: (x - max) / t <= 0 for every temperature, so a tiny one cannot overflow to inf.
     shifted = logits.astype(np.float64)
     shifted -= shifted.max()
@@ -33,8 +52,19 @@ def sample_token(logits: np.ndarray, *, temperature: float = 0.0, top_p: float =
         probs = np.exp(shifted / temperature)
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")
-    sorted_probs = probs[order]
-    # Nucleus: the smallest prefix whose mass reaches top_p (always at least the top token).
-    keep = (np.cumsum(sorted_probs) - sorted_probs) < top_p
-    kept = sorted_probs[keep]
-    return int(order[rng.choice(len(kept), p=kept / kept.sum())])
+    return order, probs[order]
+
+
+def sampling_slack(logits: np.ndarray, temperature: float, top_p: float, u: float, token: int) -> float:
+    """How far (in probability mass) the draw `u` is from selecting `token` under these logits: 0 when
+    `sample_token` with that draw gives `token`. A token just outside the nucleus adds how far the nucleus
+    would have had to reach for it."""
+    order, probs = _sorted_probs(logits, temperature)
+    j = int(np.nonzero(order == token)[0][0])
+    before = float(np.sum(probs[:j]))
+    keep = max(int(np.count_nonzero((np.cumsum(probs) - probs) < top_p)), j + 1)
+    outside = max(0.0, before - top_p) if j >= int(np.count_nonzero((np.cumsum(probs) - probs) < top_p)) else 0.0
+    cdf = np.cumsum(probs[:keep] / probs[:keep].sum())
+    cdf /= cdf[-1]
+    lo, hi = (float(cdf[j - 1]) if j else 0.0), float(cdf[j])
+    return max(outside, lo - u, u - hi, 0.0)
