@@ -1,0 +1,443 @@
+"""Run receipts end to end on real split and signed models: honest runs (alone, in a batch, greedy and sampled,
+two families) verify; receipts from runs that used other weights, another prompt, seed or temperature, or that
+cut the answer short do not; the CLI gives one line and the right exit code for every bad receipt.
+
+The full experiment (hundreds of runs, thread counts, dtypes, the margins table) is benchmarks/bench_receipts.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardtool.errors import ManifestFormatError, ReceiptMismatchError
+from shardtool.keys import load_private_key, load_public_key
+from shardtool.manifest import Receipt, load_trusted_manifest, open_receipt, routing_leaves, routing_root, sign_receipt
+from shardtool.runtime import Engine, FinishEvent, SamplingParams, Tolerances, make_receipt, replay_receipt
+from shardtool.runtime._model._sampling import sample_token, sampling_slack
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
+MODEL_ID = "test/receipts"
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+BUDGET = 1 << 30
+
+
+def _cli(program: str, *args, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XDG_STATE_HOME": str(cwd / "xdg")}
+    proc = subprocess.run([str(BIN / program), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=300, stdin=subprocess.DEVNULL)
+    if check:
+        assert proc.returncode == 0, f"{program} {args} exited {proc.returncode}:\n{proc.stderr}"
+    return proc
+
+
+def _checkpoint(work: Path, name: str, family: str, *extra) -> Path:
+    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(work / name), "--family",
+                    family, "--experts", "8", "--layers", "2", "--vocab", "300", "--dtype", "f32", *extra], check=True,
+                   capture_output=True)
+    return work / name
+
+
+def _split_and_sign(work: Path, ckpt: Path, out: str, key: str, version: int = 1) -> Path:
+    _cli("shardtool", "split", "-q", ckpt, work / out, "--model-id", MODEL_ID, "--version", version, cwd=work)
+    _cli("shardtool", "sign", work / out, "--key", f"{key}.key", cwd=work)
+    return work / out
+
+
+def _resign(work: Path, model: Path, key: str, version: int = 1) -> None:
+    """Hash a (modified) model directory again and sign it with `key`: what an operator who changed the weights
+    does to make the runtime accept them."""
+    (model / "manifest.msgpack").unlink()
+    _cli("shardtool", "manifest", model, "--model-id", MODEL_ID, "--version", version, cwd=work)
+    _cli("shardtool", "sign", model, "--key", f"{key}.key", cwd=work)
+
+
+@pytest.fixture(scope="module", params=["mixtral", "deepseek_v3"])
+def world(request, tmp_path_factory):
+    work = tmp_path_factory.mktemp(f"receipts-{request.param}")
+    for name in ("publisher", "operator", "attacker"):
+        _cli("shardtool", "keygen", "--out", name, "--no-passphrase", cwd=work)
+    model = _split_and_sign(work, _checkpoint(work, "ck", request.param), "model", "publisher")
+    return work, model, request.param
+
+
+def _manifest(work: Path, model: Path, key: str = "publisher", state: str = "state"):
+    return load_trusted_manifest(model / "manifest.msgpack", [load_public_key(work / f"{key}.pub")], 1,
+                                 work / state)
+
+
+def _run(work: Path, model: Path, params: SamplingParams, prompt=PROMPT, key: str = "publisher"):
+    """(record, manifest): one recorded run on `model` as verified with `key`."""
+    manifest = _manifest(work, model, key, state=f"state-{key}-{model.name}")
+    engine = Engine(model, manifest, budget=BUDGET, max_batch=4)
+    try:
+        ticket = engine.run_one(prompt, params, lambda t: None, record=True)
+    finally:
+        engine.close()
+    return ticket.record, engine.config
+
+
+def _operator(work: Path):
+    return load_private_key(work / "operator.key", lambda: b"")
+
+
+def _receipt(work: Path, record, config, manifest) -> tuple[Receipt, bytes, bytes]:
+    signed = make_receipt(record, manifest, config, _operator(work))
+    receipt, _ = open_receipt(signed.data, [load_public_key(work / "operator.pub")])
+    return receipt, signed.data, signed.trace
+
+
+def _check(work: Path, model: Path, receipt: Receipt, **kw) -> dict:
+    return replay_receipt(model, _manifest(work, model), receipt, budget=BUDGET, **kw)
+
+
+GREEDY = SamplingParams(24, stop_token_ids=())
+SAMPLED = SamplingParams(24, temperature=0.9, top_p=0.95, seed=1234, stop_token_ids=())
+
+
+# ---------------------------------------------------------------------------------------------- honest
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED, SamplingParams(16, temperature=1.0)], ids=["greedy", "sampled",
+                                                                                                  "unseeded"])
+def test_honest_receipt_verifies(world, params):
+    work, model, _ = world
+    record, config = _run(work, model, params)
+    receipt, _, trace = _receipt(work, record, config, _manifest(work, model))
+    assert receipt.seed == record.params.seed  # an unseeded request records the seed the engine drew
+    verdict = _check(work, model, receipt)
+    assert verdict["valid"], verdict
+    assert verdict["positions_checked"] == len(PROMPT) + len(receipt.token_ids) - 1
+    assert _check(work, model, receipt, trace=trace)["valid"]
+
+
+def test_receipts_of_a_batch_verify(world):
+    """Eight requests decoded together (different prompts, lengths, greedy and sampled): each receipt replays
+    alone, so batch composition is within the tolerances."""
+    work, model, _ = world
+    manifest = _manifest(work, model)
+    engine = Engine(model, manifest, budget=BUDGET, max_batch=8)
+    records = {}
+    try:
+        tickets = []
+        for i in range(8):
+            params = SamplingParams(6 + 3 * i, temperature=0.0 if i % 2 else 0.8, seed=i, stop_token_ids=())
+
+            def sink(event, i=i):
+                if isinstance(event, FinishEvent):
+                    records[i] = event.record
+            tickets.append(engine.submit([3 + i + j for j in range(1 + 2 * i)], params, sink, record=True))
+        while not all(t.done for t in tickets):
+            engine.step()
+        assert engine.stats.last_batch_size > 1 or engine.stats.step_sequences > engine.stats.steps
+    finally:
+        engine.close()
+    for i, record in records.items():
+        receipt, _, _ = _receipt(work, record, engine.config, manifest)
+        verdict = _check(work, model, receipt)
+        assert verdict["valid"], (i, verdict)
+
+
+# ---------------------------------------------------------------------------------------------- dishonest
+
+
+def _tampered_copy(work: Path, model: Path, name: str, edit) -> Path:
+    """A copy of the split directory with `edit(copy)` applied, re-signed by the attacker."""
+    copy = work / name
+    if not copy.exists():
+        shutil.copytree(model, copy)
+        edit(copy)
+        _resign(work, copy, "attacker")
+    return copy
+
+
+def _expert_used(record, config) -> tuple[int, int]:
+    """(layer, expert) of an expert the honest run routed its first token to."""
+    layer = next(i for i, moe in enumerate(config.moe_layers) if moe)
+    slot = [i for i, moe in enumerate(config.moe_layers) if moe].index(layer)
+    return layer, int(record.routes[0][0, slot, 0])
+
+
+def _edit_expert(path: Path, change) -> None:
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(path)
+    save_file({k: change(k, v) for k, v in tensors.items()}, path)
+
+
+def _expert_file(copy: Path, layer: int, expert: int) -> Path:
+    return copy / "experts" / f"layer-{layer:03d}" / f"expert-{expert:04d}.safetensors"
+
+
+def _dishonest(work: Path, model: Path, other: Path, params: SamplingParams, prompt=PROMPT,
+               key: str = "attacker") -> dict:
+    """Generate on `other` (verified with `key`), claim the genuine manifest, replay on `model`."""
+    record, config = _run(work, other, params, prompt=prompt, key=key)
+    receipt, _, _ = _receipt(work, record, config, _manifest(work, model))
+    return _check(work, model, receipt)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_scaled_expert_is_detected(world, params):
+    work, model, _ = world
+    layer, expert = _expert_used(*_run(work, model, params))
+    other = _tampered_copy(work, model, "scaled", lambda c: _edit_expert(
+        _expert_file(c, layer, expert), lambda k, v: (v.astype(np.float32) * np.float32(1.01)).astype(v.dtype)))
+    verdict = _dishonest(work, model, other, params)
+    assert not verdict["valid"]
+    assert verdict["first_divergence"]["position"] == 0  # the first token is routed to the scaled expert
+
+
+def test_swapped_experts_are_detected(world):
+    work, model, _ = world
+    layer, expert = _expert_used(*_run(work, model, GREEDY))
+    swap = (expert + 1) % 8
+
+    def edit(c: Path) -> None:
+        a, b = _expert_file(c, layer, expert), _expert_file(c, layer, swap)
+        from safetensors.numpy import load_file, save_file
+        ta, tb = load_file(a), load_file(b)
+        save_file({k.replace(f".{swap}.", f".{expert}."): v for k, v in tb.items()}, a)
+        save_file({k.replace(f".{expert}.", f".{swap}."): v for k, v in ta.items()}, b)
+    other = _tampered_copy(work, model, "swapped", edit)
+    assert not _dishonest(work, model, other, GREEDY)["valid"]
+
+
+def test_weights_rounded_to_bf16_are_detected(world):
+    import ml_dtypes
+    work, model, _ = world
+
+    def edit(c: Path) -> None:
+        for path in (c / "experts").rglob("*.safetensors"):
+            _edit_expert(path, lambda k, v: v.astype(ml_dtypes.bfloat16).astype(v.dtype)
+                         if v.dtype == np.float32 else v)
+    other = _tampered_copy(work, model, "bf16", edit)
+    verdict = _dishonest(work, model, other, GREEDY)
+    assert not verdict["valid"] and verdict["first_divergence"]["check"] == "fingerprint"
+
+
+def test_another_release_is_detected(world):
+    """A second release of the same model (other weights, version 2): claiming version 1 fails the replay; an
+    honest version-2 receipt names weights the version-1 directory does not hold."""
+    work, model, family = world
+    v2 = work / "model-v2"
+    if not v2.exists():
+        _split_and_sign(work, _checkpoint(work, "ck2", family, "--seed", "7"), "model-v2", "publisher", version=2)
+    assert not _dishonest(work, model, v2, GREEDY, key="publisher")["valid"]
+    record, config = _run(work, v2, GREEDY)
+    receipt, _, _ = _receipt(work, record, config, _manifest(work, v2, state="state-v2"))
+    with pytest.raises(ReceiptMismatchError, match="manifest version 2"):
+        _check(work, model, receipt)
+
+
+def test_changed_prompt_is_detected(world):
+    work, model, _ = world
+    record, config = _run(work, model, GREEDY, prompt=PROMPT[:3] + [PROMPT[3] + 1] + PROMPT[4:])
+    claimed = replace(record, prompt=tuple(PROMPT))  # the client's prompt
+    receipt, _, _ = _receipt(work, claimed, config, _manifest(work, model))
+    verdict = _check(work, model, receipt)
+    assert not verdict["valid"] and verdict["first_divergence"]["position"] == 3
+
+
+@pytest.mark.parametrize("change", [{"seed": 4321}, {"temperature": 0.6}], ids=["seed", "temperature"])
+def test_changed_sampling_is_detected(world, change):
+    work, model, _ = world
+    record, config = _run(work, model, replace(SAMPLED, **change))
+    claimed = replace(record, params=SAMPLED)
+    receipt, _, _ = _receipt(work, claimed, config, _manifest(work, model))
+    verdict = _check(work, model, receipt)
+    assert not verdict["valid"] and verdict["first_divergence"]["check"] == "token"
+
+
+def test_truncated_answer_is_refused_before_replay(world):
+    """An answer cut short, claimed as reaching max_new_tokens or as ending on a stop token: refused by the
+    receipt's own rules as soon as its signature verifies (our signer will not even sign it)."""
+    from shardtool.manifest import Envelope, _canonical
+    from shardtool.manifest._receipt import RECEIPT_FORMAT, RECEIPT_PAYLOAD_TYPE
+    work, model, _ = world
+    record, config = _run(work, model, GREEDY)
+    receipt, _, _ = _receipt(work, record, config, _manifest(work, model))
+    cut = replace(receipt, token_ids=receipt.token_ids[:-3], fingerprint=receipt.fingerprint[:-24])
+    for finish in ("length", "stop"):
+        forged = replace(cut, finish_reason=finish)
+        with pytest.raises(ManifestFormatError, match="max_new_tokens|stop token"):
+            sign_receipt(forged, _operator(work))
+        envelope = Envelope(RECEIPT_PAYLOAD_TYPE, _canonical.encode(forged.to_payload()), (), 1 << 24)
+        data = _canonical.encode({"format": RECEIPT_FORMAT,
+                                  "envelope": envelope.signed_by(_operator(work)).to_dict()})
+        with pytest.raises(ManifestFormatError, match="max_new_tokens|stop token"):
+            open_receipt(data, [load_public_key(work / "operator.pub")])
+
+
+def test_routing_near_tie_is_tolerated_and_counted(world):
+    """A receipt whose routing differs from the replay only by swapping near-tied experts: accepted within the
+    route tolerance (the swap found by search without the trace, and located with it); refused at tolerance 0."""
+    work, model, _ = world
+    record, config = _run(work, model, GREEDY)
+    routes = np.concatenate(record.routes)
+    # Take the replay's closest call (the smallest gap between a chosen and an unchosen expert) and swap it, as a
+    # near-tie resolved the other way by different rounding would.
+    manifest = _manifest(work, model)
+    engine = Engine(model, manifest, budget=BUDGET, max_batch=1)
+    try:
+        fed = np.array(record.prompt + tuple(record.tokens[:-1]))
+        (_, _, trace), = list(engine.teacher_forced(fed))
+    finally:
+        engine.close()
+    gaps = np.stack(trace.gaps, axis=1)  # [positions, layers]
+    position, slot = np.unravel_index(int(np.argmin(gaps)), gaps.shape)
+    out, into = trace.swaps[slot][position]
+    altered = routes.copy()
+    row = altered[position, slot]
+    row[row == out] = into
+    altered[position, slot] = np.sort(row)
+    signed = make_receipt(replace(record, routes=[altered]), manifest, config, _operator(work))
+    receipt, _ = open_receipt(signed.data, [load_public_key(work / "operator.pub")])
+    assert receipt.routing_root == routing_root(routing_leaves(altered))
+    loose = Tolerances(route_gap=float(gaps[position, slot]) * 1.0001)
+    for trace_file in (None, signed.trace):
+        verdict = _check(work, model, receipt, tol=loose, trace=trace_file)
+        assert verdict["valid"] and verdict["near_ties"]["routing"] == 1, verdict
+    strict = _check(work, model, receipt, tol=Tolerances(route_gap=0.0), trace=signed.trace)
+    assert not strict["valid"]
+    assert strict["first_divergence"] | {"detail": None} == {
+        "position": int(position), "token_index": _token_index(int(position)), "layer": receipt.moe_layers[slot],
+        "check": "routing", "detail": None}
+    assert not _check(work, model, receipt, tol=Tolerances(route_gap=0.0))["valid"]
+
+
+def _token_index(position: int) -> int | None:
+    return position - len(PROMPT) if position >= len(PROMPT) else None
+
+
+def test_sampling_slack_is_zero_exactly_for_the_drawn_token():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=64).astype(np.float32)
+    for temperature, top_p in ((0.5, 1.0), (1.0, 0.8), (2.0, 0.3)):
+        a, b = np.random.default_rng(9), np.random.default_rng(9)
+        for _ in range(30):
+            token = sample_token(logits, temperature=temperature, top_p=top_p, rng=a)
+            u = b.random()
+            assert sampling_slack(logits, temperature, top_p, u, token) == 0.0
+            assert sampling_slack(logits, temperature, top_p, u, (token + 1) % 64) > 0.0
+
+
+# ---------------------------------------------------------------------------------------------- the CLI
+
+
+@pytest.fixture(scope="module")
+def cli_world(tmp_path_factory):
+    work = tmp_path_factory.mktemp("receipts-cli")
+    for name in ("publisher", "operator", "stranger"):
+        _cli("shardtool", "keygen", "--out", name, "--no-passphrase", cwd=work)
+    _split_and_sign(work, _checkpoint(work, "ck", "qwen3_moe"), "model", "publisher")
+    _cli("verify-and-run", "model", "--trust", "publisher.pub", "--model-id", MODEL_ID, "--prompt-ids", "4,5,6,7",
+         "--max-new-tokens", "12", "--temperature", "0.8", "--print-ids", "-q", "--receipt-key", "operator.key",
+         "--receipt-out", "run.receipt", "--trace-out", "run.trace", cwd=work)
+    return work
+
+
+def _verify(work: Path, receipt: str, *extra) -> subprocess.CompletedProcess:
+    return _cli("shardtool", "verify-receipt", receipt, "model", "--operator", "operator.pub", "--trust",
+                "publisher.pub", "--model-id", MODEL_ID, *extra, cwd=work, check=False)
+
+
+def test_cli_verify_and_run_receipt_verifies(cli_world):
+    proc = _verify(cli_world, "run.receipt", "--json")
+    assert proc.returncode == 0, proc.stderr
+    verdict = json.loads(proc.stdout)
+    assert verdict["valid"] and verdict["prompt_ids"] == [4, 5, 6, 7] and len(verdict["token_ids"]) == 12
+    assert verdict["request"]["temperature"] == 0.8
+    proc = _verify(cli_world, "run.receipt", "--trace", "run.trace")
+    assert proc.returncode == 0 and "VALID" in proc.stderr and proc.stdout == ""
+
+
+def _one_line_exit(proc: subprocess.CompletedProcess, code: int, *needles: str) -> None:
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
+
+
+def _payload_type_swapped(work: Path) -> bytes:
+    """The genuine payload, signed by the operator under the manifest's payloadType."""
+    from shardtool.manifest import PAYLOAD_TYPE, Envelope, _canonical
+    genuine = (work / "run.receipt").read_bytes()
+    doc = _canonical.decode(genuine, max_size=1 << 24)
+    env = Envelope(PAYLOAD_TYPE, doc["envelope"]["payload"], (), 1 << 24).signed_by(_operator(work))
+    return _canonical.encode({"format": doc["format"], "envelope": env.to_dict()})
+
+
+@pytest.mark.parametrize("case", ["truncated", "garbage-100MB", "garbage-small", "unknown-key", "payload-type",
+                                  "other-model", "empty"])
+def test_cli_bad_receipts_exit_1_with_one_line(cli_world, case):
+    work = cli_world
+    genuine = (work / "run.receipt").read_bytes()
+    path = work / f"{case}.receipt"
+    if case == "truncated":
+        path.write_bytes(genuine[:len(genuine) // 2])
+        needles = ("not valid msgpack",)
+    elif case == "garbage-100MB":
+        with open(path, "wb") as fh:  # sparse: 100 MB claimed, refused by its size before a byte is read
+            fh.truncate(100_000_000)
+        needles = ("refused before reading",)
+    elif case == "garbage-small":
+        path.write_bytes(os.urandom(5000))
+        needles = ("receipt",)
+    elif case == "unknown-key":
+        stranger = load_private_key(work / "stranger.key", lambda: b"")
+        receipt, _ = open_receipt(genuine, [load_public_key(work / "operator.pub")])
+        path.write_bytes(sign_receipt(receipt, stranger))
+        needles = ("none of the 1 signature(s) verifies",)
+    elif case == "payload-type":
+        path.write_bytes(_payload_type_swapped(work))
+        needles = ("payloadType",)
+    elif case == "other-model":
+        receipt, _ = open_receipt(genuine, [load_public_key(work / "operator.pub")])
+        path.write_bytes(sign_receipt(replace(receipt, model_id="test/other"), _operator(work)))
+        needles = ("NOT VALID", "model ID 'test/other'")
+    else:
+        path.write_bytes(b"")
+        needles = ("empty",)
+    _one_line_exit(_verify(work, path.name), 1, *needles)
+
+
+def test_cli_usage_errors_exit_2(cli_world):
+    work = cli_world
+    _one_line_exit(_verify(work, "missing.receipt"), 2, "does not exist")
+    _one_line_exit(_cli("shardtool", "verify-receipt", "run.receipt", "model", "--trust", "publisher.pub", cwd=work,
+                        check=False), 2, "operator")
+    _one_line_exit(_verify(work, "run.receipt", "--sample", "1.5"), 2, "--sample")
+    proc = _cli("verify-and-run", "model", "--trust", "publisher.pub", "--prompt-ids", "4", "--receipt-key",
+                "operator.key", cwd=work, check=False)
+    _one_line_exit(proc, 2, "--receipt-out")
+
+
+def test_cli_sample_of_a_log_finds_the_bad_receipt(cli_world):
+    work = cli_world
+    log = work / "log"
+    log.mkdir(exist_ok=True)
+    genuine = (work / "run.receipt").read_bytes()
+    receipt, _ = open_receipt(genuine, [load_public_key(work / "operator.pub")])
+    for i in range(3):
+        (log / f"good-{i}.receipt").write_bytes(genuine)
+    tokens = list(receipt.token_ids)
+    tokens[4] = (tokens[4] + 1) % 300
+    (log / "bad.receipt").write_bytes(sign_receipt(replace(receipt, token_ids=tuple(tokens)), _operator(work)))
+    whole = _verify(work, "log", "--sample", "1", "--json")
+    assert whole.returncode == 1, whole.stderr
+    summary = json.loads(whole.stdout)
+    assert summary["sampled"] == 4 and summary["invalid"] == ["bad.receipt"]
+    bad = next(r for r in summary["results"] if r["file"] == "bad.receipt")
+    assert bad["first_divergence"]["token_index"] is not None
+    some = _verify(work, "log", "--sample", "0.25", "--sample-seed", "3", "--json")
+    assert json.loads(some.stdout)["sampled"] == 1
