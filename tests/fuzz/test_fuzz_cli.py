@@ -79,8 +79,34 @@ def signed(tmp_path_factory):
     save_manifest(out / "manifest.msgpack", signed_manifest)
     expert = "experts/layer-000/expert-0001.safetensors"
     (base / "expert.proof").write_bytes(build_proof(signed_manifest, expert))
+    (base / "log").mkdir()
+    (base / "log" / "run.receipt").write_bytes(_receipt(out, base / "k.pub", base / "op"))
     return {"base": base, "model": out, "ckpt": ckpt, "pub": base / "k.pub", "proof": base / "expert.proof",
-            "expert": out / expert, "entry": expert, "n": 0}
+            "expert": out / expert, "entry": expert, "n": 0, "receipt": base / "log" / "run.receipt",
+            "op": base / "op.pub"}
+
+
+def _receipt(model: Path, publisher: Path, operator: Path) -> bytes:
+    """A genuine run receipt of three new tokens, signed by a fresh operator key written to `operator`.pub."""
+    from shardtool import keys
+    from shardtool.manifest import load_trusted_manifest
+    from shardtool.runtime import Engine, SamplingParams, make_receipt
+
+    op = keys.generate()
+    keys.write_keypair(operator, op, None, force=False)
+    verified = load_trusted_manifest(model / "manifest.msgpack", [keys.load_public_key(publisher)], 1,
+                                     model.parent / "st")
+    engine = Engine(model, verified, budget=1 << 28, max_batch=1)
+    try:
+        ticket = engine.run_one([1, 2, 3], SamplingParams(3, stop_token_ids=()), lambda t: None, record=True)
+        return make_receipt(ticket.record, verified, engine.config, op).data
+    finally:
+        engine.close()
+
+
+def _verify_receipt(s, *extra) -> list:
+    return ["verify-receipt", s["receipt"], s["model"], "--operator", s["op"], "--trust", s["pub"], "--state-dir",
+            s["base"] / "st", "--json", *extra]
 
 
 def _fresh(signed, name: str) -> Path:
@@ -112,6 +138,16 @@ SHARDTOOL_OPTIONS = {
                                       s["base"] / "st", "-q", "--threshold", v],
     "split --version": lambda s, v: ["split", s["ckpt"], _fresh(s, "o"), "-q", "--no-fsync", "--version", v],
     "split --expires-in": lambda s, v: ["split", s["ckpt"], _fresh(s, "o"), "-q", "--no-fsync", "--expires-in", v],
+    "verify-receipt --memory-budget": lambda s, v: _verify_receipt(s, "--memory-budget", v),
+    "verify-receipt --threshold": lambda s, v: _verify_receipt(s, "--threshold", v),
+    "verify-receipt --model-id": lambda s, v: _verify_receipt(s, "--model-id", v),
+    "verify-receipt --readers": lambda s, v: _verify_receipt(s, "--readers", v),
+    "verify-receipt --sample": lambda s, v: ["verify-receipt", s["receipt"].parent, s["model"], "--operator", s["op"],
+                                             "--trust", s["pub"], "--state-dir", s["base"] / "st", "--json",
+                                             "--sample", v],
+    "verify-receipt --sample-seed": lambda s, v: ["verify-receipt", s["receipt"].parent, s["model"], "--operator",
+                                                  s["op"], "--trust", s["pub"], "--state-dir", s["base"] / "st",
+                                                  "--json", "--sample", "1", "--sample-seed", v],
 }
 
 RUN_OPTIONS = {
