@@ -25,6 +25,10 @@ from shardtool.runtime._engine import Engine
 from shardtool.runtime._model._sampling import sampling_slack
 
 
+# Leaf hashes the near-tie search may recompute in all (2^ties roots of `positions` leaves each): a few seconds.
+MAX_SEARCH_LEAVES = 1 << 22
+
+
 @dataclass(frozen=True)
 class Tolerances:
     """How far an honest replay may differ from the run, each in its own unit."""
@@ -78,6 +82,7 @@ def replay_receipt(root: Path, manifest: VerifiedManifest, receipt: Receipt, *, 
     replay then), and what a verified read raises when the weights themselves are bad."""
     check_weights(receipt, manifest)
     started = time.perf_counter()
+    # tokenizer=False: the replay works on token ids only, so the tokenizer is neither read nor parsed.
     engine = Engine(root, manifest, budget=budget, max_batch=1, max_queue=0, max_context=receipt.positions + 1,
                     readers=readers, tokenizer=False)
     try:
@@ -249,7 +254,7 @@ def _check_token(logits: np.ndarray, receipt: Receipt, i: int, rng: np.random.Ge
 def _search_ties(routes: np.ndarray, leaves: list[bytes], ties: list, root: bytes, tol: Tolerances) -> str:
     """Whether swapping some of the replay's near-tie experts reproduces the committed root: "<n> tie(s)" with
     the fewest swaps that do, or "differs". routes: [positions, layers, k] as replayed."""
-    if len(ties) > tol.max_route_ties:
+    if len(ties) > tol.max_route_ties or len(leaves) << len(ties) > MAX_SEARCH_LEAVES:
         return "differs"
     for n in range(1, len(ties) + 1):
         for combo in itertools.combinations(ties, n):
