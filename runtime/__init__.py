@@ -1,8 +1,11 @@
 """The verifying runtime: shard store (`_store`: where every weight is verified before use), the
 provider that maps the split layout onto it (`_provider`), the numpy MoE forward pass (`_model`), and the
 one decode loop (`_engine`: continuous batching under the memory budget, `_plan`); run receipts: what a run
-records (`_record`) and the teacher-forced replay that checks one (`_replay`)."""
+records (`_record`) and the teacher-forced replay that checks one (`_replay`); a cluster: the node that serves its
+planned experts (`_cluster_node`) and the coordinator's side that asks the nodes for them (`_cluster`)."""
 
+from shardtool.runtime._cluster import ClusterStats, RemoteExperts, connect_cluster
+from shardtool.runtime._cluster_node import NodeService, NodeSetup, leave_cluster, node_alive, prepare_node, serve_node
 from shardtool.runtime._engine import (Engine, ErrorEvent, Event, FinishEvent, SamplingParams, Ticket,
                                        TokenEvent)
 from shardtool.runtime._plan import BudgetPlan, plan_budget
@@ -15,4 +18,6 @@ from shardtool.runtime._store import ShardFormatError, ShardStore, StoreStats
 
 __all__ = ["BudgetPlan", "Engine", "ErrorEvent", "Event", "FinishEvent", "SamplingParams", "Session", "ShardFormatError",
            "Ticket", "TokenEvent", "plan_budget", "ShardStore", "StoreStats", "VerifiedWeights", "encode_prompt",
-           "load_tokenizer", "RunRecord", "SignedReceipt", "make_receipt", "Tolerances", "replay_receipt"]
+           "load_tokenizer", "RunRecord", "SignedReceipt", "make_receipt", "Tolerances", "replay_receipt",
+           "ClusterStats", "RemoteExperts", "connect_cluster", "NodeService", "NodeSetup", "leave_cluster", "node_alive",
+           "prepare_node", "serve_node"]

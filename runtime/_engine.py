@@ -36,8 +36,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from shardtool.errors import (CheckpointFormatError, OverloadedError, RequestRefusedError, ShardtoolError,
-                              UsageError, VerificationError)
+                              UnavailableError, UsageError, VerificationError)
 from shardtool.manifest import VerifiedManifest
+from shardtool.runtime._cluster import RemoteExperts
 from shardtool.runtime._model import (ExpertUnavailable, Float32Weights, KVCache, ModelConfig, Segment, StepTrace,
                                       bytes_per_token, forward_batch, sample_token)
 from shardtool.runtime._model._activations import prefill_chunk, step_rows
@@ -72,7 +73,8 @@ class FinishEvent:
 
 @dataclass(frozen=True)
 class ErrorEvent:
-    status: int  # HTTP status: 500 a shard failed verification or the step failed; 503 the engine stopped
+    status: int  # HTTP status: 500 a shard failed verification or the step failed; 503 the engine stopped or a
+    # cluster node with no replica left (UnavailableError)
     message: str  # one line
     error: BaseException
 
@@ -133,7 +135,9 @@ class Engine:
 
     def __init__(self, root: Path, manifest: VerifiedManifest, *, budget: int, max_batch: int = 16,
                  max_queue: int = 64, kv_cache: int | None = None, max_context: int | None = None,
-                 readers: int = 2, tokenizer=None):
+                 readers: int = 2, tokenizer=None, remote: RemoteExperts | None = None):
+        """`remote`: a cluster's nodes compute the routed experts (`shardtool node`); `root` then needs to hold
+        only the trunk and the model's small files (the plan's coordinator_files)."""
         if max_batch < 1:
             raise UsageError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue < 0:
@@ -156,7 +160,8 @@ class Engine:
                                             max_batch=max_batch, kv_cache=kv_cache)
         self.store = ShardStore(self.root, budget_bytes=self.plan.shard_cache, readers=readers)
         self.weights = VerifiedWeights(self.store, manifest, self.config.num_layers, window=self.config.top_k)
-        self._weights = Float32Weights(self.config, self.weights)
+        self.remote = remote
+        self._weights = Float32Weights(self.config, self.weights, remote.fetch if remote is not None else None)
         self._rope = inv_freq(self.config.rope)
         self.bytes_per_token = bytes_per_token(self.config)
         self.stats = EngineStats()
@@ -436,8 +441,9 @@ class Engine:
                 self.stats.failed += 1
                 if isinstance(error, VerificationError):
                     self.stats.verification_failures += 1
+        status = 503 if isinstance(error, UnavailableError) else 500  # a node down: the request may work later
         for ticket in tickets:
-            _deliver(ticket, ErrorEvent(500, message, error))
+            _deliver(ticket, ErrorEvent(status, message, error))
 
     def _emit(self, ticket: Ticket, logits: np.ndarray) -> None:
         """Sample the next token from a finished step's logits and hand it over; end the request on a stop

@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 
 from shardtool.errors import UsageError
 from shardtool.manifest import VerifiedManifest
+from shardtool.runtime._cluster import RemoteExperts
 from shardtool.runtime._engine import Engine, SamplingParams
 from shardtool.runtime._model import Model
 from shardtool.runtime._model._sampling import check_sampling
@@ -49,11 +50,13 @@ class Session:
     first: pass the tokenizer they loaded with `load_tokenizer` to avoid reading and verifying it twice."""
 
     def __init__(self, root: Path, manifest: VerifiedManifest, *, budget: int, max_tokens: int, readers: int = 2,
-                 tokenizer=None):
+                 tokenizer=None, remote: RemoteExperts | None = None):
+        """`remote`: the routed experts come from a cluster's nodes (the engine's `remote`)."""
         self.root = Path(root)
         self.manifest = manifest
+        self.remote = remote
         self.engine = Engine(self.root, manifest, budget=budget, max_batch=1, max_queue=0, max_context=max_tokens,
-                             readers=readers, tokenizer=tokenizer)
+                             readers=readers, tokenizer=tokenizer, remote=remote)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.plan = self.engine.plan
@@ -74,9 +77,11 @@ class Session:
         than held whole in memory; the errors are the ones a verified read gives."""
         from shardtool.manifest import verify_entry
 
-        for entry in self.manifest.entries:
+        # With a cluster the experts are the nodes': each node checked its own before it joined.
+        entries = [e for e in self.manifest.entries if self.remote is None or e.kind != "expert"]
+        for entry in entries:
             verify_entry(self.root, entry)
-        return sum(entry.size for entry in self.manifest.entries)
+        return sum(entry.size for entry in entries)
 
     def decode_text(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer else ""
@@ -136,4 +141,5 @@ class Session:
             "kv_cache_bytes": self._kv_cache_bytes,
             "peak_rss_bytes": peak_rss_bytes(),
             "generated_ids": r.generated,
+            **({"cluster": self.remote.stats.as_dict()} if self.remote is not None else {}),
         }

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from shardtool.errors import (InvalidRequestError, OverloadedError, RequestRefusedError, ShardtoolError,
-                              UsageError)
+                              UnavailableError, UsageError)
 from shardtool.runtime import ErrorEvent, FinishEvent, SamplingParams, TokenEvent, encode_prompt
 from shardtool.serve._chat import ChatTemplate
 from shardtool.serve._metrics import CONTENT_TYPE, Metrics
@@ -190,6 +190,8 @@ def error_response(err: ShardtoolError) -> JSONResponse:
     elif isinstance(err, OverloadedError):
         status, code = 503, "overloaded"
         headers["Retry-After"] = str(max(1, int(err.retry_after)))
+    elif isinstance(err, UnavailableError):
+        status, code = 503, "unavailable"
     elif isinstance(err, (RequestRefusedError, UsageError)):
         status = 400
     else:  # verification failures and anything else on the server's side

@@ -139,6 +139,13 @@ class OverloadedError(ShardtoolError):
         super().__init__(message, **kw)
 
 
+class UnavailableError(ShardtoolError):
+    """Something the answer needs is down, not untrustworthy: a cluster node that died, timed out or refused, with
+    no replica left for the experts it held (HTTP 503, exit 3). Nothing computed without it is returned."""
+
+    exit_code = EXIT_IO
+
+
 class CheckpointFormatError(ShardtoolError):
     """A checkpoint or safetensors file that cannot be parsed safely.
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -15,7 +15,8 @@ from ._activations import prefill_chunk
 from ._cache import KVCache
 from ._config import ModelConfig
 from ._dtypes import to_float32, weight_f32
-from ._layers import ExpertFetch, ExpertUnavailable, causal_mask, decoder_layer, gqa_attention, matmul_t, mla_attention, rms_norm
+from ._layers import (ExpertFetch, ExpertOutputs, ExpertUnavailable, causal_mask, decoder_layer, expert_mlp, gqa_attention,
+                      matmul_t, mla_attention, rms_norm)
 from ._rope import cos_sin, inv_freq
 from ._weights import WeightProvider
 
@@ -115,12 +116,23 @@ def _expert_f32(cfg: ModelConfig, layer: int, expert: int,
     return out[0], out[1], out[2]
 
 
-class Float32Weights:
-    """The model's view of the provider: float32 conversion, and the optional float32 trunk cache."""
+def run_expert(cfg: ModelConfig, layer: int, expert: int, t: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+    """# the expert's stored tensors, x [m, H] float32 -> its unweighted output [m, H]: what the local forward pass
+    and a cluster node both compute for an expert (the coordinator weights and sums them, `moe_experts`)."""
+    return expert_mlp(x, *_expert_f32(cfg, layer, expert, t))
 
-    def __init__(self, cfg: ModelConfig, provider: WeightProvider):
+
+class Float32Weights:
+    """The model's view of the provider: float32 conversion, and the optional float32 trunk cache.
+
+    `remote(layer)`, when given, computes the routed experts instead of the provider (a cluster's nodes); the
+    provider then serves only the trunk."""
+
+    def __init__(self, cfg: ModelConfig, provider: WeightProvider,
+                 remote: Callable[[int], ExpertFetch] | None = None):
         self.cfg = cfg
         self.provider = provider
+        self.remote = remote
         self.keep = bool(getattr(provider, "cache_float32", False))
         self._layers: dict[int, dict[str, np.ndarray]] = {}
         self._embed: np.ndarray | None = None
@@ -176,30 +188,37 @@ class Float32Weights:
         return prepared
 
     def expert_fetch(self, layer: int) -> ExpertFetch:
-        def fetch(ids: Sequence[int]) -> Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        if self.remote is not None:
+            return self.remote(layer)
+
+        def fetch(x: np.ndarray, rows: Mapping[int, np.ndarray]) -> ExpertOutputs:
+            ids = list(rows)
             got = self.provider.experts(layer, ids)
             missing = [e for e in ids if e not in got]
             if missing:
                 raise CheckpointFormatError(f"layer {layer}: provider returned no tensors for experts {missing}")
-            return _Float32Experts(self.cfg, layer, got)
+            return _LocalExperts(self.cfg, layer, got, x, rows)
         return fetch
 
 
-class _Float32Experts(Mapping):
-    """Converts each expert to float32 when the MoE loop reaches it, not all up front: with a streaming
-    provider, expert e computes while the next one is still being read and verified."""
+class _LocalExperts(Mapping):
+    """expert id -> a thunk that takes the expert from the provider, converts it to float32 and runs it on its
+    rows, only when the MoE loop reaches it: with a streaming provider, expert e computes while the next one is
+    still being read and verified."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, got: Mapping[int, Mapping[str, np.ndarray]]):
-        self.cfg, self.layer, self.got = cfg, layer, got
+    def __init__(self, cfg: ModelConfig, layer: int, got: Mapping[int, Mapping[str, np.ndarray]], x: np.ndarray,
+                 rows: Mapping[int, np.ndarray]):
+        self.cfg, self.layer, self.got, self.x, self.rows = cfg, layer, got, x, rows
 
-    def __getitem__(self, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return _expert_f32(self.cfg, self.layer, expert, self.got[expert])
+    def __getitem__(self, expert: int) -> Callable[[], np.ndarray]:
+        rows = self.rows[expert]
+        return lambda: run_expert(self.cfg, self.layer, expert, self.got[expert], self.x[rows])
 
     def __iter__(self):
-        return iter(self.got)
+        return iter(self.rows)
 
     def __len__(self) -> int:
-        return len(self.got)
+        return len(self.rows)
 
 
 @dataclass

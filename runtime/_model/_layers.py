@@ -16,8 +16,12 @@ from ._config import ModelConfig
 from ._rope import apply_rope, apply_rope_interleave
 
 Weights = Mapping[str, np.ndarray]
-# expert ids -> {id: (gate [I, H], up [I, H], down [H, I])} in float32
-ExpertFetch = Callable[[Sequence[int]], Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]]]
+# A step's routed experts: x [T, H] and {expert: its token rows [t_e]} in ascending expert order ->
+# {expert: () -> its unweighted output expert_mlp(x[rows]) [t_e, H] float32}. A thunk may block until its expert
+# is verified (the local store streams them) or its node answered (a cluster); a ShardtoolError raised there
+# fails only that expert's rows. Asked once per MoE layer, before the shared expert runs.
+ExpertOutputs = Mapping[int, Callable[[], np.ndarray]]
+ExpertFetch = Callable[[np.ndarray, Mapping[int, np.ndarray]], ExpertOutputs]
 
 # [T, H] normed input, the layer's weights -> [T, H]: self-attention over each sequence's own cache
 Attend = Callable[[np.ndarray, Mapping[str, np.ndarray]], np.ndarray]
@@ -227,23 +231,29 @@ class ExpertUnavailable(Exception):
         self.cause, self.rows = cause, rows
 
 
-def moe_experts(x: np.ndarray, weights: np.ndarray, idx: np.ndarray,
-                experts: Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:
-    """# [T, H], [T, k], [T, k] -> [T, H]: sum over each token's experts of weight * expert(x).
-
-    `experts` holds every expert any token picked (fetched in one call, in ascending id order); each runs once
-    on all its tokens, whichever sequence of a batch they belong to, and a streaming mapping may hand each
-    over only when it is verified.
-    """
-    ids = np.unique(idx)
-    out = np.zeros_like(x)
-    for e in ids:
+def expert_groups(idx: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """# [T, k] expert ids -> {expert: (token rows [t_e], slots [t_e])} in ascending expert order."""
+    groups = {}
+    for e in np.unique(idx):
         tokens, slots = np.nonzero(idx == e)
+        groups[int(e)] = (tokens, slots)
+    return groups
+
+
+def moe_experts(x: np.ndarray, weights: np.ndarray, groups: Mapping[int, tuple[np.ndarray, np.ndarray]],
+                outputs: ExpertOutputs) -> np.ndarray:
+    """# [T, H], [T, k], {expert: (rows, slots)}, {expert: () -> [t_e, H]} -> [T, H]: the weighted sum over each
+    token's experts. The one place expert outputs are combined, whether they were computed here or by cluster
+    nodes: in ascending expert order, `out[rows] += y * weight`, so both give the same float32 result.
+
+    Each expert ran once on all its tokens, whichever sequence of a batch they belong to."""
+    out = np.zeros_like(x)
+    for e, (tokens, slots) in groups.items():
         try:
-            gate, up, down = experts[int(e)]
+            y = outputs[e]()
         except ShardtoolError as cause:  # a bug is not caught here: it fails the whole step
             raise ExpertUnavailable(cause, tokens) from cause
-        out[tokens] += expert_mlp(x[tokens], gate, up, down) * weights[tokens, slots, None]
+        out[tokens] += y * weights[tokens, slots, None]
     return out
 
 
@@ -261,8 +271,10 @@ def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch,
         weights, idx, scores = _route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
     if observe is not None:
         observe(idx, scores)
-    # Ask for the routed experts first: a streaming provider loads them while the shared expert computes.
-    experts = fetch([int(e) for e in np.unique(idx)])
+    # Ask for the routed experts first: a streaming provider loads them (cluster nodes compute them) while the
+    # shared expert computes.
+    groups = expert_groups(idx)
+    outputs = fetch(x, {e: tokens for e, (tokens, _) in groups.items()})
     shared = None
     if cfg.shared_expert == "gated":  # Qwen2-MoE: sigmoid(shared_expert_gate x) * shared_expert(x)
         shared = expert_mlp(x, w["mlp.shared_expert.gate_proj.weight"], w["mlp.shared_expert.up_proj.weight"],
@@ -271,7 +283,7 @@ def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch,
     elif cfg.shared_expert == "plain":  # DeepSeek-V3: shared experts always run
         shared = expert_mlp(x, w["mlp.shared_experts.gate_proj.weight"], w["mlp.shared_experts.up_proj.weight"],
                             w["mlp.shared_experts.down_proj.weight"])
-    out = moe_experts(x, weights.astype(np.float32), idx, experts)
+    out = moe_experts(x, weights.astype(np.float32), groups, outputs)
     if shared is not None:
         out += shared  # added after the routed sum, as before: the same float32 result
     return out

@@ -1,0 +1,74 @@
+"""`shardtool node`: check this node's planned experts, join a Ray cluster and serve them to a coordinator
+(`verify-and-run` / `serve` with --cluster) until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from shardtool.errors import UnavailableError, UsageError
+
+# How often the waiting node checks that its actor still answers (an actor that died ends the node, exit 3).
+HEALTH_SECONDS = 5.0
+
+
+def register(app: typer.Typer) -> None:
+    app.command("node")(node)
+
+
+def node(
+    directory: Path = typer.Argument(..., help="This node's directory: its planned expert shards, config.json and "
+                                               "the manifest."),
+    trust: List[Path] = typer.Option([], "--trust", help="Trusted public key (repeatable)."),
+    threshold: int = typer.Option(1, "--threshold", help="Distinct trusted keys that must have signed."),
+    plan_file: Path = typer.Option(..., "--plan", help="The cluster plan (shardtool plan)."),
+    name: str = typer.Option(..., "--name", help="This node's name in the plan."),
+    memory_budget: str = typer.Option(..., "--memory-budget", help="Cached verified experts + working buffers."),
+    address: str = typer.Option(..., "--address", help="The Ray cluster to join, HOST:PORT of its head (run "
+                                                       "`ray start --address HOST:PORT` on this machine first when it "
+                                                       "is not the head's)."),
+    readers: int = typer.Option(2, "--readers", min=1, max=64, help="Reader/verifier threads."),
+    join_timeout: float = typer.Option(60.0, "--join-timeout", min=0.1, max=3600.0,
+                                       help="Seconds to wait for the node's actor to start."),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Rollback state directory."),
+    manifest_file: Optional[Path] = typer.Option(None, "--manifest", help="Manifest (default DIR/manifest.msgpack)."),
+    expect_model: Optional[str] = typer.Option(
+        None, "--model-id", help="Refuse a manifest signed for any other model (the publisher may sign several)."),
+) -> None:
+    """Verify the manifest and the plan, check every planned file (a missing or bad one: refuse to join, exit 1),
+    then serve this node's experts to the cluster's coordinator; every load verified, also after eviction."""
+    from shardtool.cli._common import load_plan, load_trusted, manifest_path, model_dir, parse_size, say
+    from shardtool.manifest import load_trusted_manifest
+
+    budget = parse_size(memory_budget)
+    if not address or len(address) > 300:
+        raise UsageError("--address must be the Ray head's HOST:PORT")
+    directory = model_dir(directory)
+    trusted = load_trusted(trust)
+    verified = load_trusted_manifest(manifest_path(directory, manifest_file), trusted, threshold, state_dir,
+                                     model_id=expect_model)
+    plan = load_plan(plan_file, verified)
+
+    from shardtool.runtime import leave_cluster, node_alive, prepare_node, serve_node
+
+    setup = prepare_node(directory, verified, plan, name, budget=budget, readers=readers)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    actor = None
+    try:
+        actor, info = serve_node(setup, address, timeout=join_timeout)
+        say(f"node {name} ready: {len(info['experts'])} experts of {verified.head.model_id} "
+            f"v{verified.head.version} (root {info['root'][:16]}...) in the Ray cluster at {address}")
+        while not stop.wait(HEALTH_SECONDS):
+            if not node_alive(actor, HEALTH_SECONDS * 6):
+                raise UnavailableError(f"node {name}'s actor stopped answering; the node leaves the cluster")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if actor is not None:
+            leave_cluster(actor)
+    say(f"node {name}: stopped")

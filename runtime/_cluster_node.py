@@ -1,0 +1,230 @@
+"""A cluster node's expert service: the experts a plan gave this node, each loaded through the verifying shard
+store (also after an eviction), run on hidden states sent by a coordinator.
+
+`NodeService` is plain Python; `serve_node` runs it as a Ray actor named `shardtool-node-NAME` in the namespace
+"shardtool", owned by the calling process (it dies with it). Every argument that arrives over the wire is
+checked (types, shapes, dtypes, caps, that this node holds the layer and expert) before it is used. An expert
+whose shard fails verification is marked failed from then on: reported by `info()` and in every reply, while
+the node keeps serving its other experts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from shardtool.errors import CheckpointFormatError, ShardtoolError, UnavailableError, UsageError, VerificationError
+from shardtool.manifest import Entry, VerifiedManifest
+from shardtool.manifest.audit import check_file
+from shardtool.runtime._model import ModelConfig, run_expert
+from shardtool.runtime._plan import MIN_ACTIVATION_RESERVE
+from shardtool.runtime._signed import unusable_shards, verified_config
+from shardtool.runtime._store import ShardStore
+
+NAMESPACE = "shardtool"
+ACTOR_PREFIX = "shardtool-node-"
+MAX_ROWS = 1 << 16  # token rows of one call: a step's batch rows, far below this
+CONFIG = "config.json"
+INSTALL_HINT = "install the cluster extra: pip install 'shardtool[cluster]'"
+
+
+def actor_name(node: str) -> str:
+    return ACTOR_PREFIX + node
+
+
+def import_ray():
+    """Ray, or a one-line usage error saying how to get it (it is an optional extra)."""
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("the cluster commands need Ray, which is not installed", hint=INSTALL_HINT) from None
+    return ray
+
+
+@dataclass(frozen=True)
+class NodeSetup:
+    """What the joining process hands its actor (same machine, same user): checked there before it is sent."""
+
+    name: str
+    directory: str
+    root: bytes  # the signed manifest's Merkle root the node verified against
+    manifest_version: int
+    config: ModelConfig
+    entries: tuple[Entry, ...]  # this node's planned expert shards (from the verified manifest)
+    budget: int  # bytes of verified shards kept cached
+    readers: int
+
+
+class NodeService:
+    """Runs this node's experts; thread-safe (Ray may call it from one thread at a time, tests from several)."""
+
+    def __init__(self, setup: NodeSetup):
+        self.setup = setup
+        self.config = setup.config
+        self.held: dict[tuple[int, int], Entry] = {(e.layer, e.expert): e for e in setup.entries}
+        self.store = ShardStore(Path(setup.directory), budget_bytes=setup.budget, readers=setup.readers)
+        self.failed: dict[tuple[int, int], str] = {}
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def info(self) -> dict:
+        s = self.setup
+        with self._lock:
+            failed = {f"{layer}/{expert}": why for (layer, expert), why in sorted(self.failed.items())}
+        return {"name": s.name, "root": s.root.hex(), "manifest_version": s.manifest_version,
+                "experts": sorted([layer, expert] for layer, expert in self.held), "failed": failed,
+                "calls": self.calls, "store": self.store.stats.as_dict()}
+
+    def run(self, layer, expert_ids, x, rows) -> dict:
+        """Each requested expert's unweighted output on its rows, `run_expert(x[rows[e]])` [t_e, H] float32; an
+        expert that cannot be had is in `failed` with one line. Arguments are checked before anything runs."""
+        ids, x, rows = self._check(layer, expert_ids, x, rows)
+        t0 = time.perf_counter()
+        with self._lock:
+            self.calls += 1
+            failed = {e: self.failed[(layer, e)] for e in ids if (layer, e) in self.failed}
+        todo = [e for e in ids if e not in failed]
+        # Every load starts now (the reader pool), and each expert computes as soon as it is verified.
+        waiters = self.store.request([self.held[(layer, e)] for e in todo])
+        outputs = {}
+        for e, wait in zip(todo, waiters):
+            try:
+                outputs[e] = run_expert(self.config, layer, e, wait(), x[rows[e]])
+            except ShardtoolError as err:
+                if isinstance(err, CheckpointFormatError):
+                    err = unusable_shards(err)
+                why = err.one_line()
+                with self._lock:
+                    self.failed[(layer, e)] = why
+                failed[e] = why
+        return {"name": self.setup.name, "root": self.setup.root.hex(), "outputs": outputs, "failed": failed,
+                "seconds": time.perf_counter() - t0}
+
+    def _check(self, layer, expert_ids, x, rows) -> tuple[list[int], np.ndarray, dict[int, np.ndarray]]:
+        cfg = self.config
+        if not _is_int(layer) or not 0 <= layer < cfg.num_layers or not cfg.moe_layers[layer]:
+            raise UsageError(f"layer {layer!r} is not a MoE layer of this model (it has {cfg.num_layers} layers)")
+        if not isinstance(expert_ids, (list, tuple)) or not 1 <= len(expert_ids) <= cfg.num_experts:
+            raise UsageError(f"expert ids must be a list of 1 to {cfg.num_experts} ids")
+        ids = list(expert_ids)
+        for e in ids:
+            if not _is_int(e) or (layer, e) not in self.held:
+                raise UsageError(f"node {self.setup.name} does not hold expert {e!r} of layer {layer}")
+        if len(set(ids)) != len(ids):
+            raise UsageError("expert ids repeat")
+        if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2:
+            raise UsageError(f"hidden states must be a 2-D float32 array, got {_describe(x)}")
+        if x.shape[1] != cfg.hidden_size or not 1 <= x.shape[0] <= MAX_ROWS:
+            raise UsageError(f"hidden states have shape {x.shape}, expected [1..{MAX_ROWS}, {cfg.hidden_size}]")
+        if not isinstance(rows, Mapping) or set(rows) != set(ids):
+            raise UsageError("rows must map exactly the requested expert ids to row indices")
+        checked = {}
+        for e in ids:
+            r = rows[e]
+            if (not isinstance(r, np.ndarray) or r.dtype != np.int64 or r.ndim != 1 or not 1 <= len(r) <= len(x)
+                    or r[0] < 0 or r[-1] >= len(x) or (len(r) > 1 and not (np.diff(r) > 0).all())):
+                raise UsageError(f"rows of expert {e}: expected increasing int64 indices below {len(x)}, got "
+                                 f"{_describe(r)}")
+            checked[e] = r
+        return ids, x, checked
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _describe(v) -> str:
+    if isinstance(v, np.ndarray):
+        return f"an array of shape {v.shape} and dtype {v.dtype}"
+    return f"a {type(v).__name__}"
+
+
+def serve_node(setup: NodeSetup, address: str, *, timeout: float, started=None) -> tuple[object, dict]:
+    """Join the Ray cluster at `address` as a driver, start this node's actor on this machine's Ray node (where the
+    audited directory is), and wait until it answers. Returns (actor handle, its info()). The actor is owned by
+    this process: it ends when this process ends (or `leave` is called)."""
+    ray = import_ray()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False,
+                 include_dashboard=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise UnavailableError(f"cannot join the Ray cluster at {address}: {' '.join(str(e).split())[:200]}") from None
+    here = ray.get_runtime_context().get_node_id()
+    actor_class = ray.remote(NodeService)
+    try:
+        actor = actor_class.options(name=actor_name(setup.name), namespace=NAMESPACE, num_cpus=0,
+                                    max_concurrency=1, max_restarts=0,
+                                    scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)
+                                    ).remote(setup)
+    except ValueError as e:  # the name is taken: another node process already serves under it
+        raise UsageError(f"node name {setup.name!r} is already in use in this cluster: {' '.join(str(e).split())[:200]}") from None
+    try:
+        info = ray.get(actor.info.remote(), timeout=timeout)
+    except ray.exceptions.RayError as e:
+        raise UnavailableError(f"node {setup.name} did not start: {type(e).__name__}") from None
+    return actor, info
+
+
+def node_alive(actor, timeout: float) -> bool:
+    """Whether this node's actor still answers info() within `timeout` seconds."""
+    ray = import_ray()
+    try:
+        ray.get(actor.info.remote(), timeout=timeout)
+        return True
+    except ray.exceptions.RayError:
+        return False
+
+
+def leave_cluster(actor) -> None:
+    ray = import_ray()
+    try:
+        ray.kill(actor)
+    finally:
+        ray.shutdown()
+
+
+def prepare_node(directory: Path, manifest: VerifiedManifest, plan, name: str, *, budget: int,
+                 readers: int = 2) -> NodeSetup:
+    """Check this node's directory before it may join: every file the plan gives node `name`, and the signed
+    config.json (the experts' shapes), present and matching the manifest, each hashed whole. The first file
+    missing or failing is a VerificationError naming it (the node refuses to join). Files the plan gives other
+    nodes may be absent (present-only semantics) and are not read. Also checks that `budget` holds a step."""
+    node = plan.node(name)
+    listed = manifest.by_path()
+    paths = node.files()
+    if CONFIG in listed:
+        paths = [CONFIG, *paths]
+    entries = []
+    for path in paths:
+        entry = listed.get(path)
+        if entry is None:
+            raise VerificationError(f"the signed manifest lists no {path}; node {name} cannot join")
+        finding = check_file(Path(directory), entry)
+        if finding is not None:
+            raise VerificationError(f"{finding.finding}: {finding.detail}; node {name} refuses to join",
+                                    path=finding.path)
+        entries.append(entry)
+    config = verified_config(Path(directory), manifest)
+    experts = tuple(e for e in entries if e.kind == "expert")
+    per_layer = max((len(ids) for ids in node.experts.values()), default=0)
+    k = min(max(config.top_k, 1), per_layer)
+    largest = max((e.size for e in experts), default=0)
+    working = 4 * k * largest + largest + MIN_ACTIVATION_RESERVE  # float32 copies, a read in flight, activations
+    if budget - working < largest * (k + 1):
+        need = working + largest * (k + 1)
+        raise UsageError(f"--memory-budget {budget} bytes cannot hold node {name}'s step: {need} bytes needed "
+                         f"(a shard cache of {k + 1} experts of {largest} bytes and working buffers)",
+                         hint=f"raise --memory-budget to at least {-(-need // 2**20)}MiB")
+    head = manifest.head
+    return NodeSetup(name=name, directory=str(directory), root=head.merkle_root, manifest_version=head.version,
+                     config=config, entries=experts, budget=budget - working, readers=readers)
