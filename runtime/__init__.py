@@ -6,6 +6,8 @@ planned experts (`_cluster_node`) and the coordinator's side that asks the nodes
 
 from shardtool.runtime._cluster import ClusterStats, RemoteExperts, connect_cluster
 from shardtool.runtime._cluster_node import NodeService, NodeSetup, leave_cluster, node_alive, prepare_node, serve_node
+from shardtool.runtime._cluster_plan import (MAX_PLAN_BYTES, NODE_NAME_PATTERN, ClusterPlan, NodePlan, check_plan,
+                                             decode_plan, encode_plan, make_plan, node_memory_floor, summarize)
 from shardtool.runtime._engine import (Engine, ErrorEvent, Event, FinishEvent, SamplingParams, Ticket,
                                        TokenEvent)
 from shardtool.runtime._plan import BudgetPlan, plan_budget
@@ -16,7 +18,8 @@ from shardtool.runtime._session import Session, encode_prompt
 from shardtool.runtime._signed import load_tokenizer
 from shardtool.runtime._store import ShardFormatError, ShardStore, StoreStats
 
-__all__ = ["BudgetPlan", "Engine", "ErrorEvent", "Event", "FinishEvent", "SamplingParams", "Session", "ShardFormatError",
+__all__ = ["MAX_PLAN_BYTES", "NODE_NAME_PATTERN", "ClusterPlan", "NodePlan", "check_plan", "decode_plan", "encode_plan", "make_plan", "node_memory_floor",
+           "summarize", "BudgetPlan", "Engine", "ErrorEvent", "Event", "FinishEvent", "SamplingParams", "Session", "ShardFormatError",
            "Ticket", "TokenEvent", "plan_budget", "ShardStore", "StoreStats", "VerifiedWeights", "encode_prompt",
            "load_tokenizer", "RunRecord", "SignedReceipt", "make_receipt", "Tolerances", "replay_receipt",
            "ClusterStats", "RemoteExperts", "connect_cluster", "NodeService", "NodeSetup", "leave_cluster", "node_alive",
