@@ -41,7 +41,8 @@ def node(
 ) -> None:
     """Verify the manifest and the plan, check every planned file (a missing or bad one: refuse to join, exit 1),
     then serve this node's experts to the cluster's coordinator; every load verified, also after eviction."""
-    from shardtool.cli._common import load_plan, load_trusted, manifest_path, model_dir, parse_size, say
+    from shardtool.cli._common import load_trusted, manifest_path, model_dir, say
+    from shardtool.cli.run_cmd import parse_size
     from shardtool.manifest import load_trusted_manifest
 
     budget = parse_size(memory_budget)
@@ -51,9 +52,9 @@ def node(
     trusted = load_trusted(trust)
     verified = load_trusted_manifest(manifest_path(directory, manifest_file), trusted, threshold, state_dir,
                                      model_id=expect_model)
-    plan = load_plan(plan_file, verified)
+    from shardtool.runtime import leave_cluster, load_plan, node_alive, prepare_node, serve_node
 
-    from shardtool.runtime import leave_cluster, node_alive, prepare_node, serve_node
+    plan = load_plan(plan_file, verified)
 
     setup = prepare_node(directory, verified, plan, name, budget=budget, readers=readers)
     stop = threading.Event()

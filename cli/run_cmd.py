@@ -125,6 +125,12 @@ def verify_and_run(
     receipt_out: Optional[Path] = typer.Option(None, "--receipt-out", help="Write the signed run receipt here."),
     trace_out: Optional[Path] = typer.Option(None, "--trace-out", help="Write the run's routing trace here "
                                                                        "(verify-receipt --trace)."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Ray cluster (HOST:PORT of its head) whose nodes "
+                                                                  "compute the routed experts (needs --plan)."),
+    plan_file: Optional[Path] = typer.Option(None, "--plan", help="The cluster plan (shardtool plan); DIR then needs "
+                                                                  "only its coordinator files."),
+    remote_timeout: float = typer.Option(30.0, "--remote-timeout", min=0.1, max=3600.0,
+                                         help="Seconds a node has to answer one call before its replica is asked."),
 ) -> None:
     """Verify the signed manifest, then generate, checking every shard's BLAKE3 before its weights are used."""
     from shardtool.atomic import atomic_write_bytes
@@ -146,6 +152,7 @@ def verify_and_run(
         raise UsageError("--trace-out and --receipt-passphrase-file need --receipt-key")
     if max_new_tokens == 0 and receipt_key is not None:
         raise UsageError("a receipt covers an answer: --max-new-tokens must be at least 1 with --receipt-key")
+    check_cluster_options(cluster, plan_file, remote_timeout)
     operator_key = None
     if receipt_key is not None:  # before any work: a wrong key or passphrase fails here, not after generating
         from shardtool.cli._passphrase import get_passphrase
@@ -153,7 +160,7 @@ def verify_and_run(
         operator_key = load_private_key(receipt_key, lambda: get_passphrase(receipt_passphrase_file, new_key=False))
     _set_blas_threads(threads, readers)
     _keep_freed_memory()
-    from shardtool.runtime import Session, encode_prompt, load_tokenizer, make_receipt  # loads numpy
+    from shardtool.runtime import Session, connect_cluster, encode_prompt, load_plan, load_tokenizer, make_receipt
 
     directory = model_dir(directory)
     trusted = load_trusted(trust)
@@ -164,10 +171,18 @@ def verify_and_run(
         ids = encode_prompt(tokenizer, prompt)
         if not ids:
             raise UsageError("--prompt encodes to no tokens")
+    remote = None
+    if cluster is not None:
+        remote = connect_cluster(cluster, load_plan(plan_file, verified), timeout=remote_timeout)
     # The KV cache is sized (and budgeted) for exactly this prompt plus the new tokens: a sequence the budget
     # cannot hold is refused here, before the first token.
-    session = Session(directory, verified, budget=budget, max_tokens=len(ids) + max_new_tokens, readers=readers,
-                      tokenizer=tokenizer)
+    try:
+        session = Session(directory, verified, budget=budget, max_tokens=len(ids) + max_new_tokens, readers=readers,
+                          tokenizer=tokenizer, remote=remote)
+    except BaseException:
+        if remote is not None:
+            remote.close()
+        raise
     try:
         check_prompt_ids(ids, session.config.vocab_size)
         if verify_all_first:
@@ -185,6 +200,8 @@ def verify_and_run(
             summary["receipt_id"] = signed.id
     finally:
         session.close()
+        if remote is not None:
+            remote.close()
     if signed is not None:  # the trace first: a receipt on disk always has its trace beside it when asked for
         if trace_out is not None:
             atomic_write_bytes(trace_out, signed.trace)
@@ -198,6 +215,15 @@ def verify_and_run(
         _print_report(summary)
     if expect_model is None and not quiet:  # after the output: a refused run still prints one line only
         say(unpinned_warning(verified.head.model_id))
+
+
+def check_cluster_options(cluster: str | None, plan_file: Path | None, remote_timeout: float) -> None:
+    if (cluster is None) != (plan_file is None):
+        raise UsageError("--cluster and --plan go together")
+    if cluster is not None and not 1 <= len(cluster) <= 300:
+        raise UsageError("--cluster must be the Ray head's HOST:PORT")
+    if not math.isfinite(remote_timeout):
+        raise UsageError(f"--remote-timeout must be a number of seconds, got {remote_timeout}")
 
 
 _BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
@@ -249,6 +275,14 @@ def _print_report(s: dict) -> None:
     say(f"  bytes read: {s['bytes_read'] / 2**20:.1f} MiB ({s['bytes_read_per_token'] / 2**20:.2f} MiB/token); "
         f"expert bytes per decode token: measured {measured / 2**20 if measured is not None else float('nan'):.2f} MiB, "
         f"contract (cold) {predicted / 2**20 if predicted else float('nan'):.2f} MiB")
+    cluster = s.get("cluster")
+    if cluster is not None:
+        fed = max(s["prompt_tokens"] + s["new_tokens"] - 1, 1)
+        wall = sec["prefill"] + sec["decode"]
+        dropped = ", ".join(cluster["dropped_nodes"]) or "none"
+        say(f"  cluster: {cluster['calls']} node calls, {cluster['wire_bytes'] / fed / 1024:.1f} KiB on the wire per "
+            f"token, {cluster['remote_seconds'] / wall if wall else 0:.0%} of the time in node calls; "
+            f"{cluster['retries']} experts retried on a replica; nodes dropped: {dropped}")
     say(f"  cache: {cache['hits']} hits, {cache['misses']} misses, {cache['evictions']} evictions; "
         f"shard cache {s['budget']['shard_cache'] / 2**20:.1f} MiB of budget {s['budget']['total'] / 2**20:.1f} MiB; "
         f"peak RSS {s['peak_rss_bytes'] / 2**20:.1f} MiB")

@@ -45,11 +45,17 @@ def serve(
     read_timeout: float = typer.Option(30.0, "--read-timeout", min=0.1, max=3600.0,
                                        help="Seconds a client has to send a request's headers, and again its body."),
     max_body: str = typer.Option("1MiB", "--max-body", help="Largest request body (HTTP 413 past it)."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Ray cluster (HOST:PORT of its head) whose nodes "
+                                                                  "compute the routed experts (needs --plan)."),
+    plan_file: Optional[Path] = typer.Option(None, "--plan", help="The cluster plan (shardtool plan); DIR then needs "
+                                                                  "only its coordinator files."),
+    remote_timeout: float = typer.Option(30.0, "--remote-timeout", min=0.1, max=3600.0,
+                                         help="Seconds a node has to answer one call before its replica is asked."),
 ) -> None:
     """Serve a verified model: POST /v1/completions and /v1/chat/completions (OpenAI-style, streaming as
     server-sent events), GET /v1/models, /health, /metrics."""
     from shardtool.cli._common import load_trusted, manifest_path, model_dir, say, unpinned_warning
-    from shardtool.cli.run_cmd import _keep_freed_memory, _set_blas_threads, parse_size
+    from shardtool.cli.run_cmd import _keep_freed_memory, _set_blas_threads, check_cluster_options, parse_size
 
     # Every option is checked before anything is read: a bad value is one usage line, exit 2.
     budget = parse_size(memory_budget)
@@ -57,14 +63,16 @@ def serve(
     body_cap = parse_size(max_body, "--max-body")
     if not math.isfinite(read_timeout):
         raise UsageError(f"--read-timeout must be a number of seconds, got {read_timeout}")
+    check_cluster_options(cluster, plan_file, remote_timeout)
     _set_blas_threads(threads, readers)
     _keep_freed_memory()
 
     from shardtool.manifest import load_trusted_manifest
-    from shardtool.runtime import Engine  # loads numpy
+    from shardtool.runtime import Engine, connect_cluster, load_plan  # loads numpy
     from shardtool.serve import (ChatTemplate, Limits, ServerSettings, Stopped, bind, create_app, run,
                                  stop_on_signals, url_of)
 
+    remote = None
     with stop_on_signals():
         try:
             directory = model_dir(directory)
@@ -72,9 +80,15 @@ def serve(
             verified = load_trusted_manifest(manifest_path(directory, manifest_file), trusted, threshold, state_dir,
                                              model_id=expect_model)
             model_id = verified.head.model_id
+            if cluster is not None:
+                remote = connect_cluster(cluster, load_plan(plan_file, verified), timeout=remote_timeout)
             engine = Engine(directory, verified, budget=budget, max_batch=max_batch, max_queue=max_queue,
-                            kv_cache=kv_bytes, max_context=max_context, readers=readers)
-        except Stopped:
+                            kv_cache=kv_bytes, max_context=max_context, readers=readers, remote=remote)
+        except BaseException as e:
+            if remote is not None:
+                remote.close()
+            if not isinstance(e, Stopped):
+                raise
             say("shardtool serve: stopped before serving")
             return
         try:
@@ -101,4 +115,6 @@ def serve(
             pass
         finally:
             engine.close()
+            if remote is not None:
+                remote.close()
     say("shardtool serve: stopped")

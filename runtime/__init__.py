@@ -4,7 +4,7 @@ one decode loop (`_engine`: continuous batching under the memory budget, `_plan`
 records (`_record`) and the teacher-forced replay that checks one (`_replay`); a cluster: the node that serves its
 planned experts (`_cluster_node`) and the coordinator's side that asks the nodes for them (`_cluster`)."""
 
-from shardtool.runtime._cluster import ClusterStats, RemoteExperts, connect_cluster
+from shardtool.runtime._cluster import ClusterStats, RemoteExperts, connect_cluster, load_plan
 from shardtool.runtime._cluster_node import NodeService, NodeSetup, leave_cluster, node_alive, prepare_node, serve_node
 from shardtool.runtime._cluster_plan import (MAX_PLAN_BYTES, NODE_NAME_PATTERN, ClusterPlan, NodePlan, check_plan,
                                              decode_plan, encode_plan, make_plan, node_memory_floor, summarize)
@@ -22,5 +22,5 @@ __all__ = ["MAX_PLAN_BYTES", "NODE_NAME_PATTERN", "ClusterPlan", "NodePlan", "ch
            "summarize", "BudgetPlan", "Engine", "ErrorEvent", "Event", "FinishEvent", "SamplingParams", "Session", "ShardFormatError",
            "Ticket", "TokenEvent", "plan_budget", "ShardStore", "StoreStats", "VerifiedWeights", "encode_prompt",
            "load_tokenizer", "RunRecord", "SignedReceipt", "make_receipt", "Tolerances", "replay_receipt",
-           "ClusterStats", "RemoteExperts", "connect_cluster", "NodeService", "NodeSetup", "leave_cluster", "node_alive",
+           "ClusterStats", "RemoteExperts", "connect_cluster", "load_plan", "NodeService", "NodeSetup", "leave_cluster", "node_alive",
            "prepare_node", "serve_node"]

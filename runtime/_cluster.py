@@ -17,13 +17,17 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from shardtool.errors import ShardtoolError, UnavailableError
-from shardtool.runtime._cluster_node import NAMESPACE, actor_name, import_ray
+from shardtool.errors import ShardtoolError, UnavailableError, UsageError
+from shardtool.manifest import VerifiedManifest
+from shardtool.runtime._cluster_plan import MAX_PLAN_BYTES, ClusterPlan, decode_plan
+from shardtool.runtime._cluster_node import NAMESPACE, actor_name, import_ray, init_ray
 from shardtool.runtime._model import ExpertFetch, ExpertOutputs
+from shardtool.safeio import read_regular
 from shardtool.text import printable
 
 DEFAULT_TIMEOUT = 30.0
@@ -263,12 +267,7 @@ class RayTransport:
 
     def __init__(self, address: str):
         self.ray = import_ray()
-        try:
-            self.ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False,
-                          include_dashboard=False)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise UnavailableError(f"cannot reach the Ray cluster at {address}: "
-                                   f"{' '.join(str(e).split())[:200]}") from None
+        init_ray(self.ray, address)
         self._actors: dict[str, object] = {}
 
     def _actor(self, node: str):
@@ -294,7 +293,10 @@ class RayTransport:
         try:
             return self.ray.get(pending, timeout=timeout)
         except self.ray.exceptions.GetTimeoutError:
-            self.ray.cancel(pending, force=False)
+            try:
+                self.ray.cancel(pending)  # a call still queued at the node is dropped there
+            except Exception:  # noqa: BLE001 - best effort: the node is dropped either way
+                pass
             raise NodeFailed(f"no reply within {timeout:.1f}s") from None
         except self.ray.exceptions.RayError as e:
             raise NodeFailed(_ray_line(e)) from None
@@ -303,12 +305,18 @@ class RayTransport:
         self.ray.shutdown()
 
 
-def plan_placement(plan) -> dict[tuple[int, int], tuple[str, ...]]:
+def load_plan(path: Path, manifest: VerifiedManifest) -> ClusterPlan:
+    """A plan file, refused by size before it is read, decoded and checked against the verified manifest."""
+    data = read_regular(path, MAX_PLAN_BYTES, what="plan", too_large=UsageError)
+    return decode_plan(data, manifest, what=str(path))
+
+
+def plan_placement(plan: ClusterPlan) -> dict[tuple[int, int], tuple[str, ...]]:
     """(layer, expert) -> the nodes a ClusterPlan puts it on, in plan order."""
     return {pair: plan.holders(*pair) for node in plan.nodes for pair in node.pairs()}
 
 
-def connect_cluster(address: str, plan, *, timeout: float = DEFAULT_TIMEOUT) -> RemoteExperts:
+def connect_cluster(address: str, plan: ClusterPlan, *, timeout: float = DEFAULT_TIMEOUT) -> RemoteExperts:
     """A coordinator's RemoteExperts over the Ray cluster at `address`, every planned node asked for its info
     (UnavailableError when some planned expert has no node left that answers for this plan's root)."""
     transport = RayTransport(address)

@@ -10,6 +10,7 @@ the node keeps serving its other experts.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -22,14 +23,13 @@ from shardtool.errors import CheckpointFormatError, ShardtoolError, UnavailableE
 from shardtool.manifest import Entry, VerifiedManifest
 from shardtool.manifest.audit import check_file
 from shardtool.runtime._model import ModelConfig, run_expert
-from shardtool.runtime._plan import MIN_ACTIVATION_RESERVE
+from shardtool.runtime._cluster_plan import ClusterPlan, node_memory_floor
 from shardtool.runtime._signed import unusable_shards, verified_config
 from shardtool.runtime._store import ShardStore
 
 NAMESPACE = "shardtool"
 ACTOR_PREFIX = "shardtool-node-"
 MAX_ROWS = 1 << 16  # token rows of one call: a step's batch rows, far below this
-CONFIG = "config.json"
 INSTALL_HINT = "install the cluster extra: pip install 'shardtool[cluster]'"
 
 
@@ -46,6 +46,23 @@ def import_ray():
     return ray
 
 
+def init_ray(ray, address: str) -> None:
+    """Connect this process to the Ray cluster at `address` (namespace "shardtool") as a driver, quietly. Ray's
+    core worker installs its own SIGTERM handler, which would end the process without a clean exit; the Python
+    handlers that were in place are put back."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False,
+                 include_dashboard=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise UnavailableError(f"cannot reach the Ray cluster at {address}: {' '.join(str(e).split())[:200]}") from None
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
 @dataclass(frozen=True)
 class NodeSetup:
     """What the joining process hands its actor (same machine, same user): checked there before it is sent."""
@@ -56,7 +73,7 @@ class NodeSetup:
     manifest_version: int
     config: ModelConfig
     entries: tuple[Entry, ...]  # this node's planned expert shards (from the verified manifest)
-    budget: int  # bytes of verified shards kept cached
+    budget: int  # bytes of verified shards kept cached (the rest of --memory-budget: working buffers)
     readers: int
 
 
@@ -147,18 +164,14 @@ def _describe(v) -> str:
     return f"a {type(v).__name__}"
 
 
-def serve_node(setup: NodeSetup, address: str, *, timeout: float, started=None) -> tuple[object, dict]:
+def serve_node(setup: NodeSetup, address: str, *, timeout: float) -> tuple[object, dict]:
     """Join the Ray cluster at `address` as a driver, start this node's actor on this machine's Ray node (where the
     audited directory is), and wait until it answers. Returns (actor handle, its info()). The actor is owned by
     this process: it ends when this process ends (or `leave` is called)."""
     ray = import_ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    try:
-        ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False,
-                 include_dashboard=False)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise UnavailableError(f"cannot join the Ray cluster at {address}: {' '.join(str(e).split())[:200]}") from None
+    init_ray(ray, address)
     here = ray.get_runtime_context().get_node_id()
     actor_class = ray.remote(NodeService)
     try:
@@ -193,38 +206,37 @@ def leave_cluster(actor) -> None:
         ray.shutdown()
 
 
-def prepare_node(directory: Path, manifest: VerifiedManifest, plan, name: str, *, budget: int,
+def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan, name: str, *, budget: int,
                  readers: int = 2) -> NodeSetup:
-    """Check this node's directory before it may join: every file the plan gives node `name`, and the signed
-    config.json (the experts' shapes), present and matching the manifest, each hashed whole. The first file
-    missing or failing is a VerificationError naming it (the node refuses to join). Files the plan gives other
-    nodes may be absent (present-only semantics) and are not read. Also checks that `budget` holds a step."""
+    """Check this node before it may join. The signed config.json (the experts' shapes) is read through
+    verification; `budget` must hold a step over this node's experts; then every file the plan gives node `name`
+    is hashed whole and must be present and match the manifest: the first missing or failing one is a
+    VerificationError naming it (the node refuses to join). Files the plan gives other nodes may be absent
+    (present-only semantics) and are not read."""
     node = plan.node(name)
     listed = manifest.by_path()
-    paths = node.files()
-    if CONFIG in listed:
-        paths = [CONFIG, *paths]
     entries = []
-    for path in paths:
+    for path in node.files():
         entry = listed.get(path)
         if entry is None:
             raise VerificationError(f"the signed manifest lists no {path}; node {name} cannot join")
-        finding = check_file(Path(directory), entry)
+        entries.append(entry)
+    root = Path(directory)
+    config = verified_config(root, manifest)
+    per_layer = max((len(ids) for ids in node.experts.values()), default=0)
+    need = node_memory_floor([e.size for e in entries], per_layer, config.top_k)
+    if budget < need:
+        raise UsageError(f"--memory-budget {budget} bytes cannot hold a step of node {name}: it needs {need} bytes "
+                         f"(a shard cache of top-k + 1 of its experts and working buffers)",
+                         hint=f"raise --memory-budget to at least {-(-need // 2**20)}MiB")
+    for entry in entries:
+        finding = check_file(root, entry)
         if finding is not None:
             raise VerificationError(f"{finding.finding}: {finding.detail}; node {name} refuses to join",
                                     path=finding.path)
-        entries.append(entry)
-    config = verified_config(Path(directory), manifest)
-    experts = tuple(e for e in entries if e.kind == "expert")
-    per_layer = max((len(ids) for ids in node.experts.values()), default=0)
+    # The floor's shard cache is top-k + 1 experts; what the budget has beyond the floor caches more.
     k = min(max(config.top_k, 1), per_layer)
-    largest = max((e.size for e in experts), default=0)
-    working = 4 * k * largest + largest + MIN_ACTIVATION_RESERVE  # float32 copies, a read in flight, activations
-    if budget - working < largest * (k + 1):
-        need = working + largest * (k + 1)
-        raise UsageError(f"--memory-budget {budget} bytes cannot hold node {name}'s step: {need} bytes needed "
-                         f"(a shard cache of {k + 1} experts of {largest} bytes and working buffers)",
-                         hint=f"raise --memory-budget to at least {-(-need // 2**20)}MiB")
+    largest = max((e.size for e in entries), default=0)
     head = manifest.head
     return NodeSetup(name=name, directory=str(directory), root=head.merkle_root, manifest_version=head.version,
-                     config=config, entries=experts, budget=budget - working, readers=readers)
+                     config=config, entries=tuple(entries), budget=budget - need + largest * (k + 1), readers=readers)

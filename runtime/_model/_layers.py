@@ -6,7 +6,7 @@ float32 arrays in `nn.Linear` orientation [out, in].
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import numpy as np
 

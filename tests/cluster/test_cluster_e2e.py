@@ -1,0 +1,251 @@
+"""The real parts end to end: a Ray head on 127.0.0.1, `shardtool node` processes each holding only the experts a
+plan gives it, and `verify-and-run --cluster` as the coordinator. Its output (greedy and sampled tokens, the run
+receipt's routing trace) equals single-process verify-and-run on the whole model, bit for bit; a node that dies
+or stops passing verification is routed around when a replica is left, and fails the run cleanly (exit 3) when
+none is."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+
+import _clusterkit as kit
+from shardtool.keys import load_public_key
+from shardtool.manifest import open_receipt
+
+PROMPT_IDS = "5,77,300,12"
+
+
+def _budget(model: kit.Model) -> str:
+    """The least --memory-budget a node of this model runs with: its shard cache holds only top-k + 1 experts,
+    so experts are evicted and read (and verified) again all the time."""
+    from shardtool.keys import load_public_key
+    from shardtool.manifest import load_trusted_manifest
+    from shardtool.runtime import load_plan, node_memory_floor
+
+    verified = load_trusted_manifest(model.full / "manifest.msgpack", [load_public_key(model.work / "a.pub")], 1,
+                                     model.work / "budget-state")
+    plan = load_plan(model.plan, verified)
+    sizes = {e.path: e.size for e in verified.entries}
+    k = verified.head.contract["experts_per_token"]
+    return str(max(node_memory_floor([sizes[p] for p in n.files()], max(map(len, n.experts.values())), k)
+                   for n in plan.nodes))
+
+
+class Nodes:
+    """The node processes of one model; started together, each stopped by its own process group."""
+
+    def __init__(self, model: kit.Model, address: str, budget: str):
+        self.model, self.address, self.budget = model, address, budget
+        self.procs: dict[str, kit.Proc] = {}
+
+    def start(self, *names: str) -> "Nodes":
+        for name in names:
+            argv = kit.node_argv(self.model, name, self.address, budget=self.budget)
+            self.procs[name] = kit.start(argv, self.model.work / f"node-{name}-{time.monotonic_ns()}.log",
+                                         self.model.work)
+        for name in names:
+            self.procs[name].wait_for(rf"node {name} ready", 180)
+        return self
+
+    def kill(self, name: str) -> None:
+        self.procs.pop(name).stop(signal.SIGKILL)
+
+    def stop_all(self) -> None:
+        for name in list(self.procs):
+            proc = self.procs.pop(name)
+            code = proc.stop()
+            assert code == 0, f"node {name} exited {code} on SIGTERM:\n{proc.text()[-2000:]}"
+            assert kit.group_members(proc.pgid) == []
+
+
+@pytest.fixture(scope="module")
+def mixtral(head, tmp_path_factory):
+    """Mixtral layout, 3 nodes, every expert on 2 of them."""
+    model = kit.build_model(tmp_path_factory.mktemp("mixtral"), "mixtral", replicas=2, nodes=("mx-a", "mx-b", "mx-c"))
+    nodes = Nodes(model, head.address, _budget(model)).start("mx-a", "mx-b", "mx-c")
+    yield model, nodes
+    nodes.stop_all()
+
+
+def _shared(model: kit.Model, a: str, b: str) -> list[Path]:
+    """Node a's files of the experts that only a and b hold."""
+    from shardtool.keys import load_public_key
+    from shardtool.layout import expert_path
+    from shardtool.manifest import load_trusted_manifest
+    from shardtool.runtime import load_plan
+
+    verified = load_trusted_manifest(model.full / "manifest.msgpack", [load_public_key(model.work / "a.pub")], 1,
+                                     model.work / "shared-state")
+    plan = load_plan(model.plan, verified)
+    pairs = [p for p in plan.node(a).pairs() if set(plan.holders(*p)) == {a, b}]
+    assert pairs
+    return [model.node_dir(a) / expert_path(*p) for p in pairs]
+
+
+def _ids(r: subprocess.CompletedProcess) -> list[int]:
+    return [int(t) for t in r.stdout.split()]
+
+
+# ---------------------------------------------------------------------------------------------------- joining
+
+
+def test_a_node_with_a_tampered_or_missing_planned_shard_refuses_to_join(mixtral, tmp_path):
+    model, _ = mixtral
+    name = "mx-a"
+    node_dir = Path(shutil.copytree(model.node_dir(name), tmp_path / "node"))
+    planned = sorted(p.relative_to(node_dir).as_posix() for p in (node_dir / "experts").rglob("*.safetensors"))
+    victim = node_dir / planned[len(planned) // 2]
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x40
+    victim.write_bytes(bytes(data))
+
+    def join() -> subprocess.CompletedProcess:
+        argv = kit.node_argv(model, name, "127.0.0.1:1")  # refused before it connects anywhere
+        argv[2] = str(node_dir)
+        return subprocess.run(argv, capture_output=True, text=True, env=kit.env(model.work), timeout=120,
+                              stdin=subprocess.DEVNULL)
+
+    r = join()
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1, r.stderr
+    assert len(lines) == 1 and planned[len(planned) // 2] in lines[0] and "digest-mismatch" in lines[0], r.stderr
+    victim.unlink()
+    r = join()
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and planned[len(planned) // 2] in lines[0], r.stderr
+    assert "missing" in lines[0]
+
+
+def test_a_file_planned_for_another_node_may_be_absent_but_a_foreign_plan_is_refused(mixtral, tmp_path):
+    """Present-only: mx-a's directory lacks the experts only other nodes hold, and joins (checked in-process up
+    to the join); a plan for other weights is refused (exit 1) before any file is hashed."""
+    model, _ = mixtral
+    from shardtool.keys import load_public_key
+    from shardtool.manifest import load_trusted_manifest
+    from shardtool.runtime import load_plan, prepare_node
+
+    verified = load_trusted_manifest(model.node_dir("mx-a") / "manifest.msgpack",
+                                     [load_public_key(model.work / "a.pub")], 1, tmp_path / "state")
+    setup = prepare_node(model.node_dir("mx-a"), verified, load_plan(model.plan, verified), "mx-a", budget=1 << 30)
+    assert {e.path for e in setup.entries} == set(load_plan(model.plan, verified).node("mx-a").files())
+    other = tmp_path / "other.json"
+    other.write_bytes(model.plan.read_bytes().replace(verified.head.merkle_root.hex().encode(), b"0" * 64))
+    argv = kit.node_argv(model, "mx-a", "127.0.0.1:1")
+    argv[argv.index("--plan") + 1] = str(other)
+    r = subprocess.run(argv, capture_output=True, text=True, env=kit.env(model.work), timeout=120,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "plan is for" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------- parity
+
+
+def test_greedy_sampled_and_receipts_equal_one_process(mixtral, head):
+    model, _ = mixtral
+    kit.ok("shardtool", "keygen", "--out", "op", "--no-passphrase", cwd=model.work)
+    operator = [load_public_key(model.work / "op.pub")]
+    for sampling in (("--seed", "11"), ("--temperature", "0.9", "--seed", "7")):
+        runs = {}
+        for where, directory, cluster in (("local", model.full, None), ("cluster", model.coordinator, head.address)):
+            r = kit.verify_and_run(model, directory, "--prompt-ids", PROMPT_IDS, "--print-ids", "--max-new-tokens",
+                                   "16", *sampling, "--receipt-key", "op.key", "--receipt-out", f"{where}.receipt",
+                                   "--trace-out", f"{where}.trace", cluster=cluster)
+            receipt, _ = open_receipt((model.work / f"{where}.receipt").read_bytes(), operator)
+            trace = msgpack.unpackb((model.work / f"{where}.trace").read_bytes())
+            assert trace.pop("receipt_id") == receipt.id
+            # All but the receipt's own id and time: tokens, routing root, hidden-state fingerprints, the trace.
+            runs[where] = (_ids(r), {k: v for k, v in receipt.__dict__.items() if k not in ("id", "created")}, trace)
+            assert r.stderr.strip() == ""  # -q, and nothing went wrong: no node dropped
+        assert runs["cluster"] == runs["local"] and len(runs["local"][0]) >= 1
+    # The receipt a coordinator signed checks out against the whole model, replayed in one process.
+    kit.ok("shardtool", "verify-receipt", "cluster.receipt", model.full, "--operator", "op.pub", "--trust", "a.pub",
+           "--model-id", model.model_id, "--state-dir", model.work / "state-receipt", cwd=model.work)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_greedy_parity_on_other_layouts_and_a_clean_failure_without_replicas(head, tmp_path, family):
+    """Two nodes, one copy of each expert. A node SIGKILLed mid-run: the run fails (exit 3) naming an expert with
+    no node left, and what it printed before is a prefix of the true answer (nothing wrong is returned)."""
+    model = kit.build_model(tmp_path, family, replicas=1, nodes=(f"{family[:2]}-a", f"{family[:2]}-b"))
+    nodes = Nodes(model, head.address, _budget(model)).start(*model.nodes)
+    try:
+        local = _ids(kit.verify_and_run(model, model.full, "--prompt-ids", PROMPT_IDS, "--print-ids",
+                                        "--max-new-tokens", str(LONG)))
+        remote = kit.verify_and_run(model, model.coordinator, "--prompt-ids", PROMPT_IDS, "--print-ids",
+                                    "--max-new-tokens", "12", cluster=head.address)
+        assert _ids(remote) == local[:12]
+        code, printed, err = _kill_mid_run(model, head.address, nodes, model.nodes[0])
+        assert code == 3, err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("verify-and-run: error:") and "no replica left" in last, err
+        assert 1 <= len(printed) < len(local) and local[:len(printed)] == printed
+    finally:
+        nodes.stop_all()
+
+
+# ---------------------------------------------------------------------------------------------------- faults
+
+
+LONG = 48  # new tokens of a run that a node is killed in the middle of
+
+
+def _kill_mid_run(model: kit.Model, address: str, nodes: Nodes, victim: str) -> tuple[int, list[int], str]:
+    """Start a long coordinator run; once its first token is out, SIGKILL node `victim`'s process group. Returns
+    the run's exit code, the token ids it printed and its stderr."""
+    run = subprocess.Popen(
+        [str(kit.BIN / "verify-and-run"), str(model.coordinator), "--trust", str(model.work / "a.pub"), "--state-dir",
+         str(model.work / "state-var"), "--model-id", model.model_id, "-q", "--cluster", address, "--plan",
+         str(model.plan), "--prompt-ids", PROMPT_IDS, "--print-ids", "--max-new-tokens", str(LONG),
+         "--remote-timeout", "10"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, env=kit.env(model.work), cwd=model.work,
+        stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        first = run.stdout.read(1)  # unbuffered: one byte, the first token's first digit; the run is under way
+        nodes.kill(victim)
+        out, err = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            kit._killpg(run.pid, signal.SIGKILL)
+            run.wait()
+    return run.returncode, [int(t) for t in (first + out).decode().split()], err.decode()
+
+
+def test_a_shard_tampered_under_a_running_node_is_no_longer_served_and_is_routed_around(mixtral, head):
+    """mx-a's shards of the experts it shares with mx-c are changed on disk while it runs; its cache holds only
+    top-k + 1 experts, so it reads them again: each fails verification there, is reported, and the coordinator
+    asks the replica."""
+    model, nodes = mixtral
+    assert "mx-a" in nodes.procs
+    local = _ids(kit.verify_and_run(model, model.full, "--prompt-ids", PROMPT_IDS, "--print-ids",
+                                    "--max-new-tokens", "24"))
+    for path in _shared(model, "mx-a", "mx-c"):
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x40
+        path.write_bytes(bytes(data))
+    r = kit.verify_and_run(model, model.coordinator, "--prompt-ids", PROMPT_IDS, "--print-ids", "--max-new-tokens",
+                           "24", cluster=head.address)
+    assert _ids(r) == local
+    assert "cluster: node mx-a stopped serving layer" in r.stderr and "BLAKE3" in r.stderr, r.stderr
+    # The next coordinator learns it from the node's info() and does not ask mx-a for those experts again.
+    again = kit.verify_and_run(model, model.coordinator, "--prompt-ids", PROMPT_IDS, "--print-ids",
+                               "--max-new-tokens", "24", cluster=head.address)
+    assert _ids(again) == local
+
+
+def test_sigkill_of_a_node_mid_run_with_replicas_gives_the_same_tokens(mixtral, head):
+    """After the tamper test: mx-a no longer serves the experts it shares with mx-c, and mx-b dies mid-run; every
+    expert still has a node that serves it."""
+    model, nodes = mixtral
+    local = _ids(kit.verify_and_run(model, model.full, "--prompt-ids", PROMPT_IDS, "--print-ids",
+                                    "--max-new-tokens", str(LONG)))
+    code, printed, err = _kill_mid_run(model, head.address, nodes, "mx-b")
+    assert code == 0, err
+    assert printed == local
+    assert "node mx-b dropped" in err  # -q still says that a node was dropped

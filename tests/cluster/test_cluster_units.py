@@ -1,0 +1,246 @@
+"""The coordinator's RemoteExperts and the node's NodeService in one process, without Ray: node services over a
+real split, signed model, joined by a transport that calls them directly (or fails as told). Parity with the
+local forward pass, the refusals of wrong replies (another root, another name, a wrong shape), the retries on a
+replica, the node's checks of every argument, and a shard tampered under a node."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardtool.errors import UnavailableError, UsageError
+from shardtool.keys import load_public_key
+from shardtool.layout import expert_path
+from shardtool.manifest import load_trusted_manifest
+from shardtool.runtime import (Engine, ErrorEvent, NodeService, RemoteExperts, SamplingParams, Session, load_plan,
+                               make_plan, prepare_node)
+from shardtool.runtime._cluster import NodeFailed, plan_placement
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
+PROMPT = [5, 77, 300, 12]
+
+
+def _cli(*args, cwd: Path) -> None:
+    r = subprocess.run([str(BIN / "shardtool"), *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                       stdin=subprocess.DEVNULL, env={"XDG_STATE_HOME": str(cwd), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    work = tmp_path_factory.mktemp("units")
+    _cli("keygen", "--out", "a", "--no-passphrase", cwd=work)
+    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(work / "hf"), "--family",
+                    "mixtral", "--experts", "8", "--layers", "2"], check=True, capture_output=True)
+    _cli("split", "-q", work / "hf", work / "full", "--model-id", "test/units", "--version", "1", cwd=work)
+    _cli("sign", work / "full", "--key", "a.key", cwd=work)
+    verified = load_trusted_manifest(work / "full" / "manifest.msgpack", [load_public_key(work / "a.pub")], 1,
+                                     work / "state")
+    plan_path = work / "plan.json"
+    from shardtool.runtime import encode_plan
+    plan_path.write_bytes(encode_plan(make_plan(verified, [(n, 1 << 30, None) for n in ("a", "b", "c")], 2)))
+    return work, verified, load_plan(plan_path, verified)
+
+
+class Direct:
+    """Calls NodeService objects in-process. `edit[node](reply) -> reply` forges replies; `down` nodes fail."""
+
+    def __init__(self, services: dict[str, NodeService]):
+        self.services = services
+        self.edit = {}
+        self.down: set[str] = set()
+        self.calls: list[tuple[str, int, list[int]]] = []
+
+    def info(self, node, timeout):
+        if node in self.down or node not in self.services:
+            raise NodeFailed(f"no node named {node} has joined the cluster")
+        return self.edit.get(node, lambda r: r)(self.services[node].info())
+
+    def submit(self, node, layer, expert_ids, x, rows):
+        self.calls.append((node, layer, list(expert_ids)))
+        return node, layer, expert_ids, x, rows
+
+    def result(self, pending, timeout):
+        node, layer, ids, x, rows = pending
+        if node in self.down:
+            raise NodeFailed("ActorDiedError: the actor died unexpectedly")
+        return self.edit.get(node, lambda r: r)(self.services[node].run(layer, ids, x, rows))
+
+
+def _services(model, directory: Path | None = None) -> dict[str, NodeService]:
+    work, verified, plan = model
+    return {n.name: NodeService(prepare_node(directory or work / "full", verified, plan, n.name, budget=1 << 30))
+            for n in plan.nodes}
+
+
+def _remote(model, transport) -> RemoteExperts:
+    _, verified, plan = model
+    remote = RemoteExperts(plan_placement(plan), verified.head.merkle_root, transport, timeout=5, log=lambda _: None)
+    remote.connect()
+    return remote
+
+
+def _generate(model, remote=None, **sampling) -> list[int]:
+    work, verified, _ = model
+    session = Session(work / "full", verified, budget=1 << 30, max_tokens=len(PROMPT) + 12, remote=remote)
+    try:
+        out: list[int] = []
+        session.generate(PROMPT, 12, temperature=sampling.get("temperature", 0.0), top_p=1.0,
+                         seed=sampling.get("seed"), on_token=out.append)
+        return out
+    finally:
+        session.close()
+
+
+def test_remote_experts_give_the_local_tokens_greedy_and_sampled(model):
+    transport = Direct(_services(model))
+    remote = _remote(model, transport)
+    assert _generate(model, remote) == _generate(model)
+    assert _generate(model, remote, temperature=0.9, seed=3) == _generate(model, temperature=0.9, seed=3)
+    assert {node for node, _, _ in transport.calls} == {"a", "b", "c"}  # experts spread over their replicas
+    assert remote.stats.calls == len(transport.calls) and remote.stats.wire_bytes > 0 and not remote.stats.dropped
+
+
+def test_a_node_answering_for_another_root_or_name_is_refused_and_its_replica_serves(model):
+    for forge, why in ((lambda r: {**r, "root": "00" * 32}, "manifest root"),
+                       (lambda r: {**r, "name": "b"}, "names node")):
+        transport = Direct(_services(model))
+        logged = []
+        remote = _remote(model, transport)
+        remote._log = logged.append
+        transport.edit["a"] = forge  # a's info() passed at connect; its replies now lie
+        assert _generate(model, remote) == _generate(model)
+        assert "a" in remote.stats.dropped and why in remote.stats.dropped["a"]
+        assert any("node a dropped" in line for line in logged)
+    transport = Direct(_services(model))
+    transport.edit["a"] = lambda r: {**r, "root": "11" * 32}
+    _, verified, plan = model
+    remote = RemoteExperts(plan_placement(plan), verified.head.merkle_root, transport, log=lambda _: None)
+    remote.connect()  # refused at connect already: R = 2 leaves every expert a node
+    assert "refused" in remote.stats.dropped["a"]
+    assert _generate(model, remote) == _generate(model)
+    assert all(node != "a" for node, _, _ in transport.calls)
+
+
+@pytest.mark.parametrize("forge", [
+    lambda r: {**r, "outputs": {e: y[:, :-1] for e, y in r["outputs"].items()}},
+    lambda r: {**r, "outputs": {e: y.astype(np.float64) for e, y in r["outputs"].items()}},
+    lambda r: {**r, "outputs": {}},
+    lambda r: [r],
+], ids=["shape", "dtype", "missing", "not-a-dict"])
+def test_a_malformed_reply_drops_the_node(model, forge):
+    transport = Direct(_services(model))
+    remote = _remote(model, transport)
+    transport.edit["b"] = forge
+    assert _generate(model, remote) == _generate(model)
+    assert "b" in remote.stats.dropped
+
+
+def test_with_no_replica_left_only_the_requests_that_chose_its_experts_fail_with_503(model):
+    transport = Direct(_services(model))
+    remote = _remote(model, transport)
+    work, verified, plan = model
+    transport.down |= {"a", "b"}  # every expert a and b both hold has no node left
+    lost = {p for p in plan_placement(plan) if set(plan.holders(*p)) == {"a", "b"}}
+    assert lost
+    engine = Engine(work / "full", verified, budget=1 << 30, max_batch=4, max_context=64, remote=remote)
+    events: dict[int, list] = {}
+    try:
+        for i, prompt in enumerate(([5, 77, 300, 12], [9], [100, 3], [42, 42, 42])):
+            engine.submit(prompt, SamplingParams(4), lambda ev, i=i: events.setdefault(i, []).append(ev))
+        while any(not t.done for t in list(engine._running)):
+            engine.step()
+    finally:
+        engine.close()
+    errors = [evs[-1] for evs in events.values() if isinstance(evs[-1], ErrorEvent)]
+    assert len(events) == 4 and errors
+    assert all(e.status == 503 and isinstance(e.error, UnavailableError) for e in errors)
+    assert all("no replica left" in e.message for e in errors)
+    # Every request either failed so, or finished with the tokens a local run gives it.
+    for i, prompt in enumerate(([5, 77, 300, 12], [9], [100, 3], [42, 42, 42])):
+        if not isinstance(events[i][-1], ErrorEvent):
+            alone = Engine(work / "full", verified, budget=1 << 30, max_batch=1, max_context=64)
+            try:
+                tokens = []
+                alone.run_one(prompt, SamplingParams(4), tokens.append)
+            finally:
+                alone.close()
+            assert [ev.token for ev in events[i] if hasattr(ev, "token")] == tokens
+    transport.down |= {"c"}
+    with pytest.raises(UnavailableError, match="no replica left"):  # one run alone: its own error, exit 3
+        _generate(model, remote)
+
+
+def test_connect_refuses_when_a_planned_expert_has_no_node(model):
+    transport = Direct(_services(model))
+    transport.down |= {"b", "c"}
+    _, verified, plan = model
+    remote = RemoteExperts(plan_placement(plan), verified.head.merkle_root, transport, log=lambda _: None)
+    with pytest.raises(UnavailableError, match="no live node holds layer"):
+        remote.connect()
+
+
+# ---------------------------------------------------------------------------------------------------- the node
+
+
+def _call(service: NodeService, layer=0, ids=None, x=None, rows=None):
+    held = sorted(e for (lay, e) in service.held if lay == layer)
+    ids = held[:2] if ids is None else ids
+    x = np.ones((3, service.config.hidden_size), np.float32) if x is None else x
+    rows = {e: np.array([0, 2], np.int64) for e in ids} if rows is None else rows
+    return service.run(layer, ids, x, rows)
+
+
+def test_the_node_checks_every_argument_from_the_wire(model):
+    service = _services(model)["a"]
+    h = service.config.hidden_size
+    not_held = next(e for e in range(service.config.num_experts) if (0, e) not in service.held)
+    e0 = sorted(e for (lay, e) in service.held if lay == 0)[0]
+    bad = [dict(layer=99), dict(layer=True), dict(layer="0"), dict(ids=[not_held]), dict(ids=[e0, e0]), dict(ids=[]),
+           dict(ids=[e0], x=np.ones((3, h), np.float64)), dict(ids=[e0], x=np.ones((3, h + 1), np.float32)),
+           dict(ids=[e0], x=np.ones((0, h), np.float32)), dict(ids=[e0], x=[[1.0] * h]),
+           dict(ids=[e0], rows={e0: np.array([0, 3], np.int64)}), dict(ids=[e0], rows={e0: np.array([2, 0], np.int64)}),
+           dict(ids=[e0], rows={e0: np.array([0, 1], np.int32)}), dict(ids=[e0], rows={e0: np.array([-1], np.int64)}),
+           dict(ids=[e0], rows={e0 + 100: np.array([0], np.int64)}), dict(ids=[e0], rows={e0: np.array([], np.int64)})]
+    for case in bad:
+        with pytest.raises(UsageError):
+            _call(service, **case)
+    assert service.calls == 0
+
+
+def test_a_shard_tampered_under_the_node_is_failed_from_then_on_and_the_others_keep_serving(model, tmp_path):
+    work, verified, plan = model
+    copy = Path(shutil.copytree(work / "full", tmp_path / "node"))
+    service = NodeService(prepare_node(copy, verified, plan, "a", budget=1 << 30))
+    ids = sorted(e for (lay, e) in service.held if lay == 0)[:2]
+    victim = copy / expert_path(0, ids[0])
+    original = victim.read_bytes()
+    victim.write_bytes(original[:-3] + bytes([original[-3] ^ 0x40]) + original[-2:])
+    reply = _call(service, ids=ids)
+    assert set(reply["outputs"]) == {ids[1]} and "BLAKE3" in reply["failed"][ids[0]]
+    assert reply["outputs"][ids[1]].shape == (2, service.config.hidden_size)
+    victim.write_bytes(original)  # restored: the node still does not serve it (it failed once here)
+    again = _call(service, ids=ids)
+    assert set(again["failed"]) == {ids[0]} and set(again["outputs"]) == {ids[1]}
+    assert service.info()["failed"] == {f"0/{ids[0]}": reply["failed"][ids[0]]}
+
+
+def test_a_node_refuses_to_join_with_a_missing_planned_file_or_a_budget_that_cannot_hold_a_step(model, tmp_path):
+    from shardtool.errors import VerificationError
+
+    work, verified, plan = model
+    copy = Path(shutil.copytree(work / "full", tmp_path / "node"))
+    path = plan.node("b").files()[0]
+    (copy / path).unlink()
+    prepare_node(copy, verified, plan, "c" if path not in plan.node("c").files() else "a", budget=1 << 30)
+    with pytest.raises(VerificationError, match="missing") as info:
+        prepare_node(copy, verified, plan, "b", budget=1 << 30)
+    assert info.value.path == path
+    with pytest.raises(UsageError, match="cannot hold a step"):
+        prepare_node(work / "full", verified, plan, "b", budget=1 << 20)
