@@ -513,7 +513,14 @@ class Engine:
                 "expert_bytes_read_total": st.by_kind.get("expert", 0),
                 "read_seconds_total": st.read_seconds, "verify_seconds_total": st.verify_seconds,
                 "step_seconds_total": s.step_seconds,
+                **(self._cluster_metrics() if self.remote is not None else {}),
             }
+
+    def _cluster_metrics(self) -> dict[str, int | float]:
+        c = self.remote.stats
+        return {"cluster_node_calls_total": c.calls, "cluster_wire_bytes_total": c.wire_bytes,
+                "cluster_call_seconds_total": c.remote_seconds, "cluster_expert_retries_total": c.retries,
+                "cluster_nodes_dropped": len(c.dropped)}
 
 
 def _deliver(ticket: Ticket, event: Event) -> None:

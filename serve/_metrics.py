@@ -41,6 +41,11 @@ ENGINE_HELP = {
     "bytes_verified_total": "Shard bytes hashed and compared with the signed manifest.",
     "read_seconds_total": "Reader-thread seconds spent reading shards.",
     "verify_seconds_total": "Reader-thread seconds spent hashing shards.",
+    "cluster_node_calls_total": "Calls to cluster nodes (one per node per MoE layer per step).",
+    "cluster_wire_bytes_total": "Bytes sent to and received from cluster nodes (hidden states, rows, expert outputs).",
+    "cluster_call_seconds_total": "Seconds the engine spent starting and waiting for cluster node calls.",
+    "cluster_expert_retries_total": "Experts asked again of another replica after a node failed or refused.",
+    "cluster_nodes_dropped": "Cluster nodes no longer asked (died, timed out, refused or answered wrongly).",
 }
 
 

@@ -52,6 +52,11 @@ def test_completions_equal_verify_and_run_and_a_lost_node_is_a_503(served):
     assert "".join(c.choices[0].text for c in streamed) == client.completions.create(
         model=model.model_id, prompt="Hi", max_tokens=16, temperature=0).choices[0].text
 
+    metrics = dict(line.split(" ", 1) for line in httpx.get(url + "/metrics").text.splitlines()
+                   if line.startswith("shardtool_cluster"))
+    assert float(metrics["shardtool_cluster_wire_bytes_total"]) > 0
+    assert float(metrics["shardtool_cluster_node_calls_total"]) > 0 and float(metrics["shardtool_cluster_nodes_dropped"]) == 0
+
     nodes["sv-b"].stop(signal.SIGKILL)
     with pytest.raises(openai.APIStatusError) as info:
         client.completions.create(model=model.model_id, prompt="The miller said the river", max_tokens=24,
@@ -61,3 +66,4 @@ def test_completions_equal_verify_and_run_and_a_lost_node_is_a_503(served):
                                                      "temperature": 0}, timeout=120)
     assert body.status_code == 503 and "no replica left" in body.json()["error"]["message"]
     assert httpx.get(url + "/health").json() == {"status": "ok"}  # the server itself stays up
+    assert "shardtool_cluster_nodes_dropped 1.0" in httpx.get(url + "/metrics").text
