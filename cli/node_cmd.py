@@ -41,8 +41,7 @@ def node(
 ) -> None:
     """Verify the manifest and the plan, check every planned file (a missing or bad one: refuse to join, exit 1),
     then serve this node's experts to the cluster's coordinator; every load verified, also after eviction."""
-    from shardtool.cli._common import load_trusted, manifest_path, model_dir, say
-    from shardtool.cli.run_cmd import parse_size
+    from shardtool.cli._common import load_trusted, manifest_path, model_dir, parse_size, say
     from shardtool.manifest import load_trusted_manifest
 
     budget = parse_size(memory_budget)

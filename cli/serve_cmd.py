@@ -55,7 +55,8 @@ def serve(
     """Serve a verified model: POST /v1/completions and /v1/chat/completions (OpenAI-style, streaming as
     server-sent events), GET /v1/models, /health, /metrics."""
     from shardtool.cli._common import load_trusted, manifest_path, model_dir, say, unpinned_warning
-    from shardtool.cli.run_cmd import _keep_freed_memory, _set_blas_threads, check_cluster_options, parse_size
+    from shardtool.cli._common import parse_size
+    from shardtool.cli.run_cmd import _keep_freed_memory, _set_blas_threads, check_cluster_options
 
     # Every option is checked before anything is read: a bad value is one usage line, exit 2.
     budget = parse_size(memory_budget)

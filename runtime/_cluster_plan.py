@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from shardtool import layout
 from shardtool.errors import ShardtoolError, UsageError, VerificationError
 from shardtool.manifest import MAX_EXPERT, MAX_LAYER, VerifiedManifest
@@ -40,6 +42,7 @@ MAX_PLAN_BYTES = 64 * 2**20
 MAX_NODES = 1024
 MAX_REPLICAS = 16
 MAX_BUDGET = 2**62
+_UNLIMITED = 2**63 - 1  # a node without a disk limit
 NODE_NAME_PATTERN = NAME_PATTERN = r"[a-z0-9][a-z0-9_-]{0,31}"
 _NAME = re.compile(NAME_PATTERN, re.ASCII)
 _LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,4}", re.ASCII)
@@ -326,36 +329,35 @@ def make_plan(manifest: VerifiedManifest, nodes: Sequence[tuple[str, int, int | 
     experts, others = _model(manifest)
     top_k = experts_per_token(manifest)
 
-    held_bytes = [0] * len(nodes)
+    budgets = np.array([budget for _, budget, _ in nodes], dtype=np.float64)
+    disks = np.array([_UNLIMITED if disk is None else disk for _, _, disk in nodes], dtype=np.int64)
+    held_bytes = np.zeros(len(nodes), dtype=np.int64)  # at most 2^62 + one expert: exact in int64
     held: list[dict[int, list[int]]] = [defaultdict(list) for _ in nodes]
+    by_layer: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for (layer, expert), size in experts.items():
+        by_layer[layer].append((-size, expert))
     unplaced = 0
-    for layer in sorted({layer for layer, _ in experts}):
-        items = sorted(((size, e) for (lay, e), size in experts.items() if lay == layer), key=lambda t: (-t[0], t[1]))
-        for size, expert in items:
-            taken: set[int] = set()
+    for layer in sorted(by_layer):
+        for neg_size, expert in sorted(by_layer[layer]):
+            after = held_bytes - neg_size
+            keys = np.where(after <= disks, after / budgets, np.inf)
             for _ in range(replicas):
-                best, best_key = None, None
-                for i, (_, budget, disk) in enumerate(nodes):
-                    if i in taken or (disk is not None and held_bytes[i] + size > disk):
-                        continue
-                    key = (held_bytes[i] + size) / budget
-                    if best_key is None or key < best_key:
-                        best, best_key = i, key
-                if best is None:
-                    unplaced += size
+                best = int(np.argmin(keys))  # the first of equal keys: plan order
+                if keys[best] == np.inf:
+                    unplaced -= neg_size
                     continue
-                taken.add(best)
-                held_bytes[best] += size
+                keys[best] = np.inf  # one copy per node
+                held_bytes[best] = after[best]
                 held[best][layer].append(expert)
     if unplaced:
         # Every node that could take the copies left is full: name the one with the most room left (the
         # cheapest to grow); growing its disk by the bytes left over places every copy.
-        free = [(disk - held_bytes[i], -i) for i, (_, _, disk) in enumerate(nodes) if disk is not None]
+        free = [(disk - int(held_bytes[i]), -i) for i, (_, _, disk) in enumerate(nodes) if disk is not None]
         _, neg_i = max(free)
         name, _, disk = nodes[-neg_i]
         raise UsageError(f"the plan does not fit the nodes' disks: node {name} is short of disk by {unplaced} "
                          f"bytes ({unplaced} bytes of expert copies have no node with room; {name} has "
-                         f"{disk - held_bytes[-neg_i]} of {disk} bytes free)",
+                         f"{disk - int(held_bytes[-neg_i])} of {disk} bytes free)",
                          hint="give a node more disk, add a node, or lower --replicas")
     plan_nodes = tuple(NodePlan(name, budget, disk, {layer: tuple(sorted(ids)) for layer, ids in sorted(h.items())})
                        for (name, budget, disk), h in zip(nodes, held))
