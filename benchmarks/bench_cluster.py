@@ -253,7 +253,7 @@ def build_loopback(work: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from shardtool.keys import load_public_key
     from shardtool.manifest import load_trusted_manifest
-    from shardtool.runtime import encode_plan, make_plan
+    from shardtool.runtime import load_plan
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -262,10 +262,11 @@ def build_loopback(work: Path) -> None:
     sh(VENV_BIN / "shardtool", "split", "-q", work / "hf", work / "full", "--model-id", LOOP_MODEL_ID, "--version", "1",
        cwd=work)
     sh(VENV_BIN / "shardtool", "sign", work / "full", "--key", "a.key", cwd=work)
+    sh(VENV_BIN / "shardtool", "plan", work / "full", "--trust", "a.pub", "--state-dir", work / "plan-state",
+       *[x for n in LOOP_NODES for x in ("--node", f"{n}={LOOP_NODE_BUDGET}")], "--out", work / "plan.json", cwd=work)
     verified = load_trusted_manifest(work / "full" / "manifest.msgpack", [load_public_key(work / "a.pub")], 1,
                                      work / "plan-state")
-    plan = make_plan(verified, [(n, LOOP_NODE_BUDGET, None) for n in LOOP_NODES], 1)
-    (work / "plan.json").write_bytes(encode_plan(plan))
+    plan = load_plan(work / "plan.json", verified)
     for name, files in [("coordinator", plan.coordinator_files),
                         *((f"node-{n.name}", ["config.json", *n.files()]) for n in plan.nodes)]:
         for rel in [*files, "manifest.msgpack"]:
@@ -390,16 +391,20 @@ def measure_loopback(work: Path, repeats: int, tokens: int) -> dict:
             "wire_bytes_per_fed_token": statistics.median(c["wire_bytes"] / f for c, f in zip(cl, fed)) if cl[0] else 0,
             "ray_call_share": statistics.median(c["remote_seconds"] / w for c, w in zip(cl, wall)) if cl[0] else 0.0,
             "node_calls_per_fed_token": statistics.median(c["calls"] / f for c, f in zip(cl, fed)) if cl[0] else 0,
+            # wall time per layer round (the calls of one layer run in parallel): what a round trip costs here
+            "ms_per_layer_round": statistics.median(1e3 * c["remote_seconds"] / (f * LOOP_MODEL["layers"])
+                                                    for c, f in zip(cl, fed)) if cl[0] else 0.0,
         }
     ref = rows["1 process"]["decode_tokens_per_s"]
     print(f"\n## coordinator + {len(LOOP_NODES)} nodes vs 1 process on loopback ({tokens} new tokens, "
           f"{repeats} runs each, total budget {LOOP_TOTAL_BUDGET // MIB} MiB; same tokens: {same})")
     print(f"{'set-up':<24} {'decode tok/s':>12} {'ratio':>6} {'p50 s/token':>12} {'wire B/token':>13} "
-          f"{'in Ray calls':>13} {'calls/token':>12}")
+          f"{'in Ray calls':>13} {'calls/token':>12} {'ms/layer round':>15}")
     for name, row in rows.items():
         print(f"{name:<24} {row['decode_tokens_per_s']:12.2f} {row['decode_tokens_per_s'] / ref:6.2f} "
               f"{row['p50_seconds_per_token']:12.4f} {row['wire_bytes_per_fed_token']:13.0f} "
-              f"{row['ray_call_share']:13.1%} {row['node_calls_per_fed_token']:12.2f}")
+              f"{row['ray_call_share']:13.1%} {row['node_calls_per_fed_token']:12.2f} "
+              f"{row['ms_per_layer_round']:15.2f}")
     return {"same_tokens": same, "rows": rows, "tokens": tokens, "repeats": repeats}
 
 

@@ -265,9 +265,9 @@ class _RemoteOutputs(Mapping):
 class RayTransport:
     """Calls to the named node actors of a Ray cluster (`shardtool node`)."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT):
         self.ray = import_ray()
-        init_ray(self.ray, address)
+        init_ray(self.ray, address, timeout)
         self._actors: dict[str, object] = {}
 
     def _actor(self, node: str):
@@ -319,7 +319,7 @@ def plan_placement(plan: ClusterPlan) -> dict[tuple[int, int], tuple[str, ...]]:
 def connect_cluster(address: str, plan: ClusterPlan, *, timeout: float = DEFAULT_TIMEOUT) -> RemoteExperts:
     """A coordinator's RemoteExperts over the Ray cluster at `address`, every planned node asked for its info
     (UnavailableError when some planned expert has no node left that answers for this plan's root)."""
-    transport = RayTransport(address)
+    transport = RayTransport(address, timeout)
     remote = RemoteExperts(plan_placement(plan), plan.root, transport, timeout=timeout)
     try:
         remote.connect()

@@ -11,6 +11,7 @@ the node keeps serving its other experts.
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -46,10 +47,25 @@ def import_ray():
     return ray
 
 
-def init_ray(ray, address: str) -> None:
+def check_address(address: str, timeout: float) -> tuple[str, int]:
+    """HOST:PORT of a Ray head whose port accepts a connection within `timeout` seconds. Checked before Ray is
+    asked: its client retries an unreachable head without end."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536 or len(host) > 255:
+        raise UsageError(f"cluster address {address[:80]!r} is not HOST:PORT (the Ray head's GCS port)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise UnavailableError(f"no Ray head answers at {address}: {e.strerror or type(e).__name__}",
+                               hint="start it with `ray start --head --port PORT`") from None
+    return host, int(port)
+
+
+def init_ray(ray, address: str, timeout: float) -> None:
     """Connect this process to the Ray cluster at `address` (namespace "shardtool") as a driver, quietly. Ray's
     core worker installs its own SIGTERM handler, which would end the process without a clean exit; the Python
     handlers that were in place are put back."""
+    check_address(address, timeout)
     main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
@@ -171,7 +187,7 @@ def serve_node(setup: NodeSetup, address: str, *, timeout: float) -> tuple[objec
     ray = import_ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    init_ray(ray, address)
+    init_ray(ray, address, timeout)
     here = ray.get_runtime_context().get_node_id()
     actor_class = ray.remote(NodeService)
     try:

@@ -86,15 +86,9 @@ def build_model(work: Path, family: str, *, replicas: int, nodes: tuple[str, ...
 
 
 def _write_plan(work: Path, plan: Path, nodes: tuple[str, ...], replicas: int) -> None:
-    """The plan, as `shardtool plan` makes it (each node's budget the same)."""
-    from shardtool.atomic import atomic_write_bytes
-    from shardtool.keys import load_public_key
-    from shardtool.manifest import load_trusted_manifest
-    from shardtool.runtime import encode_plan, make_plan
-
-    verified = load_trusted_manifest(work / "full" / "manifest.msgpack", [load_public_key(work / "a.pub")], 1,
-                                     work / "plan-state")
-    atomic_write_bytes(plan, encode_plan(make_plan(verified, [(n, 256 * 2**20, None) for n in nodes], replicas)))
+    """`shardtool plan`, each node with the same budget."""
+    ok("shardtool", "plan", work / "full", "--trust", "a.pub", "--state-dir", work / "plan-state", "--replicas",
+       replicas, *[x for n in nodes for x in ("--node", f"{n}=256MiB")], "--out", plan, cwd=work)
 
 
 def copy_files(src: Path, dst: Path, paths) -> None:

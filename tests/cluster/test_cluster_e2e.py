@@ -249,3 +249,17 @@ def test_sigkill_of_a_node_mid_run_with_replicas_gives_the_same_tokens(mixtral, 
     assert code == 0, err
     assert printed == local
     assert "node mx-b dropped" in err  # -q still says that a node was dropped
+
+
+def test_cluster_options_and_an_unreachable_head_are_one_line_each(mixtral):
+    model, _ = mixtral
+    r = kit.run("verify-and-run", model.coordinator, "--trust", model.work / "a.pub", "--prompt-ids", "1,2",
+                "--cluster", "127.0.0.1:1", cwd=model.work)
+    assert r.returncode == 2 and "--cluster and --plan go together" in r.stderr
+    closed = kit.free_port()  # nothing listens there: refused before Ray (whose client would retry without end)
+    r = kit.verify_and_run(model, model.coordinator, "--prompt-ids", "1,2", cluster=f"127.0.0.1:{closed}", expect=3)
+    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1 and "no Ray head answers" in r.stderr, r.stderr
+    argv = kit.node_argv(model, "mx-c", f"127.0.0.1:{closed}")
+    r = subprocess.run(argv, capture_output=True, text=True, env=kit.env(model.work), timeout=120,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 3 and "no Ray head answers" in r.stderr and len(r.stderr.strip().splitlines()) == 1
