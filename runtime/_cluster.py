@@ -156,62 +156,7 @@ class RemoteExperts:
     def run(self, layer: int, x: np.ndarray, rows: Mapping[int, np.ndarray]) -> tuple[dict, dict]:
         """All requested experts' outputs, retried across replicas: ({expert: [t_e, H]}, {expert: why it could
         not be had})."""
-        t0 = time.perf_counter()
-        hidden = x.shape[1]
-        outputs: dict[int, np.ndarray] = {}
-        missing: dict[int, str] = {}
-        tried: dict[int, set[str]] = {e: set() for e in rows}
-        last: dict[int, str] = {}
-        pending = list(rows)
-        try:
-            while pending:
-                by_node: dict[str, list[int]] = {}
-                for e in pending:
-                    nodes = self._candidates(layer, e, tried[e])
-                    if not nodes:
-                        planned = ", ".join(self.placement.get((layer, e), ())) or "no node"
-                        missing[e] = (f"layer {layer} expert {e}: no replica left (planned on {planned}"
-                                      + (f"; last: {last[e]}" if e in last else "") + ")")
-                        continue
-                    # Each expert has a home among its live replicas, spread so each holder takes ~1/R of the
-                    # calls (and keeps its own experts cached); it moves only when that node fails.
-                    node = nodes[(layer + e) % len(nodes)]
-                    by_node.setdefault(node, []).append(e)
-                    tried[e].add(node)
-                    if len(tried[e]) > 1:
-                        self.stats.retries += 1
-                calls = {}
-                for node, experts in by_node.items():
-                    try:
-                        calls[node] = self._send(node, layer, experts, x, rows)
-                    except NodeFailed as err:
-                        self._drop(node, str(err))
-                deadline = time.monotonic() + self.timeout
-                pending = []
-                for node, experts in by_node.items():
-                    if node not in calls:
-                        pending += experts
-                        continue
-                    try:
-                        reply = self.transport.result(calls[node], max(deadline - time.monotonic(), 0.001))
-                        got, failed = self._check_reply(node, layer, experts, rows, reply, hidden)
-                    except NodeFailed as err:
-                        self._drop(node, str(err))
-                        for e in experts:
-                            last[e] = f"node {node}: {err}"
-                        pending += experts
-                        continue
-                    outputs.update(got)
-                    self.stats.wire_bytes += sum(y.nbytes for y in got.values())
-                    for e, why in failed.items():
-                        with self._lock:
-                            self._failed.setdefault(node, set()).add((layer, e))
-                        self._log(f"cluster: node {node} stopped serving layer {layer} expert {e}: {why}")
-                        last[e] = f"node {node}: {why}"
-                        pending.append(e)
-        finally:
-            self.stats.remote_seconds += time.perf_counter() - t0
-        return outputs, missing
+        return _LayerCalls(self, layer, x, rows).finish()
 
     def _check_reply(self, node: str, layer: int, experts: list[int], rows: Mapping[int, np.ndarray], reply,
                      hidden: int) -> tuple[dict[int, np.ndarray], dict[int, str]]:
@@ -234,17 +179,100 @@ class RemoteExperts:
         return outputs, {e: printable(str(why)[:300]) for e, why in failed.items()}
 
 
+class _LayerCalls:
+    """One MoE layer's calls: started at once (`__init__`), gathered and retried on replicas by `finish`."""
+
+    def __init__(self, remote: RemoteExperts, layer: int, x: np.ndarray, rows: Mapping[int, np.ndarray]):
+        self.remote, self.layer, self.x, self.rows = remote, layer, x, rows
+        self.outputs: dict[int, np.ndarray] = {}
+        self.missing: dict[int, str] = {}
+        self.tried: dict[int, set[str]] = {e: set() for e in rows}
+        self.last: dict[int, str] = {}
+        self._round: dict[str, tuple[list[int], object | None]] = {}
+        self._deadline = 0.0
+        self._timed(self._dispatch, list(rows))
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.remote.stats.remote_seconds += time.perf_counter() - t0
+
+    def _dispatch(self, pending: list[int]) -> None:
+        """Give each pending expert to one live replica it was not yet tried on, and start one call per node."""
+        remote, layer = self.remote, self.layer
+        by_node: dict[str, list[int]] = {}
+        for e in pending:
+            nodes = remote._candidates(layer, e, self.tried[e])
+            if not nodes:
+                planned = ", ".join(remote.placement.get((layer, e), ())) or "no node"
+                self.missing[e] = (f"layer {layer} expert {e}: no replica left (planned on {planned}"
+                                   + (f"; last: {self.last[e]}" if e in self.last else "") + ")")
+                continue
+            # Each expert has a home among its live replicas, spread so each holder takes ~1/R of the calls (and
+            # keeps its own experts cached); it moves only when that node fails.
+            node = nodes[(layer + e) % len(nodes)]
+            by_node.setdefault(node, []).append(e)
+            self.tried[e].add(node)
+            if len(self.tried[e]) > 1:
+                remote.stats.retries += 1
+        self._round = {}
+        for node, experts in by_node.items():
+            try:
+                self._round[node] = (experts, remote._send(node, layer, experts, self.x, self.rows))
+            except NodeFailed as err:
+                remote._drop(node, str(err))
+                self._round[node] = (experts, None)
+        self._deadline = time.monotonic() + remote.timeout
+
+    def _collect(self) -> list[int]:
+        """The replies of the round in flight; returns the experts to ask again elsewhere."""
+        remote, layer, pending = self.remote, self.layer, []
+        for node, (experts, call) in self._round.items():
+            if call is None:
+                pending += experts
+                continue
+            try:
+                reply = remote.transport.result(call, max(self._deadline - time.monotonic(), 0.001))
+                got, failed = remote._check_reply(node, layer, experts, self.rows, reply, self.x.shape[1])
+            except NodeFailed as err:
+                remote._drop(node, str(err))
+                for e in experts:
+                    self.last[e] = f"node {node}: {err}"
+                pending += experts
+                continue
+            self.outputs.update(got)
+            remote.stats.wire_bytes += sum(y.nbytes for y in got.values())
+            for e, why in failed.items():
+                with remote._lock:
+                    remote._failed.setdefault(node, set()).add((layer, e))
+                remote._log(f"cluster: node {node} stopped serving layer {layer} expert {e}: {why}")
+                self.last[e] = f"node {node}: {why}"
+                pending.append(e)
+        self._round = {}
+        return pending
+
+    def finish(self) -> tuple[dict[int, np.ndarray], dict[int, str]]:
+        pending = self._timed(self._collect)
+        while pending:
+            self._timed(self._dispatch, pending)
+            pending = self._timed(self._collect)
+        return self.outputs, self.missing
+
+
 class _RemoteOutputs(Mapping):
     """expert -> thunk; the calls start at once (so nodes compute while the coordinator runs the shared expert),
     and the first thunk called waits for all of them."""
 
     def __init__(self, remote: RemoteExperts, layer: int, x: np.ndarray, rows: Mapping[int, np.ndarray]):
-        self._remote, self._layer, self._x, self._rows = remote, layer, x, rows
+        self._layer, self._rows = layer, rows
+        self._calls = _LayerCalls(remote, layer, x, rows)
         self._done: tuple[dict, dict] | None = None
 
     def _result(self, expert: int) -> np.ndarray:
         if self._done is None:
-            self._done = self._remote.run(self._layer, self._x, self._rows)
+            self._done = self._calls.finish()
         outputs, missing = self._done
         if expert in outputs:
             return outputs[expert]

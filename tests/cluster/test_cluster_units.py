@@ -244,3 +244,16 @@ def test_a_node_refuses_to_join_with_a_missing_planned_file_or_a_budget_that_can
     assert info.value.path == path
     with pytest.raises(UsageError, match="cannot hold a step"):
         prepare_node(work / "full", verified, plan, "b", budget=1 << 20)
+
+
+def test_the_calls_start_when_the_layer_asks_before_any_output_is_waited_for(model):
+    """So the nodes compute while the coordinator runs the shared expert; the first output waited for gathers."""
+    transport = Direct(_services(model))
+    remote = _remote(model, transport)
+    service = transport.services["a"]
+    x = np.ones((2, service.config.hidden_size), np.float32)
+    rows = {e: np.array([0, 1], np.int64) for e in range(4)}
+    outputs = remote.fetch(0)(x, rows)
+    assert transport.calls and sum(len(ids) for _, _, ids in transport.calls) == 4
+    got = {e: outputs[e]() for e in rows}
+    assert all(y.shape == (2, service.config.hidden_size) for y in got.values())
