@@ -81,9 +81,27 @@ def signed(tmp_path_factory):
     (base / "expert.proof").write_bytes(build_proof(signed_manifest, expert))
     (base / "log").mkdir()
     (base / "log" / "run.receipt").write_bytes(_receipt(out, base / "k.pub", base / "op"))
+    (base / "plan.json").write_bytes(_cluster_plan(out, base / "k.pub"))
     return {"base": base, "model": out, "ckpt": ckpt, "pub": base / "k.pub", "proof": base / "expert.proof",
             "expert": out / expert, "entry": expert, "n": 0, "receipt": base / "log" / "run.receipt",
-            "op": base / "op.pub"}
+            "op": base / "op.pub", "plan": base / "plan.json"}
+
+
+def _cluster_plan(model: Path, publisher: Path) -> bytes:
+    """A plan putting every expert on one node "a"."""
+    from shardtool import keys
+    from shardtool.manifest import load_trusted_manifest
+    from shardtool.runtime import encode_plan, make_plan
+
+    verified = load_trusted_manifest(model / "manifest.msgpack", [keys.load_public_key(publisher)], 1,
+                                     model.parent / "st")
+    return encode_plan(make_plan(verified, [("a", 1 << 30, None)], 1))
+
+
+def _node(s, name: str, budget: str) -> list:
+    """`shardtool node` at a closed port: every option is checked (and the planned files) before it connects."""
+    return ["node", s["model"], "--trust", s["pub"], "--state-dir", s["base"] / "st", "--plan", s["plan"],
+            "--name", name, "--memory-budget", budget, "--address", "127.0.0.1:1", "--join-timeout", "5"]
 
 
 def _receipt(model: Path, publisher: Path, operator: Path) -> bytes:
@@ -149,6 +167,8 @@ SHARDTOOL_OPTIONS = {
                                       s["base"] / "st", "-q", "--threshold", v],
     "split --version": lambda s, v: ["split", s["ckpt"], _fresh(s, "o"), "-q", "--no-fsync", "--version", v],
     "split --expires-in": lambda s, v: ["split", s["ckpt"], _fresh(s, "o"), "-q", "--no-fsync", "--expires-in", v],
+    "node --name": lambda s, v: _node(s, v, "1GiB"),
+    "node --memory-budget": lambda s, v: _node(s, "a", v),
     "verify-receipt --memory-budget": lambda s, v: _verify_receipt(s, "--memory-budget", v),
     "verify-receipt --threshold": lambda s, v: _verify_receipt(s, "--threshold", v),
     "verify-receipt --model-id": lambda s, v: _verify_receipt(s, "--model-id", v),
@@ -169,6 +189,7 @@ RUN_OPTIONS = {
     "--top-p": lambda v: ["--top-p", v, "--temperature", "1", "--seed", "1"],
     "--seed": lambda v: ["--seed", v, "--temperature", "1"],
     "--threshold": lambda v: ["--threshold", v],
+    "--remote-timeout": lambda v: ["--remote-timeout", v],
 }
 
 
@@ -186,6 +207,8 @@ def test_fuzz_cli_verify_and_run_options(option, value, signed):
     from shardtool.cli.run_cmd import main
 
     extra = RUN_OPTIONS[option](value)
+    if option == "--remote-timeout":  # a cluster at a closed port: refused before Ray is asked
+        extra += ["--cluster", "127.0.0.1:1", "--plan", str(signed["plan"])]
     base = [signed["model"], "--trust", signed["pub"], "--state-dir", signed["base"] / "st", "-q", "--print-ids"]
     if option != "--prompt-ids":
         base += ["--prompt-ids", "1,2,3"]
