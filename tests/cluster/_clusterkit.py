@@ -172,6 +172,23 @@ def group_members(pgid: int) -> list[int]:
     return found
 
 
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains `text` (a Ray session's temp dir: its raylet, GCS and workers
+    name it, whatever process group they ended up in)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if text in cmdline and state[state.rindex(")") + 2] != "Z":
+            found.append(int(entry))
+    return found
+
+
 def _wait_group_gone(pgid: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while group_members(pgid) and time.monotonic() < deadline:

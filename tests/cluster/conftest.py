@@ -15,5 +15,8 @@ def head(tmp_path_factory):
     work = tmp_path_factory.mktemp("ray-head")
     h = kit.Head.start(work)
     yield h
+    temp = str(h.temp)
+    assert kit.processes_mentioning(temp), "the check below would see the head's processes"
     h.stop()
     assert kit.group_members(h.proc.pgid) == [], "processes of the Ray head's group survived its stop"
+    assert kit.processes_mentioning(temp) == [], "processes of the Ray session survived the head's stop"
