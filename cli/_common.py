@@ -68,6 +68,14 @@ def load_trusted(paths: list[Path]) -> list:
     return [load_public_key(p) for p in paths]
 
 
+def load_operator_key(key: Path, passphrase_file: Optional[Path]):
+    """The operator's private key that signs run receipts (verify-and-run and serve), loaded at start: a
+    missing file, a wrong passphrase or a malformed key fails here, before any work."""
+    from shardtool.cli._passphrase import get_passphrase
+    from shardtool.keys import load_private_key
+    return load_private_key(key, lambda: get_passphrase(passphrase_file, new_key=False))
+
+
 def unpinned_warning(model_id: str) -> str:
     """What a verifier says when the operator did not pin the model: any model the keys signed would pass."""
     return (f"warning: no --model-id given: any model these keys signed is accepted; pass --model-id {model_id} "

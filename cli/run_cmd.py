@@ -148,9 +148,8 @@ def verify_and_run(
         raise UsageError("a receipt covers an answer: --max-new-tokens must be at least 1 with --receipt-key")
     operator_key = None
     if receipt_key is not None:  # before any work: a wrong key or passphrase fails here, not after generating
-        from shardtool.cli._passphrase import get_passphrase
-        from shardtool.keys import load_private_key
-        operator_key = load_private_key(receipt_key, lambda: get_passphrase(receipt_passphrase_file, new_key=False))
+        from shardtool.cli._common import load_operator_key
+        operator_key = load_operator_key(receipt_key, receipt_passphrase_file)
     _set_blas_threads(threads, readers)
     _keep_freed_memory()
     from shardtool.runtime import Session, encode_prompt, load_tokenizer, make_receipt  # loads numpy

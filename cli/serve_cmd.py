@@ -45,10 +45,18 @@ def serve(
     read_timeout: float = typer.Option(30.0, "--read-timeout", min=0.1, max=3600.0,
                                        help="Seconds a client has to send a request's headers, and again its body."),
     max_body: str = typer.Option("1MiB", "--max-body", help="Largest request body (HTTP 413 past it)."),
+    receipt_key: Optional[Path] = typer.Option(None, "--receipt-key", help="Operator private key: sign a run "
+                                                                         "receipt for every completion."),
+    receipt_passphrase_file: Optional[Path] = typer.Option(None, "--receipt-passphrase-file",
+                                                           help="Passphrase of --receipt-key (default: "
+                                                                "SHARDTOOL_PASSPHRASE, then a prompt)."),
+    max_receipts: int = typer.Option(4096, "--max-receipts", min=1, max=1 << 20,
+                                     help="Receipts kept for GET /v1/receipts/{id} (the oldest is evicted)."),
 ) -> None:
     """Serve a verified model: POST /v1/completions and /v1/chat/completions (OpenAI-style, streaming as
-    server-sent events), GET /v1/models, /health, /metrics."""
-    from shardtool.cli._common import load_trusted, manifest_path, model_dir, say, unpinned_warning
+    server-sent events), GET /v1/models, /health, /metrics; with --receipt-key, a signed run receipt per
+    completion and GET /v1/receipts/{id}."""
+    from shardtool.cli._common import load_operator_key, load_trusted, manifest_path, model_dir, say, unpinned_warning
     from shardtool.cli.run_cmd import _keep_freed_memory, _set_blas_threads, parse_size
 
     # Every option is checked before anything is read: a bad value is one usage line, exit 2.
@@ -57,12 +65,17 @@ def serve(
     body_cap = parse_size(max_body, "--max-body")
     if not math.isfinite(read_timeout):
         raise UsageError(f"--read-timeout must be a number of seconds, got {read_timeout}")
+    if receipt_key is None and receipt_passphrase_file is not None:
+        raise UsageError("--receipt-passphrase-file needs --receipt-key")
+    operator_key = None
+    if receipt_key is not None:  # before any work: a wrong key or passphrase fails here, not at the first request
+        operator_key = load_operator_key(receipt_key, receipt_passphrase_file)
     _set_blas_threads(threads, readers)
     _keep_freed_memory()
 
     from shardtool.manifest import load_trusted_manifest
     from shardtool.runtime import Engine  # loads numpy
-    from shardtool.serve import (ChatTemplate, Limits, ServerSettings, Stopped, bind, create_app, run,
+    from shardtool.serve import (ChatTemplate, Limits, ReceiptSigner, ServerSettings, Stopped, bind, create_app, run,
                                  stop_on_signals, url_of)
 
     with stop_on_signals():
@@ -84,8 +97,10 @@ def serve(
             chat = ChatTemplate.from_tokenizer_config(engine.signed_json("tokenizer_config.json"))
             if isinstance(chat.problem, Exception) and not isinstance(chat.problem, UsageError):
                 say(f"warning: chat is unavailable (/v1/chat/completions answers 500): {chat.problem.one_line()}")
+            receipts = (ReceiptSigner(operator_key, verified, engine.config, max_receipts)
+                        if operator_key is not None else None)
             app = create_app(engine, model_id=model_id, chat=chat,
-                             limits=Limits(max_body_bytes=body_cap, body_timeout=read_timeout))
+                             limits=Limits(max_body_bytes=body_cap, body_timeout=read_timeout), receipts=receipts)
             settings = ServerSettings(header_timeout=read_timeout,
                                       limit_concurrency=max_batch + max_queue + SPARE_CONNECTIONS)
             sock = bind(host, port)
