@@ -52,6 +52,8 @@ def serve(
                                                                 "SHARDTOOL_PASSPHRASE, then a prompt)."),
     max_receipts: int = typer.Option(4096, "--max-receipts", min=1, max=1 << 20,
                                      help="Receipts kept for GET /v1/receipts/{id} (the oldest is evicted)."),
+    max_receipt_bytes: str = typer.Option("256MiB", "--max-receipt-bytes",
+                                          help="Receipt + trace bytes kept in memory (outside --memory-budget)."),
 ) -> None:
     """Serve a verified model: POST /v1/completions and /v1/chat/completions (OpenAI-style, streaming as
     server-sent events), GET /v1/models, /health, /metrics; with --receipt-key, a signed run receipt per
@@ -63,6 +65,7 @@ def serve(
     budget = parse_size(memory_budget)
     kv_bytes = parse_size(kv_cache, "--kv-cache") if kv_cache is not None else None
     body_cap = parse_size(max_body, "--max-body")
+    receipt_bytes = parse_size(max_receipt_bytes, "--max-receipt-bytes")
     if not math.isfinite(read_timeout):
         raise UsageError(f"--read-timeout must be a number of seconds, got {read_timeout}")
     if receipt_key is None and receipt_passphrase_file is not None:
@@ -97,7 +100,7 @@ def serve(
             chat = ChatTemplate.from_tokenizer_config(engine.signed_json("tokenizer_config.json"))
             if isinstance(chat.problem, Exception) and not isinstance(chat.problem, UsageError):
                 say(f"warning: chat is unavailable (/v1/chat/completions answers 500): {chat.problem.one_line()}")
-            receipts = (ReceiptSigner(operator_key, verified, engine.config, max_receipts)
+            receipts = (ReceiptSigner(operator_key, verified, engine.config, max_receipts, receipt_bytes)
                         if operator_key is not None else None)
             app = create_app(engine, model_id=model_id, chat=chat,
                              limits=Limits(max_body_bytes=body_cap, body_timeout=read_timeout), receipts=receipts)

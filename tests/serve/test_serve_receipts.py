@@ -256,6 +256,19 @@ def test_the_store_is_least_recently_used_first_out():
     store.put(c)
     assert store.get("b") is None and store.get("a") is a and store.get("c") is c
     assert store.metrics() == {"receipts_signed_total": 3, "receipts_evicted_total": 1,
-                               "receipts_unavailable_total": 0, "receipts_stored": 2}
+                               "receipts_unavailable_total": 0, "receipts_stored": 2, "receipts_stored_bytes": 2}
     with pytest.raises(ValueError):
         ReceiptStore(0)
+
+
+def test_the_store_keeps_to_its_byte_cap():
+    from shardtool.runtime import SignedReceipt
+    from shardtool.serve._receipts import ReceiptStore
+
+    store = ReceiptStore(100, max_bytes=10)
+    for name in "abcd":  # 4 bytes each (receipt 1 + trace 3): two fit
+        store.put(SignedReceipt(name, name.encode(), b"xyz"))
+    assert [n for n in "abcd" if store.get(n) is not None] == ["c", "d"] and store.bytes == 8
+    store.put(SignedReceipt("big", b"b" * 50, b""))  # alone over the cap: kept (its response names it)
+    assert store.get("big") is not None and store.get("c") is None and store.get("d") is None
+    assert store.metrics()["receipts_evicted_total"] == 4
