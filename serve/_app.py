@@ -2,11 +2,10 @@
 
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics, and the run
 receipts: GET /v1/receipts/{id} and /v1/receipts/{id}/trace (with a ReceiptSigner, every finished completion
-carries a signed receipt; see `serve/_receipts.py`). Every
-error is a JSON body {"error": {"message", "type", "param", "code"}}, never a traceback. A request body is
-read with a size cap (Content-Length first, then while it streams) and a deadline. A client that goes away,
-while its result streams or while it waits for one, has its request cancelled in the engine (its KV cache
-is freed at the next step boundary).
+carries a signed receipt; see `serve/_receipts.py`). Every error is a JSON body {"error": {"message", "type",
+"param", "code"}}, never a traceback. A request body is read with a size cap (Content-Length first, then while
+it streams) and a deadline. A client that goes away, while its result streams or while it waits for one, has its
+request cancelled in the engine (its KV cache is freed at the next step boundary).
 """
 
 from __future__ import annotations
@@ -115,7 +114,8 @@ class _API:
         signed = self.receipts.store.get(receipt_id)
         if signed is None:
             return JSONResponse(error_body(f"no receipt {receipt_id!r} here (never signed by this server, or evicted "
-                                           f"from its last {self.receipts.store.capacity})", 404,
+                                           f"from its store of the last {self.receipts.store.capacity} within "
+                                           f"{self.receipts.store.max_bytes} bytes)", 404,
                                            code="receipt_not_found"), status_code=404)
         return signed
 
