@@ -73,7 +73,8 @@ def load_operator_key(key: Path, passphrase_file: Optional[Path]):
     missing file, a wrong passphrase or a malformed key fails here, before any work."""
     from shardtool.cli._passphrase import get_passphrase
     from shardtool.keys import load_private_key
-    return load_private_key(key, lambda: get_passphrase(passphrase_file, new_key=False))
+    return load_private_key(key, lambda: get_passphrase(passphrase_file, new_key=False,
+                                                          option="--receipt-passphrase-file"))
 
 
 def unpinned_warning(model_id: str) -> str:

@@ -217,7 +217,8 @@ def test_without_a_key_receipts_are_off(built):  # noqa: F811
         assert s.stop() == 0, s.stderr()
 
 
-@pytest.mark.parametrize("case", ["missing-key", "not-a-key", "wrong-passphrase", "passphrase-without-key"])
+@pytest.mark.parametrize("case", ["missing-key", "not-a-key", "wrong-passphrase", "no-passphrase",
+                                  "passphrase-without-key"])
 def test_a_bad_receipt_key_refuses_to_start(built, keys, tmp_path, case):  # noqa: F811
     extra: tuple = ("--receipt-key", tmp_path / "nope.key")
     expected = (2, 3)
@@ -226,12 +227,14 @@ def test_a_bad_receipt_key_refuses_to_start(built, keys, tmp_path, case):  # noq
         (tmp_path / "garbage.key").chmod(0o600)
         extra = ("--receipt-key", tmp_path / "garbage.key")
         expected = (2,)
-    elif case == "wrong-passphrase":
+    elif case in ("wrong-passphrase", "no-passphrase"):
         for name, secret in (("right", "correct horse battery staple"), ("wrong", "incorrect horse battery")):
             (tmp_path / name).write_text(secret + "\n")
             (tmp_path / name).chmod(0o600)
         ok("keygen", "--out", tmp_path / "locked", "--passphrase-file", tmp_path / "right", cwd=built.work)
         extra = ("--receipt-key", tmp_path / "locked.key", "--receipt-passphrase-file", tmp_path / "wrong")
+        if case == "no-passphrase":  # no terminal to ask on: the hint names this command's option
+            extra, expected = ("--receipt-key", tmp_path / "locked.key"), (2,)
     elif case == "passphrase-without-key":
         extra = ("--receipt-passphrase-file", tmp_path / "nope")
         expected = (2,)
@@ -242,6 +245,8 @@ def test_a_bad_receipt_key_refuses_to_start(built, keys, tmp_path, case):  # noq
     assert code in expected, (code, log)
     assert log.count("\n") == 1 and "serving" not in log and "Traceback" not in log, log
     assert re.search(r"^shardtool: (usage )?error: .*\[\w+Error\]$", log.strip()), log
+    if case == "no-passphrase":
+        assert "--receipt-passphrase-file" in log and "keygen" not in log, log
 
 
 def test_the_store_is_least_recently_used_first_out():
