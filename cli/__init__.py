@@ -9,7 +9,7 @@ from __future__ import annotations
 import typer
 
 from shardtool.cli import _common
-from shardtool.cli import keys_cmd, manifest_cmd, checkpoint_cmd, receipt_cmd, serve_cmd
+from shardtool.cli import keys_cmd, manifest_cmd, checkpoint_cmd, plan_cmd, receipt_cmd, serve_cmd
 
 app = typer.Typer(
     name="shardtool",
@@ -23,6 +23,7 @@ manifest_cmd.register(app)
 checkpoint_cmd.register(app)
 serve_cmd.register(app)
 receipt_cmd.register(app)
+plan_cmd.register(app)
 
 
 def main(args: list[str] | None = None) -> None:

@@ -52,7 +52,8 @@ def verify_receipt(
     """Verify a run receipt: operator signature, the weights it names, then a teacher-forced replay of prompt
     and answer (tokens, routing, activation fingerprint) within documented tolerances."""
     from shardtool.cli._common import emit_json, load_trusted, manifest_path, model_dir, say
-    from shardtool.cli.run_cmd import _keep_freed_memory, _set_blas_threads, parse_size
+    from shardtool.cli._common import parse_size
+    from shardtool.cli.run_cmd import _keep_freed_memory, _set_blas_threads
 
     budget = parse_size(memory_budget)
     if sample is not None and not (math.isfinite(sample) and 0 < sample <= 1):

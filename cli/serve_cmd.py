@@ -58,8 +58,9 @@ def serve(
     """Serve a verified model: POST /v1/completions and /v1/chat/completions (OpenAI-style, streaming as
     server-sent events), GET /v1/models, /health, /metrics; with --receipt-key, a signed run receipt per
     completion and GET /v1/receipts/{id}."""
-    from shardtool.cli._common import load_operator_key, load_trusted, manifest_path, model_dir, say, unpinned_warning
-    from shardtool.cli.run_cmd import _keep_freed_memory, _set_blas_threads, parse_size
+    from shardtool.cli._common import (load_operator_key, load_trusted, manifest_path, model_dir, parse_size, say,
+                                       unpinned_warning)
+    from shardtool.cli.run_cmd import _keep_freed_memory, _set_blas_threads
 
     # Every option is checked before anything is read: a bad value is one usage line, exit 2.
     budget = parse_size(memory_budget)

@@ -3,6 +3,8 @@ provider that maps the split layout onto it (`_provider`), the numpy MoE forward
 one decode loop (`_engine`: continuous batching under the memory budget, `_plan`); run receipts: what a run
 records (`_record`) and the teacher-forced replay that checks one (`_replay`)."""
 
+from shardtool.runtime._cluster_plan import (MAX_PLAN_BYTES, NODE_NAME_PATTERN, ClusterPlan, NodePlan, check_plan,
+                                             decode_plan, encode_plan, make_plan, node_memory_floor, summarize)
 from shardtool.runtime._engine import (Engine, ErrorEvent, Event, FinishEvent, SamplingParams, Ticket,
                                        TokenEvent)
 from shardtool.runtime._plan import BudgetPlan, plan_budget
@@ -13,6 +15,7 @@ from shardtool.runtime._session import Session, encode_prompt
 from shardtool.runtime._signed import load_tokenizer
 from shardtool.runtime._store import ShardFormatError, ShardStore, StoreStats
 
-__all__ = ["BudgetPlan", "Engine", "ErrorEvent", "Event", "FinishEvent", "SamplingParams", "Session", "ShardFormatError",
+__all__ = ["MAX_PLAN_BYTES", "NODE_NAME_PATTERN", "ClusterPlan", "NodePlan", "check_plan", "decode_plan", "encode_plan", "make_plan", "node_memory_floor",
+           "summarize", "BudgetPlan", "Engine", "ErrorEvent", "Event", "FinishEvent", "SamplingParams", "Session", "ShardFormatError",
            "Ticket", "TokenEvent", "plan_budget", "ShardStore", "StoreStats", "VerifiedWeights", "encode_prompt",
            "load_tokenizer", "RunRecord", "SignedReceipt", "make_receipt", "Tolerances", "replay_receipt"]

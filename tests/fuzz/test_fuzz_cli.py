@@ -109,6 +109,11 @@ def _verify_receipt(s, *extra) -> list:
             s["base"] / "st", "--json", *extra]
 
 
+def _plan(s, *extra) -> list:
+    return ["plan", s["model"], "--trust", s["pub"], "--state-dir", s["base"] / "st", "--model-id", "fuzz/tiny",
+            "--json", *extra]
+
+
 def _fresh(signed, name: str) -> Path:
     signed["n"] += 1
     return signed["base"] / f"{name}-{signed['n']}"
@@ -125,6 +130,12 @@ SHARDTOOL_OPTIONS = {
     "inspect --context": lambda s, v: ["inspect", s["model"], "--json", "--context", v],
     "inspect --config --bits-per-weight": lambda s, v: ["inspect", "--config", s["ckpt"] / "config.json", "--json",
                                                         "--bits-per-weight", v],
+    "plan --node": lambda s, v: _plan(s, "--node", v),
+    "plan --node disk": lambda s, v: _plan(s, "--node", f"a=1GiB,disk={v}"),
+    "plan --replicas": lambda s, v: _plan(s, "--node", "a=1GiB", "--node", "b=1GiB", "--replicas", v),
+    "plan --disk-gbps": lambda s, v: _plan(s, "--node", "a=1GiB", "--disk-gbps", v),
+    "plan --model-id": lambda s, v: ["plan", s["model"], "--trust", s["pub"], "--state-dir", s["base"] / "st",
+                                     "--json", "--node", "a=1GiB", "--model-id", v],
     "manifest --version": lambda s, v: ["manifest", s["ckpt"], "--manifest", _fresh(s, "m"), "--version", v],
     "manifest --expires-in": lambda s, v: ["manifest", s["ckpt"], "--manifest", _fresh(s, "m"), "--expires-in", v],
     "prove --entry": lambda s, v: ["prove", s["model"], "--entry", v, "--out", _fresh(s, "p")],

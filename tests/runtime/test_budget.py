@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardtool.cli.run_cmd import MAX_MEMORY_BUDGET, MAX_PROMPT_IDS, MAX_TOKEN_ID, parse_ids, parse_size
+from shardtool.cli._common import MAX_MEMORY_BUDGET, parse_size
+from shardtool.cli.run_cmd import MAX_PROMPT_IDS, MAX_TOKEN_ID, parse_ids
 from shardtool.errors import CheckpointFormatError, UsageError
 from shardtool.runtime._model import DictWeightProvider, Model, ModelConfig, dequantize, quantize_fp8
 from shardtool.runtime._model._activations import prefill_chunk, step_bytes

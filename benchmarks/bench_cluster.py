@@ -1,0 +1,249 @@
+"""Expert-parallel serving at scale (issue 13): the paper model of seconds per token against the number of nodes,
+fed by one input measured here (a node's read+verify throughput), printed as the tables of docs/scaling.md.
+
+Parts:
+  read+verify   a generated model is split, signed and planned on two nodes; node a's planned subset (hard links)
+                is audited with --present-only semantics (manifest/audit.py) 5 times; GB/s, median.
+  scale model   `scale_model(...)`: seconds per token for 1-64 nodes, R = 1 and 2, for the seed's 2.78 T / 896-expert
+                / 16-active configuration and for DeepSeek-V3; disk and network terms and which one limits.
+(The measured Ray part, coordinator + nodes on loopback, is added to `main` when not --scale-only.)
+
+Usage: python benchmarks/bench_cluster.py [--scale-only] [--verify-gbps G] [--disk-gbps 2] [--net-gbit 25]
+                                          [--node-memory-gb 128] [--repeats 5] [--workdir DIR] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+NODES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the scale model needs of a model: routed experts and their bytes, the hidden size on the wire."""
+
+    name: str
+    moe_layers: int
+    experts: int  # routed experts per MoE layer
+    active: int  # routed experts per token (top-k)
+    expert_bytes: int  # one routed expert on disk
+    hidden: int  # hidden size: the length of one token's hidden state sent to a node
+
+    @property
+    def expert_bytes_total(self) -> int:
+        return self.moe_layers * self.experts * self.expert_bytes
+
+
+# The seed's 2.78 T-parameter model, 896 experts per layer, 16 active: no config is published; like
+# docs/resource-contract.md we take Kimi-K2's shapes (hidden 7168, expert width 2048, first layer dense) with 71
+# layers (70 MoE) at 4 bits per weight: one expert 3 x 7168 x 2048 / 2 bytes = 22.0 MB, 1.38 TB of experts.
+SEED = ModelConfig("seed 2.78T (Kimi-K2 shapes, 71 layers, 4-bit)", moe_layers=70, experts=896, active=16,
+                   expert_bytes=3 * 7168 * 2048 // 2, hidden=7168)
+# DeepSeek-V3 from its config.json: hidden 7168, moe_intermediate_size 2048, 61 layers of which the first 3 are
+# dense (58 MoE), 256 routed experts, 8 per token, FP8 weights (1 byte) plus 128x128 block scales (float32).
+DEEPSEEK_V3 = ModelConfig("DeepSeek-V3 (671B, FP8)", moe_layers=58, experts=256, active=8,
+                          expert_bytes=3 * 7168 * 2048 + 3 * (7168 // 128) * (2048 // 128) * 4, hidden=7168)
+
+
+def _placement(experts: int, nodes: int, replicas: int) -> np.ndarray:
+    """[experts, replicas] node ids: copy r of expert e on node (e + r * stride) mod n, distinct for r < n (what
+    make_plan yields for equal budgets and equal experts, up to renaming)."""
+    stride = max(nodes // replicas, 1)
+    e = np.arange(experts)[:, None]
+    return (e + np.arange(replicas)[None, :] * stride) % nodes
+
+
+@functools.lru_cache(maxsize=None)
+def routing_stats(experts: int, active: int, nodes: int, replicas: int, samples: int = 4000,
+                  seed: int = 0) -> tuple[float, float]:
+    """(E[experts read by the busiest node], E[distinct nodes contacted]) for one token at one layer, by sampling
+    uniform routing (top-k distinct experts). With R copies the coordinator sends each selected expert to the
+    least-loaded of its holders so far (ties: the first), the choice a replica gives it."""
+    rng = np.random.default_rng(seed)
+    place = _placement(experts, nodes, replicas)
+    busiest, contacted = 0.0, 0.0
+    for _ in range(samples):
+        chosen = rng.choice(experts, size=active, replace=False)
+        load = np.zeros(nodes, dtype=np.int64)
+        for e in chosen:
+            holders = place[e]
+            load[holders[np.argmin(load[holders])]] += 1
+        busiest += load.max()
+        contacted += np.count_nonzero(load)
+    return busiest / samples, contacted / samples
+
+
+def scale_model(cfg: ModelConfig, nodes: int, replicas: int, *, node_read_gbps: float, net_gbit: float = 25.0,
+                node_memory_bytes: float = 0.0, wire_bytes_per_element: int = 4, samples: int = 4000) -> dict:
+    """Seconds per token (batch of one, decode) on `nodes` expert nodes holding `replicas` copies of each expert.
+
+        held per node  = R * L * E * B / N
+        hit            = min(1, M / held)              share of a node's experts its memory M keeps (uniform routing)
+        disk s/token   = L * busiest(N, R) * B * (1 - hit) / T
+        net  s/token   = L * 2 * H * w * contacted(N, R) / G
+        s/token        = disk + net                    (a layer's reads wait for its hidden states and vice versa)
+
+    L MoE layers, E experts per layer, B bytes per expert, T a node's read+verify throughput (the smaller of its
+    disk and its verifier), H hidden size, w bytes per element on the wire (float32: 4), G the coordinator's
+    network bandwidth; busiest/contacted from `routing_stats`. Compute, attention and per-call latency are left
+    out: this is the floor the bytes set."""
+    if replicas > nodes:
+        raise ValueError(f"{replicas} replicas need at least as many nodes, got {nodes}")
+    busiest, contacted = routing_stats(cfg.experts, cfg.active, nodes, replicas, samples)
+    held = replicas * cfg.expert_bytes_total / nodes
+    hit = min(1.0, node_memory_bytes / held) if held else 1.0
+    disk = cfg.moe_layers * busiest * cfg.expert_bytes * (1 - hit) / (node_read_gbps * 1e9)
+    wire = cfg.moe_layers * 2 * cfg.hidden * wire_bytes_per_element * contacted
+    net = wire / (net_gbit * 1e9 / 8)
+    return {"model": cfg.name, "nodes": nodes, "replicas": replicas, "held_bytes_per_node": held,
+            "busiest_experts_per_layer": busiest, "nodes_contacted_per_layer": contacted, "cache_hit": hit,
+            "disk_seconds_per_token": disk, "wire_bytes_per_token": wire, "net_seconds_per_token": net,
+            "seconds_per_token": disk + net, "limit": "network" if net > disk else "disk"}
+
+
+def network_crossover(cfg: ModelConfig, replicas: int, **kw) -> int | None:
+    """The fewest nodes (of NODES) at which the network term exceeds the disk term, None if none does."""
+    for n in NODES:
+        if n >= replicas and scale_model(cfg, n, replicas, **kw)["limit"] == "network":
+            return n
+    return None
+
+
+# ------------------------------------------------------------------------------------------- measured input
+
+def measure_read_verify(work: Path, repeats: int) -> dict:
+    """GB/s of one node's read+verify (audit of its planned subset, --present-only semantics), median of
+    `repeats` runs after a warm-up run: page cache warm, so the figure is the verifier's, not a disk's."""
+    sys.path.insert(0, str(REPO))
+    from examples import make_tiny_moe
+    from shardtool import keys
+    from shardtool.checkpoint import split_checkpoint
+    from shardtool.manifest import load_manifest, load_trusted_manifest, save_manifest
+    from shardtool.manifest.audit import audit_directory
+    from shardtool.runtime import make_plan
+
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    ckpt = make_tiny_moe.make_checkpoint(work / "hf", "mixtral", layers=4, experts=16, hidden=1024,
+                                         moe_intermediate=1024, intermediate=1536, vocab=1000, heads=8, kv_heads=4)
+    model = work / "model"
+    split_checkpoint(ckpt, model, model_id="bench/cluster", version=1)
+    key = keys.generate()
+    keys.write_keypair(work / "k", key, None, force=False)
+    manifest = load_manifest(model / "manifest.msgpack")
+    save_manifest(model / "manifest.msgpack", manifest.with_envelope(manifest.envelope.signed_by(key)))
+    verified = load_trusted_manifest(model / "manifest.msgpack", [keys.load_public_key(work / "k.pub")], 1,
+                                     work / "state")
+    plan = make_plan(verified, [("a", 2**34, None), ("b", 2**34, None)], replicas=1)
+    node = work / "node-a"
+    for rel in plan.node("a").files():
+        (node / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.link(model / rel, node / rel)
+    shutil.copy(model / "manifest.msgpack", node / "manifest.msgpack")
+    planned = sum(verified.by_path()[p].size for p in plan.node("a").files())
+    rates = []
+    for i in range(repeats + 1):
+        started = time.perf_counter()
+        report = audit_directory(node, verified, ignore=["manifest.msgpack"], present_only=True)
+        seconds = time.perf_counter() - started
+        assert report.ok and report.bytes_hashed == planned, report.findings[:3]
+        if i:
+            rates.append(planned / seconds / 1e9)
+    shutil.rmtree(work)
+    return {"bytes": planned, "files": len(plan.node("a").files()), "gbps_runs": rates,
+            "gbps_median": statistics.median(rates), "cpus": os.cpu_count()}
+
+
+# ------------------------------------------------------------------------------------------- output
+
+def _fmt_s(x: float) -> str:
+    return f"{x:.3g}" if x >= 1e-3 else f"{x * 1e3:.3g} ms" if x > 0 else "0"
+
+
+def print_scale(cfg: ModelConfig, *, node_read_gbps: float, net_gbit: float, node_memory_bytes: float,
+                samples: int) -> list[dict]:
+    kw = dict(node_read_gbps=node_read_gbps, net_gbit=net_gbit, samples=samples)
+    print(f"\n## {cfg.name}: L={cfg.moe_layers} MoE layers, E={cfg.experts}, k={cfg.active}, "
+          f"B={cfg.expert_bytes / 1e6:.1f} MB, experts {cfg.expert_bytes_total / 1e12:.2f} TB; T={node_read_gbps:g} "
+          f"GB/s per node, G={net_gbit:g} Gb/s, M={node_memory_bytes / 1e9:g} GB per node")
+    print("| N | R | held per node | busiest node, experts/layer | nodes contacted/layer | disk s/token cold "
+          "| hit at M | disk s/token at M | wire per token | net s/token | s/token at M | limit at M |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for replicas in (1, 2):
+        for n in NODES:
+            if replicas > n:
+                continue
+            cold = scale_model(cfg, n, replicas, **kw)
+            warm = scale_model(cfg, n, replicas, node_memory_bytes=node_memory_bytes, **kw)
+            rows.append({"cold": cold, "at_memory": warm})
+            print(f"| {n} | {replicas} | {cold['held_bytes_per_node'] / 1e9:,.0f} GB | {cold['busiest_experts_per_layer']:.2f} "
+                  f"| {cold['nodes_contacted_per_layer']:.2f} | {_fmt_s(cold['disk_seconds_per_token'])} "
+                  f"| {warm['cache_hit']:.0%} | {_fmt_s(warm['disk_seconds_per_token'])} "
+                  f"| {cold['wire_bytes_per_token'] / 1e6:.1f} MB | {_fmt_s(cold['net_seconds_per_token'])} "
+                  f"| {_fmt_s(warm['seconds_per_token'])} | {warm['limit']} |")
+    for replicas in (1, 2):
+        cold_x = network_crossover(cfg, replicas, **kw)
+        warm_x = network_crossover(cfg, replicas, node_memory_bytes=node_memory_bytes, **kw)
+        print(f"R={replicas}: the network outweighs the disk from N = {cold_x or 'never (to 64)'} with a cold cache, "
+              f"from N = {warm_x or 'never (to 64)'} with {node_memory_bytes / 1e9:g} GB of expert cache per node")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scale-only", action="store_true", help="Only the paper model (no Ray cluster).")
+    ap.add_argument("--verify-gbps", type=float, help="Use this read+verify GB/s instead of measuring it.")
+    ap.add_argument("--disk-gbps", type=float, default=2.0, help="A node's disk (NVMe) GB/s; T = min(disk, verify).")
+    ap.add_argument("--net-gbit", type=float, default=25.0, help="Coordinator network, Gb/s.")
+    ap.add_argument("--node-memory-gb", type=float, default=128.0, help="Expert cache per node, GB.")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--samples", type=int, default=4000, help="Routing samples per (N, R).")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/shardtool-bench-cluster"))
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    results: dict = {}
+    if args.verify_gbps is None:
+        measured = measure_read_verify(args.workdir, args.repeats)
+        results["read_verify"] = measured
+        verify = measured["gbps_median"]
+        print(f"## read+verify of one node's planned subset ({measured['files']} files, "
+              f"{measured['bytes'] / 2**20:.0f} MiB, warm page cache, {measured['cpus']} shared cores): "
+              f"median {verify:.2f} GB/s of {len(measured['gbps_runs'])} runs "
+              f"({', '.join(f'{r:.2f}' for r in measured['gbps_runs'])})")
+    else:
+        verify = args.verify_gbps
+    node_read = min(args.disk_gbps, verify)
+    print(f"T = min(disk {args.disk_gbps:g} GB/s, read+verify {verify:.2f} GB/s) = {node_read:.2f} GB/s per node")
+    results["inputs"] = {"verify_gbps": verify, "disk_gbps": args.disk_gbps, "node_read_gbps": node_read,
+                         "net_gbit": args.net_gbit, "node_memory_gb": args.node_memory_gb}
+    results["scale"] = {}
+    for cfg in (SEED, DEEPSEEK_V3):
+        results["scale"][cfg.name] = {
+            "config": asdict(cfg),
+            "rows": print_scale(cfg, node_read_gbps=node_read, net_gbit=args.net_gbit,
+                                node_memory_bytes=args.node_memory_gb * 1e9, samples=args.samples)}
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, allow_nan=False))
+    if not math.isfinite(node_read):
+        sys.exit("bench_cluster: read throughput is not finite")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""`shardtool plan`: place a verified model's experts on the nodes of a cluster (runtime/_cluster_plan.py)."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, List, Optional
+
+import typer
+
+from shardtool.cli._common import (MANIFEST_HELP, emit_json, load_trusted, manifest_path, model_dir, parse_size,
+                                   say, unpinned_warning)
+from shardtool.errors import UsageError
+
+MAX_NODE_TEXT = 100
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan)
+
+
+def parse_node(text: str) -> tuple[str, int, int | None]:
+    """'NAME=BUDGET[,disk=SIZE]' -> (name, memory budget, disk or None); sizes as --memory-budget takes them."""
+    from shardtool.runtime import NODE_NAME_PATTERN as NAME_PATTERN
+
+    head, sep, rest = text[:MAX_NODE_TEXT + 1].partition("=")
+    if len(text) > MAX_NODE_TEXT or not sep or not re.fullmatch(NAME_PATTERN, head, re.ASCII):
+        raise UsageError(f"--node {text[:40]!r} is not NAME=BUDGET[,disk=SIZE] with NAME matching {NAME_PATTERN} "
+                         f"(example: --node a=64GiB,disk=2TB)")
+    budget, *options = rest.split(",")
+    disk = None
+    for option in options:
+        key, sep, value = option.partition("=")
+        if key.strip() != "disk" or not sep or disk is not None:
+            raise UsageError(f"--node {head}: {option[:40]!r} is not disk=SIZE (the only option, given once)")
+        disk = parse_size(value, f"--node {head} disk")
+    return head, parse_size(budget, f"--node {head}"), disk
+
+
+def plan(
+    directory: Path = typer.Argument(..., help="Split model directory (only its manifest is read)."),
+    trust: List[Path] = typer.Option([], "--trust", help="Trusted public key (repeatable)."),
+    threshold: int = typer.Option(1, "--threshold", help="Distinct trusted keys that must have signed."),
+    manifest_file: Optional[Path] = typer.Option(None, "--manifest", help=MANIFEST_HELP),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Rollback state directory."),
+    expect_model: Optional[str] = typer.Option(
+        None, "--model-id", help="Refuse a manifest signed for any other model (the publisher may sign several)."),
+    node: List[str] = typer.Option([], "--node", help="NAME=BUDGET[,disk=SIZE] (repeatable, in plan order): "
+                                                      "memory budget and disk of one node."),
+    replicas: int = typer.Option(1, "--replicas", min=1, max=16, help="Copies of each expert, on distinct nodes."),
+    disk_gbps: float = typer.Option(2.0, "--disk-gbps", min=0.001, max=1e6, help="Disk read bandwidth in GB/s."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the plan here (atomically)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as one JSON document on stdout."),
+) -> None:
+    """Verify DIR's manifest, then place R copies of every expert on the nodes in proportion to their budgets."""
+    from shardtool.atomic import atomic_write_bytes
+    from shardtool.manifest import load_trusted_manifest
+    from shardtool.runtime import encode_plan, make_plan, summarize
+
+    # Every option is checked before anything is read.
+    if not node:
+        raise UsageError("give at least one --node NAME=BUDGET[,disk=SIZE]")
+    nodes = [parse_node(n) for n in node]
+    if not math.isfinite(disk_gbps):
+        raise UsageError(f"--disk-gbps must be a finite number > 0, got {disk_gbps}")
+    directory = model_dir(directory)
+    trusted = load_trusted(trust)
+    verified = load_trusted_manifest(manifest_path(directory, manifest_file), trusted, threshold, state_dir,
+                                     model_id=expect_model)
+    made = make_plan(verified, nodes, replicas)
+    summary = summarize(made, verified, disk_gbps)
+    if out is not None:
+        atomic_write_bytes(out, encode_plan(made))
+        summary["plan"] = str(out)
+    if json_out:
+        emit_json(summary)
+    else:
+        say(render(summary))
+    if out is not None:
+        say(f"wrote the plan for {len(made.nodes)} node(s) to {out}")
+    if expect_model is None:
+        say(unpinned_warning(verified.head.model_id))
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def render(s: dict[str, Any]) -> str:
+    """The summary as a table: one row per node, then the coordinator, the cluster and one machine."""
+    rate = f"{s['disk_gbps']:g} GB/s"
+    head = ("node", "memory", "disk", "files", "on disk", "expert bytes/token", f"s/token at {rate}")
+    rows = [(n["name"], _size(n["memory_budget"]), _size(n["disk"]), str(n["files"]), _size(n["bytes_on_disk"]),
+             _size(n["expert_bytes_per_token"]), f"{n['seconds_per_token']:.3g}") for n in s["nodes"]]
+    rows.append(("(coordinator)", "", "", str(s["coordinator"]["files"]), _size(s["coordinator"]["bytes_on_disk"]),
+                 "trunk", ""))
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = [f"plan for {s['model_id']} version {s['manifest_version']} (root {s['root'][:16]}...), "
+             f"{s['replicas']} replica(s), {s['experts_per_token']} experts per token"]
+    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+              for r in [head, *rows]]
+    c, one = s["cluster"], s["single_machine"]
+    lines.append(f"cluster: {_size(c['expert_bytes_per_token'])} of experts per token on the busiest nodes, "
+                 f"{c['seconds_per_token']:.3g} s/token; one machine: {_size(one['expert_bytes_per_token'])}, "
+                 f"{one['seconds_per_token']:.3g} s/token (cold cache, disk only)")
+    return "\n".join(lines)

@@ -1,0 +1,412 @@
+"""The cluster plan: which node of an expert-parallel cluster holds which routed experts of a verified model.
+
+Pure functions over bytes and the verified manifest; no I/O. A plan is made by `shardtool plan` and handed to
+the coordinator and to every node, possibly by another machine, so `decode_plan` treats it as untrusted input:
+size cap before parsing, strict JSON, unknown keys refused, every field's type and range checked, and the
+plan must name exactly the verified manifest (model ID, version, Merkle root) and cover its experts.
+
+The file (`encode_plan`, canonical: sorted keys, no insignificant whitespace, ASCII):
+
+    {"coordinator_files": ["config.json", "trunk/embed.safetensors", ...],   every non-expert path, sorted
+     "format": "shardtool-plan/1",
+     "manifest_version": 3, "model_id": "org/model", "root": "<64 hex digits: the signed Merkle root>",
+     "nodes": [{"disk": null | bytes, "experts": {"<layer>": [expert ids, ascending], ...},
+                "memory_budget": bytes, "name": "a"}, ...],
+     "replicas": 2}
+
+Load model (`summarize`): tokens are assumed to route uniformly over a layer's experts, and a node holding a
+copy of an expert takes 1/R of that expert's calls (the coordinator spreads an expert's calls over its R
+holders). A coordinator that sends every call to the first holder and keeps the others as standby would
+put the whole load (R = 1 figures) on the first holders.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from shardtool import layout
+from shardtool.errors import ShardtoolError, UsageError, VerificationError
+from shardtool.manifest import MAX_EXPERT, MAX_LAYER, VerifiedManifest
+from shardtool.runtime._plan import MIN_ACTIVATION_RESERVE
+from shardtool.strict_json import loads_strict
+
+FORMAT = "shardtool-plan/1"
+MAX_PLAN_BYTES = 64 * 2**20
+MAX_NODES = 1024
+MAX_REPLICAS = 16
+MAX_BUDGET = 2**62
+_UNLIMITED = 2**63 - 1  # a node without a disk limit
+NODE_NAME_PATTERN = NAME_PATTERN = r"[a-z0-9][a-z0-9_-]{0,31}"
+_NAME = re.compile(NAME_PATTERN, re.ASCII)
+_LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,4}", re.ASCII)
+_TOP_KEYS = ("coordinator_files", "format", "manifest_version", "model_id", "nodes", "replicas", "root")
+_NODE_KEYS = ("disk", "experts", "memory_budget", "name")
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One node: its name, the budgets the plan was made for, and the experts it holds."""
+
+    name: str
+    memory_budget: int  # bytes of memory the node may use (its shard cache, working buffers)
+    disk: int | None  # bytes of disk for its files; None: not limited
+    experts: dict[int, tuple[int, ...]] = field(hash=False)  # MoE layer -> expert ids this node holds, ascending
+
+    def files(self) -> list[str]:
+        """The split-layout paths of the experts this node holds, sorted: what it must have and audit."""
+        return sorted(layout.expert_path(layer, e) for layer, ids in self.experts.items() for e in ids)
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """(layer, expert) for every expert held, by layer then expert."""
+        return [(layer, e) for layer in sorted(self.experts) for e in self.experts[layer]]
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """Which node holds which experts of one verified manifest; the trunk stays with the coordinator."""
+
+    model_id: str
+    manifest_version: int
+    root: bytes  # the manifest's signed Merkle root (32 bytes)
+    replicas: int  # copies of each expert, each on a distinct node
+    coordinator_files: tuple[str, ...]  # every manifest path that is not a routed expert, sorted
+    nodes: tuple[NodePlan, ...]
+
+    def _index(self) -> Mapping[tuple[int, int], tuple[str, ...]]:
+        index = self.__dict__.get("_holders")
+        if index is None:
+            found: dict[tuple[int, int], list[str]] = defaultdict(list)
+            for node in self.nodes:
+                for pair in node.pairs():
+                    found[pair].append(node.name)
+            index = MappingProxyType({k: tuple(v) for k, v in found.items()})
+            object.__setattr__(self, "_holders", index)  # a derived cache on a frozen instance
+        return index
+
+    def holders(self, layer: int, expert: int) -> tuple[str, ...]:
+        """Names of the nodes holding this expert, in plan order (empty if none does)."""
+        return self._index().get((layer, expert), ())
+
+    def node(self, name: str) -> NodePlan:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        known = ", ".join(n.name for n in self.nodes[:8]) + (", ..." if len(self.nodes) > 8 else "")
+        raise UsageError(f"the plan has no node named {name!r} (it names {known})")
+
+
+# ---------------------------------------------------------------------------------------------- encoding
+
+def encode_plan(plan: ClusterPlan) -> bytes:
+    """The one encoding of a plan: JSON with sorted keys, compact separators, ASCII, a final newline."""
+    import json
+
+    doc = {
+        "format": FORMAT, "model_id": plan.model_id, "manifest_version": plan.manifest_version,
+        "root": plan.root.hex(), "replicas": plan.replicas, "coordinator_files": list(plan.coordinator_files),
+        "nodes": [{"name": n.name, "memory_budget": n.memory_budget, "disk": n.disk,
+                   "experts": {str(layer): list(n.experts[layer]) for layer in sorted(n.experts)}}
+                  for n in plan.nodes],
+    }
+    return (json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+            + "\n").encode("ascii")
+
+
+def _fields(obj: Any, keys: Sequence[str], what: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise UsageError(f"{what} must be a JSON object, got {type(obj).__name__}")
+    missing = [k for k in keys if k not in obj]
+    unknown = sorted(set(obj) - set(keys))
+    if missing or unknown:
+        parts = ([f"lacks {', '.join(missing)}"] if missing else []) + \
+                ([f"has unknown key(s) {', '.join(repr(k[:40]) for k in unknown[:4])}"] if unknown else [])
+        raise UsageError(f"{what} {' and '.join(parts)}")
+    return obj
+
+
+def _int(value: Any, lo: int, hi: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"{what} must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise UsageError(f"{what} must be in [{lo}, {hi}], got {value if abs(value) < 10**30 else 'a huge number'}")
+    return value
+
+
+def _node(raw: Any, i: int) -> NodePlan:
+    d = _fields(raw, _NODE_KEYS, f"node {i}")
+    name = d["name"]
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise UsageError(f"node {i}: name must match {NAME_PATTERN}, got {str(name)[:40]!r}")
+    budget = _int(d["memory_budget"], 1, MAX_BUDGET, f"node {name}: memory_budget")
+    disk = None if d["disk"] is None else _int(d["disk"], 1, MAX_BUDGET, f"node {name}: disk")
+    raw_experts = d["experts"]
+    if not isinstance(raw_experts, dict):
+        raise UsageError(f"node {name}: experts must be an object of layer -> expert ids")
+    experts: dict[int, tuple[int, ...]] = {}
+    for key, ids in raw_experts.items():
+        if not _LAYER_KEY.fullmatch(key) or int(key) > MAX_LAYER:
+            raise UsageError(f"node {name}: layer key {key[:40]!r} is not a layer number in [0, {MAX_LAYER}]")
+        layer = int(key)
+        if not isinstance(ids, list) or not ids:
+            raise UsageError(f"node {name}: layer {layer} must list at least one expert id")
+        seen: set[int] = set()
+        for e in ids:
+            _int(e, 0, MAX_EXPERT, f"node {name}: layer {layer} expert id")
+            if e in seen:
+                raise UsageError(f"node {name}: holds layer {layer} expert {e} more than once")
+            seen.add(e)
+        experts[layer] = tuple(sorted(seen))
+    return NodePlan(name, budget, disk, dict(sorted(experts.items())))
+
+
+def decode_plan(data: bytes, manifest: VerifiedManifest, *, what: str) -> ClusterPlan:
+    """Parse and check an untrusted plan against the verified manifest; every refusal is one line naming
+    `what` (the plan file). A plan for other weights (model ID, version or root) is a VerificationError;
+    anything else wrong with it is a UsageError (malformed input)."""
+    try:
+        return _decode(data, manifest)
+    except ShardtoolError as e:
+        raise type(e)(e.message, path=what, hint=e.hint) from None
+
+
+def _decode(data: bytes, manifest: VerifiedManifest) -> ClusterPlan:
+    if not isinstance(data, (bytes, bytearray)):
+        raise UsageError("plan must be bytes")
+    if len(data) > MAX_PLAN_BYTES:
+        raise UsageError(f"plan is {len(data)} bytes, at most {MAX_PLAN_BYTES} allowed")
+    try:
+        doc = loads_strict(bytes(data))
+    except ShardtoolError as e:
+        raise UsageError(f"plan is not strict JSON: {e.message}") from None
+    d = _fields(doc, _TOP_KEYS, "plan")
+    if d["format"] != FORMAT:
+        raise UsageError(f"plan format is {str(d['format'])[:40]!r}, expected {FORMAT!r}")
+    model_id = d["model_id"]
+    if not isinstance(model_id, str) or len(model_id) > 256:
+        raise UsageError("plan model_id must be a string of at most 256 characters")
+    version = _int(d["manifest_version"], 1, 2**63 - 1, "plan manifest_version")
+    root_hex = d["root"]
+    if not isinstance(root_hex, str) or not re.fullmatch(r"[0-9a-f]{64}", root_hex, re.ASCII):
+        raise UsageError("plan root must be 64 lowercase hex digits")
+    root = bytes.fromhex(root_hex)
+    replicas = _int(d["replicas"], 1, MAX_REPLICAS, "plan replicas")
+    files = d["coordinator_files"]
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise UsageError("plan coordinator_files must be a list of paths")
+    raw_nodes = d["nodes"]
+    if not isinstance(raw_nodes, list) or not 1 <= len(raw_nodes) <= MAX_NODES:
+        raise UsageError(f"plan nodes must be a list of 1 to {MAX_NODES} nodes")
+    nodes = tuple(_node(raw, i) for i, raw in enumerate(raw_nodes))
+    head = manifest.head
+    if (root, version, model_id) != (head.merkle_root, head.version, head.model_id):
+        raise VerificationError(
+            f"plan is for {model_id[:80]!r} version {version} root {root_hex}, the verified manifest is "
+            f"{head.model_id!r} version {head.version} root {head.merkle_root.hex()}",
+            hint="make the plan again from this manifest")
+    plan = ClusterPlan(model_id, version, root, replicas, tuple(files), nodes)
+    check_plan(plan, manifest)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+def _model(manifest: VerifiedManifest) -> tuple[dict[tuple[int, int], int], tuple[str, ...]]:
+    """(layer, expert) -> bytes for every routed expert, and every other path, from the verified manifest."""
+    experts: dict[tuple[int, int], int] = {}
+    others = []
+    for entry in manifest.entries:
+        if entry.kind == "expert":
+            if entry.path != layout.expert_path(entry.layer, entry.expert):
+                raise UsageError(f"manifest entry {entry.path!r} is an expert outside the split layout "
+                                 f"(expected {layout.expert_path(entry.layer, entry.expert)})",
+                                 hint="plan needs a directory made by shardtool split")
+            experts[(entry.layer, entry.expert)] = entry.size
+        else:
+            others.append(entry.path)
+    if not experts:
+        raise UsageError("the manifest lists no routed expert: there is nothing to place on nodes")
+    return experts, tuple(sorted(others))
+
+
+def experts_per_token(manifest: VerifiedManifest) -> int:
+    """The signed contract's routed experts per token (what one step of one layer may select)."""
+    contract = manifest.head.contract or {}
+    k = contract.get("experts_per_token")
+    if not isinstance(k, int) or k < 1:
+        raise UsageError("the manifest carries no resource contract with experts_per_token >= 1",
+                         hint="plan needs a manifest written by shardtool split")
+    return k
+
+
+def node_memory_floor(sizes: Iterable[int], per_layer: int, top_k: int) -> int:
+    """The least memory an expert node needs to compute one step, after runtime/_plan.py's plan_budget with
+    no trunk and no KV cache: a shard cache of k + 1 of its largest expert, float32 copies of the k in use
+    (4x, FP8 worst case), one read in flight, and the activation reserve. k is the contract's experts per
+    token, capped by the most experts the node holds in one layer (it never computes more at once)."""
+    largest = max(sizes, default=0)
+    k = min(top_k, per_layer)
+    return largest * (k + 1) + 4 * k * largest + largest + MIN_ACTIVATION_RESERVE
+
+
+def _node_floor(node: NodePlan, experts: Mapping[tuple[int, int], int], top_k: int) -> int:
+    return node_memory_floor((experts[p] for p in node.pairs()), max(map(len, node.experts.values()), default=0),
+                             top_k)
+
+
+def check_plan(plan: ClusterPlan, manifest: VerifiedManifest) -> None:
+    """Everything a plan must satisfy for this manifest (raises UsageError naming the first problem)."""
+    experts, others = _model(manifest)
+    top_k = experts_per_token(manifest)
+    if plan.coordinator_files != others:
+        extra = sorted(set(plan.coordinator_files) - set(others))
+        lacking = sorted(set(others) - set(plan.coordinator_files))
+        detail = (f"names {extra[0][:80]!r}, which is not a non-expert file of the manifest" if extra else
+                  f"lacks {lacking[0]!r}" if lacking else "is not sorted or repeats a path")
+        raise UsageError(f"plan coordinator_files {detail}")
+    names = [n.name for n in plan.nodes]
+    if len(set(names)) != len(names):
+        raise UsageError(f"plan names node {next(n for n in names if names.count(n) > 1)!r} more than once")
+    if plan.replicas > len(plan.nodes):
+        raise UsageError(f"plan wants {plan.replicas} replicas on distinct nodes but has {len(plan.nodes)} node(s)")
+    count: dict[tuple[int, int], int] = defaultdict(int)
+    for node in plan.nodes:
+        for pair in node.pairs():
+            if pair not in experts:
+                raise UsageError(f"node {node.name} holds layer {pair[0]} expert {pair[1]}, which the manifest "
+                                 f"does not list")
+            count[pair] += 1
+    for pair in sorted(experts):
+        if count[pair] < plan.replicas:
+            raise UsageError(f"layer {pair[0]} expert {pair[1]} is held by {count[pair]} node(s), the plan "
+                             f"promises {plan.replicas} replica(s)")
+    for node in plan.nodes:
+        _check_fit(node, experts, top_k)
+
+
+def _check_fit(node: NodePlan, experts: Mapping[tuple[int, int], int], top_k: int) -> None:
+    held = sum(experts[p] for p in node.pairs())
+    if node.disk is not None and held > node.disk:
+        raise UsageError(f"node {node.name} is short of disk by {held - node.disk} bytes: its experts take "
+                         f"{held} bytes, its disk is {node.disk}")
+    floor = _node_floor(node, experts, top_k)
+    if node.memory_budget < floor:
+        raise UsageError(f"node {node.name} is short of memory by {floor - node.memory_budget} bytes: one step "
+                         f"over its experts needs {floor} bytes, its budget is {node.memory_budget}",
+                         hint=f"raise its budget to at least {math.ceil(floor / 2**20)}MiB")
+
+
+# ---------------------------------------------------------------------------------------------- making a plan
+
+def make_plan(manifest: VerifiedManifest, nodes: Sequence[tuple[str, int, int | None]], replicas: int) -> ClusterPlan:
+    """Place `replicas` copies of every routed expert on distinct nodes, balancing expert bytes (and so the
+    expected per-token load) across nodes in proportion to their memory budgets, within each node's disk.
+
+    Deterministic: layer by layer, experts by decreasing size then id, each copy goes to the node (not yet
+    holding it, with room on its disk) whose held bytes after taking it are the smallest share of its budget;
+    ties go to the node listed first. The trunk and every other non-expert file stay with the coordinator."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= MAX_REPLICAS:
+        raise UsageError(f"--replicas must be an integer in [1, {MAX_REPLICAS}], got {replicas!r}")
+    if not 1 <= len(nodes) <= MAX_NODES:
+        raise UsageError(f"give 1 to {MAX_NODES} nodes, got {len(nodes)}")
+    for name, budget, disk in nodes:
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise UsageError(f"node name {str(name)[:40]!r} must match {NAME_PATTERN}")
+        _int(budget, 1, MAX_BUDGET, f"node {name}: memory budget")
+        if disk is not None:
+            _int(disk, 1, MAX_BUDGET, f"node {name}: disk")
+    names = [n[0] for n in nodes]
+    if len(set(names)) != len(names):
+        raise UsageError(f"node {next(n for n in names if names.count(n) > 1)!r} is named more than once")
+    if replicas > len(nodes):
+        raise UsageError(f"--replicas {replicas} needs at least {replicas} nodes, got {len(nodes)}")
+    experts, others = _model(manifest)
+    top_k = experts_per_token(manifest)
+
+    budgets = np.array([budget for _, budget, _ in nodes], dtype=np.float64)
+    disks = np.array([_UNLIMITED if disk is None else disk for _, _, disk in nodes], dtype=np.int64)
+    held_bytes = np.zeros(len(nodes), dtype=np.int64)  # at most 2^62 + one expert: exact in int64
+    held: list[dict[int, list[int]]] = [defaultdict(list) for _ in nodes]
+    by_layer: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for (layer, expert), size in experts.items():
+        by_layer[layer].append((-size, expert))
+    unplaced = 0
+    for layer in sorted(by_layer):
+        for neg_size, expert in sorted(by_layer[layer]):
+            after = held_bytes - neg_size
+            keys = np.where(after <= disks, after / budgets, np.inf)
+            for _ in range(replicas):
+                best = int(np.argmin(keys))  # the first of equal keys: plan order
+                if keys[best] == np.inf:
+                    unplaced -= neg_size
+                    continue
+                keys[best] = np.inf  # one copy per node
+                held_bytes[best] = after[best]
+                held[best][layer].append(expert)
+    if unplaced:
+        # Every node that could take the copies left is full: name the one with the most room left (the
+        # cheapest to grow); growing its disk by the bytes left over places every copy.
+        free = [(disk - int(held_bytes[i]), -i) for i, (_, _, disk) in enumerate(nodes) if disk is not None]
+        _, neg_i = max(free)
+        name, _, disk = nodes[-neg_i]
+        raise UsageError(f"the plan does not fit the nodes' disks: node {name} is short of disk by {unplaced} "
+                         f"bytes ({unplaced} bytes of expert copies have no node with room; {name} has "
+                         f"{disk - int(held_bytes[-neg_i])} of {disk} bytes free)",
+                         hint="give a node more disk, add a node, or lower --replicas")
+    plan_nodes = tuple(NodePlan(name, budget, disk, {layer: tuple(sorted(ids)) for layer, ids in sorted(h.items())})
+                       for (name, budget, disk), h in zip(nodes, held))
+    head = manifest.head
+    plan = ClusterPlan(head.model_id, head.version, head.merkle_root, replicas, others, plan_nodes)
+    for node in plan.nodes:
+        _check_fit(node, experts, top_k)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------- the summary
+
+def summarize(plan: ClusterPlan, manifest: VerifiedManifest, disk_gbps: float) -> dict[str, Any]:
+    """Per node: files, bytes on disk, expected expert bytes per token and the seconds per token its disk
+    needs for them at `disk_gbps` GB/s (cold: no expert cached); the cluster's figure (each layer waits for
+    its busiest node: the sum over layers of the largest per-node share) next to one machine's
+    (the contract's expert_bytes_per_token_cold). See the module docstring for the load model."""
+    if not (isinstance(disk_gbps, (int, float)) and math.isfinite(disk_gbps) and disk_gbps > 0):
+        raise UsageError(f"--disk-gbps must be a finite number > 0, got {disk_gbps!r}")
+    experts, others = _model(manifest)
+    top_k = experts_per_token(manifest)
+    rate = disk_gbps * 1e9
+    per_layer: dict[int, int] = defaultdict(int)  # experts in each MoE layer
+    for layer, _ in experts:
+        per_layer[layer] += 1
+    by_entry = manifest.by_path()
+    rows = []
+    layer_load: dict[int, list[float]] = defaultdict(list)
+    for node in plan.nodes:
+        pairs = node.pairs()
+        on_disk = sum(experts[p] for p in pairs)
+        load = 0.0
+        for layer, ids in node.experts.items():
+            share = top_k * sum(experts[(layer, e)] for e in ids) / (per_layer[layer] * plan.replicas)
+            layer_load[layer].append(share)
+            load += share
+        rows.append({"name": node.name, "memory_budget": node.memory_budget, "disk": node.disk,
+                     "files": len(pairs), "bytes_on_disk": on_disk,
+                     "memory_floor": _node_floor(node, experts, top_k),
+                     "expert_bytes_per_token": round(load),
+                     "seconds_per_token": load / rate})
+    contract = manifest.head.contract or {}
+    single = contract.get("expert_bytes_per_token_cold") or sum(
+        top_k * max(s for (lay, _), s in experts.items() if lay == layer) for layer in per_layer)
+    cluster = sum(max(loads) for loads in layer_load.values())
+    return {"model_id": plan.model_id, "manifest_version": plan.manifest_version, "root": plan.root.hex(),
+            "replicas": plan.replicas, "disk_gbps": disk_gbps, "experts_per_token": top_k,
+            "coordinator": {"files": len(plan.coordinator_files),
+                            "bytes_on_disk": sum(by_entry[p].size for p in plan.coordinator_files)},
+            "nodes": rows,
+            "cluster": {"expert_bytes_per_token": round(cluster), "seconds_per_token": cluster / rate},
+            "single_machine": {"expert_bytes_per_token": single, "seconds_per_token": single / rate}}

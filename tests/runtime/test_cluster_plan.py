@@ -1,0 +1,274 @@
+"""The cluster plan (runtime/_cluster_plan.py): made from a verified manifest and node budgets, encoded once,
+decoded as untrusted input with one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardtool import layout
+from shardtool.errors import ShardtoolError, UsageError, VerificationError
+from shardtool.manifest import Entry, VerifiedManifest, build_manifest
+from shardtool.runtime import (ClusterPlan, NodePlan, decode_plan, encode_plan, make_plan, node_memory_floor,
+                               summarize)
+from shardtool.runtime._cluster_plan import MAX_PLAN_BYTES
+from shardtool.runtime._plan import MIN_ACTIVATION_RESERVE
+
+MIB = 2**20
+WHAT = "cluster.plan"
+
+
+def _digest(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def _manifest(layers: int = 2, experts: int = 8, size=lambda layer, e: 1000, top_k: int = 2, version: int = 3,
+              model_id: str = "test/plan", contract: bool = True) -> VerifiedManifest:
+    entries = [Entry("config.json", "config", 20, _digest(1)), Entry("tokenizer.json", "tokenizer", 30, _digest(2)),
+               Entry(layout.EMBED, "trunk", 500, _digest(3)), Entry(layout.HEAD, "trunk", 400, _digest(4))]
+    n = 10
+    for layer in range(layers):
+        entries.append(Entry(layout.trunk_path(layer), "trunk", 300, _digest(n), layer=layer))
+        n += 1
+        for e in range(experts):
+            entries.append(Entry(layout.expert_path(layer, e), "expert", size(layer, e), _digest(n), layer=layer,
+                                 expert=e))
+            n += 1
+    cold = sum(top_k * max((size(layer, e) for e in range(experts)), default=0) for layer in range(layers))
+    built = build_manifest(entries, model_id=model_id, version=version, contract={
+        "experts_per_token": top_k, "expert_bytes_per_token_cold": cold} if contract else None)
+    return VerifiedManifest(built.head, built.entries, ())
+
+
+M = _manifest()
+BUDGET = 64 * MIB
+
+
+def _doc(plan: ClusterPlan) -> dict:
+    return json.loads(encode_plan(plan))
+
+
+def _bytes(doc: dict) -> bytes:
+    return json.dumps(doc).encode()
+
+
+def test_round_trip_and_one_encoding():
+    plan = make_plan(M, [("a", BUDGET, None), ("b", BUDGET, 10**6), ("c", 2 * BUDGET, None)], replicas=2)
+    data = encode_plan(plan)
+    got = decode_plan(data, M, what=WHAT)
+    assert got == plan and encode_plan(got) == data
+    assert data.endswith(b"\n") and b" " not in data
+    assert list(json.loads(data)) == sorted(json.loads(data))
+    # Any JSON spelling of the same plan decodes to the same plan and encodes back to the one encoding.
+    assert encode_plan(decode_plan(json.dumps(json.loads(data), indent=3).encode(), M, what=WHAT)) == data
+    assert plan.coordinator_files == tuple(sorted(e.path for e in M.entries if e.kind != "expert"))
+    assert plan.node("b").files() == sorted(layout.expert_path(layer, e) for layer, e in plan.node("b").pairs())
+
+
+def test_replicas_are_on_distinct_nodes_and_every_expert_is_covered():
+    plan = make_plan(M, [("a", BUDGET, None), ("b", BUDGET, None), ("c", BUDGET, None)], replicas=2)
+    for layer in range(2):
+        for e in range(8):
+            holders = plan.holders(layer, e)
+            assert len(holders) == 2 and len(set(holders)) == 2
+            assert list(holders) == [n.name for n in plan.nodes if e in n.experts.get(layer, ())]
+    assert plan.holders(0, 99) == ()
+    one = make_plan(M, [("a", BUDGET, None), ("b", BUDGET, None)], replicas=1)
+    assert all(len(one.holders(layer, e)) == 1 for layer in range(2) for e in range(8))
+    assert sum(len(n.files()) for n in one.nodes) == 16
+
+
+def test_balance_follows_the_budgets_within_one_expert():
+    sizes = lambda layer, e: 1000 + 37 * ((layer * 8 + e) % 5)  # noqa: E731 - uneven experts
+    m = _manifest(layers=3, experts=24, size=sizes)
+    budgets = {"a": BUDGET, "b": 2 * BUDGET, "c": 3 * BUDGET}
+    for replicas in (1, 2):
+        plan = make_plan(m, [(k, v, None) for k, v in budgets.items()], replicas)
+        held = {n.name: sum(sizes(layer, e) for layer, e in n.pairs()) for n in plan.nodes}
+        total = sum(held.values())
+        assert total == replicas * sum(sizes(layer, e) for layer in range(3) for e in range(24))
+        for name, b in budgets.items():
+            assert abs(held[name] - total * b / sum(budgets.values())) <= 1200, (replicas, held)
+        # Each layer is spread too (the expected per-token load of every layer follows the budgets).
+        for layer in range(3):
+            counts = [len(n.experts.get(layer, ())) for n in plan.nodes]
+            assert abs(counts[0] * 3 - counts[2]) <= 3 and abs(counts[0] * 2 - counts[1]) <= 2, counts
+
+
+def test_disk_limits_move_experts_to_other_nodes():
+    plan = make_plan(M, [("small", BUDGET, 2500), ("big", BUDGET, None)], replicas=1)
+    assert sum(1 for _ in plan.node("small").pairs()) == 2  # 2 x 1000 bytes fit in 2500
+    assert len(plan.node("big").pairs()) == 14
+
+
+def test_a_node_short_of_disk_is_named_with_the_bytes():
+    # 16 experts x 1000 bytes x 2 copies = 32000 bytes; disks 15000 + 15500 leave 1500 bytes of copies unplaced,
+    # whole experts only: a holds 15, b holds 15 -> 2 copies (2000 bytes) have no room; b has 500 bytes free.
+    with pytest.raises(UsageError) as e:
+        make_plan(M, [("a", BUDGET, 15000), ("b", BUDGET, 15500)], replicas=2)
+    msg = str(e.value)
+    assert "\n" not in msg and "node b is short of disk by 2000 bytes" in msg, msg
+
+
+def test_a_node_short_of_memory_is_named_with_the_bytes():
+    floor = node_memory_floor([1000], 8, 2)
+    assert floor == 1000 * 3 + 4 * 2 * 1000 + 1000 + MIN_ACTIVATION_RESERVE
+    with pytest.raises(UsageError) as e:
+        make_plan(M, [("a", BUDGET, None), ("tiny", floor - 123, None)], replicas=1)
+    assert "node tiny is short of memory by 123 bytes" in str(e.value) and "\n" not in str(e.value)
+    make_plan(M, [("a", BUDGET, None), ("tiny", floor, None)], replicas=1)
+
+
+@pytest.mark.parametrize("nodes, replicas, expected", [
+    ([("a", BUDGET, None)], 2, "--replicas 2 needs at least 2 nodes"),
+    ([("a", BUDGET, None), ("a", BUDGET, None)], 1, "'a' is named more than once"),
+    ([("A", BUDGET, None)], 1, "must match"),
+    ([("a", 0, None)], 1, "memory budget must be in"),
+    ([("a", BUDGET, 0)], 1, "disk must be in"),
+    ([("a", BUDGET, None)], 17, "--replicas must be an integer in [1, 16]"),
+    ([], 1, "give 1 to"),
+])
+def test_make_plan_refuses_bad_nodes(nodes, replicas, expected):
+    with pytest.raises(UsageError, match=None) as e:
+        make_plan(M, nodes, replicas)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_make_plan_needs_a_contract_and_experts():
+    with pytest.raises(UsageError, match="no resource contract"):
+        make_plan(_manifest(contract=False), [("a", BUDGET, None)], 1)
+    with pytest.raises(UsageError, match="lists no routed expert"):
+        make_plan(_manifest(experts=0), [("a", BUDGET, None)], 1)
+
+
+def test_node_lookup():
+    plan = make_plan(M, [("a", BUDGET, None), ("b", BUDGET, None)], 1)
+    assert plan.node("b").name == "b"
+    with pytest.raises(UsageError, match="no node named 'zz'"):
+        plan.node("zz")
+
+
+GOOD = make_plan(M, [("a", BUDGET, None), ("b", BUDGET, 20000), ("c", BUDGET, None)], replicas=2)
+
+
+def _edit(change):
+    doc = _doc(GOOD)
+    change(doc)
+    return _bytes(doc)
+
+
+def _set(path, value):
+    def change(doc):
+        target = doc
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+    return change
+
+
+def _add_holder(doc):
+    doc["nodes"][0]["experts"].setdefault("0", [])
+    doc["nodes"][0]["experts"]["0"] = sorted(set(range(8)))
+
+
+REFUSALS = [
+    (b"\xff\xfe", UsageError, "not UTF-8"),
+    (b"[1, 2", UsageError, "not valid JSON"),
+    (b'{"format": 1, "format": 2}', UsageError, "names 'format' twice"),
+    (b'{"a": NaN}', UsageError, "NaN"),
+    (b"[]", UsageError, "plan must be a JSON object"),
+    (_edit(lambda d: d.pop("replicas")), UsageError, "plan lacks replicas"),
+    (_edit(_set(["extra"], 1)), UsageError, "unknown key(s) 'extra'"),
+    (_edit(_set(["nodes", 0, "extra"], 1)), UsageError, "node 0 has unknown key(s) 'extra'"),
+    (_edit(_set(["format"], "shardtool-plan/2")), UsageError, "plan format is 'shardtool-plan/2'"),
+    (_edit(_set(["root"], "ab" * 31)), UsageError, "root must be 64 lowercase hex digits"),
+    (_edit(_set(["root"], "AB" * 32)), UsageError, "root must be 64 lowercase hex digits"),
+    (_edit(_set(["root"], "ab" * 32)), VerificationError, "root " + "ab" * 32),
+    (_edit(_set(["manifest_version"], 4)), VerificationError, "version 4"),
+    (_edit(_set(["manifest_version"], True)), UsageError, "manifest_version must be an integer"),
+    (_edit(_set(["model_id"], "other/model")), VerificationError, "'other/model'"),
+    (_edit(_set(["replicas"], 0)), UsageError, "replicas must be in [1, 16]"),
+    (_edit(_set(["replicas"], 17)), UsageError, "replicas must be in [1, 16]"),
+    (_edit(_set(["replicas"], 2.0)), UsageError, "replicas must be an integer"),
+    (_edit(_set(["replicas"], 3)), UsageError, "is held by 2 node(s), the plan promises 3"),
+    (_edit(_set(["nodes"], [])), UsageError, "nodes must be a list of 1 to"),
+    (_edit(_set(["nodes", 0, "name"], "Bad")), UsageError, "name must match"),
+    (_edit(_set(["nodes", 0, "name"], "a" * 33)), UsageError, "name must match"),
+    (_edit(_set(["nodes", 0, "name"], "a\n")), UsageError, "name must match"),
+    (_edit(_set(["nodes", 1, "name"], "a")), UsageError, "names node 'a' more than once"),
+    (_edit(_set(["nodes", 0, "memory_budget"], 0)), UsageError, "memory_budget must be in [1, "),
+    (_edit(_set(["nodes", 0, "memory_budget"], 2**62 + 1)), UsageError, "memory_budget must be in [1, "),
+    (_edit(_set(["nodes", 0, "memory_budget"], 10**400)), UsageError, "a huge number"),
+    (_edit(_set(["nodes", 0, "memory_budget"], "1GiB")), UsageError, "memory_budget must be an integer"),
+    (_edit(_set(["nodes", 0, "memory_budget"], 1000)), UsageError, "node a is short of memory by"),
+    (_edit(_set(["nodes", 1, "disk"], 0)), UsageError, "node b: disk must be in"),
+    (_edit(_set(["nodes", 1, "disk"], 1000)), UsageError, "node b is short of disk by"),
+    (_edit(_set(["nodes", 0, "experts"], [])), UsageError, "experts must be an object"),
+    (_edit(_set(["nodes", 0, "experts", "01"], [1])), UsageError, "layer key '01' is not a layer number"),
+    (_edit(_set(["nodes", 0, "experts", "x"], [1])), UsageError, "layer key 'x' is not a layer number"),
+    (_edit(_set(["nodes", 0, "experts", "0"], [])), UsageError, "layer 0 must list at least one expert id"),
+    (_edit(_set(["nodes", 0, "experts", "0"], [1, 1])), UsageError, "holds layer 0 expert 1 more than once"),
+    (_edit(_set(["nodes", 0, "experts", "0"], [-1])), UsageError, "expert id must be in [0, "),
+    (_edit(_set(["nodes", 0, "experts", "9"], [0])), UsageError, "holds layer 9 expert 0, which the manifest"),
+    (_edit(_set(["nodes", 0, "experts", "0"], [8])), UsageError, "holds layer 0 expert 8, which the manifest"),
+    (_edit(lambda d: [n["experts"].pop("1", None) for n in d["nodes"]]), UsageError,
+     "layer 1 expert 0 is held by 0 node(s)"),
+    (_edit(_set(["coordinator_files"], [])), UsageError, "coordinator_files lacks 'config.json'"),
+    (_edit(lambda d: d["coordinator_files"].append("zz.bin")), UsageError, "names 'zz.bin'"),
+    (_edit(lambda d: d["coordinator_files"].reverse()), UsageError, "is not sorted"),
+    (_edit(_set(["coordinator_files"], "config.json")), UsageError, "coordinator_files must be a list"),
+    (b" " * (MAX_PLAN_BYTES + 1), UsageError, f"at most {MAX_PLAN_BYTES} allowed"),
+]
+
+
+@pytest.mark.parametrize("data, cls, expected", REFUSALS, ids=[r[2][:40] for r in REFUSALS])
+def test_every_refusal_is_one_line_naming_the_plan(data, cls, expected):
+    with pytest.raises(ShardtoolError) as e:
+        decode_plan(data, M, what=WHAT)
+    assert type(e.value) is cls, (type(e.value), str(e.value))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{WHAT}: ") and expected in msg, msg
+
+
+def test_the_refusal_table_starts_from_a_plan_that_decodes():
+    assert decode_plan(_bytes(_doc(GOOD)), M, what=WHAT) == GOOD
+
+
+def test_a_plan_for_another_release_names_both_roots():
+    other = _manifest(version=4, size=lambda layer, e: 1001)
+    plan = make_plan(other, [("a", BUDGET, None)], 1)
+    with pytest.raises(VerificationError) as e:
+        decode_plan(encode_plan(plan), M, what=WHAT)
+    assert other.head.merkle_root.hex() in str(e.value) and M.head.merkle_root.hex() in str(e.value)
+
+
+def test_an_extra_copy_is_allowed_but_not_twice_on_one_node():
+    doc = _doc(GOOD)
+    _add_holder(doc)
+    plan = decode_plan(_bytes(doc), M, what=WHAT)
+    assert "a" in plan.holders(0, 7)
+
+
+def test_summary_puts_the_cluster_next_to_one_machine():
+    s1 = summarize(make_plan(M, [("a", BUDGET, None)], 1), M, 2.0)
+    assert s1["single_machine"]["expert_bytes_per_token"] == 2 * 2 * 1000
+    assert s1["cluster"]["expert_bytes_per_token"] == 4000 == s1["nodes"][0]["expert_bytes_per_token"]
+    assert s1["coordinator"] == {"files": 6, "bytes_on_disk": 20 + 30 + 500 + 400 + 2 * 300}
+    s2 = summarize(make_plan(M, [("a", BUDGET, None), ("b", BUDGET, None)], 1), M, 2.0)
+    assert [n["expert_bytes_per_token"] for n in s2["nodes"]] == [2000, 2000]
+    assert s2["cluster"]["seconds_per_token"] == pytest.approx(s1["cluster"]["seconds_per_token"] / 2)
+    # Two copies on two nodes: each node holds everything and, sharing the calls, reads half.
+    s3 = summarize(make_plan(M, [("a", BUDGET, None), ("b", BUDGET, None)], 2), M, 4.0)
+    assert [n["files"] for n in s3["nodes"]] == [16, 16]
+    assert [n["bytes_on_disk"] for n in s3["nodes"]] == [16000, 16000]
+    assert s3["cluster"]["expert_bytes_per_token"] == 2000
+    assert s3["single_machine"]["seconds_per_token"] == pytest.approx(4000 / 4e9)
+    with pytest.raises(UsageError, match="--disk-gbps"):
+        summarize(GOOD, M, float("nan"))
+
+
+def test_nodeplan_and_plan_are_values():
+    node = NodePlan("a", 1, None, {0: (1, 2)})
+    assert node.files() == [layout.expert_path(0, 1), layout.expert_path(0, 2)]
+    assert hash(node) == hash(NodePlan("a", 1, None, {0: (3,)}))  # experts are not hashed (a dict)
