@@ -52,8 +52,7 @@ def verify_receipt(
     """Verify a run receipt: operator signature, the weights it names, then a teacher-forced replay of prompt
     and answer (tokens, routing, activation fingerprint) within documented tolerances."""
     from shardtool.cli._common import emit_json, load_trusted, manifest_path, model_dir, say
-    from shardtool.cli._common import parse_size
-    from shardtool.cli.run_cmd import _keep_freed_memory, _set_blas_threads
+    from shardtool.cli._common import keep_freed_memory, parse_size, set_blas_threads
 
     budget = parse_size(memory_budget)
     if sample is not None and not (math.isfinite(sample) and 0 < sample <= 1):
@@ -67,8 +66,8 @@ def verify_receipt(
     operators = [_load_public(p) for p in operator]
     trusted = load_trusted(trust)
     directory = model_dir(directory)
-    _set_blas_threads(threads, readers)
-    _keep_freed_memory()
+    set_blas_threads(threads, readers)
+    keep_freed_memory()
     from shardtool.manifest import load_trusted_manifest
 
     def trusted_manifest():

@@ -58,9 +58,8 @@ def serve(
     """Serve a verified model: POST /v1/completions and /v1/chat/completions (OpenAI-style, streaming as
     server-sent events), GET /v1/models, /health, /metrics; with --receipt-key, a signed run receipt per
     completion and GET /v1/receipts/{id}."""
-    from shardtool.cli._common import (load_operator_key, load_trusted, manifest_path, model_dir, parse_size, say,
-                                       unpinned_warning)
-    from shardtool.cli.run_cmd import _keep_freed_memory, _set_blas_threads
+    from shardtool.cli._common import (keep_freed_memory, load_operator_key, load_trusted, manifest_path, model_dir,
+                                       parse_size, say, set_blas_threads, unpinned_warning)
 
     # Every option is checked before anything is read: a bad value is one usage line, exit 2.
     budget = parse_size(memory_budget)
@@ -74,8 +73,8 @@ def serve(
     operator_key = None
     if receipt_key is not None:  # before any work: a wrong key or passphrase fails here, not at the first request
         operator_key = load_operator_key(receipt_key, receipt_passphrase_file)
-    _set_blas_threads(threads, readers)
-    _keep_freed_memory()
+    set_blas_threads(threads, readers)
+    keep_freed_memory()
 
     from shardtool.manifest import load_trusted_manifest
     from shardtool.runtime import Engine  # loads numpy
