@@ -603,7 +603,8 @@ def main() -> None:
     bases = build_models(work, families, dtypes)
     print(f"models: {len(bases)} ({', '.join(families)} x {', '.join(dtypes)}), each {KNOBS} plus another release; "
           f"built in {time.perf_counter() - started:.1f}s", flush=True)
-    shutil.rmtree(work / "tampered", ignore_errors=True)
+    for scratch in ("tampered", "state"):  # tampered copies are signed afresh each run: no rollback record may stay
+        shutil.rmtree(work / scratch, ignore_errors=True)
     for threads in (1, 2):
         out = work / f"receipts-t{threads}"
         shutil.rmtree(out, ignore_errors=True)
