@@ -88,23 +88,27 @@ def verify_receipt(
     chosen = sorted(random.Random(seed).sample(names, k))
     verified = trusted_manifest()
     results = []
-    for name in chosen:
-        path = receipt / name
-        trace_path = receipt / (name[: -len(RECEIPT_SUFFIX)] + TRACE_SUFFIX)
-        try:
-            verdict = _verify_one(_open(path, operators), path, trace_path if trace_path.is_file() else None,
-                                  directory, verified, budget, readers)
-        except ShardtoolError as err:
-            if not err.exit_code == 1:
-                raise  # our own trouble (I/O, usage) is not a verdict on the node
-            verdict = {"valid": False, "error": err.one_line()}
-        verdict["file"] = name
-        results.append(verdict)
-        if not as_json:
-            _say_verdict(say, path, verdict)
+    engines = _Engines(directory, verified, budget, readers)
+    try:
+        for name in chosen:
+            path = receipt / name
+            trace_path = receipt / (name[: -len(RECEIPT_SUFFIX)] + TRACE_SUFFIX)
+            try:
+                verdict = _verify_one(_open(path, operators), path, trace_path if trace_path.is_file() else None,
+                                      directory, verified, budget, readers, engines)
+            except ShardtoolError as err:
+                if not err.exit_code == 1:
+                    raise  # our own trouble (I/O, usage) is not a verdict on the node
+                verdict = {"valid": False, "error": err.one_line()}
+            verdict["file"] = name
+            results.append(verdict)
+            if not as_json:
+                _say_verdict(say, path, verdict)
+    finally:
+        engines.close()
     invalid = [r["file"] for r in results if not r["valid"]]
     summary = {"receipts": len(names), "sampled": len(chosen), "sample_seed": seed, "valid": len(chosen) - len(invalid),
-               "invalid": invalid, "results": results}
+               "invalid": invalid, "replay_engines_built": engines.built, "results": results}
     if as_json:
         emit_json(summary)
     else:
@@ -133,8 +137,35 @@ def _open(path: Path, operators):
         raise
 
 
+class _Engines:
+    """One replay engine for a whole sample (its verified weights stay cached from receipt to receipt), built
+    at the first receipt that names these weights and rebuilt larger only for a longer receipt."""
+
+    def __init__(self, directory: Path, verified, budget: int, readers: int):
+        self.directory, self.verified, self.budget, self.readers = directory, verified, budget, readers
+        self.engine = None
+        self.built = 0
+
+    def for_receipt(self, receipt):
+        from shardtool.runtime import check_weights, replay_engine
+
+        check_weights(receipt, self.verified)  # a receipt for other weights is refused before any engine is built
+        if self.engine is not None and self.engine.max_request_tokens < receipt.positions + 1:
+            self.close()
+        if self.engine is None:
+            self.engine = replay_engine(self.directory, self.verified, receipt.positions, budget=self.budget,
+                                        readers=self.readers)
+            self.built += 1
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
 def _verify_one(opened, path: Path, trace: Path | None, directory: Path, verified, budget: int,
-                readers: int) -> dict:
+                readers: int, engines: _Engines | None = None) -> dict:
     from shardtool.manifest import MAX_TRACE_BYTES
     from shardtool.runtime import replay_receipt
     from shardtool.safeio import read_regular
@@ -144,7 +175,9 @@ def _verify_one(opened, path: Path, trace: Path | None, directory: Path, verifie
     if trace is not None:
         trace_bytes = read_regular(trace, MAX_TRACE_BYTES, what="routing trace", too_large=ReceiptMismatchError)
     try:
-        verdict = replay_receipt(directory, verified, receipt, budget=budget, readers=readers, trace=trace_bytes)
+        engine = engines.for_receipt(receipt) if engines is not None else None
+        verdict = replay_receipt(directory, verified, receipt, budget=budget, readers=readers, trace=trace_bytes,
+                                 engine=engine)
     except ReceiptMismatchError as err:
         verdict = {"valid": False, "error": err.message}
     except ShardtoolError as err:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardtool.errors import ReceiptMismatchError
+from shardtool.errors import ReceiptMismatchError, UsageError
 from shardtool.manifest import Receipt, VerifiedManifest, decode_trace, routing_leaves, routing_root
 from shardtool.runtime._engine import Engine
 from shardtool.runtime._model._sampling import sampling_slack
@@ -36,7 +36,9 @@ class Tolerances:
     logit: float = 1e-4  # greedy: a token other than the argmax is accepted when (max - its logit) <= this * max|logit|
     sample_mass: float = 1e-4  # sampled: the seeded draw may miss the token's probability interval by this much
     route_gap: float = 1e-4  # routing: a swap of the k-th and (k+1)-th expert when their scores differ by <= this
-    fingerprint: float = 1e-3  # |committed - replayed| <= this * max|h| of the position's hidden state
+    # |committed - replayed| <= this * max|h| of the position's hidden state. Measured (benchmarks/bench_receipts.py):
+    # honest runs <= 1.2e-6, one expert's output scaled by 1.01 >= 7e-4 (1e-3 let such receipts pass).
+    fingerprint: float = 3e-5
     max_route_ties: int = 10  # near-ties searched (2^n roots) when the trace itself is not given
 
 
@@ -75,24 +77,55 @@ def check_weights(receipt: Receipt, manifest: VerifiedManifest) -> None:
 
 
 def replay_receipt(root: Path, manifest: VerifiedManifest, receipt: Receipt, *, budget: int, readers: int = 2,
-                   trace: bytes | None = None, tol: Tolerances = Tolerances()) -> dict:
+                   trace: bytes | None = None, tol: Tolerances = Tolerances(), engine: Engine | None = None) -> dict:
     """Replay and compare; the verdict as a JSON-ready dict ("valid": bool, "first_divergence", the margins).
 
+    `engine`: an idle Engine already built over `root` and `manifest` (weights it has read stay in its
+    verifying cache), for checking many receipts of one model; by default one is built for this receipt and
+    closed after it. The caller keeps an engine it passes: it is neither started nor closed here.
+
     Raises ReceiptMismatchError when the receipt names other weights or cannot describe this model (no
-    replay then), and what a verified read raises when the weights themselves are bad."""
+    replay then), UsageError for an engine over other weights, and what a verified read raises when the
+    weights themselves are bad."""
     check_weights(receipt, manifest)
     started = time.perf_counter()
-    # tokenizer=False: the replay works on token ids only, so the tokenizer is neither read nor parsed.
-    engine = Engine(root, manifest, budget=budget, max_batch=1, max_queue=0, max_context=receipt.positions + 1,
-                    readers=readers, tokenizer=False)
+    own = engine is None
+    if own:
+        engine = replay_engine(root, manifest, receipt.positions, budget=budget, readers=readers)
+    else:
+        _check_engine(engine, root, manifest, receipt)
     try:
         _check_shape(receipt, engine)
         claimed_routes = decode_trace(trace, receipt) if trace is not None else None
         verdict = _compare(engine, receipt, claimed_routes, tol)
     finally:
-        engine.close()
+        if own:
+            engine.close()
     verdict["replay_seconds"] = time.perf_counter() - started
     return verdict
+
+
+def replay_engine(root: Path, manifest: VerifiedManifest, positions: int, *, budget: int, readers: int = 2) -> Engine:
+    """An engine sized for replaying receipts of up to `positions` fed positions within `budget`."""
+    # tokenizer=False: the replay works on token ids only, so the tokenizer is neither read nor parsed.
+    return Engine(root, manifest, budget=budget, max_batch=1, max_queue=0, max_context=positions + 1,
+                  readers=readers, tokenizer=False)
+
+
+def _check_engine(engine: Engine, root: Path, manifest: VerifiedManifest, receipt: Receipt) -> None:
+    """A caller's engine must read the same directory under the same verified manifest head, and its memory
+    plan must hold the receipt's sequence."""
+    ours, theirs = manifest.head, engine.manifest.head
+    if (ours.model_id, ours.version, ours.merkle_root) != (theirs.model_id, theirs.version, theirs.merkle_root):
+        raise UsageError(f"the engine given for the replay serves {theirs.model_id!r} version {theirs.version} "
+                         f"(Merkle root {theirs.merkle_root.hex()[:16]}…); the receipt is checked against "
+                         f"{ours.model_id!r} version {ours.version} (Merkle root {ours.merkle_root.hex()[:16]}…)")
+    if engine.root.resolve() != Path(root).resolve():
+        raise UsageError(f"the engine given for the replay reads {engine.root}; the receipt is checked against "
+                         f"{root}")
+    if receipt.positions + 1 > engine.max_request_tokens:
+        raise UsageError(f"the engine given for the replay holds {engine.max_request_tokens} tokens per sequence; "
+                         f"this receipt needs {receipt.positions + 1}")
 
 
 def _check_shape(receipt: Receipt, engine: Engine) -> None:

@@ -196,6 +196,36 @@ def test_scaled_expert_is_detected(world, params):
     assert verdict["first_divergence"]["position"] == 0  # the first token is routed to the scaled expert
 
 
+def test_scaled_expert_output_is_detected(world):
+    """One routed expert's output x1.01 (its down projection only): the answer's tokens usually stay the same, so
+    only the fingerprint can see it; its deviation (measured by the benchmark: >= 7e-4 of max|h|) passed the
+    earlier tolerance of 1e-3."""
+    work, model, _ = world
+    layer, expert = _expert_used(*_run(work, model, GREEDY))
+    other = _tampered_copy(work, model, "scaled-output", lambda c: _edit_expert(
+        _expert_file(c, layer, expert), lambda k, v: (v * np.float32(1.01)).astype(v.dtype)
+        if k.endswith(("down_proj.weight", "w2.weight")) else v))
+    verdict = _dishonest(work, model, other, GREEDY)
+    assert not verdict["valid"] and verdict["first_divergence"]["position"] == 0
+
+
+def test_the_fingerprint_tolerance_sits_between_honest_noise_and_a_scaled_expert(world):
+    """Committed fingerprint values moved by 2e-6 of max|h| (twice the largest honest error measured) verify; moved
+    by 1e-4 (below what one expert's output x1.01 causes) they do not. Fails if the tolerance is loosened to 1e-3."""
+    work, model, _ = world
+    record, config = _run(work, model, GREEDY)
+    manifest = _manifest(work, model)
+    for factor, valid in ((1 + 2e-6, True), (1 + 1e-4, False)):
+        fingerprints = [f.copy() for f in record.fingerprints]
+        for f in fingerprints:
+            f["v"] = (f["v"].astype(np.float64) * factor).astype(np.float32)
+        receipt, _, _ = _receipt(work, replace(record, fingerprints=fingerprints), config, manifest)
+        verdict = _check(work, model, receipt)
+        assert verdict["valid"] == valid, (factor, verdict)
+        if not valid:
+            assert verdict["first_divergence"]["check"] == "fingerprint"
+
+
 def test_swapped_experts_are_detected(world):
     work, model, _ = world
     layer, expert = _expert_used(*_run(work, model, GREEDY))
