@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -548,7 +547,7 @@ def report(s: dict, tokens: int, time_tokens: int, repeats: int) -> None:
     for d in s["missed_details"]:
         print(f"  missed: {d}")
     m = s["margins"]
-    print(f"\n## tolerance margins (honest max vs dishonest min; tolerance in force)")
+    print("\n## tolerance margins (honest max vs dishonest min; tolerance in force)")
     print(f"fingerprint |committed - replayed| / max|h|: honest max {g(m['fingerprint']['honest_max'])}, dishonest "
           f"min {g(m['fingerprint']['dishonest_min'])} (weights / prompt changed); tolerance {tol.fingerprint:g}")
     print(f"sampled token, probability mass off: honest max {g(m['sample_mass']['honest_max'])}, dishonest min "
