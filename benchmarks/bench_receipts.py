@@ -406,13 +406,13 @@ def worker_time(work: Path, out: Path, bases: list[dict], tokens: int, repeats: 
         manifest = trusted(work, genuine, pub["publisher"], "time")
         gen = Engine(genuine, manifest, budget=BUDGET, max_batch=1, max_context=MAX_CONTEXT, tokenizer=False)
         ver = replay_engine(genuine, manifest, MAX_CONTEXT, budget=BUDGET)
-        params = SamplingParams(tokens, stop_token_ids=())
+        params = SamplingParams(tokens, stop_token_ids=())  # the client asks for exactly `tokens` tokens
         ids = prompt(7)
         try:
             record = run_alone(gen, ids, params)  # warm-up: every weight the answer needs is now cached
             signed = make_receipt(record, manifest, gen.config, priv["operator"])
             receipt, _ = open_receipt(signed.data, [pub["operator"]])
-            assert replay_receipt(genuine, manifest, receipt, budget=BUDGET, engine=ver)["valid"]
+            assert replay_receipt(genuine, manifest, receipt, budget=BUDGET, engine=ver, stop_token_ids=())["valid"]
             g, w, f = [], [], []
             for _ in range(repeats):
                 t = time.perf_counter()
@@ -420,10 +420,10 @@ def worker_time(work: Path, out: Path, bases: list[dict], tokens: int, repeats: 
                 g.append(time.perf_counter() - t)
                 assert again.tokens == record.tokens
                 t = time.perf_counter()
-                assert replay_receipt(genuine, manifest, receipt, budget=BUDGET, engine=ver)["valid"]
+                assert replay_receipt(genuine, manifest, receipt, budget=BUDGET, engine=ver, stop_token_ids=())["valid"]
                 w.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                assert replay_receipt(genuine, manifest, receipt, budget=BUDGET)["valid"]
+                assert replay_receipt(genuine, manifest, receipt, budget=BUDGET, stop_token_ids=())["valid"]
                 f.append(time.perf_counter() - t)
             # What each further token costs: a receipt for an answer twice as long (its size only).
             longer = run_alone(gen, ids, replace(params, max_new_tokens=2 * tokens))
