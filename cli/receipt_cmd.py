@@ -88,7 +88,7 @@ def verify_receipt(
         verdict = _verify_one(opened, receipt, trace, directory, trusted_manifest(), budget, readers, stops)
         if as_json:
             emit_json(verdict)
-        else:
+        if not as_json or not verdict["valid"]:  # a refusal is also one line on stderr, with --json too
             _say_verdict(say, receipt, verdict)
         raise typer.Exit(0 if verdict["valid"] else 1)
     names = _receipts_in(receipt)
@@ -137,7 +137,7 @@ def verify_receipt(
                "invalid": invalid, "unchecked": unchecked, "replay_engines_built": engines.built, "results": results}
     if as_json:
         emit_json(summary)
-    else:
+    if not as_json or invalid or unchecked:
         say(f"verify-receipt: {valid} of {len(chosen)} sampled receipts valid"
             + (f", {len(unchecked)} not checked" if unchecked else "")
             + f" ({len(names)} in the log, sample seed {seed})")
