@@ -95,6 +95,27 @@ def load_trusted(paths: list[Path]) -> list:
     return [load_public_key(p) for p in paths]
 
 
+def check_cluster_options(cluster: Optional[str], plan_file: Optional[Path], remote_timeout: float) -> None:
+    """verify-and-run's and serve's --cluster, --plan and --remote-timeout, before anything is read."""
+    import math
+
+    if (cluster is None) != (plan_file is None):
+        raise UsageError("--cluster and --plan go together")
+    if cluster is not None and not 1 <= len(cluster) <= 300:
+        raise UsageError("--cluster must be the Ray head's HOST:PORT")
+    if not math.isfinite(remote_timeout):
+        raise UsageError(f"--remote-timeout must be a number of seconds, got {remote_timeout}")
+
+
+def load_operator_key(key: Path, passphrase_file: Optional[Path]):
+    """The operator's private key that signs run receipts (verify-and-run and serve), loaded at start: a
+    missing file, a wrong passphrase or a malformed key fails here, before any work."""
+    from shardtool.cli._passphrase import get_passphrase
+    from shardtool.keys import load_private_key
+    return load_private_key(key, lambda: get_passphrase(passphrase_file, new_key=False,
+                                                          option="--receipt-passphrase-file"))
+
+
 def unpinned_warning(model_id: str) -> str:
     """What a verifier says when the operator did not pin the model: any model the keys signed would pass."""
     return (f"warning: no --model-id given: any model these keys signed is accepted; pass --model-id {model_id} "
@@ -151,3 +172,37 @@ def run_app(app: typer.Typer, args: list[str] | None = None) -> None:
             f"(exit {EXIT_CRASH})")
         sys.exit(EXIT_CRASH)
     sys.exit(rv if isinstance(rv, int) else 0)
+
+
+_BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def set_blas_threads(threads: int, readers: int) -> None:
+    """Size OpenBLAS's pool before numpy loads it. Its threads spin and run in lock-step: on cores shared
+    with the reader pool or a busy machine, one descheduled thread stalls every matmul (streaming decode
+    measured 2-8x slower with 2 BLAS threads + 2 readers on 2 loaded cores), so by default they get only
+    the cores the readers leave free."""
+    if "numpy" in sys.modules:  # too late (in-process callers): the library already sized its pool
+        return
+    if threads == 0:
+        if any(v in os.environ for v in _BLAS_THREAD_VARS):
+            return
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores - readers)
+    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
+
+
+def keep_freed_memory() -> None:
+    """glibc hands blocks above a dynamic threshold (128 KiB at start) back to the kernel when freed, so the
+    float32 copy of every bf16/FP8 weight, made again each token, arrives as fresh zero-filled pages: ~28k
+    page faults and 3x slower decode per token on a bf16 model (benchmarks/bench_runtime.py). Keep blocks up
+    to 32 MiB in the heap for reuse; the budget's working reserve already counts these copies."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not a C library with mallopt: nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    mallopt(m_mmap_threshold, 32 * 2**20)
+    mallopt(m_trim_threshold, 32 * 2**20)

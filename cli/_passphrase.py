@@ -16,8 +16,10 @@ from shardtool.errors import KeyFileError, UsageError
 ENV_VAR = "SHARDTOOL_PASSPHRASE"
 
 
-def get_passphrase(passphrase_file: Path | None, *, new_key: bool) -> bytes:
-    """The passphrase; for a `new_key` it is asked twice at a terminal and must meet the minimum length."""
+def get_passphrase(passphrase_file: Path | None, *, new_key: bool, option: str = "--passphrase-file") -> bytes:
+    """The passphrase; for a `new_key` it is asked twice at a terminal and must meet the minimum length.
+
+    `option` is the command's own name for the passphrase file, for the hint."""
     from shardtool.keys import MAX_PASSPHRASE_FILE, check_new_passphrase, read_key_file
 
     if passphrase_file is not None:
@@ -34,7 +36,7 @@ def get_passphrase(passphrase_file: Path | None, *, new_key: bool) -> bytes:
             raise UsageError("the two passphrases differ")
     else:
         raise UsageError("a passphrase is needed and there is no terminal to ask on",
-                         hint=f"use --passphrase-file or {ENV_VAR}, or --no-passphrase for keygen")
+                         hint=f"use {option} or {ENV_VAR}" + (", or --no-passphrase for keygen" if new_key else ""))
     if not secret:
         raise KeyFileError("empty passphrase", path=source,
                            hint="use --no-passphrase to write an unencrypted key deliberately")

@@ -17,11 +17,16 @@ from typing import List, Optional
 
 import typer
 
-from shardtool.errors import ReceiptMismatchError, ShardtoolError, UsageError
+from shardtool.errors import (DigestMismatchError, MissingFileError, NotARegularFileError, ReceiptMismatchError,
+                              ShardFormatError, ShardtoolError, UnreadableFileError, UsageError, VerificationError)
 
 RECEIPT_SUFFIX = ".receipt"
 TRACE_SUFFIX = ".trace"
 MAX_LOG_ENTRIES = 1_000_000
+# What a verified read of the validator's own model directory raises: in a spot-check these end the run, since a
+# replay over bad local weights can judge no receipt.
+_LOCAL_WEIGHT_FAULTS = (DigestMismatchError, MissingFileError, NotARegularFileError, UnreadableFileError,
+                        ShardFormatError)
 
 
 def register(app: typer.Typer) -> None:
@@ -47,13 +52,15 @@ def verify_receipt(
     threads: int = typer.Option(0, "--threads", min=0, max=1024, help="Compute (BLAS) threads; 0: automatic."),
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Rollback state directory."),
     manifest_file: Optional[Path] = typer.Option(None, "--manifest", help="Manifest (default DIR/manifest.msgpack)."),
+    stop_ids: Optional[str] = typer.Option(None, "--stop-ids", help="The stop token ids the request named, "
+                                                                    "comma-separated (default: the signed "
+                                                                    "config.json's end-of-sequence ids)."),
     as_json: bool = typer.Option(False, "--json", help="The verdict as one JSON document on stdout."),
 ) -> None:
     """Verify a run receipt: operator signature, the weights it names, then a teacher-forced replay of prompt
     and answer (tokens, routing, activation fingerprint) within documented tolerances."""
     from shardtool.cli._common import emit_json, load_trusted, manifest_path, model_dir, say
-    from shardtool.cli._common import parse_size
-    from shardtool.cli.run_cmd import _keep_freed_memory, _set_blas_threads
+    from shardtool.cli._common import keep_freed_memory, parse_size, set_blas_threads
 
     budget = parse_size(memory_budget)
     if sample is not None and not (math.isfinite(sample) and 0 < sample <= 1):
@@ -62,13 +69,14 @@ def verify_receipt(
         raise UsageError("--trace names one receipt's trace; with --sample, NAME.trace beside NAME.receipt is used")
     if sample is None and sample_seed is not None:
         raise UsageError("--sample-seed needs --sample")
+    stops = _parse_stop_ids(stop_ids) if stop_ids is not None else None
     if not operator:
         raise UsageError("no operator public key given", hint="pass --operator OPERATOR.pub (repeatable)")
     operators = [_load_public(p) for p in operator]
     trusted = load_trusted(trust)
     directory = model_dir(directory)
-    _set_blas_threads(threads, readers)
-    _keep_freed_memory()
+    set_blas_threads(threads, readers)
+    keep_freed_memory()
     from shardtool.manifest import load_trusted_manifest
 
     def trusted_manifest():
@@ -77,10 +85,10 @@ def verify_receipt(
 
     if sample is None:
         opened = _open(receipt, operators)  # a bad receipt is refused before the model is touched
-        verdict = _verify_one(opened, receipt, trace, directory, trusted_manifest(), budget, readers)
+        verdict = _verify_one(opened, receipt, trace, directory, trusted_manifest(), budget, readers, stops)
         if as_json:
             emit_json(verdict)
-        else:
+        if not as_json or not verdict["valid"]:  # a refusal is also one line on stderr, with --json too
             _say_verdict(say, receipt, verdict)
         raise typer.Exit(0 if verdict["valid"] else 1)
     names = _receipts_in(receipt)
@@ -89,29 +97,61 @@ def verify_receipt(
     chosen = sorted(random.Random(seed).sample(names, k))
     verified = trusted_manifest()
     results = []
-    for name in chosen:
-        path = receipt / name
-        trace_path = receipt / (name[: -len(RECEIPT_SUFFIX)] + TRACE_SUFFIX)
-        try:
-            verdict = _verify_one(_open(path, operators), path, trace_path if trace_path.is_file() else None,
-                                  directory, verified, budget, readers)
-        except ShardtoolError as err:
-            if not err.exit_code == 1:
-                raise  # our own trouble (I/O, usage) is not a verdict on the node
-            verdict = {"valid": False, "error": err.one_line()}
-        verdict["file"] = name
-        results.append(verdict)
-        if not as_json:
-            _say_verdict(say, path, verdict)
-    invalid = [r["file"] for r in results if not r["valid"]]
-    summary = {"receipts": len(names), "sampled": len(chosen), "sample_seed": seed, "valid": len(chosen) - len(invalid),
-               "invalid": invalid, "results": results}
+    engines = _Engines(directory, verified, budget, readers, stops)
+    unchecked_exit = 0
+    try:
+        for name in chosen:
+            path = receipt / name
+            trace_path = receipt / (name[: -len(RECEIPT_SUFFIX)] + TRACE_SUFFIX)
+            try:
+                opened = _open(path, operators)
+            except ShardtoolError as err:
+                if err.exit_code != 1:  # gone or unreadable since the listing: no verdict on it either way
+                    unchecked_exit = unchecked_exit or err.exit_code
+                    verdict = {"valid": None, "unchecked": err.one_line()}
+                else:
+                    verdict = {"valid": False, "error": err.one_line()}
+            else:
+                try:
+                    verdict = _verify_one(opened, path, trace_path if trace_path.is_file() else None,
+                                          directory, verified, budget, readers, stops, engines)
+                except _LOCAL_WEIGHT_FAULTS as err:  # the replay's own weights failed: a local fault, not the node's
+                    raise VerificationError(f"the model directory failed verification while replaying {name} "
+                                            f"(no receipt is judged by it): {err.message}", path=err.path) from err
+                except ShardtoolError as err:
+                    if err.exit_code == 1:  # e.g. a trace that does not open the receipt's routing root
+                        verdict = {"valid": False, "error": err.one_line()}
+                    else:  # e.g. too small a --memory-budget for this receipt
+                        unchecked_exit = unchecked_exit or err.exit_code
+                        verdict = {"valid": None, "unchecked": err.one_line()}
+            verdict["file"] = name
+            results.append(verdict)
+            if not as_json:
+                _say_verdict(say, path, verdict)
+    finally:
+        engines.close()
+    invalid = [r["file"] for r in results if r["valid"] is False]
+    unchecked = [r["file"] for r in results if r["valid"] is None]
+    valid = len(results) - len(invalid) - len(unchecked)
+    summary = {"receipts": len(names), "sampled": len(chosen), "sample_seed": seed, "valid": valid,
+               "invalid": invalid, "unchecked": unchecked, "replay_engines_built": engines.built, "results": results}
     if as_json:
         emit_json(summary)
-    else:
-        say(f"verify-receipt: {len(chosen) - len(invalid)} of {len(chosen)} sampled receipts valid "
-            f"({len(names)} in the log, sample seed {seed})")
-    raise typer.Exit(0 if not invalid else 1)
+    if not as_json or invalid or unchecked:
+        say(f"verify-receipt: {valid} of {len(chosen)} sampled receipts valid"
+            + (f", {len(unchecked)} not checked" if unchecked else "")
+            + f" ({len(names)} in the log, sample seed {seed})")
+    raise typer.Exit(1 if invalid else unchecked_exit)
+
+
+def _parse_stop_ids(text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or len(parts) > 64 or not all(p.isdigit() and len(p) <= 10 for p in parts):
+        raise UsageError(f"--stop-ids must be 1 to 64 comma-separated token ids, got {text[:80]!r}")
+    ids = tuple(int(p) for p in parts)
+    if max(ids) >= 2**31:
+        raise UsageError(f"--stop-ids: token id {max(ids)} is out of range")
+    return ids
 
 
 def _load_public(path: Path):
@@ -134,8 +174,40 @@ def _open(path: Path, operators):
         raise
 
 
+class _Engines:
+    """One replay engine for a whole sample (its verified weights stay cached from receipt to receipt), built
+    at the first receipt that names these weights and rebuilt larger only for a longer receipt."""
+
+    def __init__(self, directory: Path, verified, budget: int, readers: int, stops):
+        self.directory, self.verified, self.budget, self.readers = directory, verified, budget, readers
+        self.stops = stops
+        self.engine = None
+        self.config = None
+        self.built = 0
+
+    def for_receipt(self, receipt):
+        from shardtool.runtime import check_request, check_weights, replay_engine, verified_config
+
+        check_weights(receipt, self.verified)  # a receipt for other weights is refused before any engine is built
+        if self.config is None:
+            self.config = verified_config(self.directory, self.verified)
+        check_request(receipt, self.config, self.stops)  # and one no honest run served (past the context)
+        if self.engine is not None and self.engine.max_request_tokens < receipt.positions + 1:
+            self.close()
+        if self.engine is None:
+            self.engine = replay_engine(self.directory, self.verified, receipt.positions, budget=self.budget,
+                                        readers=self.readers)
+            self.built += 1
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
 def _verify_one(opened, path: Path, trace: Path | None, directory: Path, verified, budget: int,
-                readers: int) -> dict:
+                readers: int, stops, engines: _Engines | None = None) -> dict:
     from shardtool.manifest import MAX_TRACE_BYTES
     from shardtool.runtime import replay_receipt
     from shardtool.safeio import read_regular
@@ -145,7 +217,9 @@ def _verify_one(opened, path: Path, trace: Path | None, directory: Path, verifie
     if trace is not None:
         trace_bytes = read_regular(trace, MAX_TRACE_BYTES, what="routing trace", too_large=ReceiptMismatchError)
     try:
-        verdict = replay_receipt(directory, verified, receipt, budget=budget, readers=readers, trace=trace_bytes)
+        engine = engines.for_receipt(receipt) if engines is not None else None
+        verdict = replay_receipt(directory, verified, receipt, budget=budget, readers=readers, trace=trace_bytes,
+                                 engine=engine, stop_token_ids=stops)
     except ReceiptMismatchError as err:
         verdict = {"valid": False, "error": err.message}
     except ShardtoolError as err:
@@ -156,7 +230,8 @@ def _verify_one(opened, path: Path, trace: Path | None, directory: Path, verifie
                     "manifest_version": receipt.manifest_version, "prompt_ids": list(receipt.prompt_ids),
                     "token_ids": list(receipt.token_ids), "finish_reason": receipt.finish_reason,
                     "request": {"max_new_tokens": receipt.max_new_tokens, "temperature": receipt.temperature,
-                                "top_p": receipt.top_p, "seed": receipt.seed}})
+                                "top_p": receipt.top_p, "seed": receipt.seed,
+                                "stop_token_ids": list(receipt.stop_token_ids)}})
     return verdict
 
 
@@ -184,13 +259,19 @@ def _say_verdict(say, path: Path, v: dict) -> None:
     from shardtool.text import printable
 
     where = printable(str(path))
+    if v.get("unchecked"):
+        say(f"verify-receipt: {where}: NOT CHECKED: {v['unchecked']}")
+        return
     if v.get("error"):
         say(f"verify-receipt: {where}: NOT VALID: {v['error']}")
         return
     if v["valid"]:
-        ties = v["near_ties"]
-        say(f"verify-receipt: {where}: VALID: receipt {v['receipt_id']} of {v['model_id']} v{v['manifest_version']}: "
-            f"{len(v['prompt_ids'])} prompt + {len(v['token_ids'])} answer tokens replayed in "
+        ties, r = v["near_ties"], v["request"]
+        # The request settings are printed so the client can compare them with what it asked for.
+        say(f"verify-receipt: {where}: VALID: receipt {printable(v['receipt_id'])} of {printable(v['model_id'])} "
+            f"v{v['manifest_version']}: {len(v['prompt_ids'])} prompt + {len(v['token_ids'])} answer tokens "
+            f"(finish {v['finish_reason']}; max_new_tokens {r['max_new_tokens']}, temperature {r['temperature']:g}, "
+            f"top_p {r['top_p']:g}, seed {r['seed']}, stop ids {r['stop_token_ids'][:8]}) replayed in "
             f"{v['replay_seconds']:.2f}s; near-ties tolerated: {ties['tokens']} token, {ties['routing']} routing, "
             f"{ties['fingerprint']} fingerprint")
         return

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
-from shardtool.cli._common import parse_size, run_app, say
+from shardtool.cli._common import check_cluster_options, keep_freed_memory, parse_size, run_app, say, set_blas_threads
 from shardtool.errors import UsageError
 
 app = typer.Typer(name="verify-and-run", add_completion=False, pretty_exceptions_enable=False)
@@ -130,11 +129,10 @@ def verify_and_run(
     check_cluster_options(cluster, plan_file, remote_timeout)
     operator_key = None
     if receipt_key is not None:  # before any work: a wrong key or passphrase fails here, not after generating
-        from shardtool.cli._passphrase import get_passphrase
-        from shardtool.keys import load_private_key
-        operator_key = load_private_key(receipt_key, lambda: get_passphrase(receipt_passphrase_file, new_key=False))
-    _set_blas_threads(threads, readers)
-    _keep_freed_memory()
+        from shardtool.cli._common import load_operator_key
+        operator_key = load_operator_key(receipt_key, receipt_passphrase_file)
+    set_blas_threads(threads, readers)
+    keep_freed_memory()
     from shardtool.runtime import Session, connect_cluster, encode_prompt, load_plan, load_tokenizer, make_receipt
 
     directory = model_dir(directory)
@@ -190,49 +188,6 @@ def verify_and_run(
         _print_report(summary)
     if expect_model is None and not quiet:  # after the output: a refused run still prints one line only
         say(unpinned_warning(verified.head.model_id))
-
-
-def check_cluster_options(cluster: str | None, plan_file: Path | None, remote_timeout: float) -> None:
-    if (cluster is None) != (plan_file is None):
-        raise UsageError("--cluster and --plan go together")
-    if cluster is not None and not 1 <= len(cluster) <= 300:
-        raise UsageError("--cluster must be the Ray head's HOST:PORT")
-    if not math.isfinite(remote_timeout):
-        raise UsageError(f"--remote-timeout must be a number of seconds, got {remote_timeout}")
-
-
-_BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
-
-
-def _set_blas_threads(threads: int, readers: int) -> None:
-    """Size OpenBLAS's pool before numpy loads it. Its threads spin and run in lock-step: on cores shared
-    with the reader pool or a busy machine, one descheduled thread stalls every matmul (streaming decode
-    measured 2-8x slower with 2 BLAS threads + 2 readers on 2 loaded cores), so by default they get only
-    the cores the readers leave free."""
-    if "numpy" in sys.modules:  # too late (in-process callers): the library already sized its pool
-        return
-    if threads == 0:
-        if any(v in os.environ for v in _BLAS_THREAD_VARS):
-            return
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = max(1, cores - readers)
-    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
-
-
-def _keep_freed_memory() -> None:
-    """glibc hands blocks above a dynamic threshold (128 KiB at start) back to the kernel when freed, so the
-    float32 copy of every bf16/FP8 weight, made again each token, arrives as fresh zero-filled pages: ~28k
-    page faults and 3x slower decode per token on a bf16 model (benchmarks/bench_runtime.py). Keep blocks up
-    to 32 MiB in the heap for reuse; the budget's working reserve already counts these copies."""
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not a C library with mallopt: nothing to tune
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    mallopt(m_mmap_threshold, 32 * 2**20)
-    mallopt(m_trim_threshold, 32 * 2**20)
 
 
 def _print_report(s: dict) -> None:

@@ -45,6 +45,15 @@ def serve(
     read_timeout: float = typer.Option(30.0, "--read-timeout", min=0.1, max=3600.0,
                                        help="Seconds a client has to send a request's headers, and again its body."),
     max_body: str = typer.Option("1MiB", "--max-body", help="Largest request body (HTTP 413 past it)."),
+    receipt_key: Optional[Path] = typer.Option(None, "--receipt-key", help="Operator private key: sign a run "
+                                                                         "receipt for every completion."),
+    receipt_passphrase_file: Optional[Path] = typer.Option(None, "--receipt-passphrase-file",
+                                                           help="Passphrase of --receipt-key (default: "
+                                                                "SHARDTOOL_PASSPHRASE, then a prompt)."),
+    max_receipts: int = typer.Option(4096, "--max-receipts", min=1, max=1 << 20,
+                                     help="Receipts kept for GET /v1/receipts/{id} (the oldest is evicted)."),
+    max_receipt_bytes: str = typer.Option("256MiB", "--max-receipt-bytes",
+                                          help="Receipt + trace bytes kept in memory (outside --memory-budget)."),
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Ray cluster (HOST:PORT of its head) whose nodes "
                                                                   "compute the routed experts (needs --plan)."),
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="The cluster plan (shardtool plan); DIR then needs "
@@ -53,24 +62,30 @@ def serve(
                                          help="Seconds a node has to answer one call before its replica is asked."),
 ) -> None:
     """Serve a verified model: POST /v1/completions and /v1/chat/completions (OpenAI-style, streaming as
-    server-sent events), GET /v1/models, /health, /metrics."""
-    from shardtool.cli._common import load_trusted, manifest_path, model_dir, say, unpinned_warning
-    from shardtool.cli._common import parse_size
-    from shardtool.cli.run_cmd import _keep_freed_memory, _set_blas_threads, check_cluster_options
+    server-sent events), GET /v1/models, /health, /metrics; with --receipt-key, a signed run receipt per
+    completion and GET /v1/receipts/{id}."""
+    from shardtool.cli._common import (check_cluster_options, keep_freed_memory, load_operator_key, load_trusted,
+                                       manifest_path, model_dir, parse_size, say, set_blas_threads, unpinned_warning)
 
     # Every option is checked before anything is read: a bad value is one usage line, exit 2.
     budget = parse_size(memory_budget)
     kv_bytes = parse_size(kv_cache, "--kv-cache") if kv_cache is not None else None
     body_cap = parse_size(max_body, "--max-body")
+    receipt_bytes = parse_size(max_receipt_bytes, "--max-receipt-bytes")
     if not math.isfinite(read_timeout):
         raise UsageError(f"--read-timeout must be a number of seconds, got {read_timeout}")
     check_cluster_options(cluster, plan_file, remote_timeout)
-    _set_blas_threads(threads, readers)
-    _keep_freed_memory()
+    if receipt_key is None and receipt_passphrase_file is not None:
+        raise UsageError("--receipt-passphrase-file needs --receipt-key")
+    operator_key = None
+    if receipt_key is not None:  # before any work: a wrong key or passphrase fails here, not at the first request
+        operator_key = load_operator_key(receipt_key, receipt_passphrase_file)
+    set_blas_threads(threads, readers)
+    keep_freed_memory()
 
     from shardtool.manifest import load_trusted_manifest
     from shardtool.runtime import Engine, connect_cluster, load_plan  # loads numpy
-    from shardtool.serve import (ChatTemplate, Limits, ServerSettings, Stopped, bind, create_app, run,
+    from shardtool.serve import (ChatTemplate, Limits, ReceiptSigner, ServerSettings, Stopped, bind, create_app, run,
                                  stop_on_signals, url_of)
 
     remote = None
@@ -99,8 +114,10 @@ def serve(
             chat = ChatTemplate.from_tokenizer_config(engine.signed_json("tokenizer_config.json"))
             if isinstance(chat.problem, Exception) and not isinstance(chat.problem, UsageError):
                 say(f"warning: chat is unavailable (/v1/chat/completions answers 500): {chat.problem.one_line()}")
+            receipts = (ReceiptSigner(operator_key, verified, engine.config, max_receipts, receipt_bytes)
+                        if operator_key is not None else None)
             app = create_app(engine, model_id=model_id, chat=chat,
-                             limits=Limits(max_body_bytes=body_cap, body_timeout=read_timeout))
+                             limits=Limits(max_body_bytes=body_cap, body_timeout=read_timeout), receipts=receipts)
             settings = ServerSettings(header_timeout=read_timeout,
                                       limit_concurrency=max_batch + max_queue + SPARE_CONNECTIONS)
             sock = bind(host, port)

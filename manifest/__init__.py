@@ -38,9 +38,9 @@ from shardtool.manifest._io import (
     manifest_relpath,
     save_manifest,
 )
-from shardtool.manifest._receipt import (MAX_RECEIPT_BYTES, MAX_TRACE_BYTES, RECEIPT_PAYLOAD_TYPE, Receipt,
-                                        decode_trace, encode_trace, open_receipt, routing_leaves, routing_root,
-                                        sign_receipt)
+from shardtool.manifest._receipt import (MAX_RECEIPT_BYTES, MAX_TRACE_BYTES, RECEIPT_FORMAT, RECEIPT_PAYLOAD_TYPE,
+                                        Receipt, decode_trace, encode_trace, open_receipt, routing_leaves, routing_root,
+                                        sign_receipt, valid_receipt_id)
 from shardtool.manifest._proof import ProvenEntry, build_proof, verify_proof
 from shardtool.manifest._records import KINDS, MAX_ENTRIES, MAX_EXPERT, MAX_LAYER, Entry, Head, check_model_id_form
 from shardtool.manifest._state import check_and_record, default_state_dir
@@ -51,7 +51,8 @@ __all__ = [
     "FORMAT", "KINDS", "MANIFEST_NAME", "PAYLOAD_TYPE", "Entry", "Envelope", "Head", "Manifest", "Signature",
     "ProvenEntry", "VerifiedManifest", "build_proof", "verify_proof", "build_manifest", "check_and_record", "check_freshness", "decode_manifest",
     "default_manifest_path", "default_state_dir", "describe_head", "entry_bytes", "hash_directory", "load_manifest", "load_trusted_manifest", "load_trusted_proof", "check_model_id",
-    "MAX_RECEIPT_BYTES", "MAX_TRACE_BYTES", "RECEIPT_PAYLOAD_TYPE", "Receipt", "decode_trace", "encode_trace",
-    "open_receipt", "routing_leaves", "routing_root", "sign_receipt",
+    "MAX_RECEIPT_BYTES", "MAX_TRACE_BYTES", "RECEIPT_FORMAT", "RECEIPT_PAYLOAD_TYPE", "Receipt", "decode_trace",
+    "encode_trace",
+    "open_receipt", "routing_leaves", "routing_root", "sign_receipt", "valid_receipt_id",
     "load_verified_manifest", "pae", "read_verified", "read_verified_prefix", "save_manifest", "verify_envelope", "verify_manifest",
 ]

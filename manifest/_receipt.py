@@ -49,6 +49,12 @@ MAX_TRACE_BYTES = _canonical.MAX_BIN + 4096
 _ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/+:@-]{0,255}")
 
+
+def valid_receipt_id(receipt_id: str) -> bool:
+    """A receipt ID as the payload's `id` rule allows it (an HTTP path names one before anything is looked up)."""
+    return _ID.fullmatch(receipt_id) is not None
+
+
 if TYPE_CHECKING:  # numpy is imported where arrays are made: the manifest commands never load it
     import numpy as np
 

@@ -13,14 +13,14 @@ from shardtool.runtime._engine import (Engine, ErrorEvent, Event, FinishEvent, S
 from shardtool.runtime._plan import BudgetPlan, plan_budget
 from shardtool.runtime._provider import VerifiedWeights
 from shardtool.runtime._record import RunRecord, SignedReceipt, make_receipt
-from shardtool.runtime._replay import Tolerances, replay_receipt
+from shardtool.runtime._replay import Tolerances, check_request, check_weights, replay_engine, replay_receipt
 from shardtool.runtime._session import Session, encode_prompt
-from shardtool.runtime._signed import load_tokenizer
+from shardtool.runtime._signed import load_tokenizer, verified_config
 from shardtool.runtime._store import ShardFormatError, ShardStore, StoreStats
 
 __all__ = ["MAX_PLAN_BYTES", "NODE_NAME_PATTERN", "ClusterPlan", "NodePlan", "check_plan", "decode_plan", "encode_plan", "make_plan", "node_memory_floor",
            "summarize", "BudgetPlan", "Engine", "ErrorEvent", "Event", "FinishEvent", "SamplingParams", "Session", "ShardFormatError",
            "Ticket", "TokenEvent", "plan_budget", "ShardStore", "StoreStats", "VerifiedWeights", "encode_prompt",
-           "load_tokenizer", "RunRecord", "SignedReceipt", "make_receipt", "Tolerances", "replay_receipt",
+           "load_tokenizer", "verified_config", "RunRecord", "SignedReceipt", "make_receipt", "Tolerances", "check_request", "check_weights", "replay_engine", "replay_receipt",
            "ClusterStats", "RemoteExperts", "connect_cluster", "load_plan", "NodeService", "NodeSetup", "leave_cluster", "node_alive",
            "prepare_node", "serve_node"]

@@ -16,13 +16,16 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
-from shardtool.errors import ReceiptMismatchError
+from shardtool.errors import ReceiptMismatchError, UsageError
 from shardtool.manifest import Receipt, VerifiedManifest, decode_trace, routing_leaves, routing_root
 from shardtool.runtime._engine import Engine
+from shardtool.runtime._model import ModelConfig
 from shardtool.runtime._model._sampling import sampling_slack
+from shardtool.runtime._signed import verified_config
 
 
 # Leaf hashes the near-tie search may recompute in all (2^ties roots of `positions` leaves each): a few seconds.
@@ -34,10 +37,18 @@ class Tolerances:
     """How far an honest replay may differ from the run, each in its own unit."""
 
     logit: float = 1e-4  # greedy: a token other than the argmax is accepted when (max - its logit) <= this * max|logit|
-    sample_mass: float = 1e-4  # sampled: the seeded draw may miss the token's probability interval by this much
+    # sampled: the seeded draw may miss the token's probability interval by this much. Honest runs measured 0
+    # (benchmarks/bench_receipts.py); at 1e-4 an operator could pick among dozens of tail tokens of a large
+    # vocabulary at one step.
+    sample_mass: float = 1e-6
     route_gap: float = 1e-4  # routing: a swap of the k-th and (k+1)-th expert when their scores differ by <= this
-    fingerprint: float = 1e-3  # |committed - replayed| <= this * max|h| of the position's hidden state
+    # |committed - replayed| <= this * max|h| of the position's hidden state. Measured (benchmarks/bench_receipts.py):
+    # honest runs <= 1.2e-6, one expert's output scaled by 1.01 >= 7e-4 (1e-3 let such receipts pass).
+    fingerprint: float = 3e-5
     max_route_ties: int = 10  # near-ties searched (2^n roots) when the trace itself is not given
+    # Tokens accepted at a near-tie (greedy or sampled) per receipt: each is a choice the operator could have
+    # made, so their number is bounded; honest runs measured 0 (benchmarks/bench_receipts.py).
+    max_token_ties: int = 8
 
 
 @dataclass
@@ -75,24 +86,77 @@ def check_weights(receipt: Receipt, manifest: VerifiedManifest) -> None:
 
 
 def replay_receipt(root: Path, manifest: VerifiedManifest, receipt: Receipt, *, budget: int, readers: int = 2,
-                   trace: bytes | None = None, tol: Tolerances = Tolerances()) -> dict:
+                   trace: bytes | None = None, tol: Tolerances = Tolerances(), engine: Engine | None = None,
+                   stop_token_ids: Sequence[int] | None = None) -> dict:
     """Replay and compare; the verdict as a JSON-ready dict ("valid": bool, "first_divergence", the margins).
 
-    Raises ReceiptMismatchError when the receipt names other weights or cannot describe this model (no
-    replay then), and what a verified read raises when the weights themselves are bad."""
+    `engine`: an idle Engine already built over `root` and `manifest` (weights it has read stay in its
+    verifying cache), for checking many receipts of one model; by default one is built for this receipt and
+    closed after it. The caller keeps an engine it passes: it is neither started nor closed here.
+
+    `stop_token_ids`: the stop tokens the client's request named; by default the signed config.json's
+    end-of-sequence ids, which is what verify-and-run and serve stop at.
+
+    Raises ReceiptMismatchError when the receipt names other weights, a request no honest run could have
+    served (past the signed context, other stop tokens) or cannot describe this model (no replay then), UsageError for an engine over other weights, and what a verified read raises when the
+    weights themselves are bad."""
     check_weights(receipt, manifest)
+    check_request(receipt, engine.config if engine is not None else verified_config(root, manifest),
+                  stop_token_ids)
     started = time.perf_counter()
-    # tokenizer=False: the replay works on token ids only, so the tokenizer is neither read nor parsed.
-    engine = Engine(root, manifest, budget=budget, max_batch=1, max_queue=0, max_context=receipt.positions + 1,
-                    readers=readers, tokenizer=False)
+    own = engine is None
+    if own:
+        engine = replay_engine(root, manifest, receipt.positions, budget=budget, readers=readers)
+    else:
+        _check_engine(engine, root, manifest, receipt)
     try:
         _check_shape(receipt, engine)
         claimed_routes = decode_trace(trace, receipt) if trace is not None else None
         verdict = _compare(engine, receipt, claimed_routes, tol)
     finally:
-        engine.close()
+        if own:
+            engine.close()
     verdict["replay_seconds"] = time.perf_counter() - started
     return verdict
+
+
+def check_request(receipt: Receipt, cfg: ModelConfig, stop_token_ids: Sequence[int] | None = None) -> None:
+    """The request the receipt states must be one an honest run serves, before any replay is planned: within
+    the signed context, and stopping where the request said (a stop list widened to the answer's last token
+    would pass a cut-short answer off as a natural stop; one without the model's EOS would run past it)."""
+    context = cfg.max_position_embeddings
+    needed = len(receipt.prompt_ids) + receipt.max_new_tokens
+    if context > 0 and needed > context:
+        raise ReceiptMismatchError(f"the receipt's request needs {needed} tokens of context (prompt + "
+                                   f"max_new_tokens); the signed config.json allows {context}")
+    expected = sorted(set(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids))
+    if sorted(set(receipt.stop_token_ids)) != expected:
+        source = "the signed config.json's end-of-sequence ids are" if stop_token_ids is None else "--stop-ids gives"
+        raise ReceiptMismatchError(f"the receipt stops at token ids {sorted(set(receipt.stop_token_ids))[:16]}; "
+                                   f"{source} {expected[:16]}")
+
+
+def replay_engine(root: Path, manifest: VerifiedManifest, positions: int, *, budget: int, readers: int = 2) -> Engine:
+    """An engine sized for replaying receipts of up to `positions` fed positions within `budget`."""
+    # tokenizer=False: the replay works on token ids only, so the tokenizer is neither read nor parsed.
+    return Engine(root, manifest, budget=budget, max_batch=1, max_queue=0, max_context=positions + 1,
+                  readers=readers, tokenizer=False)
+
+
+def _check_engine(engine: Engine, root: Path, manifest: VerifiedManifest, receipt: Receipt) -> None:
+    """A caller's engine must read the same directory under the same verified manifest head, and its memory
+    plan must hold the receipt's sequence."""
+    ours, theirs = manifest.head, engine.manifest.head
+    if (ours.model_id, ours.version, ours.merkle_root) != (theirs.model_id, theirs.version, theirs.merkle_root):
+        raise UsageError(f"the engine given for the replay serves {theirs.model_id!r} version {theirs.version} "
+                         f"(Merkle root {theirs.merkle_root.hex()[:16]}…); the receipt is checked against "
+                         f"{ours.model_id!r} version {ours.version} (Merkle root {ours.merkle_root.hex()[:16]}…)")
+    if engine.root.resolve() != Path(root).resolve():
+        raise UsageError(f"the engine given for the replay reads {engine.root}; the receipt is checked against "
+                         f"{root}")
+    if receipt.positions + 1 > engine.max_request_tokens:
+        raise UsageError(f"the engine given for the replay holds {engine.max_request_tokens} tokens per sequence; "
+                         f"this receipt needs {receipt.positions + 1}")
 
 
 def _check_shape(receipt: Receipt, engine: Engine) -> None:
@@ -234,9 +298,7 @@ def _check_token(logits: np.ndarray, receipt: Receipt, i: int, rng: np.random.Ge
             return None
         gap = float(logits[top] - logits[token]) / scale
         if gap <= tol.logit:
-            stats.token_ties += 1
-            stats.max_token_gap = max(stats.max_token_gap, gap)
-            return None
+            return _tie(stats, tol, gap, f"greedy decoding gives token {top} here; the receipt has {token}")
         return (f"greedy decoding gives token {top} here; the receipt has {token} (logit gap {gap:.2e} of "
                 f"max|logit| > {tol.logit:g})")
     u = rng.random()
@@ -244,11 +306,18 @@ def _check_token(logits: np.ndarray, receipt: Receipt, i: int, rng: np.random.Ge
     if slack == 0.0:
         return None
     if slack <= tol.sample_mass:
-        stats.token_ties += 1
-        stats.max_token_gap = max(stats.max_token_gap, slack)
-        return None
+        return _tie(stats, tol, slack, f"the seeded draw gives another token than the receipt's {token}")
     return (f"sampling with seed {receipt.seed} at temperature {receipt.temperature:g}, top_p {receipt.top_p:g} "
             f"does not give token {token} here (off by {slack:.2e} of probability mass)")
+
+
+def _tie(stats: _Stats, tol: Tolerances, gap: float, what: str) -> str | None:
+    """Accept one more near-tie token, or say that the receipt has used up its near-ties."""
+    stats.token_ties += 1
+    stats.max_token_gap = max(stats.max_token_gap, gap)
+    if stats.token_ties > tol.max_token_ties:
+        return f"{what}: a near-tie, but the receipt already used its {tol.max_token_ties} tolerated near-tie tokens"
+    return None
 
 
 def _search_ties(routes: np.ndarray, leaves: list[bytes], ties: list, root: bytes, tol: Tolerances) -> str:

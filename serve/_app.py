@@ -1,10 +1,11 @@
 """The ASGI application: OpenAI-style routes over one engine, which it only feeds.
 
-Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics. Every
-error is a JSON body {"error": {"message", "type", "param", "code"}}, never a traceback. A request body is
-read with a size cap (Content-Length first, then while it streams) and a deadline. A client that goes away,
-while its result streams or while it waits for one, has its request cancelled in the engine (its KV cache
-is freed at the next step boundary).
+Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics, and the run
+receipts: GET /v1/receipts/{id} and /v1/receipts/{id}/trace (with a ReceiptSigner, every finished completion
+carries a signed receipt; see `serve/_receipts.py`). Every error is a JSON body {"error": {"message", "type",
+"param", "code"}}, never a traceback. A request body is read with a size cap (Content-Length first, then while
+it streams) and a deadline. A client that goes away, while its result streams or while it waits for one, has its
+request cancelled in the engine (its KV cache is freed at the next step boundary).
 """
 
 from __future__ import annotations
@@ -25,14 +26,18 @@ from starlette.routing import Route
 
 from shardtool.errors import (InvalidRequestError, OverloadedError, RequestRefusedError, ShardtoolError,
                               UnavailableError, UsageError)
+from shardtool.manifest import valid_receipt_id
 from shardtool.runtime import ErrorEvent, FinishEvent, SamplingParams, TokenEvent, encode_prompt
 from shardtool.serve._chat import ChatTemplate
 from shardtool.serve._metrics import CONTENT_TYPE, Metrics
 from shardtool.serve._protocol import Sampling, parse_chat, parse_completion
+from shardtool.serve._receipts import RECEIPT_HELP, STOP_STRING, ReceiptSigner
 from shardtool.serve._text import TextStream
 from shardtool.strict_json import loads_strict
 
-ROUTES = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics")
+ROUTES = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics", "/v1/receipts/{id}",
+          "/v1/receipts/{id}/trace")
+_RECEIPT_PREFIX = "/v1/receipts/"
 _JSON_TYPES = ("application/json",)
 
 
@@ -42,16 +47,19 @@ class Limits:
     body_timeout: float = 30.0  # seconds to receive a whole request body, once its headers are in
 
 
-def create_app(engine, *, model_id: str, chat: ChatTemplate | None = None, limits: Limits = Limits()) -> Starlette:
+def create_app(engine, *, model_id: str, chat: ChatTemplate | None = None, limits: Limits = Limits(),
+               receipts: ReceiptSigner | None = None) -> Starlette:
     """`engine`: a started runtime Engine (or anything with its interface); `model_id`: the verified
-    manifest's model ID, the only `model` requests may name."""
-    api = _API(engine, model_id, chat if chat is not None else ChatTemplate(None, {}), limits)
+    manifest's model ID, the only `model` requests may name; `receipts`: sign every finished completion."""
+    api = _API(engine, model_id, chat if chat is not None else ChatTemplate(None, {}), limits, receipts)
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/metrics", api.metrics_page, methods=["GET"]),
+        Route("/v1/receipts/{id}", api.receipt, methods=["GET"]),
+        Route("/v1/receipts/{id}/trace", api.receipt_trace, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception, Exception: _crash})
     app.add_middleware(_CountRequests, metrics=api.metrics)
@@ -59,12 +67,17 @@ def create_app(engine, *, model_id: str, chat: ChatTemplate | None = None, limit
 
 
 class _API:
-    def __init__(self, engine, model_id: str, chat: ChatTemplate, limits: Limits):
+    def __init__(self, engine, model_id: str, chat: ChatTemplate, limits: Limits, receipts: ReceiptSigner | None):
         self.engine = engine
         self.model_id = model_id
         self.chat = chat
         self.limits = limits
-        self.metrics = Metrics(engine.metrics)
+        self.receipts = receipts
+        if receipts is None:
+            self.metrics = Metrics(engine.metrics)
+        else:
+            store = receipts.store
+            self.metrics = Metrics(lambda: {**engine.metrics(), **store.metrics()}, RECEIPT_HELP)
         self.created = int(time.time())
 
     async def health(self, request: Request) -> Response:
@@ -77,6 +90,34 @@ class _API:
 
     async def metrics_page(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def receipt(self, request: Request) -> Response:
+        signed = self._stored(request.path_params["id"])
+        if isinstance(signed, Response):
+            return signed
+        return Response(signed.data, media_type="application/octet-stream")
+
+    async def receipt_trace(self, request: Request) -> Response:
+        signed = self._stored(request.path_params["id"])
+        if isinstance(signed, Response):
+            return signed
+        return Response(signed.trace, media_type="application/octet-stream")
+
+    def _stored(self, receipt_id: str):
+        """The stored receipt, or the 404 JSON response saying why there is none."""
+        if self.receipts is None:
+            return JSONResponse(error_body("this server signs no run receipts (start it with --receipt-key)", 404,
+                                           code="receipts_disabled"), status_code=404)
+        if not valid_receipt_id(receipt_id):
+            return JSONResponse(error_body(f"{receipt_id[:80]!r} is not a receipt id (1 to 64 of A-Z a-z 0-9 . _ -)",
+                                           404, code="receipt_not_found"), status_code=404)
+        signed = self.receipts.store.get(receipt_id)
+        if signed is None:
+            return JSONResponse(error_body(f"no receipt {receipt_id!r} here (never signed by this server, or evicted "
+                                           f"from its store of the last {self.receipts.store.capacity} within "
+                                           f"{self.receipts.store.max_bytes} bytes)", 404,
+                                           code="receipt_not_found"), status_code=404)
+        return signed
 
     async def completions(self, request: Request) -> Response:
         try:
@@ -120,9 +161,9 @@ class _API:
             except RuntimeError:  # the event loop is closed: the server is gone, nobody is listening
                 pass
 
-        ticket = self.engine.submit(ids, params, sink)
+        ticket = self.engine.submit(ids, params, sink, record=self.receipts is not None)
         text = TextStream(self._decode, sampling.stop)
-        return _Generation(self.engine, ticket, events, text, fmt, len(ids), stream, include_usage)
+        return _Generation(self.engine, ticket, events, text, fmt, len(ids), stream, include_usage, self.receipts)
 
     def _decode(self, ids) -> str:
         tokenizer = self.engine.tokenizer
@@ -225,7 +266,11 @@ class _CountRequests:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route = scope["path"] if scope["path"] in ROUTES else "other"
+        path = scope["path"]
+        if path.startswith(_RECEIPT_PREFIX):
+            route = "/v1/receipts/{id}/trace" if path.endswith("/trace") else "/v1/receipts/{id}"
+        else:
+            route = path if path in ROUTES else "other"
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
@@ -273,9 +318,11 @@ class _Generation(Response):
     """An ASGI response that waits for the engine's events while watching for the client going away."""
 
     def __init__(self, engine, ticket, events: asyncio.Queue, text: TextStream, fmt: _CompletionFormat,
-                 prompt_tokens: int, stream: bool, include_usage: bool):
+                 prompt_tokens: int, stream: bool, include_usage: bool, receipts: ReceiptSigner | None = None):
         self.engine, self.ticket, self.events, self.text, self.fmt = engine, ticket, events, text, fmt
         self.prompt_tokens, self.stream, self.include_usage = prompt_tokens, stream, include_usage
+        self.receipts = receipts
+        self.record = None  # the finished request's RunRecord (a FinishEvent's), when receipts are signed
         self.ended = False  # the ticket ended (a finish or error event) or we cancelled it
         self.id = fmt.prefix + uuid.uuid4().hex
         self.created = int(time.time())
@@ -319,6 +366,7 @@ class _Generation(Response):
                     return "text", delta
             elif isinstance(event, FinishEvent):
                 self.ended = True
+                self.record = event.record
                 return "finish", (event.reason, self.text.finish())
             elif isinstance(event, ErrorEvent):
                 self.ended = True
@@ -341,7 +389,22 @@ class _Generation(Response):
                 break
         document = {"id": self.id, "object": self.fmt.obj, "created": self.created, "model": self.fmt.model_id,
                     "choices": [self.fmt.choice(self.text.text, reason)], "usage": self._usage()}
+        await self._add_receipt(document)
         await _send_json(send, 200, document)
+
+    async def _add_receipt(self, document: dict) -> None:
+        """With receipts on: `receipt` (signed on a worker thread), or null and `receipt_unavailable` saying why."""
+        if self.receipts is None:
+            return
+        if self.record is not None:
+            document["receipt"] = await anyio.to_thread.run_sync(self.receipts.sign, self.record)
+            return
+        if not self.text.stopped:  # pragma: no cover - every other finished answer comes with its record
+            raise RuntimeError("a finished request came without its run record")
+        # The one finished answer without a record: a stop string ended it (its ticket was cancelled).
+        self.receipts.store.count_unavailable()
+        document["receipt"] = None
+        document["receipt_unavailable"] = {"reason": STOP_STRING[0], "message": STOP_STRING[1]}
 
     async def _send_events(self, send) -> None:
         kind, value = await self._next()
@@ -363,7 +426,7 @@ class _Generation(Response):
                 reason, delta = value
                 if delta:
                     await self._chunk(send, [self.fmt.delta(delta, None, False)])
-                await self._chunk(send, [self.fmt.delta("", reason, False)])
+                await self._chunk(send, [self.fmt.delta("", reason, False)], receipt=True)
                 if self.include_usage:
                     await self._chunk(send, [], usage=self._usage())
                 await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
@@ -371,11 +434,14 @@ class _Generation(Response):
             kind, value = await self._next()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _chunk(self, send, choices: list, usage: dict | None = None) -> None:
+    async def _chunk(self, send, choices: list, usage: dict | None = None, receipt: bool = False) -> None:
+        """`receipt`: this is the chunk with the finish_reason, which carries the receipt (when they are on)."""
         chunk = {"id": self.id, "object": self.fmt.chunk_obj, "created": self.created, "model": self.fmt.model_id,
                  "choices": choices}
         if self.include_usage:
             chunk["usage"] = usage
+        if receipt:
+            await self._add_receipt(chunk)
         await _send_sse(send, chunk)
 
 

@@ -52,14 +52,15 @@ ENGINE_HELP = {
 class EngineCollector(Collector):
     """Calls `read()` (the engine's metrics()) at every scrape: the figures are never stale."""
 
-    def __init__(self, read: Callable[[], Mapping[str, int | float]]):
+    def __init__(self, read: Callable[[], Mapping[str, int | float]], help_texts: Mapping[str, str]):
         self._read = read
+        self._help = help_texts
 
     def collect(self) -> Iterator:
         for key, value in sorted(self._read().items()):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
-            help_text = ENGINE_HELP.get(key, f"Engine figure {key}.")
+            help_text = self._help.get(key, f"Engine figure {key}.")
             if key.endswith("_total"):
                 # prometheus_client appends _total to a counter's name itself.
                 yield CounterMetricFamily(PREFIX + key[: -len("_total")], help_text, value=value)
@@ -71,9 +72,11 @@ class EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, read_engine: Callable[[], Mapping[str, int | float]]):
+    def __init__(self, read_engine: Callable[[], Mapping[str, int | float]], extra_help: Mapping[str, str] = {}):
+        """`read_engine`: the engine's figures (and any others merged in, e.g. the receipt store's, whose help
+        texts are `extra_help`)."""
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineCollector(read_engine))
+        self.registry.register(EngineCollector(read_engine, {**ENGINE_HELP, **extra_help}))
         self.http_requests = Counter(PREFIX + "http_requests", "HTTP requests answered, by route and status.",
                                      ("route", "status"), registry=self.registry)
 

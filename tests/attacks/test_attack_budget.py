@@ -305,17 +305,17 @@ _OPTION_TEXT = st.text(max_size=40) | st.sampled_from(["9" * 400, "nan", "inf", 
 def test_budget_option_values_fuzz(option, value, tmp_path):
     """In-process through the CLI's own error handling: any value is accepted (the run then stops at the
     missing model directory) or refused with one usage line; never another exception, never exit 1."""
-    from shardtool.cli import run_cmd
+    from shardtool.cli import _common, run_cmd
 
     prompt = [] if option == "--prompt-ids" else ["--prompt-ids", IDS]
     argv = ["verify-and-run", str(tmp_path / "absent"), *prompt, f"{option}={value}"]
     err = io.StringIO()
     # (malloc tuning is for the CLI's own process, not pytest's)
-    with contextlib.redirect_stderr(err), mock.patch.object(run_cmd, "_keep_freed_memory", lambda: None), \
+    with contextlib.redirect_stderr(err), mock.patch.object(run_cmd, "keep_freed_memory", lambda: None), \
             mock.patch.object(sys, "argv", argv), pytest.raises(SystemExit) as info:
         run_cmd.main()
     lines = err.getvalue().strip().splitlines()
     assert info.value.code == 2 and len(lines) == 1, (option, value, info.value.code, err.getvalue())
     assert option in lines[0] or "absent" in lines[0], lines[0]
     if "absent" in lines[0] and option == "--memory-budget":
-        assert 1 <= run_cmd.parse_size(value) <= 2**50 and math.isfinite(run_cmd.parse_size(value))
+        assert 1 <= _common.parse_size(value) <= 2**50 and math.isfinite(_common.parse_size(value))

@@ -116,7 +116,7 @@ def _receipt(model: Path, publisher: Path, operator: Path) -> bytes:
                                      model.parent / "st")
     engine = Engine(model, verified, budget=1 << 28, max_batch=1)
     try:
-        ticket = engine.run_one([1, 2, 3], SamplingParams(3, stop_token_ids=()), lambda t: None, record=True)
+        ticket = engine.run_one([1, 2, 3], SamplingParams(3), lambda t: None, record=True)  # stops at EOS
         return make_receipt(ticket.record, verified, engine.config, op).data
     finally:
         engine.close()
@@ -173,6 +173,7 @@ SHARDTOOL_OPTIONS = {
     "verify-receipt --threshold": lambda s, v: _verify_receipt(s, "--threshold", v),
     "verify-receipt --model-id": lambda s, v: _verify_receipt(s, "--model-id", v),
     "verify-receipt --readers": lambda s, v: _verify_receipt(s, "--readers", v),
+    "verify-receipt --stop-ids": lambda s, v: _verify_receipt(s, "--stop-ids", v),
     "verify-receipt --sample": lambda s, v: ["verify-receipt", s["receipt"].parent, s["model"], "--operator", s["op"],
                                              "--trust", s["pub"], "--state-dir", s["base"] / "st", "--json",
                                              "--sample", v],

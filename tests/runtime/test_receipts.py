@@ -21,8 +21,9 @@ import pytest
 from shardtool.errors import ManifestFormatError, ReceiptMismatchError
 from shardtool.keys import load_private_key, load_public_key
 from shardtool.manifest import Receipt, load_trusted_manifest, open_receipt, routing_leaves, routing_root, sign_receipt
-from shardtool.runtime import Engine, FinishEvent, SamplingParams, Tolerances, make_receipt, replay_receipt
-from shardtool.runtime._model._sampling import sample_token, sampling_slack
+from shardtool.runtime import (Engine, FinishEvent, SamplingParams, Tolerances, check_request, make_receipt,
+                               replay_receipt)
+from shardtool.runtime._model._sampling import nucleus, sample_token, sampling_slack
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
@@ -97,6 +98,9 @@ def _receipt(work: Path, record, config, manifest) -> tuple[Receipt, bytes, byte
 
 
 def _check(work: Path, model: Path, receipt: Receipt, **kw) -> dict:
+    """The replay, for a client whose request named the receipt's stop tokens (most runs here ask for
+    exactly max_new_tokens: no stop tokens); the default, the model's EOS ids, is tested on its own."""
+    kw.setdefault("stop_token_ids", receipt.stop_token_ids)
     return replay_receipt(model, _manifest(work, model), receipt, budget=BUDGET, **kw)
 
 
@@ -194,6 +198,36 @@ def test_scaled_expert_is_detected(world, params):
     verdict = _dishonest(work, model, other, params)
     assert not verdict["valid"]
     assert verdict["first_divergence"]["position"] == 0  # the first token is routed to the scaled expert
+
+
+def test_scaled_expert_output_is_detected(world):
+    """One routed expert's output x1.01 (its down projection only): the answer's tokens usually stay the same, so
+    only the fingerprint can see it; its deviation (measured by the benchmark: >= 7e-4 of max|h|) passed the
+    earlier tolerance of 1e-3."""
+    work, model, _ = world
+    layer, expert = _expert_used(*_run(work, model, GREEDY))
+    other = _tampered_copy(work, model, "scaled-output", lambda c: _edit_expert(
+        _expert_file(c, layer, expert), lambda k, v: (v * np.float32(1.01)).astype(v.dtype)
+        if k.endswith(("down_proj.weight", "w2.weight")) else v))
+    verdict = _dishonest(work, model, other, GREEDY)
+    assert not verdict["valid"] and verdict["first_divergence"]["position"] == 0
+
+
+def test_the_fingerprint_tolerance_sits_between_honest_noise_and_a_scaled_expert(world):
+    """Committed fingerprint values moved by 2e-6 of max|h| (twice the largest honest error measured) verify; moved
+    by 1e-4 (below what one expert's output x1.01 causes) they do not. Fails if the tolerance is loosened to 1e-3."""
+    work, model, _ = world
+    record, config = _run(work, model, GREEDY)
+    manifest = _manifest(work, model)
+    for factor, valid in ((1 + 2e-6, True), (1 + 1e-4, False)):
+        fingerprints = [f.copy() for f in record.fingerprints]
+        for f in fingerprints:
+            f["v"] = (f["v"].astype(np.float64) * factor).astype(np.float32)
+        receipt, _, _ = _receipt(work, replace(record, fingerprints=fingerprints), config, manifest)
+        verdict = _check(work, model, receipt)
+        assert verdict["valid"] == valid, (factor, verdict)
+        if not valid:
+            assert verdict["first_divergence"]["check"] == "fingerprint"
 
 
 def test_swapped_experts_are_detected(world):
@@ -330,6 +364,58 @@ def test_sampling_slack_is_zero_exactly_for_the_drawn_token():
             assert sampling_slack(logits, temperature, top_p, u, (token + 1) % 64) > 0.0
 
 
+def test_a_request_no_honest_run_serves_is_refused_before_replay(world):
+    """Past the signed context, or stopping at other tokens than the request named (by default the signed
+    config's EOS ids, what verify-and-run and serve stop at)."""
+    work, model, _ = world
+    record, config = _run(work, model, GREEDY)
+    receipt, _, _ = _receipt(work, record, config, _manifest(work, model))
+    check_request(receipt, config, receipt.stop_token_ids)
+    with pytest.raises(ReceiptMismatchError, match="tokens of context"):
+        check_request(replace(receipt, max_new_tokens=config.max_position_embeddings), config, ())
+    with pytest.raises(ReceiptMismatchError, match="end-of-sequence ids are"):
+        check_request(receipt, config)  # GREEDY named no stop tokens; the default expects the config's EOS
+    with pytest.raises(ReceiptMismatchError, match="end-of-sequence ids are"):
+        _check(work, model, receipt, stop_token_ids=None)
+
+
+def test_near_tie_tokens_are_bounded_per_receipt(world):
+    """Each near-tie token is a choice the operator could have made: the last token swapped for another is
+    accepted under a (deliberately huge) logit tolerance, but not past max_token_ties."""
+    work, model, _ = world
+    record, config = _run(work, model, GREEDY)
+    receipt, _, _ = _receipt(work, record, config, _manifest(work, model))
+    last = receipt.token_ids[-1]
+    other = replace(receipt, token_ids=receipt.token_ids[:-1] + ((last + 1) % config.vocab_size,))
+    forged, _ = open_receipt(sign_receipt(other, _operator(work)), [load_public_key(work / "operator.pub")])
+    loose = _check(work, model, forged, tol=Tolerances(logit=10.0))
+    assert loose["valid"] and loose["near_ties"]["tokens"] == 1, loose
+    capped = _check(work, model, forged, tol=Tolerances(logit=10.0, max_token_ties=0))
+    assert not capped["valid"] and "tolerated near-tie" in capped["first_divergence"]["detail"], capped
+    assert not _check(work, model, forged)["valid"]
+
+
+def test_the_sampling_tolerance_admits_few_tokens_on_a_long_tail():
+    """A 150k-token vocabulary with p proportional to 1/rank: a draw in the tail has many tiny intervals near it.
+    The earlier tolerance (1e-4 of mass) let the operator pick among dozens to hundreds of them at one step;
+    the tolerance in force admits a handful."""
+    ranks = np.arange(1, 150_001, dtype=np.float64)
+    logits = (-np.log(ranks)).astype(np.float32)[np.random.default_rng(5).permutation(150_000)]
+    order, cdf = nucleus(logits, 1.0, 1.0)
+    lo = np.concatenate(([0.0], cdf[:-1]))
+
+    def admitted(u: float, tol: float) -> np.ndarray:  # positions whose interval lies within tol of u
+        return np.nonzero((cdf >= u - tol) & (lo <= u + tol))[0]
+
+    for u in (0.9, 0.95, 0.99):  # (1e-4 admitted 108, 202 and 332 tokens here; 1e-6 admits 2, 3 and 4)
+        now = admitted(u, Tolerances().sample_mass)
+        assert 1 <= len(now) <= 8, (u, len(now))
+        assert len(admitted(u, 1e-4)) > 20 * len(now), u
+        inside, outside = order[now[-1]], order[now[-1] + 1]  # the implementation agrees at the edge
+        assert sampling_slack(logits, 1.0, 1.0, u, int(inside)) <= Tolerances().sample_mass
+        assert sampling_slack(logits, 1.0, 1.0, u, int(outside)) > Tolerances().sample_mass
+
+
 # ---------------------------------------------------------------------------------------------- the CLI
 
 
@@ -441,3 +527,61 @@ def test_cli_sample_of_a_log_finds_the_bad_receipt(cli_world):
     assert bad["first_divergence"]["token_index"] is not None
     some = _verify(work, "log", "--sample", "0.25", "--sample-seed", "3", "--json")
     assert json.loads(some.stdout)["sampled"] == 1
+
+
+def test_cli_a_stop_list_widened_to_cut_the_answer_is_refused(cli_world):
+    """The operator keeps 4 of 12 tokens and adds the 4th to the stop tokens, so the cut answer reads as a
+    natural stop; the stop tokens must be the ones the request named (by default the model's EOS ids)."""
+    from shardtool.manifest import decode_trace
+    work = cli_world
+    receipt, _ = open_receipt((work / "run.receipt").read_bytes(), [load_public_key(work / "operator.pub")])
+    routes = decode_trace((work / "run.trace").read_bytes(), receipt)
+    keep = 4
+    assert receipt.token_ids[keep - 1] not in receipt.stop_token_ids
+    positions = len(receipt.prompt_ids) + keep - 1
+    cut = replace(receipt, token_ids=receipt.token_ids[:keep], fingerprint=receipt.fingerprint[:8 * positions],
+                  stop_token_ids=tuple(sorted({*receipt.stop_token_ids, receipt.token_ids[keep - 1]})),
+                  finish_reason="stop", routing_root=routing_root(routing_leaves(routes[:positions])))
+    (work / "cut.receipt").write_bytes(sign_receipt(cut, _operator(work)))
+    _one_line_exit(_verify(work, "cut.receipt"), 1, "NOT VALID", "stops at token ids")
+    named = _verify(work, "cut.receipt", "--stop-ids", ",".join(map(str, cut.stop_token_ids)), "--json")
+    assert named.returncode == 0, named.stderr  # a client that did name these stops gets its genuine prefix
+    assert json.loads(named.stdout)["request"]["stop_token_ids"] == list(cut.stop_token_ids)
+    _one_line_exit(_verify(work, "cut.receipt", "--stop-ids", "1,x"), 2, "--stop-ids")
+
+
+def test_cli_sample_names_receipts_it_could_not_check_and_still_summarises(cli_world, monkeypatch, capsys):
+    """A receipt gone between the listing and its turn is 'not checked' (exit 2 when nothing is invalid), not
+    a verdict on the node, and the summary of the rest is printed."""
+    from shardtool.cli import _common, main, receipt_cmd
+    work = cli_world
+    log = work / "log-gone"
+    log.mkdir()
+    (log / "good.receipt").write_bytes((work / "run.receipt").read_bytes())
+    listed = receipt_cmd._receipts_in
+    monkeypatch.setattr(receipt_cmd, "_receipts_in", lambda d: listed(d) + ["gone.receipt"])
+    monkeypatch.setattr(_common, "keep_freed_memory", lambda: None)  # malloc tuning is for the CLI's own process
+    monkeypatch.setenv("XDG_STATE_HOME", str(work / "xdg"))
+    monkeypatch.setattr(sys, "argv", ["shardtool", "verify-receipt", str(log), str(work / "model"), "--operator",
+                                      str(work / "operator.pub"), "--trust", str(work / "publisher.pub"),
+                                      "--model-id", MODEL_ID, "--sample", "1", "--json"])
+    with pytest.raises(SystemExit) as info:
+        main()
+    summary = json.loads(capsys.readouterr().out)
+    assert info.value.code == 2, summary
+    assert summary["valid"] == 1 and summary["invalid"] == [] and summary["unchecked"] == ["gone.receipt"]
+
+
+def test_cli_sample_over_damaged_local_weights_blames_the_directory_not_the_node(cli_world):
+    work = cli_world
+    shutil.copytree(work / "model", work / "model-damaged")
+    head = work / "model-damaged" / "trunk" / "head.safetensors"
+    data = bytearray(head.read_bytes())
+    data[-1] ^= 1
+    head.write_bytes(bytes(data))
+    log = work / "log-local"
+    log.mkdir()
+    (log / "good.receipt").write_bytes((work / "run.receipt").read_bytes())
+    proc = _cli("shardtool", "verify-receipt", "log-local", "model-damaged", "--operator", "operator.pub", "--trust",
+                "publisher.pub", "--model-id", MODEL_ID, "--sample", "1", cwd=work, check=False)
+    _one_line_exit(proc, 1, "model directory failed verification", "head.safetensors")

@@ -83,7 +83,7 @@ class FakeEngine:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
-    def submit(self, prompt_ids, params: SamplingParams, sink) -> FakeTicket:
+    def submit(self, prompt_ids, params: SamplingParams, sink, *, record: bool = False) -> FakeTicket:
         prompt = list(prompt_ids)
         if not prompt:
             raise RequestRefusedError("the prompt is empty")
