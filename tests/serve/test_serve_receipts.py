@@ -81,7 +81,9 @@ def test_a_completion_carries_a_receipt_that_verifies(built, client):  # noqa: F
     verdict = valid(built, check_receipt(doc["receipt"]))
     assert verdict["receipt_id"] == doc["receipt"]["id"]
     assert verdict["prompt_ids"] == prompt and len(verdict["token_ids"]) == doc["usage"]["completion_tokens"]
-    assert verdict["request"] == {"max_new_tokens": 12, "temperature": 0.7, "top_p": 0.9, "seed": 1234}
+    eos = json.loads((built.model / "config.json").read_text())["eos_token_id"]  # what the server stops at
+    assert verdict["request"] == {"max_new_tokens": 12, "temperature": 0.7, "top_p": 0.9, "seed": 1234,
+                                  "stop_token_ids": sorted(eos if isinstance(eos, list) else [eos])}
     assert verdict["finish_reason"] == doc["choices"][0]["finish_reason"]
     # The parsed object keeps the field too (the openai client's models allow extra fields).
     parsed = client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=4, temperature=0)
