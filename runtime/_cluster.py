@@ -13,6 +13,7 @@ The outputs are combined by `moe_experts`, as local ones are, so greedy and samp
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
@@ -31,6 +32,8 @@ from shardtool.safeio import read_regular
 from shardtool.text import printable
 
 DEFAULT_TIMEOUT = 30.0
+MAX_INFO_ENTRIES = 1 << 20  # [layer, expert] pairs (or failures) one node's info() may list
+_FAILED_KEY = re.compile(r"[0-9]{1,5}/[0-9]{1,7}")
 
 
 class NodeFailed(Exception):
@@ -98,9 +101,7 @@ class RemoteExperts:
                 self._drop(node, str(e))
                 continue
             infos[node] = info
-            for key in info.get("failed", {}):
-                layer, expert = (int(v) for v in key.split("/"))
-                self._failed.setdefault(node, set()).add((layer, expert))
+            self._failed.setdefault(node, set()).update(_failed_pairs(info["failed"]))
         for (layer, expert), nodes in sorted(self.placement.items()):
             if not self._candidates(layer, expert, set()):
                 raise UnavailableError(f"no live node holds layer {layer} expert {expert} (planned on "
@@ -115,7 +116,14 @@ class RemoteExperts:
         if info.get("root") != self.root:
             raise NodeFailed(f"node {node} serves manifest root {printable(str(info.get('root'))[:80])}, not this "
                              f"coordinator's {self.root}: refused")
-        held = {tuple(pair) for pair in info.get("experts", []) if isinstance(pair, (list, tuple))}
+        experts, failed = info.get("experts"), info.get("failed")
+        if not isinstance(experts, list) or len(experts) > MAX_INFO_ENTRIES or not all(
+                isinstance(p, (list, tuple)) and len(p) == 2 and all(_is_index(v) for v in p) for p in experts):
+            raise NodeFailed(f"node {node} answered info() without a list of [layer, expert] pairs: refused")
+        if (not isinstance(failed, dict) or len(failed) > MAX_INFO_ENTRIES
+                or not all(isinstance(k, str) and _FAILED_KEY.fullmatch(k) for k in failed)):
+            raise NodeFailed(f"node {node} answered info() without a mapping of 'layer/expert' failures: refused")
+        held = {(int(a), int(b)) for a, b in experts}
         planned = {key for key, nodes in self.placement.items() if node in nodes}
         if not planned <= held:
             layer, expert = min(planned - held)
@@ -167,6 +175,8 @@ class RemoteExperts:
         if reply.get("root") != self.root:
             raise NodeFailed(f"the reply is for manifest root {printable(str(reply.get('root'))[:80])}, not "
                              f"{self.root}: refused")
+        if reply.get("layer") != layer or isinstance(reply.get("layer"), bool):
+            raise NodeFailed(f"the reply is for layer {printable(str(reply.get('layer'))[:20])}, asked {layer}: refused")
         outputs, failed = reply.get("outputs"), reply.get("failed")
         if not isinstance(outputs, dict) or not isinstance(failed, dict):
             raise NodeFailed("the reply has no outputs/failed mappings")
@@ -174,8 +184,12 @@ class RemoteExperts:
             raise NodeFailed(f"the reply covers experts {sorted(set(outputs) | set(failed))}, asked {experts}")
         for e, y in outputs.items():
             want = (len(rows[e]), hidden)
-            if not isinstance(y, np.ndarray) or y.dtype != np.float32 or y.shape != want:
+            # exactly an ndarray (a subclass could change what `*` and `+=` do), finite: a NaN from a node would
+            # otherwise surface as 'the signed weights give non-finite logits' and never drop the node.
+            if type(y) is not np.ndarray or y.dtype != np.float32 or y.shape != want:
                 raise NodeFailed(f"expert {e}'s output is not a float32 array of shape {want}")
+            if not np.isfinite(y).all():
+                raise NodeFailed(f"expert {e}'s output is not finite")
         return outputs, {e: printable(str(why)[:300]) for e, why in failed.items()}
 
 
@@ -364,3 +378,12 @@ def _ray_line(e: BaseException) -> str:
         return f"refused the call: {cause.one_line()}"
     first = next((line for line in str(e).splitlines() if line.strip()), "")
     return f"{type(e).__name__}: {' '.join(first.split())[:200]}"
+
+
+def _is_index(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and 0 <= v < 1 << 31
+
+
+def _failed_pairs(failed: Mapping[str, str]) -> set[tuple[int, int]]:
+    """{"layer/expert": why} of a checked info() -> the (layer, expert) pairs a node reports failed."""
+    return {tuple(int(v) for v in key.split("/")) for key in failed}

@@ -135,19 +135,19 @@ class NodeService:
                 with self._lock:
                     self.failed[(layer, e)] = why
                 failed[e] = why
-        return {"name": self.setup.name, "root": self.setup.root.hex(), "outputs": outputs, "failed": failed,
-                "seconds": time.perf_counter() - t0}
+        return {"name": self.setup.name, "root": self.setup.root.hex(), "layer": layer, "outputs": outputs,
+                "failed": failed, "seconds": time.perf_counter() - t0}
 
     def _check(self, layer, expert_ids, x, rows) -> tuple[list[int], np.ndarray, dict[int, np.ndarray]]:
         cfg = self.config
         if not _is_int(layer) or not 0 <= layer < cfg.num_layers or not cfg.moe_layers[layer]:
-            raise UsageError(f"layer {layer!r} is not a MoE layer of this model (it has {cfg.num_layers} layers)")
+            raise UsageError(f"layer {_short(layer)} is not a MoE layer of this model (it has {cfg.num_layers} layers)")
         if not isinstance(expert_ids, (list, tuple)) or not 1 <= len(expert_ids) <= cfg.num_experts:
             raise UsageError(f"expert ids must be a list of 1 to {cfg.num_experts} ids")
         ids = list(expert_ids)
         for e in ids:
             if not _is_int(e) or (layer, e) not in self.held:
-                raise UsageError(f"node {self.setup.name} does not hold expert {e!r} of layer {layer}")
+                raise UsageError(f"node {self.setup.name} does not hold expert {_short(e)} of layer {layer}")
         if len(set(ids)) != len(ids):
             raise UsageError("expert ids repeat")
         if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2:
@@ -164,14 +164,37 @@ class NodeService:
                 raise UsageError(f"rows of expert {e}: expected increasing int64 indices below {len(x)}, got "
                                  f"{_describe(r)}")
             checked[e] = r
+        # Each token row chooses top-k experts: more rows than that asks for outputs no step needs (memory).
+        if sum(len(r) for r in checked.values()) > len(x) * max(cfg.top_k, 1):
+            raise UsageError(f"rows ask for more than top-{cfg.top_k} experts per token row")
         return ids, x, checked
 
     def close(self) -> None:
         self.store.close()
 
 
+class NodeActor:
+    """What the cluster may call on a node: info() and run() only (NodeService.close, which shuts the reader
+    pool, is not reachable over the wire; the store ends with the node's process)."""
+
+    def __init__(self, setup: NodeSetup):
+        self._service = NodeService(setup)
+
+    def info(self) -> dict:
+        return self._service.info()
+
+    def run(self, layer, expert_ids, x, rows) -> dict:
+        return self._service.run(layer, expert_ids, x, rows)
+
+
 def _is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _short(v) -> str:
+    """A value from the wire, quoted at most 40 characters long (a 10 MB `layer` is not a 10 MB error line)."""
+    text = repr(v)
+    return text if len(text) <= 40 else text[:40] + "…"
 
 
 def _describe(v) -> str:
@@ -189,7 +212,7 @@ def serve_node(setup: NodeSetup, address: str, *, timeout: float) -> tuple[objec
 
     init_ray(ray, address, timeout)
     here = ray.get_runtime_context().get_node_id()
-    actor_class = ray.remote(NodeService)
+    actor_class = ray.remote(NodeActor)
     try:
         actor = actor_class.options(name=actor_name(setup.name), namespace=NAMESPACE, num_cpus=0,
                                     max_concurrency=1, max_restarts=0,
@@ -254,5 +277,5 @@ def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan,
     k = min(max(config.top_k, 1), per_layer)
     largest = max((e.size for e in entries), default=0)
     head = manifest.head
-    return NodeSetup(name=name, directory=str(directory), root=head.merkle_root, manifest_version=head.version,
+    return NodeSetup(name=name, directory=str(Path(directory).resolve()), root=head.merkle_root, manifest_version=head.version,
                      config=config, entries=tuple(entries), budget=budget - need + largest * (k + 1), readers=readers)

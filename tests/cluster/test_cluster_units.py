@@ -128,12 +128,22 @@ def test_a_node_answering_for_another_root_or_name_is_refused_and_its_replica_se
     assert all(node != "a" for node, _, _ in transport.calls)
 
 
+class _Sly(np.ndarray):
+    """An array whose arithmetic lies: a reply must carry plain ndarrays."""
+
+    def __mul__(self, other):
+        return np.full(self.shape, 1234.0, np.float32)
+
+
 @pytest.mark.parametrize("forge", [
     lambda r: {**r, "outputs": {e: y[:, :-1] for e, y in r["outputs"].items()}},
     lambda r: {**r, "outputs": {e: y.astype(np.float64) for e, y in r["outputs"].items()}},
     lambda r: {**r, "outputs": {}},
     lambda r: [r],
-], ids=["shape", "dtype", "missing", "not-a-dict"])
+    lambda r: {**r, "outputs": {e: np.full_like(y, np.nan) for e, y in r["outputs"].items()}},
+    lambda r: {**r, "outputs": {e: y.view(_Sly) for e, y in r["outputs"].items()}},
+    lambda r: {**r, "layer": r["layer"] + 1},
+], ids=["shape", "dtype", "missing", "not-a-dict", "not-finite", "ndarray-subclass", "other-layer"])
 def test_a_malformed_reply_drops_the_node(model, forge):
     transport = Direct(_services(model))
     remote = _remote(model, transport)
@@ -197,6 +207,31 @@ def _call(service: NodeService, layer=0, ids=None, x=None, rows=None):
     return service.run(layer, ids, x, rows)
 
 
+@pytest.mark.parametrize("forge", [
+    lambda r: {**r, "failed": {"a/b": "x"}},
+    lambda r: {**r, "failed": {5: "x"}},
+    lambda r: {**r, "failed": ["0/1"]},
+    lambda r: {**r, "experts": 7},
+    lambda r: {**r, "experts": [[[0, 1]]]},
+    lambda r: {**r, "experts": [[0, True]] + r["experts"]},
+], ids=["failed-key", "failed-int-key", "failed-list", "experts-int", "experts-nested", "experts-bool"])
+def test_a_malformed_info_drops_the_node_at_connect_and_its_replicas_serve(model, forge):
+    """A node's info() is untrusted: a malformed one is that node failing (one line), never a crash of the
+    coordinator."""
+    transport = Direct(_services(model))
+    transport.edit["a"] = forge
+    _, verified, plan = model
+    remote = RemoteExperts(plan_placement(plan), verified.head.merkle_root, transport, log=lambda _: None)
+    remote.connect()
+    assert "a" in remote.stats.dropped and "refused" in remote.stats.dropped["a"]
+    assert _generate(model, remote) == _generate(model)
+
+
+def test_only_info_and_run_are_reachable_on_a_node_actor(model):
+    from shardtool.runtime._cluster_node import NodeActor
+    assert {name for name in vars(NodeActor) if not name.startswith("_")} == {"info", "run"}
+
+
 def test_the_node_checks_every_argument_from_the_wire(model):
     service = _services(model)["a"]
     h = service.config.hidden_size
@@ -207,10 +242,17 @@ def test_the_node_checks_every_argument_from_the_wire(model):
            dict(ids=[e0], x=np.ones((0, h), np.float32)), dict(ids=[e0], x=[[1.0] * h]),
            dict(ids=[e0], rows={e0: np.array([0, 3], np.int64)}), dict(ids=[e0], rows={e0: np.array([2, 0], np.int64)}),
            dict(ids=[e0], rows={e0: np.array([0, 1], np.int32)}), dict(ids=[e0], rows={e0: np.array([-1], np.int64)}),
-           dict(ids=[e0], rows={e0 + 100: np.array([0], np.int64)}), dict(ids=[e0], rows={e0: np.array([], np.int64)})]
+           dict(ids=[e0], rows={e0 + 100: np.array([0], np.int64)}), dict(ids=[e0], rows={e0: np.array([], np.int64)}),
+           dict(layer="9" * 100_000)]
     for case in bad:
-        with pytest.raises(UsageError):
+        with pytest.raises(UsageError) as info:
             _call(service, **case)
+        assert len(str(info.value)) < 300  # a hostile value is quoted short
+    held = sorted(e for (lay, e) in service.held if lay == 0)
+    assert len(held) > service.config.top_k
+    ids = held[:service.config.top_k + 1]  # one token row in more than top-k experts: no step asks that
+    with pytest.raises(UsageError, match="top-"):
+        _call(service, ids=ids, x=np.ones((1, h), np.float32), rows={e: np.array([0], np.int64) for e in ids})
     assert service.calls == 0
 
 
