@@ -108,14 +108,18 @@ class RemoteExperts:
                                        f"{', '.join(nodes)})", hint="start the missing nodes, or plan more replicas")
         return infos
 
-    def _check_info(self, node: str, info) -> None:
-        if not isinstance(info, dict):
-            raise NodeFailed(f"node {node} answered info() with a {type(info).__name__}")
-        if info.get("name") != node:
-            raise NodeFailed(f"node {node} answered as {printable(str(info.get('name'))[:80])}: refused")
-        if info.get("root") != self.root:
-            raise NodeFailed(f"node {node} serves manifest root {printable(str(info.get('root'))[:80])}, not this "
+    def _check_identity(self, node: str, doc, what: str) -> None:
+        """An info() or a reply must be a mapping that names the node asked and this coordinator's root."""
+        if not isinstance(doc, dict):
+            raise NodeFailed(f"{what} with a {type(doc).__name__}: refused")
+        if doc.get("name") != node:
+            raise NodeFailed(f"{what} as node {printable(str(doc.get('name'))[:80])}: refused")
+        if doc.get("root") != self.root:
+            raise NodeFailed(f"{what} for manifest root {printable(str(doc.get('root'))[:80])}, not this "
                              f"coordinator's {self.root}: refused")
+
+    def _check_info(self, node: str, info) -> None:
+        self._check_identity(node, info, f"node {node} answered info()")
         experts, failed = info.get("experts"), info.get("failed")
         if not isinstance(experts, list) or len(experts) > MAX_INFO_ENTRIES or not all(
                 isinstance(p, (list, tuple)) and len(p) == 2 and all(_is_index(v) for v in p) for p in experts):
@@ -168,13 +172,7 @@ class RemoteExperts:
 
     def _check_reply(self, node: str, layer: int, experts: list[int], rows: Mapping[int, np.ndarray], reply,
                      hidden: int) -> tuple[dict[int, np.ndarray], dict[int, str]]:
-        if not isinstance(reply, dict):
-            raise NodeFailed(f"answered with a {type(reply).__name__}")
-        if reply.get("name") != node:
-            raise NodeFailed(f"the reply names node {printable(str(reply.get('name'))[:80])}: refused")
-        if reply.get("root") != self.root:
-            raise NodeFailed(f"the reply is for manifest root {printable(str(reply.get('root'))[:80])}, not "
-                             f"{self.root}: refused")
+        self._check_identity(node, reply, "the reply")
         if reply.get("layer") != layer or isinstance(reply.get("layer"), bool):
             raise NodeFailed(f"the reply is for layer {printable(str(reply.get('layer'))[:20])}, asked {layer}: refused")
         outputs, failed = reply.get("outputs"), reply.get("failed")

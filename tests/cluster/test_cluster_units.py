@@ -109,7 +109,7 @@ def test_remote_experts_give_the_local_tokens_greedy_and_sampled(model):
 
 def test_a_node_answering_for_another_root_or_name_is_refused_and_its_replica_serves(model):
     for forge, why in ((lambda r: {**r, "root": "00" * 32}, "manifest root"),
-                       (lambda r: {**r, "name": "b"}, "names node")):
+                       (lambda r: {**r, "name": "b"}, "as node")):
         transport = Direct(_services(model))
         logged = []
         remote = _remote(model, transport)
