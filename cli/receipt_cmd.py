@@ -145,8 +145,9 @@ def verify_receipt(
 
 
 def _parse_stop_ids(text: str) -> tuple[int, ...]:
+    """'1,2' -> (1, 2): ASCII digits only (str.isdigit alone takes '²', which int() refuses)."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not parts or len(parts) > 64 or not all(p.isdigit() and len(p) <= 10 for p in parts):
+    if not parts or len(parts) > 64 or not all(p.isascii() and p.isdigit() and len(p) <= 10 for p in parts):
         raise UsageError(f"--stop-ids must be 1 to 64 comma-separated token ids, got {text[:80]!r}")
     ids = tuple(int(p) for p in parts)
     if max(ids) >= 2**31:

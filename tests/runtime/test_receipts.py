@@ -547,7 +547,8 @@ def test_cli_a_stop_list_widened_to_cut_the_answer_is_refused(cli_world):
     named = _verify(work, "cut.receipt", "--stop-ids", ",".join(map(str, cut.stop_token_ids)), "--json")
     assert named.returncode == 0, named.stderr  # a client that did name these stops gets its genuine prefix
     assert json.loads(named.stdout)["request"]["stop_token_ids"] == list(cut.stop_token_ids)
-    _one_line_exit(_verify(work, "cut.receipt", "--stop-ids", "1,x"), 2, "--stop-ids")
+    for bad in ("1,x", "²", "", "1," * 65):
+        _one_line_exit(_verify(work, "cut.receipt", "--stop-ids", bad), 2, "--stop-ids")
 
 
 def test_cli_sample_names_receipts_it_could_not_check_and_still_summarises(cli_world, monkeypatch, capsys):
