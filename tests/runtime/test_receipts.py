@@ -25,20 +25,12 @@ from shardtool.runtime import (Engine, FinishEvent, SamplingParams, Tolerances, 
                                replay_receipt)
 from shardtool.runtime._model._sampling import nucleus, sample_token, sampling_slack
 
-BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[2]
+from _receiptkit import REPO
+from _receiptkit import cli as _cli
+
 MODEL_ID = "test/receipts"
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 BUDGET = 1 << 30
-
-
-def _cli(program: str, *args, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XDG_STATE_HOME": str(cwd / "xdg")}
-    proc = subprocess.run([str(BIN / program), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
-                          timeout=300, stdin=subprocess.DEVNULL)
-    if check:
-        assert proc.returncode == 0, f"{program} {args} exited {proc.returncode}:\n{proc.stderr}"
-    return proc
 
 
 def _checkpoint(work: Path, name: str, family: str, *extra) -> Path:

@@ -6,7 +6,6 @@ read again, and an engine over other weights, another directory or too small a m
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,19 +19,11 @@ from shardtool.keys import load_private_key, load_public_key
 from shardtool.manifest import load_trusted_manifest, open_receipt, sign_receipt
 from shardtool.runtime import Engine, replay_engine, replay_receipt
 
-BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[2]
+from _receiptkit import REPO
+from _receiptkit import cli as _cli
+
 MODEL_ID = "test/replay-engine"
 BUDGET = 1 << 30
-
-
-def _cli(program: str, *args, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XDG_STATE_HOME": str(cwd / "xdg")}
-    proc = subprocess.run([str(BIN / program), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
-                          timeout=300, stdin=subprocess.DEVNULL)
-    if check:
-        assert proc.returncode == 0, f"{program} {args} exited {proc.returncode}:\n{proc.stderr}"
-    return proc
 
 
 def _model(work: Path, name: str, seed: int, version: int) -> Path:
