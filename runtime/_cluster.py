@@ -26,7 +26,7 @@ import numpy as np
 from shardtool.errors import ShardtoolError, UnavailableError, UsageError
 from shardtool.manifest import VerifiedManifest
 from shardtool.runtime._cluster_plan import MAX_PLAN_BYTES, ClusterPlan, decode_plan
-from shardtool.runtime._cluster_node import NAMESPACE, actor_name, import_ray, init_ray
+from shardtool.runtime._cluster_node import NAMESPACE, is_int, actor_name, import_ray, init_ray
 from shardtool.runtime._model import ExpertFetch, ExpertOutputs
 from shardtool.safeio import read_regular
 from shardtool.text import printable
@@ -379,7 +379,7 @@ def _ray_line(e: BaseException) -> str:
 
 
 def _is_index(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and 0 <= v < 1 << 31
+    return is_int(v) and 0 <= v < 1 << 31
 
 
 def _failed_pairs(failed: Mapping[str, str]) -> set[tuple[int, int]]:

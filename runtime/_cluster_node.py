@@ -140,13 +140,13 @@ class NodeService:
 
     def _check(self, layer, expert_ids, x, rows) -> tuple[list[int], np.ndarray, dict[int, np.ndarray]]:
         cfg = self.config
-        if not _is_int(layer) or not 0 <= layer < cfg.num_layers or not cfg.moe_layers[layer]:
+        if not is_int(layer) or not 0 <= layer < cfg.num_layers or not cfg.moe_layers[layer]:
             raise UsageError(f"layer {_short(layer)} is not a MoE layer of this model (it has {cfg.num_layers} layers)")
         if not isinstance(expert_ids, (list, tuple)) or not 1 <= len(expert_ids) <= cfg.num_experts:
             raise UsageError(f"expert ids must be a list of 1 to {cfg.num_experts} ids")
         ids = list(expert_ids)
         for e in ids:
-            if not _is_int(e) or (layer, e) not in self.held:
+            if not is_int(e) or (layer, e) not in self.held:
                 raise UsageError(f"node {self.setup.name} does not hold expert {_short(e)} of layer {layer}")
         if len(set(ids)) != len(ids):
             raise UsageError("expert ids repeat")
@@ -187,7 +187,7 @@ class NodeActor:
         return self._service.run(layer, expert_ids, x, rows)
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
