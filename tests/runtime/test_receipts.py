@@ -522,14 +522,18 @@ def test_cli_sample_of_a_log_finds_the_bad_receipt(cli_world):
 
 
 def test_cli_a_stop_list_widened_to_cut_the_answer_is_refused(cli_world):
-    """The operator keeps 4 of 12 tokens and adds the 4th to the stop tokens, so the cut answer reads as a
-    natural stop; the stop tokens must be the ones the request named (by default the model's EOS ids)."""
+    """The operator keeps the first few of 12 tokens and adds the last kept one to the stop tokens, so the cut
+    answer reads as a natural stop; the stop tokens must be the ones the request named (by default the model's
+    EOS ids)."""
     from shardtool.manifest import decode_trace
     work = cli_world
     receipt, _ = open_receipt((work / "run.receipt").read_bytes(), [load_public_key(work / "operator.pub")])
     routes = decode_trace((work / "run.trace").read_bytes(), receipt)
-    keep = 4
-    assert receipt.token_ids[keep - 1] not in receipt.stop_token_ids
+    # The run is sampled with a fresh seed, so the kept answer must end in a token seen nowhere before it
+    # (else the widened stop list would cut it earlier still and the receipt could not even be signed).
+    ids = receipt.token_ids
+    keep = next(k for k in range(2, len(ids)) if ids[k - 1] not in ids[:k - 1] and ids[k - 1] not in
+                receipt.stop_token_ids)
     positions = len(receipt.prompt_ids) + keep - 1
     cut = replace(receipt, token_ids=receipt.token_ids[:keep], fingerprint=receipt.fingerprint[:8 * positions],
                   stop_token_ids=tuple(sorted({*receipt.stop_token_ids, receipt.token_ids[keep - 1]})),
