@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from shardtool.atomic import atomic_writer_at
-from shardtool.checkpoint._copy import COPY_UNSUPPORTED, HashingFileWriter, sync_filesystem
+from shardtool.atomic import sync_filesystem
+from shardtool.checkpoint._copy import COPY_UNSUPPORTED, HashingFileWriter
 from shardtool.checkpoint._contract import DEFAULT_CONTEXT_TOKENS, SplitSizes, check_config, contract_from_split
 from shardtool.checkpoint._families import decoder_layers, plan_split
-from shardtool.checkpoint._outdir import OutDir
+from shardtool.outdir import OutDir
 from shardtool.checkpoint._plan import OutputFile, Piece, ShardPlan
 from shardtool.checkpoint._reuse import existing_digest
 from shardtool.checkpoint._writer import TensorSpec, encode_header

@@ -122,3 +122,30 @@ def atomic_writer_at(dir_fd: int, name: str, mode: int = 0o644, *, fsync: bool =
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)
         raise
+
+
+def sync_filesystem(directory: Path | int, where: str | None = None) -> None:
+    """Flush every dirty page of the filesystem holding `directory` (a path, or a descriptor of an open directory
+    that `where` names in messages) with syncfs(2); os.sync() where unavailable."""
+    import ctypes
+    import ctypes.util
+
+    if isinstance(directory, int):
+        fd, owned = directory, False
+    else:
+        try:
+            fd, owned = os.open(directory, os.O_RDONLY | os.O_DIRECTORY), True
+        except OSError as e:
+            raise StorageError(f"cannot open directory: {e.strerror}", path=str(directory)) from e
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        syncfs = getattr(libc, "syncfs", None)
+        if syncfs is None:
+            os.sync()
+        elif syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            reason = "disk full" if err == errno.ENOSPC else os.strerror(err)
+            raise StorageError(f"flushing to disk failed: {reason}", path=where or str(directory))
+    finally:
+        if owned:
+            os.close(fd)

@@ -13,7 +13,7 @@ import pytest
 
 from shardtool.checkpoint import prepare_split, run_split
 from shardtool.checkpoint._ckptdir import CheckpointDir
-from shardtool.checkpoint._outdir import OutDir
+from shardtool.outdir import OutDir
 from shardtool.text import printable
 from shardtool.errors import CheckpointFormatError, UsageError
 

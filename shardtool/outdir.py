@@ -1,6 +1,6 @@
-"""split's output directory: every write, rename and unlink happens relative to a directory descriptor opened
-from OUT down with O_DIRECTORY | O_NOFOLLOW, so a link planted in OUT cannot send a byte, or a deletion,
-anywhere else (docs/shard-layout.md, "What split reads and writes").
+"""An output directory (split's OUT, pull's DEST): every write, rename and unlink happens relative to a directory
+descriptor opened from OUT down with O_DIRECTORY | O_NOFOLLOW, so a link planted in OUT cannot send a byte, or a
+deletion, anywhere else (docs/shard-layout.md, "What split reads and writes").
 
 * OUT itself: its last component must not be a symlink (refused; pass the directory it points to). The
   components above it are the user's own path and are resolved as typed.
@@ -29,7 +29,8 @@ _SCANNED = ("trunk", "experts")  # the trees split writes shards into; stale fil
 class OutDir:
     """OUT, opened (and created if absent). Use as a context manager."""
 
-    def __init__(self, out: Path, *, checkpoint: tuple[int, int]):
+    def __init__(self, out: Path, *, checkpoint: tuple[int, int] | None = None):
+        """`checkpoint`: (st_dev, st_ino) of a directory OUT and its subdirectories must not be (split's input)."""
         self.path = Path(out)
         self._checkpoint = checkpoint
         try:
@@ -95,16 +96,16 @@ class OutDir:
             return
         if stat.S_ISLNK(st.st_mode):
             if parent is None:
-                raise UsageError("the output directory is a symlink; split never writes through links",
+                raise UsageError("the output directory is a symlink; shardtool never writes through links",
                                  path=str(where), hint="pass the directory it points to") from None
-            raise UsageError("is a symlink inside the output directory; split never writes through links",
+            raise UsageError("is a symlink inside the output directory; shardtool never writes through links",
                              path=str(where), hint="remove the link") from None
         if not stat.S_ISDIR(st.st_mode):
             raise UsageError("exists and is not a directory", path=str(where)) from None
 
     def _check_not_checkpoint(self, fd: int, where: Path) -> None:
         st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) == self._checkpoint:
+        if self._checkpoint is not None and (st.st_dev, st.st_ino) == self._checkpoint:
             raise UsageError("output directory is the checkpoint itself", path=str(where))
 
     # -- files --------------------------------------------------------------------------------------------------
