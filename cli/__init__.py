@@ -9,7 +9,8 @@ from __future__ import annotations
 import typer
 
 from shardtool.cli import _common
-from shardtool.cli import keys_cmd, manifest_cmd, checkpoint_cmd, node_cmd, plan_cmd, receipt_cmd, serve_cmd
+from shardtool.cli import (keys_cmd, manifest_cmd, checkpoint_cmd, node_cmd, plan_cmd, receipt_cmd, remote_cmd,
+                           serve_cmd)
 
 app = typer.Typer(
     name="shardtool",
@@ -25,6 +26,7 @@ serve_cmd.register(app)
 receipt_cmd.register(app)
 plan_cmd.register(app)
 node_cmd.register(app)
+remote_cmd.register(app)
 
 
 def main(args: list[str] | None = None) -> None:

@@ -7,6 +7,7 @@ paths; `_io`, `_files`, `_scan`, `_state` and `audit` are the I/O around it. Whe
 
 from shardtool.manifest._document import (
     FORMAT,
+    MAX_MANIFEST_BYTES,
     Manifest,
     VerifiedManifest,
     build_manifest,
@@ -20,6 +21,7 @@ from shardtool.manifest._document import (
 from shardtool.manifest._envelope import PAYLOAD_TYPE, Envelope, Signature, pae, verify_envelope
 from shardtool.manifest._files import (
     VerifiedBytes,
+    open_file_matches,
     read_verified,
     read_verified_prefix,
     read_verified_timed,
@@ -36,7 +38,9 @@ from shardtool.manifest._io import (
     load_trusted_proof,
     load_verified_manifest,
     manifest_relpath,
+    read_manifest_bytes,
     save_manifest,
+    trust_manifest_bytes,
 )
 from shardtool.manifest._receipt import (MAX_RECEIPT_BYTES, MAX_TRACE_BYTES, RECEIPT_FORMAT, RECEIPT_PAYLOAD_TYPE,
                                         Receipt, decode_trace, encode_trace, open_receipt, routing_leaves, routing_root,
@@ -46,13 +50,13 @@ from shardtool.manifest._records import KINDS, MAX_ENTRIES, MAX_EXPERT, MAX_LAYE
 from shardtool.manifest._state import check_and_record, default_state_dir
 
 __all__ = [
-    "MAX_ENTRIES", "MAX_EXPERT", "MAX_LAYER", "VerifiedBytes", "check_relpath", "read_verified_timed",
-    "verify_entry", "verify_file", "manifest_relpath", "check_model_id_form",
+    "MAX_ENTRIES", "MAX_MANIFEST_BYTES", "MAX_EXPERT", "MAX_LAYER", "VerifiedBytes", "open_file_matches", "check_relpath", "read_verified_timed",
+    "verify_entry", "verify_file", "manifest_relpath", "read_manifest_bytes", "check_model_id_form",
     "FORMAT", "KINDS", "MANIFEST_NAME", "PAYLOAD_TYPE", "Entry", "Envelope", "Head", "Manifest", "Signature",
     "ProvenEntry", "VerifiedManifest", "build_proof", "verify_proof", "build_manifest", "check_and_record", "check_freshness", "decode_manifest",
     "default_manifest_path", "default_state_dir", "describe_head", "entry_bytes", "hash_directory", "load_manifest", "load_trusted_manifest", "load_trusted_proof", "check_model_id",
     "MAX_RECEIPT_BYTES", "MAX_TRACE_BYTES", "RECEIPT_FORMAT", "RECEIPT_PAYLOAD_TYPE", "Receipt", "decode_trace",
     "encode_trace",
     "open_receipt", "routing_leaves", "routing_root", "sign_receipt", "valid_receipt_id",
-    "load_verified_manifest", "pae", "read_verified", "read_verified_prefix", "save_manifest", "verify_envelope", "verify_manifest",
+    "load_verified_manifest", "pae", "read_verified", "read_verified_prefix", "save_manifest", "trust_manifest_bytes", "verify_envelope", "verify_manifest",
 ]

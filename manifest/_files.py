@@ -244,6 +244,15 @@ def verify_open_file(fd: int, entry: Entry, buffer: bytearray | None = None, *, 
     return result
 
 
+def open_file_matches(fd: int, entry: Entry) -> bool:
+    """The entry check over an open file as a yes or no (`shardtool pull` keeps a file already in place only
+    on yes; a read error is a no)."""
+    try:
+        return mismatch(entry, digest_fd(fd, expected_size=entry.size)) is None
+    except OSError:
+        return False
+
+
 def verify_entry(root: Path, entry: Entry) -> FileDigest:
     """Stream `root/entry.path` through the entry check, for callers that need the verdict, not the bytes
     (`verify-and-run --verify-all-first`). Raises exactly what `read_verified` would."""

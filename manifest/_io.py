@@ -82,13 +82,25 @@ def load_trusted_manifest(path: Path, trusted: Sequence[PublicKey], threshold: i
     """Everything audit, join and the runtime check before touching a model file: signatures, threshold,
     format, entries vs root, expiry, the model ID when pinned, and only then the rollback floor (which
     this call raises on success: nothing refused ever moves it)."""
+    return trust_manifest_bytes(read_manifest_bytes(Path(path)), str(path), trusted, threshold, state_dir, now,
+                                model_id=model_id)
+
+
+def trust_manifest_bytes(data: bytes, where: str, trusted: Sequence[PublicKey], threshold: int,
+                         state_dir: Path | None, now: int | None = None, *,
+                         model_id: str | None = None) -> VerifiedManifest:
+    """`load_trusted_manifest` over manifest bytes already in memory (`shardtool pull` fetched them, capped at
+    MAX_MANIFEST_BYTES, from a mirror that `where` names): the same checks in the same order."""
     from shardtool.manifest._state import check_and_record, default_state_dir
 
-    verified = load_verified_manifest(path, trusted, threshold, now=now)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestFormatError(f"manifest is {len(data)} bytes, more than the cap of {MAX_MANIFEST_BYTES}",
+                                  path=where)
     try:
+        verified = verify_manifest(data, trusted, threshold, now=now)
         check_model_id(verified.head, model_id)
     except VerificationError as e:
-        raise _with_path(e, path)
+        raise _with_path(e, where)
     check_and_record(state_dir or default_state_dir(), verified.head, trusted)
     return verified
 

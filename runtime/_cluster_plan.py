@@ -37,6 +37,8 @@ from shardtool.manifest import MAX_EXPERT, MAX_LAYER, VerifiedManifest
 from shardtool.runtime._plan import MIN_ACTIVATION_RESERVE
 from shardtool.strict_json import loads_strict
 
+NODE_CONFIG = "config.json"  # the one small file a node reads besides its experts
+
 FORMAT = "shardtool-plan/1"
 MAX_PLAN_BYTES = 64 * 2**20
 MAX_NODES = 1024
@@ -233,6 +235,11 @@ def _model(manifest: VerifiedManifest) -> tuple[dict[tuple[int, int], int], tupl
     if not experts:
         raise UsageError("the manifest lists no routed expert: there is nothing to place on nodes")
     return experts, tuple(sorted(others))
+
+
+def node_files(plan: ClusterPlan, name: str) -> list[str]:
+    """What node `name` needs on disk to join: its planned experts and the signed config.json (their shapes)."""
+    return sorted({*plan.node(name).files(), NODE_CONFIG})
 
 
 def experts_per_token(manifest: VerifiedManifest) -> int:

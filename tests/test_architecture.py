@@ -9,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # folder -> (package, floor). A part may import its own floor's modules and the public face of lower floors.
 PARTS = {"shardtool": ("shardtool", 0), "keys": ("shardtool.keys", 1), "manifest": ("shardtool.manifest", 2),
-         "checkpoint": ("shardtool.checkpoint", 3), "runtime": ("shardtool.runtime", 3), "serve": ("shardtool.serve", 4),
+         "remote": ("shardtool.remote", 2.5), "checkpoint": ("shardtool.checkpoint", 3), "runtime": ("shardtool.runtime", 3), "serve": ("shardtool.serve", 4),
          "cli": ("shardtool.cli", 5)}
 
 

@@ -1,0 +1,297 @@
+"""Fetch one listed file from untrusted mirrors into a directory: the bounded, verified download.
+
+The order for each file (python-tuf's updater is the model: only listed targets, each bounded by its signed
+length and checked against its signed hash before it is trusted):
+
+1. A file already under its final name is hashed; if size and BLAKE3 are the entry's it is kept.
+2. Otherwise the bytes go into `.NAME.partial` beside it (created without following links), hashed as they are
+   written. A partial file left by an earlier run is re-hashed and continued from its end with a range request
+   (or restarted when the mirror cannot start there).
+3. A mirror may never write past the signed size: a longer answer is cut off there and is that mirror's fault.
+   A short answer, an error or a stall keeps what arrived and the next mirror continues it.
+4. Only when size and BLAKE3 match is the partial file renamed to the final name. Wrong bytes are blamed on
+   the mirror that served the whole file; bytes assembled from several attempts are fetched again whole from
+   the mirror that finished them before anyone is blamed.
+
+Disk use per file never exceeds its signed size. Nothing here parses a fetched byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import blake3
+
+from shardtool.errors import MissingFileError, ShardtoolError, StorageError, VerificationError
+from shardtool.manifest import Entry, open_file_matches
+from shardtool.outdir import OutDir
+from shardtool.remote._mirror import READ_CHUNK, Mirror, MirrorFault
+from shardtool.safeio import open_file_at
+from shardtool.text import printable
+
+PARTIAL_SUFFIX = ".partial"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A mirror that did not serve a file right, and how."""
+
+    mirror: str
+    path: str
+    reason: str
+
+    def line(self) -> str:
+        return f"{printable(self.mirror)}: {printable(self.reason, backslash=False)}"
+
+
+@dataclass
+class Outcome:
+    """What fetching one entry did. `status`: "kept" (already present and verified), "downloaded" or
+    "resumed" (continued a partial file)."""
+
+    entry: Entry
+    status: str
+    downloaded: int = 0  # bytes received and written this run
+    mirror: str | None = None  # the mirror that completed it
+    faults: list[Fault] = field(default_factory=list)
+
+
+class FetchFailed(VerificationError):
+    """No mirror served a listed file with its signed bytes (exit 1). `faults`: each mirror's failure."""
+
+    def __init__(self, entry: Entry, faults: list[Fault]):
+        reasons = "; ".join(f.line() for f in faults[-4:]) or "no mirror to ask"
+        more = f" (and {len(faults) - 4} earlier faults)" if len(faults) > 4 else ""
+        super().__init__(f"no mirror served its signed bytes ({entry.size} bytes, BLAKE3 "
+                         f"{entry.digest.hex()[:16]}…): {reasons}{more}", path=entry.path)
+        self.entry, self.faults = entry, faults
+
+
+def partial_name(name: str) -> str:
+    """`.NAME.partial`, shortened (with a digest of the name) where NAME is too long to take the affixes."""
+    if len(name.encode()) <= 255 - len("." + PARTIAL_SUFFIX):
+        return f".{name}{PARTIAL_SUFFIX}"
+    return f".{name[:64]}.{blake3.blake3(name.encode()).hexdigest()[:16]}{PARTIAL_SUFFIX}"
+
+
+def _storage(e: OSError, where: str, doing: str) -> StorageError:
+    reason = "disk full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    return StorageError(f"{doing} failed: {reason}", path=where)
+
+
+def _hash_prefix(fd: int, length: int, hasher: "blake3.blake3", where: str) -> int:
+    """Re-hash the first `length` bytes of a partial file; returns how many it really holds."""
+    done = 0
+    buf = bytearray(min(READ_CHUNK, max(length, 1)))
+    view = memoryview(buf)
+    try:
+        while done < length:
+            n = os.preadv(fd, [view[:min(len(view), length - done)]], done)
+            if n == 0:
+                break
+            hasher.update(view[:n])
+            done += n
+    except OSError as e:
+        raise _storage(e, where, "reading the partial file") from e
+    return done
+
+
+def _write_all(fd: int, data: bytes, pos: int, where: str) -> None:
+    view = memoryview(data)
+    try:
+        while view:
+            n = os.pwrite(fd, view, pos)
+            view, pos = view[n:], pos + n
+    except OSError as e:
+        raise _storage(e, where, "write") from e
+
+
+class _Partial:
+    """`.NAME.partial` opened (created) link-free in its directory, with the hash of what it holds."""
+
+    def __init__(self, dir_fd: int, name: str, entry: Entry, where: str):
+        self.dir_fd, self.name, self.entry, self.where = dir_fd, partial_name(name), entry, where
+        try:
+            self.fd = os.open(self.name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                              dir_fd=dir_fd)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise StorageError("the partial file's name is taken by a link or a directory", path=where,
+                                   hint=f"remove {self.name}") from None
+            raise _storage(e, where, "creating the partial file") from e
+        try:
+            st = os.fstat(self.fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StorageError("the partial file's name is taken by something not a regular file", path=where)
+            self.hasher = blake3.blake3()
+            self.size = 0
+            if 0 < st.st_size <= entry.size:
+                self.size = _hash_prefix(self.fd, st.st_size, self.hasher, where)
+            if self.size != st.st_size:
+                self.truncate()
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def truncate(self) -> None:
+        try:
+            os.ftruncate(self.fd, 0)
+        except OSError as e:
+            raise _storage(e, self.where, "truncating the partial file") from e
+        self.hasher, self.size = blake3.blake3(), 0
+
+    def append(self, data: bytes) -> None:
+        _write_all(self.fd, data, self.size, self.where)
+        self.hasher.update(data)
+        self.size += len(data)
+
+    def matches(self) -> bool:
+        return self.size == self.entry.size and self.hasher.digest() == self.entry.digest
+
+    def promote(self, final_name: str) -> None:
+        """Rename over the final name (replacing a file or link of that name, never writing through it)."""
+        try:
+            os.replace(self.name, final_name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        except OSError as e:
+            raise _storage(e, self.where, "renaming the verified file into place") from e
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _already_verified(dir_fd: int, name: str, entry: Entry) -> bool:
+    """Is the final name a regular file with the entry's size and digest? (A link or anything else: no.)"""
+    try:
+        fd = open_file_at(dir_fd, name, entry.path)
+    except MissingFileError:
+        return False
+    except VerificationError:
+        return False  # a link, a FIFO, a directory: replaced by the rename (a directory makes that fail)
+    try:
+        return open_file_matches(fd, entry)
+    finally:
+        os.close(fd)
+
+
+def _attempt(mirror: Mirror, partial: _Partial, entry: Entry, progress: Callable[[int], None] | None) -> int:
+    """Continue `partial` from `mirror` up to the signed size; returns bytes received. MirrorFault on any
+    misbehaviour (what arrived before it stays in the partial file)."""
+    stream = mirror.open(entry.path, partial.size, entry.size)
+    received = 0
+    try:
+        if stream.offset != partial.size:  # the store starts from 0: what we hold is dropped
+            partial.truncate()
+        while partial.size <= entry.size:
+            want = min(READ_CHUNK, entry.size - partial.size + 1)  # one byte past the signed size notices more
+            data = stream.read(want)
+            if not data:
+                break
+            if partial.size + len(data) > entry.size:
+                keep = entry.size - partial.size
+                partial.append(data[:keep])
+                received += keep
+                raise MirrorFault(f"serves more than the signed {entry.size} bytes")
+            partial.append(data)
+            received += len(data)
+            if progress:
+                progress(len(data))
+    finally:
+        stream.close()
+    if partial.size < entry.size:
+        raise MirrorFault(f"ended after {partial.size} of the signed {entry.size} bytes")
+    return received
+
+
+def fetch_entry(dest: OutDir, entry: Entry, mirrors: Sequence[Mirror], *,
+                progress: Callable[[int], None] | None = None, keep_existing: bool = True) -> Outcome:
+    """Make DEST/entry.path the entry's verified bytes, from the first mirror that serves them."""
+    where = str(dest.path / entry.path)
+    dir_fd, name = dest.locate(entry.path)
+    if keep_existing and _already_verified(dir_fd, name, entry):
+        return Outcome(entry, "kept")
+    partial = _Partial(dir_fd, name, entry, where)
+    outcome = Outcome(entry, "resumed" if partial.size else "downloaded")
+    try:
+        for mirror in mirrors:
+            fresh_retry = False
+            while True:
+                started_at = partial.size
+                try:
+                    if partial.size < entry.size:
+                        outcome.downloaded += _attempt(mirror, partial, entry, progress)
+                except MirrorFault as fault:
+                    outcome.faults.append(Fault(mirror.label, entry.path, fault.reason))
+                    break
+                if partial.matches():
+                    partial.promote(name)
+                    outcome.mirror = mirror.label
+                    return outcome
+                found = partial.hasher.digest().hex()
+                partial.truncate()
+                if started_at and not fresh_retry:
+                    fresh_retry = True  # a prefix from earlier attempts may be the bad part: ask this mirror whole
+                    continue
+                outcome.faults.append(Fault(mirror.label, entry.path,
+                                            f"served wrong bytes (BLAKE3 {found}, signed {entry.digest.hex()})"))
+                break
+    finally:
+        partial.close()
+    raise FetchFailed(entry, outcome.faults)
+
+
+def fetch_bytes(mirrors: Sequence[Mirror], relpath: str, cap: int,
+                accept: Callable[[bytes, Mirror], object]) -> tuple[object, Mirror, list[Fault]]:
+    """The first mirror's copy of a small unlisted file (the manifest) that `accept` takes: read at most `cap`
+    bytes into memory, then `accept(data, mirror)` verifies it and returns what it yields or raises a
+    VerificationError, after which the next mirror is asked. Raises the last refusal (or FetchFailed-like
+    VerificationError) when no mirror had an acceptable copy."""
+    faults: list[Fault] = []
+    last: ShardtoolError | None = None
+    for mirror in mirrors:
+        try:
+            stream = mirror.open(relpath, 0, None, cap)
+            chunks, total = [], 0
+            try:
+                while total <= cap:
+                    data = stream.read(min(READ_CHUNK, cap + 1 - total))
+                    if not data:
+                        break
+                    chunks.append(data)
+                    total += len(data)
+            finally:
+                stream.close()
+            if total > cap:
+                raise MirrorFault(f"serves more than the cap of {cap} bytes")
+        except MirrorFault as fault:
+            faults.append(Fault(mirror.label, relpath, fault.reason))
+            continue
+        try:
+            return accept(b"".join(chunks), mirror), mirror, faults
+        except VerificationError as e:
+            faults.append(Fault(mirror.label, relpath, e.message))
+            last = e
+    if last is not None and len(faults) == 1:
+        raise last
+    reasons = "; ".join(f.line() for f in faults[-4:])
+    raise VerificationError(f"no mirror served an acceptable {relpath}: {reasons}")
+
+
+class PathLocks:
+    """One lock per path, so two threads asking for the same missing shard fetch it once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+
+    @contextlib.contextmanager
+    def hold(self, path: str):
+        with self._lock:
+            lock = self._locks.setdefault(path, threading.Lock())
+        with lock:
+            yield

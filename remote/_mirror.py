@@ -1,0 +1,293 @@
+"""One untrusted store that holds a split model's files, read through fsspec.
+
+A mirror only ever hands out byte streams of paths the caller names (paths a verified manifest lists); it
+is never asked for a listing. Everything it says is a claim: the caller bounds each stream by the signed
+size and checks the signed BLAKE3 before a byte is trusted (`remote/_fetch.py`). Anything a mirror does
+wrong for one request (an error status, a refused connection, a stall past the time-out, a redirect to
+another host, a declared size other than the signed one) is a `MirrorFault`: the caller tries the next
+mirror.
+
+Two readers:
+* `_HttpMirror` (http://, https://): fsspec's HTTP filesystem gives the aiohttp session and its event loop;
+  each request is our own GET so that nothing reads more than we ask for (fsspec's ranged reads buffer a
+  whole response, an endless body included), redirects are followed only within the same origin, content
+  encodings are refused (a gzip bomb is not decoded), and every await has the per-request time-out.
+* `_FsspecMirror` (s3:// through s3fs, file:// and plain paths, hf:// through huggingface_hub, any other
+  fsspec protocol): bounded ranged reads (`cat_file(path, start, end)`), the object's declared size checked
+  against the signed size before a byte is read for files larger than one chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import posixpath
+from dataclasses import dataclass
+from typing import Any, Callable
+from urllib.parse import urljoin, urlsplit, urlunsplit
+
+from shardtool.errors import UsageError
+
+READ_CHUNK = 8 * 1024 * 1024  # bytes asked of a store per read: bounds memory per job and each range request
+MAX_REDIRECTS = 5
+DEFAULT_TIMEOUT = 60.0
+
+
+class MirrorFault(Exception):
+    """This mirror failed this one request; `reason` is one short line (not yet terminal-escaped)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def display_url(url: str) -> str:
+    """The URL without user:password, for messages and reports."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+class Stream:
+    """The bytes of one file from `offset` on (the offset asked for, or 0 when the store cannot start
+    there). `read(n)` returns at most n bytes, b"" at the end."""
+
+    offset: int
+
+    def read(self, n: int) -> bytes:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Mirror:
+    """A store's base URL and how to read files below it."""
+
+    url: str
+    timeout: float
+
+    @property
+    def label(self) -> str:
+        return display_url(self.url)
+
+    def open(self, relpath: str, start: int, size: int | None, cap: int | None = None) -> Stream:
+        """A stream of `relpath` from `start`. `size`: the signed size (None for the manifest, whose size is not
+        known before it is verified: then a declared size above `cap` is refused); a declared size other than
+        it is a fault before any byte is read."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+# -- HTTP ------------------------------------------------------------------------------------------------------
+
+class _HttpStream(Stream):
+    def __init__(self, mirror: "_HttpMirror", response: Any, offset: int):
+        self._mirror, self._response, self.offset = mirror, response, offset
+
+    def read(self, n: int) -> bytes:
+        async def read() -> bytes:
+            return await asyncio.wait_for(self._response.content.read(n), self._mirror.timeout)
+        return self._mirror.run(read)
+
+    def close(self) -> None:
+        self._response.release()
+        self._response.close()
+
+
+class _HttpMirror(Mirror):
+    def __init__(self, url: str, timeout: float):
+        super().__init__(url.rstrip("/") + "/", timeout)
+        import aiohttp
+        import fsspec
+
+        self._fs = fsspec.filesystem("http", skip_instance_cache=True, client_kwargs={
+            "timeout": aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout),
+            "auto_decompress": False, "trust_env": False})
+        self._session = None
+
+    def run(self, coroutine_fn: Callable) -> Any:
+        """Run one of our coroutines on fsspec's event loop; its time-outs turn into faults."""
+        from fsspec.asyn import sync
+
+        try:
+            return sync(self._fs.loop, coroutine_fn)
+        except MirrorFault:
+            raise
+        except (asyncio.TimeoutError, TimeoutError):
+            raise MirrorFault(f"no answer within {self.timeout:g}s") from None
+        except Exception as e:  # aiohttp's errors: connection refused or reset, bad chunking, closed payload
+            raise MirrorFault(_describe(e)) from None
+
+    def open(self, relpath: str, start: int, size: int | None, cap: int | None = None) -> Stream:
+        url = self.url + relpath
+
+        async def get() -> tuple[Any, int]:
+            if self._session is None:
+                self._session = await self._fs.set_session()
+            headers = {"Accept-Encoding": "identity"}
+            if start:
+                headers["Range"] = f"bytes={start}-"
+            target = url
+            for _ in range(MAX_REDIRECTS + 1):
+                response = await asyncio.wait_for(
+                    self._session.get(target, headers=headers, allow_redirects=False), self.timeout)
+                if response.status not in (301, 302, 303, 307, 308):
+                    break
+                location = response.headers.get("Location", "")
+                response.release()
+                following = urljoin(target, location)
+                if _origin(following) != _origin(self.url):
+                    raise MirrorFault(f"redirects to another origin ({display_url(following)[:200]}); only "
+                                      f"redirects within the mirror are followed")
+                target = following
+            else:
+                raise MirrorFault(f"more than {MAX_REDIRECTS} redirects")
+            try:
+                return response, _check_response(response, start, size, cap)
+            except BaseException:
+                response.release()
+                raise
+
+        response, offset = self.run(get)
+        return _HttpStream(self, response, offset)
+
+    def close(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+
+            async def close() -> None:
+                await session.close()
+            try:
+                self.run(close)
+            except MirrorFault:
+                pass
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    return parts.scheme.lower(), (parts.hostname or "").lower(), parts.port
+
+
+def _check_response(response: Any, start: int, size: int | None, cap: int | None) -> int:
+    """The offset the body starts at, once the status, encoding and declared length are what a file of
+    `size` bytes read from `start` allows."""
+    status = response.status
+    if status == 404:
+        raise MirrorFault("not found (HTTP 404)")
+    if status == 416 and size is not None and start >= size:
+        raise MirrorFault(f"refuses a read from byte {start} (HTTP 416)")
+    if status not in (200, 206):
+        raise MirrorFault(f"HTTP {status}")
+    encoding = response.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise MirrorFault(f"sends a {encoding[:40]!r}-encoded body; only the file's own bytes are accepted")
+    offset = 0
+    if status == 206:
+        offset = _range_start(response.headers.get("Content-Range", ""))
+        if offset != start:
+            raise MirrorFault(f"answers a read from byte {start} with bytes from {offset}")
+    declared = response.headers.get("Content-Length")
+    if declared is not None:
+        if not (declared.isascii() and declared.isdigit() and len(declared) <= 20):
+            raise MirrorFault(f"declares a Content-Length of {declared[:40]!r}")
+        _check_declared(int(declared) + offset, size, cap)
+    return offset
+
+
+def _check_declared(declared: int, size: int | None, cap: int | None) -> None:
+    if size is not None and declared != size:
+        raise MirrorFault(f"declares {declared} bytes, the signed size is {size}")
+    if size is None and cap is not None and declared > cap:
+        raise MirrorFault(f"declares {declared} bytes, more than the cap of {cap}")
+
+
+def _range_start(content_range: str) -> int:
+    """`bytes 100-199/200` -> 100; anything else is a fault."""
+    unit, _, rest = content_range.strip().partition(" ")
+    first = rest.partition("-")[0]
+    if unit.lower() != "bytes" or not (first.isascii() and first.isdigit() and len(first) <= 20):
+        raise MirrorFault(f"a partial answer with Content-Range {content_range[:60]!r}")
+    return int(first)
+
+
+# -- every other fsspec store ----------------------------------------------------------------------------------
+
+class _RangeStream(Stream):
+    """Ranged reads of a known-size object: each read asks for exactly the next n bytes (never past `end`)."""
+
+    def __init__(self, mirror: "_FsspecMirror", path: str, offset: int, end: int | None):
+        self._mirror, self._path, self.offset, self._end = mirror, path, offset, end
+        self._pos = offset
+
+    def read(self, n: int) -> bytes:
+        stop = self._pos + n if self._end is None else min(self._pos + n, self._end)
+        if stop <= self._pos:
+            return b""
+        data = self._mirror.call(self._mirror.fs.cat_file, self._path, start=self._pos, end=stop)
+        if len(data) > stop - self._pos:
+            raise MirrorFault(f"answered a read of {stop - self._pos} bytes with {len(data)}")
+        self._pos += len(data)
+        return data
+
+
+class _FsspecMirror(Mirror):
+    def __init__(self, url: str, timeout: float):
+        super().__init__(url, timeout)
+        from fsspec.core import url_to_fs
+
+        options: dict[str, Any] = {}
+        protocol = urlsplit(url).scheme.lower()
+        if protocol in ("s3", "s3a"):
+            options["config_kwargs"] = {"connect_timeout": timeout, "read_timeout": timeout,
+                                        "retries": {"max_attempts": 2, "mode": "standard"}}
+            options["skip_instance_cache"] = True
+        try:
+            self.fs, self._base = url_to_fs(url, **options)
+        except (ImportError, ValueError) as e:
+            raise UsageError(f"cannot open store {display_url(url)!r}: {e}",
+                             hint="s3:// needs s3fs, hf:// needs huggingface_hub (pip install 'shardtool[remote]')") \
+                from None
+
+    def path(self, relpath: str) -> str:
+        return posixpath.join(self._base, relpath) if self._base else relpath
+
+    def call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except FileNotFoundError:
+            raise MirrorFault("not found") from None
+        except Exception as e:  # botocore, aiohttp, OSError from a local store: this mirror's fault for this file
+            raise MirrorFault(_describe(e)) from None
+
+    def open(self, relpath: str, start: int, size: int | None, cap: int | None = None) -> Stream:
+        path = self.path(relpath)
+        if size is None or size - start > READ_CHUNK:
+            # One metadata call (a HEAD on S3): a wrong or absurd declared size is refused before any byte.
+            info = self.call(self.fs.info, path)
+            declared = info.get("size")
+            if info.get("type") not in (None, "file") or not isinstance(declared, int):
+                raise MirrorFault(f"is not a file (type {str(info.get('type'))[:20]!r})")
+            _check_declared(declared, size, cap)
+            return _RangeStream(self, path, start, declared if size is None else size)
+        # A small file: one ranged read of up to one byte more than signed, which notices a longer object.
+        return _RangeStream(self, path, start, size + 1)
+
+
+def _describe(e: BaseException) -> str:
+    text = " ".join(str(e).split())[:200]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def open_mirror(url: str, *, timeout: float = DEFAULT_TIMEOUT) -> Mirror:
+    """A mirror for `url` (http(s)://, s3://, file://, a local path, hf://, or any fsspec URL)."""
+    scheme = urlsplit(url).scheme.lower()
+    if scheme in ("http", "https"):
+        return _HttpMirror(url, timeout)
+    return _FsspecMirror(url, timeout)

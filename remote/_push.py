@@ -1,0 +1,172 @@
+"""`shardtool push`: upload a signed split model to a store, shards first and the manifest last.
+
+Each file is read once, beneath OUT without following links, hashed as it is uploaded, and committed on the
+store only when its size and BLAKE3 are the manifest's (fsspec's transactional write: an S3 multipart upload
+completed or aborted, a local temp file renamed or removed); a file the store already holds with the right size
+and digest is skipped (its bytes are read back and hashed: a store's own checksum is not BLAKE3). The manifest
+goes up only after every shard is in place, so a reader never sees a manifest whose shards are not yet there.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import blake3
+
+from shardtool.errors import DigestMismatchError, StorageError, UsageError
+from shardtool.manifest import MANIFEST_NAME, Entry, Manifest, decode_manifest
+from shardtool.remote._mirror import READ_CHUNK, MirrorFault, _FsspecMirror
+from shardtool.safeio import open_beneath
+
+
+@dataclass
+class PushReport:
+    url: str
+    uploaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    bytes_uploaded: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"url": self.url, "files": {"uploaded": len(self.uploaded), "already_present": len(self.skipped)},
+                "bytes_uploaded": self.bytes_uploaded, "seconds": round(self.seconds, 3),
+                "manifest": MANIFEST_NAME}
+
+
+class _Target:
+    """A writable fsspec store below a base URL."""
+
+    def __init__(self, url: str, timeout: float):
+        if url.split("://", 1)[0].lower() in ("http", "https"):
+            raise UsageError(f"cannot push to {url!r}: HTTP stores are read-only here",
+                             hint="push to an object store (s3://bucket/prefix) or a directory")
+        self.store = _FsspecMirror(url, timeout)
+        self.fs = self.store.fs
+        self.label = self.store.label
+
+    def holds(self, entry: Entry) -> bool:
+        """Does the store already hold `entry`'s exact bytes? (Size first, then every byte hashed.)"""
+        try:
+            stream = self.store.open(entry.path, 0, entry.size)
+        except MirrorFault:
+            return False
+        hasher, total = blake3.blake3(), 0
+        try:
+            while True:
+                data = stream.read(READ_CHUNK)
+                if not data:
+                    break
+                hasher.update(data)
+                total += len(data)
+        except MirrorFault:
+            return False
+        finally:
+            stream.close()
+        return total == entry.size and hasher.digest() == entry.digest
+
+    def upload(self, relpath: str, chunks, where: str, check: Callable[[int, bytes], None]) -> int:
+        """Write `chunks` to relpath in one transaction; `check(size, digest)` decides before the commit."""
+        path = self.store.path(relpath)
+        try:
+            parent = path.rpartition("/")[0]
+            protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+            if parent and "file" in protocols:  # object stores have no directories to make
+                self.fs.makedirs(parent, exist_ok=True)
+            f = self.fs.open(path, "wb", autocommit=False)
+        except Exception as e:  # noqa: BLE001 - the store's own errors, whatever the backend
+            raise StorageError(f"cannot start the upload: {e}", path=f"{self.label}/{relpath}") from None
+        hasher, total, committed = blake3.blake3(), 0, False
+        try:
+            for data in chunks:
+                hasher.update(data)
+                total += len(data)
+                f.write(data)
+            check(total, hasher.digest())
+            f.commit()
+            committed = True
+        except (UsageError, DigestMismatchError):
+            raise
+        except OSError as e:
+            raise StorageError(f"upload failed: {e}", path=f"{self.label}/{relpath}") from None
+        except Exception as e:  # noqa: BLE001
+            raise StorageError(f"upload failed: {type(e).__name__}: {e}", path=f"{self.label}/{relpath}") from None
+        finally:
+            if not committed:
+                try:
+                    f.discard()
+                except Exception:  # noqa: BLE001 - the upload already failed; that error is the one to report
+                    pass
+            try:
+                f.close()
+            except Exception:  # noqa: BLE001
+                pass
+        return total
+
+
+def _file_chunks(root: Path, entry: Entry):
+    fd = open_beneath(root, entry.path)
+    try:
+        size = os.fstat(fd).st_size
+        if size != entry.size:
+            raise DigestMismatchError(f"size is {size} bytes, manifest says {entry.size}", path=str(root / entry.path))
+        while True:
+            data = os.read(fd, READ_CHUNK)
+            if not data:
+                return
+            yield data
+    finally:
+        os.close(fd)
+
+
+def push(out: Path, manifest_bytes: bytes, url: str, *, jobs: int = 4, timeout: float = 60.0,
+         progress: Callable[[int], None] | None = None) -> PushReport:
+    """Upload OUT's listed files, then `manifest_bytes` (OUT's signed manifest) as URL/manifest.msgpack."""
+    manifest: Manifest = decode_manifest(manifest_bytes)
+    if not manifest.envelope.signatures:
+        raise UsageError("the manifest is not signed; a store should only ever hold signed manifests",
+                         hint="run `shardtool sign` first")
+    target = _Target(url, timeout)
+    report = PushReport(target.label)
+    lock = threading.Lock()
+    start = time.monotonic()
+
+    def one(entry: Entry) -> None:
+        where = str(Path(out) / entry.path)
+        if target.holds(entry):
+            with lock:
+                report.skipped.append(entry.path)
+            if progress:
+                progress(entry.size)
+            return
+
+        def check(size: int, digest: bytes) -> None:
+            if size != entry.size or digest != entry.digest:
+                raise DigestMismatchError("changed while it was uploaded, or does not match the manifest "
+                                          f"({size} bytes, BLAKE3 {digest.hex()})", path=where)
+
+        sent = target.upload(entry.path, _file_chunks(Path(out), entry), where, check)
+        with lock:
+            report.uploaded.append(entry.path)
+            report.bytes_uploaded += sent
+        if progress:
+            progress(entry.size)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="push") as pool:
+        futures = [pool.submit(one, e) for e in sorted(manifest.entries, key=lambda e: -e.size)]
+        errors = [f.exception() for f in futures]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    # Last: the manifest. A reader who finds it finds every shard it lists already in place.
+    target.upload(MANIFEST_NAME, [manifest_bytes], MANIFEST_NAME, lambda size, digest: None)
+    report.uploaded.append(MANIFEST_NAME)
+    report.bytes_uploaded += len(manifest_bytes)
+    report.seconds = time.monotonic() - start
+    target.store.close()
+    return report
