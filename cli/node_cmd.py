@@ -10,6 +10,7 @@ from typing import List, Optional
 
 import typer
 
+from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP
 from shardtool.errors import UnavailableError, UsageError
 
 # How often the waiting node checks that its actor still answers (an actor that died ends the node, exit 3).
@@ -21,8 +22,8 @@ def register(app: typer.Typer) -> None:
 
 
 def node(
-    directory: Path = typer.Argument(..., help="This node's directory: its planned expert shards, config.json and "
-                                               "the manifest."),
+    directory: Optional[Path] = typer.Argument(None, help="This node's directory: its planned expert shards, "
+                                                          "config.json and the manifest; or --remote."),
     trust: List[Path] = typer.Option([], "--trust", help="Trusted public key (repeatable)."),
     threshold: int = typer.Option(1, "--threshold", help="Distinct trusted keys that must have signed."),
     plan_file: Path = typer.Option(..., "--plan", help="The cluster plan (shardtool plan)."),
@@ -38,24 +39,30 @@ def node(
     manifest_file: Optional[Path] = typer.Option(None, "--manifest", help="Manifest (default DIR/manifest.msgpack)."),
     expect_model: Optional[str] = typer.Option(
         None, "--model-id", help="Refuse a manifest signed for any other model (the publisher may sign several)."),
+    remote_store: List[str] = typer.Option([], "--remote", help=REMOTE_HELP),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=CACHE_HELP + " A node fetches only the "
+                                                                                    "experts it is asked for."),
+    fetch_timeout: float = typer.Option(60.0, "--fetch-timeout", help=FETCH_TIMEOUT_HELP),
 ) -> None:
     """Verify the manifest and the plan, check every planned file (a missing or bad one: refuse to join, exit 1),
     then serve this node's experts to the cluster's coordinator; every load verified, also after eviction."""
-    from shardtool.cli._common import load_trusted, manifest_path, model_dir, parse_size, say
-    from shardtool.manifest import load_trusted_manifest
+    from shardtool.cli._common import load_trusted, parse_size, say
+    from shardtool.cli._source import check_source, open_source
 
     budget = parse_size(memory_budget)
     if not address or len(address) > 300:
         raise UsageError("--address must be the Ray head's HOST:PORT")
-    directory = model_dir(directory)
+    check_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout)
     trusted = load_trusted(trust)
-    verified = load_trusted_manifest(manifest_path(directory, manifest_file), trusted, threshold, state_dir,
-                                     model_id=expect_model)
-    from shardtool.runtime import leave_cluster, load_plan, node_alive, prepare_node, serve_node
+    from shardtool.runtime import NODE_CONFIG, leave_cluster, load_plan, node_alive, prepare_node, serve_node
 
+    # With --remote only config.json is fetched now; the node's actor fetches each planned expert when first asked.
+    source = open_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout, trusted, threshold,
+                         state_dir, expect_model, eager=lambda e: e.path == NODE_CONFIG, lazy=False)
+    directory, verified = source.directory, source.manifest
     plan = load_plan(plan_file, verified)
 
-    setup = prepare_node(directory, verified, plan, name, budget=budget, readers=readers)
+    setup = prepare_node(directory, verified, plan, name, budget=budget, readers=readers, remote=source.spec)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     actor = None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 from typing import List, Optional
@@ -10,32 +9,15 @@ from typing import List, Optional
 import typer
 
 from shardtool.cli._common import emit_json, producer, say
+from shardtool.cli._source import check_timeout, check_urls
 from shardtool.errors import UsageError
 
-MAX_MIRRORS = 16
-MAX_URL = 2048
 _LAYERS = re.compile(r"([0-9]{1,6})(?:-([0-9]{1,6}))?", re.ASCII)
 
 
 def register(app: typer.Typer) -> None:
     app.command("pull")(pull)
     app.command("push")(producer(push))
-
-
-def check_urls(urls: list[str]) -> list[str]:
-    """Mirror URLs as given: non-empty, bounded, no control characters, at most MAX_MIRRORS."""
-    if len(urls) > MAX_MIRRORS:
-        raise UsageError(f"at most {MAX_MIRRORS} mirrors, got {len(urls)}")
-    for url in urls:
-        if not url or len(url) > MAX_URL or any(ord(c) < 0x20 or ord(c) == 0x7F for c in url):
-            raise UsageError(f"{url[:60]!r} is not a store URL (1 to {MAX_URL} printable characters)")
-    return urls
-
-
-def check_timeout(timeout: float) -> float:
-    if not (math.isfinite(timeout) and 0.1 <= timeout <= 3600):
-        raise UsageError(f"--timeout must be from 0.1 to 3600 seconds, got {timeout}")
-    return timeout
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -78,7 +60,7 @@ def pull(
     from shardtool.cli._progress import Progress
 
     urls = check_urls([url, *mirror])
-    check_timeout(timeout)
+    check_timeout(timeout, "--timeout")
     span = parse_layers(layers) if layers is not None else None
     if (plan_file is None) != (node_name is None):
         raise UsageError("--plan and --node go together")
@@ -138,7 +120,7 @@ def push(
     from shardtool.remote import push as push_files
 
     check_urls([url])
-    check_timeout(timeout)
+    check_timeout(timeout, "--timeout")
     out = model_dir(out)
     data = read_manifest_bytes(manifest_path(out, manifest_file))
     total = sum(e.size for e in decode_manifest(data).entries)

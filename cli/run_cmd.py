@@ -11,6 +11,7 @@ from typing import List, Optional
 import typer
 
 from shardtool.cli._common import check_cluster_options, keep_freed_memory, parse_size, run_app, say, set_blas_threads
+from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP, check_source, open_source
 from shardtool.errors import UsageError
 
 app = typer.Typer(name="verify-and-run", add_completion=False, pretty_exceptions_enable=False)
@@ -70,7 +71,7 @@ class _TextStream:
 
 @app.command()
 def verify_and_run(
-    directory: Path = typer.Argument(..., help="Split model directory (shardtool split)."),
+    directory: Optional[Path] = typer.Argument(None, help="Split model directory (shardtool split); or --remote."),
     trust: List[Path] = typer.Option([], "--trust", help="Trusted public key (repeatable)."),
     threshold: int = typer.Option(1, "--threshold", help="Distinct trusted keys that must have signed."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text (needs the model's tokenizer.json)."),
@@ -105,11 +106,13 @@ def verify_and_run(
                                                                   "only its coordinator files."),
     remote_timeout: float = typer.Option(30.0, "--remote-timeout", min=0.1, max=3600.0,
                                          help="Seconds a node has to answer one call before its replica is asked."),
+    remote_store: List[str] = typer.Option([], "--remote", help=REMOTE_HELP),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=CACHE_HELP),
+    fetch_timeout: float = typer.Option(60.0, "--fetch-timeout", help=FETCH_TIMEOUT_HELP),
 ) -> None:
     """Verify the signed manifest, then generate, checking every shard's BLAKE3 before its weights are used."""
     from shardtool.atomic import atomic_write_bytes
-    from shardtool.cli._common import load_trusted, manifest_path, model_dir, unpinned_warning
-    from shardtool.manifest import load_trusted_manifest
+    from shardtool.cli._common import load_trusted, unpinned_warning
 
     # Every option is checked before anything is read: a bad value is one usage line, exit 2.
     if (prompt is None) == (prompt_ids is None):
@@ -127,6 +130,7 @@ def verify_and_run(
     if max_new_tokens == 0 and receipt_key is not None:
         raise UsageError("a receipt covers an answer: --max-new-tokens must be at least 1 with --receipt-key")
     check_cluster_options(cluster, plan_file, remote_timeout)
+    check_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout)
     operator_key = None
     if receipt_key is not None:  # before any work: a wrong key or passphrase fails here, not after generating
         from shardtool.cli._common import load_operator_key
@@ -135,26 +139,29 @@ def verify_and_run(
     keep_freed_memory()
     from shardtool.runtime import Session, connect_cluster, encode_prompt, load_plan, load_tokenizer, make_receipt
 
-    directory = model_dir(directory)
     trusted = load_trusted(trust)
-    path = manifest_path(directory, manifest_file)
-    verified = load_trusted_manifest(path, trusted, threshold, state_dir, model_id=expect_model)
-    tokenizer = load_tokenizer(directory, verified)  # verified before it is parsed, like every model file
-    if ids is None:
-        ids = encode_prompt(tokenizer, prompt)
-        if not ids:
-            raise UsageError("--prompt encodes to no tokens")
+    # A local DIR, or the store's files fetched into --cache-dir (the small files and the trunk now, each expert
+    # when first routed to; with --cluster the nodes hold the experts, so none is fetched here).
+    source = open_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout, trusted, threshold,
+                         state_dir, expect_model, eager=lambda e: e.kind != "expert", lazy=cluster is None)
+    directory, verified = source.directory, source.manifest
     remote = None
-    if cluster is not None:
-        remote = connect_cluster(cluster, load_plan(plan_file, verified), timeout=remote_timeout)
-    # The KV cache is sized (and budgeted) for exactly this prompt plus the new tokens: a sequence the budget
-    # cannot hold is refused here, before the first token.
     try:
+        tokenizer = load_tokenizer(directory, verified)  # verified before it is parsed, like every model file
+        if ids is None:
+            ids = encode_prompt(tokenizer, prompt)
+            if not ids:
+                raise UsageError("--prompt encodes to no tokens")
+        if cluster is not None:
+            remote = connect_cluster(cluster, load_plan(plan_file, verified), timeout=remote_timeout)
+        # The KV cache is sized (and budgeted) for exactly this prompt plus the new tokens: a sequence the budget
+        # cannot hold is refused here, before the first token.
         session = Session(directory, verified, budget=budget, max_tokens=len(ids) + max_new_tokens, readers=readers,
-                          tokenizer=tokenizer, remote=remote)
+                          tokenizer=tokenizer, remote=remote, fetch_missing=source.fetch_missing)
     except BaseException:
         if remote is not None:
             remote.close()
+        source.close()
         raise
     try:
         check_prompt_ids(ids, session.config.vocab_size)
@@ -175,6 +182,7 @@ def verify_and_run(
         session.close()
         if remote is not None:
             remote.close()
+        source.close()
     if signed is not None:  # the trace first: a receipt on disk always has its trace beside it when asked for
         if trace_out is not None:
             atomic_write_bytes(trace_out, signed.trace)
@@ -213,6 +221,9 @@ def _print_report(s: dict) -> None:
         say(f"  cluster: {cluster['calls']} node calls, {cluster['wire_bytes'] / fed / 1024:.1f} KiB on the wire per "
             f"token, {cluster['remote_seconds'] / wall if wall else 0:.0%} of the time in node calls; "
             f"{cluster['retries']} experts retried on a replica; nodes dropped: {dropped}")
+    if cache["fetched_from_remote"]:
+        say(f"  remote: {cache['fetched_from_remote']} shards fetched into the cache directory first "
+            f"({cache['fetch_seconds']:.2f}s), each then read and verified like any other")
     say(f"  cache: {cache['hits']} hits, {cache['misses']} misses, {cache['evictions']} evictions; "
         f"shard cache {s['budget']['shard_cache'] / 2**20:.1f} MiB of budget {s['budget']['total'] / 2**20:.1f} MiB; "
         f"peak RSS {s['peak_rss_bytes'] / 2**20:.1f} MiB")

@@ -9,6 +9,7 @@ from typing import List, Optional
 
 import typer
 
+from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP
 from shardtool.errors import UsageError
 
 # Connections and requests uvicorn lets in beyond the engine's batch and queue (health checks, scrapes, idle
@@ -21,7 +22,7 @@ def register(app: typer.Typer) -> None:
 
 
 def serve(
-    directory: Path = typer.Argument(..., help="Split model directory (shardtool split)."),
+    directory: Optional[Path] = typer.Argument(None, help="Split model directory (shardtool split); or --remote."),
     trust: List[Path] = typer.Option([], "--trust", help="Trusted public key (repeatable)."),
     threshold: int = typer.Option(1, "--threshold", help="Distinct trusted keys that must have signed."),
     expect_model: Optional[str] = typer.Option(
@@ -60,12 +61,16 @@ def serve(
                                                                   "only its coordinator files."),
     remote_timeout: float = typer.Option(30.0, "--remote-timeout", min=0.1, max=3600.0,
                                          help="Seconds a node has to answer one call before its replica is asked."),
+    remote_store: List[str] = typer.Option([], "--remote", help=REMOTE_HELP),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=CACHE_HELP),
+    fetch_timeout: float = typer.Option(60.0, "--fetch-timeout", help=FETCH_TIMEOUT_HELP),
 ) -> None:
     """Serve a verified model: POST /v1/completions and /v1/chat/completions (OpenAI-style, streaming as
     server-sent events), GET /v1/models, /health, /metrics; with --receipt-key, a signed run receipt per
     completion and GET /v1/receipts/{id}."""
     from shardtool.cli._common import (check_cluster_options, keep_freed_memory, load_operator_key, load_trusted,
-                                       manifest_path, model_dir, parse_size, say, set_blas_threads, unpinned_warning)
+                                       parse_size, say, set_blas_threads, unpinned_warning)
+    from shardtool.cli._source import check_source, open_source
 
     # Every option is checked before anything is read: a bad value is one usage line, exit 2.
     budget = parse_size(memory_budget)
@@ -75,6 +80,7 @@ def serve(
     if not math.isfinite(read_timeout):
         raise UsageError(f"--read-timeout must be a number of seconds, got {read_timeout}")
     check_cluster_options(cluster, plan_file, remote_timeout)
+    check_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout)
     if receipt_key is None and receipt_passphrase_file is not None:
         raise UsageError("--receipt-passphrase-file needs --receipt-key")
     operator_key = None
@@ -83,26 +89,31 @@ def serve(
     set_blas_threads(threads, readers)
     keep_freed_memory()
 
-    from shardtool.manifest import load_trusted_manifest
     from shardtool.runtime import Engine, connect_cluster, load_plan  # loads numpy
     from shardtool.serve import (ChatTemplate, Limits, ReceiptSigner, ServerSettings, Stopped, bind, create_app, run,
                                  stop_on_signals, url_of)
 
-    remote = None
+    remote = source = None
     with stop_on_signals():
         try:
-            directory = model_dir(directory)
             trusted = load_trusted(trust)
-            verified = load_trusted_manifest(manifest_path(directory, manifest_file), trusted, threshold, state_dir,
-                                             model_id=expect_model)
+            # A local DIR, or the store's small files and trunk fetched into --cache-dir now and each expert when
+            # first routed to (with --cluster the nodes hold the experts).
+            source = open_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout, trusted,
+                                 threshold, state_dir, expect_model, eager=lambda e: e.kind != "expert",
+                                 lazy=cluster is None)
+            verified = source.manifest
             model_id = verified.head.model_id
             if cluster is not None:
                 remote = connect_cluster(cluster, load_plan(plan_file, verified), timeout=remote_timeout)
-            engine = Engine(directory, verified, budget=budget, max_batch=max_batch, max_queue=max_queue,
-                            kv_cache=kv_bytes, max_context=max_context, readers=readers, remote=remote)
+            engine = Engine(source.directory, verified, budget=budget, max_batch=max_batch, max_queue=max_queue,
+                            kv_cache=kv_bytes, max_context=max_context, readers=readers, remote=remote,
+                            fetch_missing=source.fetch_missing)
         except BaseException as e:
             if remote is not None:
                 remote.close()
+            if source is not None:
+                source.close()
             if not isinstance(e, Stopped):
                 raise
             say("shardtool serve: stopped before serving")
@@ -135,4 +146,5 @@ def serve(
             engine.close()
             if remote is not None:
                 remote.close()
+            source.close()
     say("shardtool serve: stopped")

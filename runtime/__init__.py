@@ -7,7 +7,7 @@ planned experts (`_cluster_node`) and the coordinator's side that asks the nodes
 from shardtool.runtime._cluster import ClusterStats, RemoteExperts, connect_cluster, load_plan
 from shardtool.runtime._cluster_node import NodeService, NodeSetup, leave_cluster, node_alive, prepare_node, serve_node
 from shardtool.runtime._cluster_plan import (MAX_PLAN_BYTES, NODE_NAME_PATTERN, ClusterPlan, NodePlan, check_plan,
-                                             decode_plan, encode_plan, make_plan, node_memory_floor, summarize, node_files)
+                                             decode_plan, encode_plan, make_plan, node_memory_floor, summarize, node_files, NODE_CONFIG)
 from shardtool.runtime._engine import (Engine, ErrorEvent, Event, FinishEvent, SamplingParams, Ticket,
                                        TokenEvent)
 from shardtool.runtime._plan import BudgetPlan, plan_budget
@@ -18,7 +18,7 @@ from shardtool.runtime._session import Session, encode_prompt
 from shardtool.runtime._signed import load_tokenizer, verified_config
 from shardtool.runtime._store import ShardFormatError, ShardStore, StoreStats
 
-__all__ = ["node_files", "MAX_PLAN_BYTES", "NODE_NAME_PATTERN", "ClusterPlan", "NodePlan", "check_plan", "decode_plan", "encode_plan", "make_plan", "node_memory_floor",
+__all__ = ["node_files", "NODE_CONFIG", "MAX_PLAN_BYTES", "NODE_NAME_PATTERN", "ClusterPlan", "NodePlan", "check_plan", "decode_plan", "encode_plan", "make_plan", "node_memory_floor",
            "summarize", "BudgetPlan", "Engine", "ErrorEvent", "Event", "FinishEvent", "SamplingParams", "Session", "ShardFormatError",
            "Ticket", "TokenEvent", "plan_budget", "ShardStore", "StoreStats", "VerifiedWeights", "encode_prompt",
            "load_tokenizer", "verified_config", "RunRecord", "SignedReceipt", "make_receipt", "Tolerances", "check_request", "check_weights", "replay_engine", "replay_receipt",

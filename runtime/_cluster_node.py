@@ -23,6 +23,7 @@ import numpy as np
 from shardtool.errors import CheckpointFormatError, ShardtoolError, UnavailableError, UsageError, VerificationError
 from shardtool.manifest import Entry, VerifiedManifest
 from shardtool.manifest.audit import check_file
+from shardtool.remote import RemoteFiles, RemoteSource
 from shardtool.runtime._model import ModelConfig, run_expert
 from shardtool.runtime._cluster_plan import ClusterPlan, node_memory_floor
 from shardtool.runtime._signed import unusable_shards, verified_config
@@ -91,6 +92,7 @@ class NodeSetup:
     entries: tuple[Entry, ...]  # this node's planned expert shards (from the verified manifest)
     budget: int  # bytes of verified shards kept cached (the rest of --memory-budget: working buffers)
     readers: int
+    remote: RemoteSource | None = None  # --remote: planned experts not on disk are fetched when first asked for
 
 
 class NodeService:
@@ -100,7 +102,9 @@ class NodeService:
         self.setup = setup
         self.config = setup.config
         self.held: dict[tuple[int, int], Entry] = {(e.layer, e.expert): e for e in setup.entries}
-        self.store = ShardStore(Path(setup.directory), budget_bytes=setup.budget, readers=setup.readers)
+        self.fetcher = RemoteFiles(Path(setup.directory), setup.remote) if setup.remote is not None else None
+        self.store = ShardStore(Path(setup.directory), budget_bytes=setup.budget, readers=setup.readers,
+                                fetch_missing=self.fetcher.fetch if self.fetcher is not None else None)
         self.failed: dict[tuple[int, int], str] = {}
         self.calls = 0
         self._lock = threading.Lock()
@@ -171,6 +175,8 @@ class NodeService:
 
     def close(self) -> None:
         self.store.close()
+        if self.fetcher is not None:
+            self.fetcher.close()
 
 
 class NodeActor:
@@ -246,12 +252,13 @@ def leave_cluster(actor) -> None:
 
 
 def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan, name: str, *, budget: int,
-                 readers: int = 2) -> NodeSetup:
+                 readers: int = 2, remote: RemoteSource | None = None) -> NodeSetup:
     """Check this node before it may join. The signed config.json (the experts' shapes) is read through
     verification; `budget` must hold a step over this node's experts; then every file the plan gives node `name`
     is hashed whole and must be present and match the manifest: the first missing or failing one is a
     VerificationError naming it (the node refuses to join). Files the plan gives other nodes may be absent
-    (present-only semantics) and are not read."""
+    (present-only semantics) and are not read. With `remote`, a planned expert not on disk yet is not a refusal:
+    it is fetched (verified) the first time the coordinator asks for it; one present but wrong still is."""
     node = plan.node(name)
     listed = manifest.by_path()
     entries = []
@@ -270,7 +277,7 @@ def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan,
                          hint=f"raise --memory-budget to at least {-(-need // 2**20)}MiB")
     for entry in entries:
         finding = check_file(root, entry)
-        if finding is not None:
+        if finding is not None and not (remote is not None and finding.finding == "missing"):
             raise VerificationError(f"{finding.finding}: {finding.detail}; node {name} refuses to join",
                                     path=finding.path)
     # The floor's shard cache is top-k + 1 experts; what the budget has beyond the floor caches more.
@@ -278,4 +285,5 @@ def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan,
     largest = max((e.size for e in entries), default=0)
     head = manifest.head
     return NodeSetup(name=name, directory=str(Path(directory).resolve()), root=head.merkle_root, manifest_version=head.version,
-                     config=config, entries=tuple(entries), budget=budget - need + largest * (k + 1), readers=readers)
+                     config=config, entries=tuple(entries), budget=budget - need + largest * (k + 1), readers=readers,
+                     remote=remote)

@@ -37,7 +37,7 @@ import numpy as np
 
 from shardtool.errors import (CheckpointFormatError, OverloadedError, RequestRefusedError, ShardtoolError,
                               UnavailableError, UsageError, VerificationError)
-from shardtool.manifest import VerifiedManifest
+from shardtool.manifest import Entry, VerifiedManifest
 from shardtool.runtime._cluster import RemoteExperts
 from shardtool.runtime._model import (ExpertUnavailable, Float32Weights, KVCache, ModelConfig, Segment, StepTrace,
                                       bytes_per_token, forward_batch, sample_token)
@@ -135,9 +135,11 @@ class Engine:
 
     def __init__(self, root: Path, manifest: VerifiedManifest, *, budget: int, max_batch: int = 16,
                  max_queue: int = 64, kv_cache: int | None = None, max_context: int | None = None,
-                 readers: int = 2, tokenizer=None, remote: RemoteExperts | None = None):
+                 readers: int = 2, tokenizer=None, remote: RemoteExperts | None = None,
+                 fetch_missing: Callable[[Entry], None] | None = None):
         """`remote`: a cluster's nodes compute the routed experts (`shardtool node`); `root` then needs to hold
-        only the trunk and the model's small files (the plan's coordinator_files)."""
+        only the trunk and the model's small files (the plan's coordinator_files). `fetch_missing`: the shard
+        store's hook for a shard `root` does not hold (`--remote URL --cache-dir D`)."""
         if max_batch < 1:
             raise UsageError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue < 0:
@@ -158,7 +160,8 @@ class Engine:
         self.max_queue = max_queue
         self.plan: BudgetPlan = plan_budget(budget, self.config, manifest, max_tokens=max_context, readers=readers,
                                             max_batch=max_batch, kv_cache=kv_cache)
-        self.store = ShardStore(self.root, budget_bytes=self.plan.shard_cache, readers=readers)
+        self.store = ShardStore(self.root, budget_bytes=self.plan.shard_cache, readers=readers,
+                                fetch_missing=fetch_missing)
         self.weights = VerifiedWeights(self.store, manifest, self.config.num_layers, window=self.config.top_k)
         self.remote = remote
         self._weights = Float32Weights(self.config, self.weights, remote.fetch if remote is not None else None)

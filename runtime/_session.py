@@ -50,13 +50,14 @@ class Session:
     first: pass the tokenizer they loaded with `load_tokenizer` to avoid reading and verifying it twice."""
 
     def __init__(self, root: Path, manifest: VerifiedManifest, *, budget: int, max_tokens: int, readers: int = 2,
-                 tokenizer=None, remote: RemoteExperts | None = None):
-        """`remote`: the routed experts come from a cluster's nodes (the engine's `remote`)."""
+                 tokenizer=None, remote: RemoteExperts | None = None, fetch_missing=None):
+        """`remote`: the routed experts come from a cluster's nodes (the engine's `remote`); `fetch_missing`: the
+        shard store's hook for shards the directory does not hold yet (the engine's)."""
         self.root = Path(root)
         self.manifest = manifest
         self.remote = remote
         self.engine = Engine(self.root, manifest, budget=budget, max_batch=1, max_queue=0, max_context=max_tokens,
-                             readers=readers, tokenizer=tokenizer, remote=remote)
+                             readers=readers, tokenizer=tokenizer, remote=remote, fetch_missing=fetch_missing)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.plan = self.engine.plan
@@ -136,7 +137,8 @@ class Session:
             "decode_expert_bytes_per_token": r.decode_expert_bytes / decode_steps if decode_steps else None,
             "contract_expert_bytes_per_token_cold": contract.get("expert_bytes_per_token_cold"),
             "cache": {"hits": s.hits, "misses": s.misses, "evictions": s.evictions,
-                      "peak_cached_bytes": s.peak_cached_bytes},
+                      "peak_cached_bytes": s.peak_cached_bytes, "fetched_from_remote": s.fetched,
+                      "fetch_seconds": s.fetch_seconds},
             "budget": self.plan.as_dict(),
             "kv_cache_bytes": self._kv_cache_bytes,
             "peak_rss_bytes": peak_rss_bytes(),

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from shardtool.errors import CheckpointFormatError, ShardFormatError
+from shardtool.errors import CheckpointFormatError, MissingFileError, ShardFormatError
 from shardtool.manifest import Entry, read_verified_timed
 
 Arrays = Mapping[str, np.ndarray]
@@ -37,6 +37,8 @@ class StoreStats:
     verify_cpu_seconds: float = 0.0
     parse_seconds: float = 0.0
     wait_seconds: float = 0.0  # time the forward pass actually waited for shards
+    fetched: int = 0  # shards fetched from a remote store first (--remote), then read and verified as any other
+    fetch_seconds: float = 0.0
     peak_cached_bytes: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
 
@@ -58,12 +60,16 @@ def parse_shard(entry: Entry, data: np.ndarray | bytes) -> Arrays:
 class ShardStore:
     """LRU cache of verified, parsed shards under `budget_bytes`, with a pool of reader threads."""
 
-    def __init__(self, root: Path, *, budget_bytes: int, readers: int = 2):
+    def __init__(self, root: Path, *, budget_bytes: int, readers: int = 2,
+                 fetch_missing: Callable[[Entry], None] | None = None):
+        """`fetch_missing(entry)`: brings a listed shard that `root` does not hold into `root` (`--remote`: fetched
+        from mirrors, verified, renamed into place); the store then reads it through the same entry check."""
         if budget_bytes <= 0:
             raise ValueError(f"budget must be positive, got {budget_bytes}")
         self.root = Path(root)
         self.budget = budget_bytes
         self.stats = StoreStats()
+        self._fetch_missing = fetch_missing
         self._cache: OrderedDict[str, tuple[Arrays, int]] = OrderedDict()
         self._cached_bytes = 0
         self._inflight: dict[str, Future] = {}
@@ -80,7 +86,17 @@ class ShardStore:
     def _load(self, entry: Entry) -> Arrays:
         """Reader thread: read and verify, parse; then insert into the cache."""
         try:
-            loaded = read_verified_timed(self.root, entry)
+            try:
+                loaded = read_verified_timed(self.root, entry)
+            except MissingFileError:
+                if self._fetch_missing is None:
+                    raise
+                t0 = time.perf_counter()
+                self._fetch_missing(entry)
+                with self._lock:
+                    self.stats.fetched += 1
+                    self.stats.fetch_seconds += time.perf_counter() - t0
+                loaded = read_verified_timed(self.root, entry)  # what is used is what this read verifies
             t0 = time.perf_counter()
             arrays = parse_shard(entry, loaded.data)
             parse_seconds = time.perf_counter() - t0
