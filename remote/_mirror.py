@@ -90,15 +90,27 @@ class Mirror:
 class _HttpStream(Stream):
     def __init__(self, mirror: "_HttpMirror", response: Any, offset: int):
         self._mirror, self._response, self.offset = mirror, response, offset
+        self._ended = False
 
     def read(self, n: int) -> bytes:
         async def read() -> bytes:
             return await asyncio.wait_for(self._response.content.read(n), self._mirror.timeout)
-        return self._mirror.run(read)
+        data = self._mirror.run(read)
+        self._ended = not data
+        return data
 
     def close(self) -> None:
-        self._response.release()
-        self._response.close()
+        response, ended = self._response, self._ended
+
+        async def close() -> None:  # on the loop: aiohttp's objects belong to it
+            if ended:
+                response.release()  # the whole body was read: the connection goes back to the pool
+            else:
+                response.close()  # a body we stopped reading (too long, a fault): the connection is dropped
+        try:
+            self._mirror.run(close)
+        except MirrorFault:
+            pass
 
 
 class _HttpMirror(Mirror):
@@ -109,7 +121,7 @@ class _HttpMirror(Mirror):
 
         self._fs = fsspec.filesystem("http", skip_instance_cache=True, client_kwargs={
             "timeout": aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout),
-            "auto_decompress": False, "trust_env": False})
+            "auto_decompress": False, "trust_env": True})  # the operator's own proxy settings apply
         self._session = None
 
     def run(self, coroutine_fn: Callable) -> Any:
