@@ -23,6 +23,7 @@ import errno
 import os
 import stat
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -36,6 +37,26 @@ from shardtool.safeio import open_file_at
 from shardtool.text import printable
 
 PARTIAL_SUFFIX = ".partial"
+MIN_RATE = 1024  # bytes/s a store must keep up over each --timeout window (curl's --speed-limit/--speed-time)
+
+
+class _RateGuard:
+    """A store that answers every read just inside the per-request time-out (a trickle of a byte each time) is
+    a stall too: over each window of `timeout` seconds it must send at least MIN_RATE bytes a second."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.start = time.monotonic()
+        self.count = 0
+
+    def add(self, n: int) -> None:
+        self.count += n
+        now = time.monotonic()
+        elapsed = now - self.start
+        if elapsed >= self.timeout:
+            if self.count < MIN_RATE * elapsed:
+                raise MirrorFault(f"sent {self.count} bytes in {elapsed:.0f}s, slower than {MIN_RATE} bytes/s")
+            self.start, self.count = now, 0
 
 
 @dataclass(frozen=True)
@@ -184,6 +205,7 @@ def _attempt(mirror: Mirror, partial: _Partial, entry: Entry, progress: Callable
     misbehaviour (what arrived before it stays in the partial file)."""
     stream = mirror.open(entry.path, partial.size, entry.size)
     received = 0
+    pace = _RateGuard(mirror.timeout)
     try:
         if stream.offset != partial.size:  # the store starts from 0: what we hold is dropped
             partial.truncate()
@@ -192,6 +214,7 @@ def _attempt(mirror: Mirror, partial: _Partial, entry: Entry, progress: Callable
             data = stream.read(want)
             if not data:
                 break
+            pace.add(len(data))
             if partial.size + len(data) > entry.size:
                 keep = entry.size - partial.size
                 partial.append(data[:keep])
@@ -257,11 +280,13 @@ def fetch_bytes(mirrors: Sequence[Mirror], relpath: str, cap: int,
         try:
             stream = mirror.open(relpath, 0, None, cap)
             chunks, total = [], 0
+            pace = _RateGuard(mirror.timeout)
             try:
                 while total <= cap:
                     data = stream.read(min(READ_CHUNK, cap + 1 - total))
                     if not data:
                         break
+                    pace.add(len(data))
                     chunks.append(data)
                     total += len(data)
             finally:

@@ -263,3 +263,46 @@ def test_cluster_options_and_an_unreachable_head_are_one_line_each(mixtral):
     r = subprocess.run(argv, capture_output=True, text=True, env=kit.env(model.work), timeout=120,
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 3 and "no Ray head answers" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------------- --remote
+
+
+def test_nodes_and_coordinator_fetch_from_a_store_only_what_they_are_asked_for(head, tmp_path):
+    """A node started with `--remote STORE --cache-dir D` (nothing on disk but what it fetches) and a coordinator
+    started the same way give the local run's tokens; the node's D then holds config.json, the manifest and only
+    experts of its share that were routed to (one fed position: at most top-k per layer), the coordinator's D no
+    expert at all."""
+    from shardtool.layout import classify
+
+    model = kit.build_model(tmp_path, "mixtral", replicas=1, nodes=("rm-a", "rm-b"))
+    nodes = Nodes(model, head.address, _budget(model)).start("rm-a")
+    cache = tmp_path / "cache-rm-b"
+    argv = [str(kit.BIN / "shardtool"), "node", "--remote", str(model.full), "--cache-dir", str(cache), "--trust",
+            str(model.work / "a.pub"), "--state-dir", str(model.work / "state-rm-b"), "--plan", str(model.plan),
+            "--name", "rm-b", "--memory-budget", _budget(model), "--address", head.address, "--readers", "1"]
+    nodes.procs["rm-b"] = kit.start(argv, model.work / "node-rm-b-remote.log", model.work)
+    nodes.procs["rm-b"].wait_for(r"node rm-b ready", 180)
+    try:
+        local = _ids(kit.verify_and_run(model, model.full, "--prompt-ids", "5", "--print-ids", "--max-new-tokens", "1"))
+        coordinator_cache = tmp_path / "cache-coordinator"
+        clustered = kit.run("verify-and-run", "--remote", model.full, "--cache-dir", coordinator_cache, "--trust",
+                            model.work / "a.pub", "--state-dir", model.work / "state-var", "--model-id", model.model_id,
+                            "-q", "--cluster", head.address, "--plan", model.plan, "--prompt-ids", "5", "--print-ids",
+                            "--max-new-tokens", "1", cwd=model.work)
+        assert clustered.returncode == 0, clustered.stderr
+        assert _ids(clustered) == local and len(local) == 1
+    finally:
+        nodes.stop_all()
+    fetched = sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file())
+    experts = [p for p in fetched if classify(p)[0] == "expert"]
+    planned = set(model.node_dir("rm-b").rglob("*.safetensors"))
+    planned = {str(p.relative_to(model.node_dir("rm-b"))) for p in planned}
+    assert {"config.json", "manifest.msgpack"} <= set(fetched) and set(experts) <= planned, fetched
+    per_layer = {}
+    for p in experts:
+        per_layer.setdefault(classify(p)[1], []).append(p)
+    assert 1 <= len(experts) and all(len(v) <= 2 for v in per_layer.values()), per_layer  # top-2, one position
+    assert len(experts) < len(planned)
+    assert not [p for p in coordinator_cache.rglob("*.safetensors") if classify(
+        str(p.relative_to(coordinator_cache)))[0] == "expert"]
