@@ -14,10 +14,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardtool.errors import StorageError
+from shardtool.errors import StorageError, UnavailableError
 from shardtool.manifest import Entry
 from shardtool.outdir import OutDir
-from shardtool.remote._fetch import PathLocks, fetch_entry
+from shardtool.remote._fetch import FetchFailed, PathLocks, fetch_entry
 from shardtool.remote._mirror import DEFAULT_TIMEOUT, Mirror, open_mirror
 
 
@@ -58,9 +58,16 @@ class RemoteFiles:
         self._lock = threading.Lock()
 
     def fetch(self, entry: Entry) -> None:
-        """Make D hold `entry`'s verified bytes (FetchFailed when no mirror serves them; StorageError for D)."""
+        """Make D hold `entry`'s verified bytes. No store serving them is an UnavailableError (the requests that
+        need the shard fail: HTTP 503, exit 3, like a cluster with no replica left; a later request tries again);
+        trouble with D itself a StorageError."""
         with self._locks.hold(entry.path):
-            outcome = fetch_entry(self.dir, entry, self.mirrors)
+            try:
+                outcome = fetch_entry(self.dir, entry, self.mirrors)
+            except FetchFailed as e:
+                with self._lock:
+                    self.stats.faults += len(e.faults)
+                raise UnavailableError(e.message, path=e.path) from None
         with self._lock:
             self.stats.files += outcome.status != "kept"
             self.stats.bytes += outcome.downloaded

@@ -269,40 +269,49 @@ def test_cluster_options_and_an_unreachable_head_are_one_line_each(mixtral):
 
 
 def test_nodes_and_coordinator_fetch_from_a_store_only_what_they_are_asked_for(head, tmp_path):
-    """A node started with `--remote STORE --cache-dir D` (nothing on disk but what it fetches) and a coordinator
-    started the same way give the local run's tokens; the node's D then holds config.json, the manifest and only
-    experts of its share that were routed to (one fed position: at most top-k per layer), the coordinator's D no
-    expert at all."""
-    from shardtool.layout import classify
+    """Two nodes started with `--remote STORE --cache-dir D` (nothing on disk but what they fetch) and a coordinator
+    started the same way give the local run's tokens; each node's D then holds config.json, the manifest and exactly
+    the experts of its share that the run's routing trace selected; the coordinator's D holds no expert."""
+    from shardtool.layout import classify, expert_path
+    from shardtool.manifest import decode_trace
 
     model = kit.build_model(tmp_path, "mixtral", replicas=1, nodes=("rm-a", "rm-b"))
-    nodes = Nodes(model, head.address, _budget(model)).start("rm-a")
-    cache = tmp_path / "cache-rm-b"
-    argv = [str(kit.BIN / "shardtool"), "node", "--remote", str(model.full), "--cache-dir", str(cache), "--trust",
-            str(model.work / "a.pub"), "--state-dir", str(model.work / "state-rm-b"), "--plan", str(model.plan),
-            "--name", "rm-b", "--memory-budget", _budget(model), "--address", head.address, "--readers", "1"]
-    nodes.procs["rm-b"] = kit.start(argv, model.work / "node-rm-b-remote.log", model.work)
-    nodes.procs["rm-b"].wait_for(r"node rm-b ready", 180)
+    nodes = Nodes(model, head.address, _budget(model))
+    for name in model.nodes:
+        argv = [str(kit.BIN / "shardtool"), "node", "--remote", str(model.full), "--cache-dir",
+                str(tmp_path / f"cache-{name}"), "--trust", str(model.work / "a.pub"), "--state-dir",
+                str(model.work / f"state-{name}"), "--plan", str(model.plan), "--name", name, "--memory-budget",
+                _budget(model), "--address", head.address, "--readers", "1"]
+        nodes.procs[name] = kit.start(argv, model.work / f"node-{name}-remote.log", model.work)
+    kit.ok("shardtool", "keygen", "--out", "op", "--no-passphrase", cwd=model.work)
+    coordinator_cache = tmp_path / "cache-coordinator"
     try:
-        local = _ids(kit.verify_and_run(model, model.full, "--prompt-ids", "5", "--print-ids", "--max-new-tokens", "1"))
-        coordinator_cache = tmp_path / "cache-coordinator"
+        for name in model.nodes:
+            nodes.procs[name].wait_for(rf"node {name} ready", 180)
+        local = _ids(kit.verify_and_run(model, model.full, "--prompt-ids", PROMPT_IDS, "--print-ids",
+                                        "--max-new-tokens", "2"))
         clustered = kit.run("verify-and-run", "--remote", model.full, "--cache-dir", coordinator_cache, "--trust",
                             model.work / "a.pub", "--state-dir", model.work / "state-var", "--model-id", model.model_id,
-                            "-q", "--cluster", head.address, "--plan", model.plan, "--prompt-ids", "5", "--print-ids",
-                            "--max-new-tokens", "1", cwd=model.work)
+                            "-q", "--cluster", head.address, "--plan", model.plan, "--prompt-ids", PROMPT_IDS,
+                            "--print-ids", "--max-new-tokens", "2", "--receipt-key", "op.key", "--receipt-out", "r",
+                            "--trace-out", "t", cwd=model.work)
         assert clustered.returncode == 0, clustered.stderr
-        assert _ids(clustered) == local and len(local) == 1
+        assert _ids(clustered) == local and len(local) == 2
     finally:
         nodes.stop_all()
-    fetched = sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file())
-    experts = [p for p in fetched if classify(p)[0] == "expert"]
-    planned = set(model.node_dir("rm-b").rglob("*.safetensors"))
-    planned = {str(p.relative_to(model.node_dir("rm-b"))) for p in planned}
-    assert {"config.json", "manifest.msgpack"} <= set(fetched) and set(experts) <= planned, fetched
-    per_layer = {}
-    for p in experts:
-        per_layer.setdefault(classify(p)[1], []).append(p)
-    assert 1 <= len(experts) and all(len(v) <= 2 for v in per_layer.values()), per_layer  # top-2, one position
-    assert len(experts) < len(planned)
-    assert not [p for p in coordinator_cache.rglob("*.safetensors") if classify(
-        str(p.relative_to(coordinator_cache)))[0] == "expert"]
+    receipt, _ = open_receipt((model.work / "r").read_bytes(), [load_public_key(model.work / "op.pub")])
+    routes = decode_trace((model.work / "t").read_bytes(), receipt)  # [positions, moe layers, k]
+    routed = {expert_path(receipt.moe_layers[j], int(e)) for position in routes for j, picks in enumerate(position)
+              for e in picks}
+    fetched_experts = set()
+    for name in model.nodes:
+        cache = tmp_path / f"cache-{name}"
+        share = {str(p.relative_to(model.node_dir(name))) for p in model.node_dir(name).rglob("*.safetensors")}
+        fetched = {str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file()}
+        assert {"config.json", "manifest.msgpack"} <= fetched, fetched
+        experts = {p for p in fetched if classify(p)[0] == "expert"}
+        assert experts == routed & share, (name, sorted(experts), sorted(routed & share))
+        fetched_experts |= experts
+    assert fetched_experts == routed
+    assert not [p for p in coordinator_cache.rglob("*") if p.is_file() and
+                classify(str(p.relative_to(coordinator_cache)))[0] == "expert"]
