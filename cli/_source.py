@@ -23,9 +23,12 @@ def check_urls(urls: Sequence[str]) -> list[str]:
     """Store URLs as given: non-empty, bounded, no control characters, at most MAX_MIRRORS."""
     if len(urls) > MAX_MIRRORS:
         raise UsageError(f"at most {MAX_MIRRORS} stores, got {len(urls)}")
+    from shardtool.remote import check_url
+
     for url in urls:
         if not url or len(url) > MAX_URL or any(ord(c) < 0x20 or ord(c) == 0x7F for c in url):
             raise UsageError(f"{url[:60]!r} is not a store URL (1 to {MAX_URL} printable characters)")
+        check_url(url)
     return list(urls)
 
 

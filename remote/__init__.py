@@ -8,10 +8,10 @@ same checks as `load_trusted_manifest` on the fetched bytes before anything else
 
 from shardtool.remote._cache import FetchStats, RemoteFiles, RemoteSource
 from shardtool.remote._fetch import Fault, FetchFailed, Outcome, fetch_entry
-from shardtool.remote._mirror import DEFAULT_TIMEOUT, Mirror, MirrorFault, display_url, open_mirror
+from shardtool.remote._mirror import DEFAULT_TIMEOUT, Mirror, MirrorFault, check_url, display_url, open_mirror
 from shardtool.remote._pull import PullReport, TrustedRemote, describe, fetch_trusted_manifest, pull, select_entries
 from shardtool.remote._push import PushReport, push
 
-__all__ = ["DEFAULT_TIMEOUT", "Fault", "FetchFailed", "FetchStats", "Mirror", "MirrorFault", "Outcome",
+__all__ = ["DEFAULT_TIMEOUT", "Fault", "FetchFailed", "FetchStats", "Mirror", "MirrorFault", "check_url", "Outcome",
            "PullReport", "PushReport", "RemoteFiles", "RemoteSource", "TrustedRemote", "describe", "display_url",
            "fetch_entry", "fetch_trusted_manifest", "open_mirror", "pull", "push", "select_entries"]

@@ -37,7 +37,7 @@ from shardtool.safeio import open_file_at
 from shardtool.text import printable
 
 PARTIAL_SUFFIX = ".partial"
-MIN_RATE = 1024  # bytes/s a store must keep up over each --timeout window (curl's --speed-limit/--speed-time)
+MIN_RATE = 32 * 1024  # bytes/s a store must keep up over each --timeout window (curl's --speed-limit/--speed-time)
 
 
 class _RateGuard:
@@ -95,10 +95,11 @@ class FetchFailed(VerificationError):
 
 
 def partial_name(name: str) -> str:
-    """`.NAME.partial`, shortened (with a digest of the name) where NAME is too long to take the affixes."""
+    """`.NAME.partial`, or `.DIGEST.partial` (a digest of the name) where NAME's UTF-8 bytes are too long to take
+    the affixes within the 255-byte limit of a file name."""
     if len(name.encode()) <= 255 - len("." + PARTIAL_SUFFIX):
         return f".{name}{PARTIAL_SUFFIX}"
-    return f".{name[:64]}.{blake3.blake3(name.encode()).hexdigest()[:16]}{PARTIAL_SUFFIX}"
+    return f".{blake3.blake3(name.encode()).hexdigest()[:40]}{PARTIAL_SUFFIX}"
 
 
 def _storage(e: OSError, where: str, doing: str) -> StorageError:
@@ -138,18 +139,11 @@ class _Partial:
 
     def __init__(self, dir_fd: int, name: str, entry: Entry, where: str):
         self.dir_fd, self.name, self.entry, self.where = dir_fd, partial_name(name), entry, where
-        try:
-            self.fd = os.open(self.name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                              dir_fd=dir_fd)
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-                raise StorageError("the partial file's name is taken by a link or a directory", path=where,
-                                   hint=f"remove {self.name}") from None
-            raise _storage(e, where, "creating the partial file") from e
+        self.fd = self._open_kept()
+        if self.fd is None:
+            self.fd = self._create()
         try:
             st = os.fstat(self.fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise StorageError("the partial file's name is taken by something not a regular file", path=where)
             self.hasher = blake3.blake3()
             self.size = 0
             if 0 < st.st_size <= entry.size:
@@ -159,6 +153,40 @@ class _Partial:
         except BaseException:
             os.close(self.fd)
             raise
+
+    def _open_kept(self) -> int | None:
+        """A partial file an earlier run of ours left, or None. Anything else under the name (a link, a FIFO, a
+        hard link to a file elsewhere, a file of another owner or writable by others) is removed, never written
+        through: a rename then gives the final name our own fresh inode."""
+        try:
+            fd = os.open(self.name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.dir_fd)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            fd = None
+        if fd is not None:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid() \
+                    and not st.st_mode & 0o022:
+                return fd
+            os.close(fd)
+        try:
+            os.unlink(self.name, dir_fd=self.dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise StorageError(f"cannot remove what lies at the partial file's name: {e.strerror}", path=self.where,
+                               hint=f"remove {self.name}") from None
+        return None
+
+    def _create(self) -> int:
+        try:
+            fd = os.open(self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                         dir_fd=self.dir_fd)
+        except OSError as e:
+            raise _storage(e, self.where, "creating the partial file") from e
+        os.fchmod(fd, 0o644)  # exactly this mode, whatever the umask
+        return fd
 
     def truncate(self) -> None:
         try:
@@ -238,6 +266,8 @@ def fetch_entry(dest: OutDir, entry: Entry, mirrors: Sequence[Mirror], *,
     dir_fd, name = dest.locate(entry.path)
     if keep_existing and _already_verified(dir_fd, name, entry):
         return Outcome(entry, "kept")
+    if dest.is_directory(entry.path):  # the rename could never replace it: say so before fetching a byte
+        raise StorageError("a directory lies where this listed file belongs", path=where)
     partial = _Partial(dir_fd, name, entry, where)
     outcome = Outcome(entry, "resumed" if partial.size else "downloaded")
     try:
@@ -279,25 +309,24 @@ def fetch_bytes(mirrors: Sequence[Mirror], relpath: str, cap: int,
     for mirror in mirrors:
         try:
             stream = mirror.open(relpath, 0, None, cap)
-            chunks, total = [], 0
+            buf = bytearray()  # grows with what arrives (one copy, never a list of chunks joined), at most cap + 1
             pace = _RateGuard(mirror.timeout)
             try:
-                while total <= cap:
-                    data = stream.read(min(READ_CHUNK, cap + 1 - total))
+                while len(buf) <= cap:
+                    data = stream.read(min(READ_CHUNK, cap + 1 - len(buf)))
                     if not data:
                         break
                     pace.add(len(data))
-                    chunks.append(data)
-                    total += len(data)
+                    buf += data
             finally:
                 stream.close()
-            if total > cap:
+            if len(buf) > cap:
                 raise MirrorFault(f"serves more than the cap of {cap} bytes")
         except MirrorFault as fault:
             faults.append(Fault(mirror.label, relpath, fault.reason))
             continue
         try:
-            return accept(b"".join(chunks), mirror), mirror, faults
+            return accept(bytes(buf), mirror), mirror, faults
         except VerificationError as e:
             faults.append(Fault(mirror.label, relpath, e.message))
             last = e

@@ -20,10 +20,11 @@ Two readers:
 from __future__ import annotations
 
 import asyncio
+import os
 import posixpath
 from dataclasses import dataclass
 from typing import Any, Callable
-from urllib.parse import urljoin, urlsplit, urlunsplit
+from urllib.parse import quote, urljoin, urlsplit, urlunsplit
 
 from shardtool.errors import UsageError
 
@@ -138,7 +139,9 @@ class _HttpMirror(Mirror):
             raise MirrorFault(_describe(e)) from None
 
     def open(self, relpath: str, start: int, size: int | None, cap: int | None = None) -> Stream:
-        url = self.url + relpath
+        from yarl import URL
+
+        url = self.url + quote(relpath, safe="/")  # a listed name may hold '#', '?' or '%'
 
         async def get() -> tuple[Any, int]:
             if self._session is None:
@@ -149,7 +152,7 @@ class _HttpMirror(Mirror):
             target = url
             for _ in range(MAX_REDIRECTS + 1):
                 response = await asyncio.wait_for(
-                    self._session.get(target, headers=headers, allow_redirects=False), self.timeout)
+                    self._session.get(URL(target, encoded=True), headers=headers, allow_redirects=False), self.timeout)
                 if response.status not in (301, 302, 303, 307, 308):
                     break
                 location = response.headers.get("Location", "")
@@ -292,6 +295,145 @@ class _FsspecMirror(Mirror):
         return _RangeStream(self, path, start, size + 1)
 
 
+class _FdStream(Stream):
+    def __init__(self, fd: int, offset: int):
+        self._fd, self.offset, self._pos = fd, offset, offset
+
+    def read(self, n: int) -> bytes:
+        try:
+            data = os.pread(self._fd, n, self._pos)
+        except OSError as e:
+            raise MirrorFault(f"read failed: {e.strerror}") from None
+        self._pos += len(data)
+        return data
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class _LocalMirror(Mirror):
+    """A directory (a path or file://): each file opened through the safe-open beneath it (non-blocking, regular
+    files only, no links), its size compared before a byte is read."""
+
+    def __init__(self, url: str, timeout: float, base: str):
+        super().__init__(url, timeout)
+        self._base = base
+
+    def open(self, relpath: str, start: int, size: int | None, cap: int | None = None) -> Stream:
+        from shardtool.errors import ShardtoolError
+        from shardtool.safeio import open_beneath
+
+        try:
+            fd = open_beneath(self._base, relpath)
+        except ShardtoolError as e:
+            raise MirrorFault(e.message) from None
+        try:
+            _check_declared(os.fstat(fd).st_size, size, cap)
+        except BaseException:
+            os.close(fd)
+            raise
+        return _FdStream(fd, start)
+
+
+class _S3Stream(Stream):
+    def __init__(self, mirror: "_S3Mirror", body: Any, offset: int):
+        self._mirror, self._body, self.offset = mirror, body, offset
+
+    def read(self, n: int) -> bytes:
+        async def read() -> bytes:
+            return await asyncio.wait_for(self._body.read(n), self._mirror.timeout)
+        return self._mirror.run(read)
+
+    def close(self) -> None:
+        body = self._body
+
+        async def close() -> None:
+            body.close()
+        try:
+            self._mirror.run(close)
+        except MirrorFault:
+            pass
+
+
+class _S3Mirror(Mirror):
+    """s3:// through s3fs's client: one GET per file (a range from where a partial file ends), the object's size
+    from Content-Range or Content-Length compared before the body is read, the body read in bounded pieces, each
+    await under the time-out, no retries of our own or s3fs's (the next mirror is the retry)."""
+
+    def __init__(self, url: str, timeout: float):
+        super().__init__(url, timeout)
+        import s3fs
+
+        self.fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={
+            "connect_timeout": timeout, "read_timeout": timeout, "retries": {"max_attempts": 1, "mode": "standard"}})
+        self.fs.retries = 1
+        self._base = self.fs._strip_protocol(url).rstrip("/")
+
+    def run(self, coroutine_fn: Callable) -> Any:
+        from fsspec.asyn import sync
+
+        try:
+            return sync(self.fs.loop, coroutine_fn)
+        except MirrorFault:
+            raise
+        except FileNotFoundError:
+            raise MirrorFault("not found") from None
+        except (asyncio.TimeoutError, TimeoutError):
+            raise MirrorFault(f"no answer within {self.timeout:g}s") from None
+        except Exception as e:  # botocore's and aiohttp's errors
+            raise MirrorFault(_describe(e)) from None
+
+    def path(self, relpath: str) -> str:
+        return f"{self._base}/{relpath}"
+
+    def open(self, relpath: str, start: int, size: int | None, cap: int | None = None) -> Stream:
+        bucket, key, _ = self.fs.split_path(self.path(relpath))
+
+        async def get() -> tuple[Any, int]:
+            kw = {"Bucket": bucket, "Key": key}
+            if start:
+                kw["Range"] = f"bytes={start}-"
+            reply = await asyncio.wait_for(self.fs._call_s3("get_object", **kw), self.timeout)
+            body = reply["Body"]
+            try:
+                offset, total = _s3_extent(reply, start)
+                _check_declared(total, size, cap)
+            except BaseException:
+                body.close()
+                raise
+            return body, offset
+
+        body, offset = self.run(get)
+        return _S3Stream(self, body, offset)
+
+
+def _s3_extent(reply: dict, start: int) -> tuple[int, int]:
+    """(offset the body starts at, the object's whole size) from a GetObject reply."""
+    length = reply.get("ContentLength")
+    if not isinstance(length, int) or length < 0:
+        raise MirrorFault(f"a reply without a usable Content-Length ({str(length)[:30]!r})")
+    content_range = reply.get("ContentRange")
+    if not content_range:
+        return 0, length
+    offset = _range_start(content_range)
+    total = content_range.rpartition("/")[2]
+    if offset != start or not (total.isascii() and total.isdigit() and len(total) <= 20):
+        raise MirrorFault(f"answers a read from byte {start} with Content-Range {content_range[:60]!r}")
+    return offset, int(total)
+
+
+class _BrokenMirror(Mirror):
+    """A store that could not even be set up (a refused connection at start, a client library error): each request
+    is this mirror's fault, and the other mirrors still serve."""
+
+    def __init__(self, url: str, timeout: float, reason: str):
+        super().__init__(url, timeout)
+        self._reason = reason
+
+    def open(self, relpath: str, start: int, size: int | None, cap: int | None = None) -> Stream:
+        raise MirrorFault(self._reason)
+
+
 def _describe(e: BaseException) -> str:
     text = " ".join(str(e).split())[:200]
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
@@ -299,7 +441,29 @@ def _describe(e: BaseException) -> str:
 
 def open_mirror(url: str, *, timeout: float = DEFAULT_TIMEOUT) -> Mirror:
     """A mirror for `url` (http(s)://, s3://, file://, a local path, hf://, or any fsspec URL)."""
-    scheme = urlsplit(url).scheme.lower()
-    if scheme in ("http", "https"):
-        return _HttpMirror(url, timeout)
-    return _FsspecMirror(url, timeout)
+    scheme = check_url(url)
+    try:
+        if scheme in ("http", "https"):
+            return _HttpMirror(url, timeout)
+        if scheme in ("s3", "s3a"):
+            return _S3Mirror(url, timeout)
+        if scheme in ("", "file", "local"):
+            return _LocalMirror(url, timeout, urlsplit(url).path if scheme else url)
+        return _FsspecMirror(url, timeout)
+    except UsageError:
+        raise
+    except ImportError as e:
+        raise UsageError(f"cannot open store {display_url(url)!r}: {e}",
+                         hint="s3:// needs s3fs, hf:// needs huggingface_hub (pip install 'shardtool[remote]')") from None
+    except Exception as e:  # noqa: BLE001 - the store's client failed to start: this mirror's fault only
+        return _BrokenMirror(url, timeout, f"cannot be reached: {_describe(e)}")
+
+
+def check_url(url: str) -> str:
+    """The URL's scheme ('' for a plain path), or a UsageError for text that is no URL at all."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError as e:
+        raise UsageError(f"{url[:60]!r} is not a store URL: {e}") from None
+    return parts.scheme.lower() if len(parts.scheme) > 1 else ""  # "C:" style is a path, not a scheme

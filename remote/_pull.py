@@ -37,6 +37,7 @@ class TrustedRemote:
     manifest: VerifiedManifest
     data: bytes
     mirror: str  # which mirror's copy was accepted
+    faults: tuple = ()  # mirrors whose copy was refused first (Fault), and why
 
 
 def fetch_trusted_manifest(mirrors: Sequence[Mirror], trusted: Sequence[PublicKey], threshold: int,
@@ -49,9 +50,9 @@ def fetch_trusted_manifest(mirrors: Sequence[Mirror], trusted: Sequence[PublicKe
         return trust_manifest_bytes(data, f"{mirror.label.rstrip('/')}/{MANIFEST_NAME}", trusted, threshold,
                                     state_dir, now, model_id=model_id)
 
-    verified, mirror, _ = fetch_bytes(mirrors, MANIFEST_NAME, MAX_MANIFEST_BYTES, _keep_bytes(accept))
+    verified, mirror, faults = fetch_bytes(mirrors, MANIFEST_NAME, MAX_MANIFEST_BYTES, _keep_bytes(accept))
     manifest, data = verified
-    return TrustedRemote(manifest, data, mirror.label)
+    return TrustedRemote(manifest, data, mirror.label, tuple(faults))
 
 
 def _keep_bytes(accept: Callable[[bytes, Mirror], VerifiedManifest]) -> Callable:
@@ -78,14 +79,17 @@ def select_entries(manifest: VerifiedManifest, *, layers: tuple[int, int] | None
 
 @dataclass
 class PullReport:
-    manifest: VerifiedManifest
+    remote: TrustedRemote
     dest: str
-    manifest_mirror: str
     selected: list[Entry]
     outcomes: list[Outcome] = field(default_factory=list)
     failures: list[FetchFailed] = field(default_factory=list)
     seconds: float = 0.0
     manifest_written: bool = False
+
+    @property
+    def manifest(self) -> VerifiedManifest:
+        return self.remote.manifest
 
     @property
     def complete(self) -> bool:
@@ -99,7 +103,7 @@ class PullReport:
             if o.mirror is not None:
                 m = mirrors.setdefault(o.mirror, {"files_served": 0, "faults": []})
                 m["files_served"] += 1
-        for o in [*self.outcomes, *(f for f in self.failures)]:
+        for o in [*self.outcomes, *(f for f in self.failures), self.remote]:
             for fault in o.faults:
                 mirrors.setdefault(fault.mirror, {"files_served": 0, "faults": []})["faults"].append(
                     {"path": fault.path, "reason": fault.reason})
@@ -107,7 +111,7 @@ class PullReport:
         return {
             "model_id": head.model_id, "manifest_version": head.version, "merkle_root": head.merkle_root.hex(),
             "dest": self.dest, "complete": self.complete, "manifest_written": self.manifest_written,
-            "manifest_mirror": self.manifest_mirror,
+            "manifest_mirror": self.remote.mirror,
             "files": {"selected": len(self.selected), **count, "failed": len(self.failures)},
             "bytes": {"selected": sum(e.size for e in self.selected), "downloaded": downloaded},
             "seconds": round(self.seconds, 3),
@@ -125,10 +129,10 @@ def pull(mirrors: Sequence[Mirror], dest: Path, remote: TrustedRemote, entries: 
     A file no mirror serves right is a failure in the report (the others still complete); local I/O trouble
     (disk full) stops the pull with a StorageError."""
     dest = Path(dest)
-    report = PullReport(remote.manifest, str(dest), remote.mirror, list(entries))
+    report = PullReport(remote, str(dest), list(entries))
     start = time.monotonic()
     with OutDir(dest) as od, _locked(od):
-        _drop_stale_manifest(od, remote.data)
+        _drop_stale_manifest(od)
         stop = threading.Event()
         lock = threading.Lock()
 
@@ -178,23 +182,9 @@ def _locked(od: OutDir):
     yield
 
 
-def _drop_stale_manifest(od: OutDir, data: bytes) -> None:
-    """A manifest of another version in DEST would vouch for a mix of old and new files while we work."""
-    try:
-        fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=od.fd)
-    except FileNotFoundError:
-        return
-    except OSError:
-        fd = None  # a link or something odd under the manifest's name: removed below
-    if fd is not None:
-        try:
-            same = os.fstat(fd).st_size == len(data) and os.read(fd, len(data) + 1) == data
-        except OSError:
-            same = False
-        finally:
-            os.close(fd)
-        if same:
-            return
+def _drop_stale_manifest(od: OutDir) -> None:
+    """A manifest in DEST (of this version or another) would vouch for files while we change them: it goes first
+    and the verified one is written again at the end."""
     try:
         os.unlink(MANIFEST_NAME, dir_fd=od.fd)
     except FileNotFoundError:

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from shardtool.errors import CheckpointFormatError, MissingFileError, ShardFormatError
+from shardtool.errors import CheckpointFormatError, DigestMismatchError, MissingFileError, ShardFormatError
 from shardtool.manifest import Entry, read_verified_timed
 
 Arrays = Mapping[str, np.ndarray]
@@ -88,9 +88,9 @@ class ShardStore:
         try:
             try:
                 loaded = read_verified_timed(self.root, entry)
-            except MissingFileError:
+            except (MissingFileError, DigestMismatchError):
                 if self._fetch_missing is None:
-                    raise
+                    raise  # (a cache directory's wrong or missing file is fetched again, verified, renamed over it)
                 t0 = time.perf_counter()
                 self._fetch_missing(entry)
                 with self._lock:

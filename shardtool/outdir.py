@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -45,6 +46,7 @@ class OutDir:
             self._refuse_not_dir(e, None, self.path)
             raise StorageError(f"cannot create output directory: {e.strerror}", path=str(self.path)) from e
         self._dirs: dict[str, int] = {"": fd}
+        self._lock = threading.RLock()  # pull's jobs and a store's readers open directories at once
         self._check_not_checkpoint(fd, self.path)
 
     @property
@@ -66,10 +68,14 @@ class OutDir:
 
     def dir(self, reldir: str) -> int:
         """Descriptor of OUT/reldir, created if absent; a symlink or non-directory on the way is refused."""
+        with self._lock:
+            return self._dir(reldir)
+
+    def _dir(self, reldir: str) -> int:
         if reldir in self._dirs:
             return self._dirs[reldir]
         parent_rel, _, part = reldir.rpartition("/")
-        parent = self.dir(parent_rel)
+        parent = self._dir(parent_rel)
         where = self.path / reldir
         try:
             os.mkdir(part, dir_fd=parent)
