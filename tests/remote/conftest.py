@@ -9,6 +9,7 @@ instead of skipping (`make install` puts them in through the dev extra).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -26,14 +27,15 @@ from shardtool.manifest import MANIFEST_NAME
 def world(tmp_path_factory) -> World:
     work = tmp_path_factory.mktemp("remote-world")
     cli = build_cli(work)
-    for name in ("publisher", "other"):
-        cli.ok("keygen", "--out", name, "--no-passphrase")
+    cli.ok("keygen", "--out", "publisher", "--no-passphrase")
     subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(work / "ck"), "--family",
                     "mixtral", "--experts", "4", "--layers", "3", "--vocab", "300", "--dtype", "f32"], check=True,
                    capture_output=True)
     cli.ok("split", "-q", "ck", "model", "--model-id", MODEL_ID)
     cli.ok("sign", "model", "--key", "publisher.key")
-    cli.ok("split", "-q", "ck", "unsigned", "--model-id", MODEL_ID)
+    shutil.copytree(work / "model", work / "unsigned")
+    (work / "unsigned" / MANIFEST_NAME).unlink()
+    cli.ok("manifest", "unsigned", "--model-id", MODEL_ID)
     entries = verified_entries(work / "model", work / "publisher.pub", work / "st")
     return World(work, work / "model", work / "unsigned", work / "publisher.pub", entries)
 

@@ -3,6 +3,8 @@ the bounded, verified download of one entry across mirrors (`fetch_entry`) with 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import blake3
 import pytest
 
@@ -112,7 +114,7 @@ def _corrupt(data: bytes, at: int) -> bytes:
     return data[:at] + bytes([data[at] ^ 1]) + data[at + 1:]
 
 
-def _partial(dest) -> "Path":  # noqa: F821
+def _partial(dest: Path) -> Path:
     return dest / "experts" / "layer-001" / partial_name("expert-0002.safetensors")
 
 

@@ -39,7 +39,8 @@ def test_fault_fails_over_to_a_good_mirror(cli, world, http_mirrors, tmp_path, f
     check_dest(dest, world.entries, complete=True)
     assert (dest / MANIFEST_NAME).read_bytes() == (world.model / MANIFEST_NAME).read_bytes()
     assert f"mirror fault: {target}: {bad}" in r.err
-    cli.ok("audit", dest, "--trust", world.pub, "--model-id", MODEL_ID, "--state-dir", tmp_path / "audit-state")
+    if fault == "endless":  # the files were hashed above; once, the user's own check of DEST as well
+        cli.ok("audit", dest, "--trust", world.pub, "--model-id", MODEL_ID)
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -94,11 +95,13 @@ def test_a_1_gib_manifest_is_refused_and_the_next_mirror_asked(cli, world, http_
     assert summary["manifest_mirror"] == http_mirrors.url("good")
     check_dest(dest, world.entries, complete=True)
 
+    if fault == "huge_chunked":
+        return  # alone, it fails like `huge` (which reads nothing); this one would read the 256 MiB cap again
     alone = _pull(cli, world, http_mirrors.url(fault), tmp_path / "alone", quiet=True, timeout="30")
     assert alone.code == 1
     line = alone.one_line()
     assert MANIFEST_NAME in line and http_mirrors.url(fault) in line, line
-    assert not any((tmp_path / "alone").rglob("*")) if (tmp_path / "alone").exists() else True
+    assert not (tmp_path / "alone").exists() or not any((tmp_path / "alone").rglob("*"))
 
 
 def test_a_listing_that_names_etc_passwd_is_never_asked_for(cli, world, http_mirrors, tmp_path):

@@ -17,7 +17,7 @@ import pytest
 from shardtool.manifest import MANIFEST_NAME
 from shardtool.remote._fetch import partial_name
 
-from _remotekit import MODEL_ID, MirrorServer, check_dest, verified_entries
+from _remotekit import MODEL_ID, MirrorServer, build_cli, check_dest, verified_entries
 
 PAD = "blobs/pad.bin"
 PAD_SIZE = 24 * 1024 * 1024
@@ -27,8 +27,6 @@ RATE = 3 * 1024 * 1024  # bytes per second per connection on the slow mirror
 @pytest.fixture(scope="module")
 def big(world, tmp_path_factory):
     """The tiny model plus a 24 MiB file, hashed into a new manifest and signed by the publisher."""
-    from _remotekit import build_cli
-
     work = tmp_path_factory.mktemp("big")
     model = work / "model"
     shutil.copytree(world.model, model)
