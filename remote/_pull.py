@@ -26,7 +26,7 @@ from shardtool.keys import PublicKey
 from shardtool.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Entry, VerifiedManifest, trust_manifest_bytes
 from shardtool.outdir import OutDir
 from shardtool.text import printable
-from shardtool.remote._fetch import FetchFailed, Outcome, fetch_bytes, fetch_entry
+from shardtool.remote._fetch import Fault, FetchFailed, Outcome, fetch_bytes, fetch_entry
 from shardtool.remote._mirror import Mirror
 
 
@@ -37,6 +37,7 @@ class TrustedRemote:
     manifest: VerifiedManifest
     data: bytes
     mirror: str  # which mirror's copy was accepted
+    faults: tuple[Fault, ...] = ()  # the mirrors asked before it, and why their copies were refused
 
 
 def fetch_trusted_manifest(mirrors: Sequence[Mirror], trusted: Sequence[PublicKey], threshold: int,
@@ -49,9 +50,9 @@ def fetch_trusted_manifest(mirrors: Sequence[Mirror], trusted: Sequence[PublicKe
         return trust_manifest_bytes(data, f"{mirror.label.rstrip('/')}/{MANIFEST_NAME}", trusted, threshold,
                                     state_dir, now, model_id=model_id)
 
-    verified, mirror, _ = fetch_bytes(mirrors, MANIFEST_NAME, MAX_MANIFEST_BYTES, _keep_bytes(accept))
+    verified, mirror, faults = fetch_bytes(mirrors, MANIFEST_NAME, MAX_MANIFEST_BYTES, _keep_bytes(accept))
     manifest, data = verified
-    return TrustedRemote(manifest, data, mirror.label)
+    return TrustedRemote(manifest, data, mirror.label, tuple(faults))
 
 
 def _keep_bytes(accept: Callable[[bytes, Mirror], VerifiedManifest]) -> Callable:
@@ -86,6 +87,7 @@ class PullReport:
     failures: list[FetchFailed] = field(default_factory=list)
     seconds: float = 0.0
     manifest_written: bool = False
+    manifest_faults: list[Fault] = field(default_factory=list)  # mirrors whose manifest was refused
 
     @property
     def complete(self) -> bool:
@@ -99,10 +101,9 @@ class PullReport:
             if o.mirror is not None:
                 m = mirrors.setdefault(o.mirror, {"files_served": 0, "faults": []})
                 m["files_served"] += 1
-        for o in [*self.outcomes, *(f for f in self.failures)]:
-            for fault in o.faults:
-                mirrors.setdefault(fault.mirror, {"files_served": 0, "faults": []})["faults"].append(
-                    {"path": fault.path, "reason": fault.reason})
+        for fault in [*self.manifest_faults, *(x for o in [*self.outcomes, *self.failures] for x in o.faults)]:
+            mirrors.setdefault(fault.mirror, {"files_served": 0, "faults": []})["faults"].append(
+                {"path": fault.path, "reason": fault.reason})
         downloaded = sum(o.downloaded for o in self.outcomes)
         return {
             "model_id": head.model_id, "manifest_version": head.version, "merkle_root": head.merkle_root.hex(),
@@ -125,7 +126,7 @@ def pull(mirrors: Sequence[Mirror], dest: Path, remote: TrustedRemote, entries: 
     A file no mirror serves right is a failure in the report (the others still complete); local I/O trouble
     (disk full) stops the pull with a StorageError."""
     dest = Path(dest)
-    report = PullReport(remote.manifest, str(dest), remote.mirror, list(entries))
+    report = PullReport(remote.manifest, str(dest), remote.mirror, list(entries), manifest_faults=list(remote.faults))
     start = time.monotonic()
     with OutDir(dest) as od, _locked(od):
         _drop_stale_manifest(od, remote.data)
