@@ -93,6 +93,9 @@ def test_a_1_gib_manifest_is_refused_and_the_next_mirror_asked(cli, world, http_
     assert r.code == 0, r.err
     summary = json.loads(r.out)
     assert summary["manifest_mirror"] == http_mirrors.url("good")
+    faults = summary["mirrors"][http_mirrors.url(fault)]["faults"]
+    assert [f["path"] for f in faults] == [MANIFEST_NAME] and "cap" in faults[0]["reason"]
+    assert f"mirror fault: {MANIFEST_NAME}: {http_mirrors.url(fault)}" in r.err
     check_dest(dest, world.entries, complete=True)
 
     if fault == "huge_chunked":
