@@ -3,6 +3,7 @@ the bounded, verified download of one entry across mirrors (`fetch_entry`) with 
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import blake3
@@ -12,7 +13,7 @@ from shardtool.manifest import Entry
 from shardtool.outdir import OutDir
 from shardtool.remote import FetchFailed, Mirror, MirrorFault, fetch_entry
 from shardtool.remote._fetch import partial_name
-from shardtool.remote._mirror import Stream, _check_response, _range_start
+from shardtool.remote._mirror import Stream, _check_response, _FsspecMirror, _range_start
 
 
 class _Response:
@@ -234,3 +235,43 @@ def test_a_mirror_fault_raised_on_open_moves_on(tmp_path):
         outcome = fetch_entry(od, _entry(), [r, b])
     assert r.starts == [0] and outcome.mirror == b.label
     assert [(f.mirror, f.reason) for f in outcome.faults] == [(r.label, "HTTP 503")]
+
+
+# -- an fsspec store that refuses a range starting at the object's end (S3: HTTP 416) --------------------------
+
+class _S3LikeFS:
+    def __init__(self, data: bytes):
+        self.data, self.reads = data, []
+
+    def cat_file(self, path, start, end):
+        self.reads.append((start, end))
+        if start >= len(self.data):
+            raise OSError(errno.EINVAL, "The requested range is not satisfiable")
+        return self.data[start:end]
+
+
+def _store(data: bytes) -> _FsspecMirror:
+    mirror = _FsspecMirror("memory://models/m", 5.0)
+    mirror.fs = _S3LikeFS(data)
+    return mirror
+
+
+def test_a_small_file_from_an_object_store_is_read_without_a_range_past_its_end(tmp_path):
+    store = _store(DATA)
+    with OutDir(tmp_path) as od:
+        outcome = fetch_entry(od, _entry(), [store])
+    assert not outcome.faults and (tmp_path / PATH).read_bytes() == DATA
+    assert store.fs.reads == [(0, len(DATA) + 1)]  # one byte more than signed is asked, and nothing after
+
+
+@pytest.mark.parametrize("data,reason", [(DATA + b"!", "serves more than the signed"),
+                                         (DATA[:-1], f"ended after {len(DATA) - 1} of the signed")],
+                         ids=["longer", "shorter"])
+def test_an_object_of_another_size_is_a_fault_and_the_next_store_continues(tmp_path, data, reason):
+    bad, good = _store(data), _store(DATA)
+    with OutDir(tmp_path) as od:
+        outcome = fetch_entry(od, _entry(), [bad, good])
+    assert [f.mirror for f in outcome.faults] == [bad.label] and reason in outcome.faults[0].reason
+    assert (tmp_path / PATH).read_bytes() == DATA
+    if data == DATA[:-1]:
+        assert good.fs.reads == [(len(DATA) - 1, len(DATA) + 1)]  # continued with a range read
