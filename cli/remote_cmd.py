@@ -99,7 +99,10 @@ def _faulted(report):
     """(path, faults) of every file some mirror served wrong, served or not in the end (at most 20 lines)."""
     from shardtool.text import printable
 
-    out = [(printable(o.entry.path), o.faults) for o in report.outcomes if o.faults]
+    from shardtool.manifest import MANIFEST_NAME
+
+    out = [(MANIFEST_NAME, list(report.remote.faults))] if report.remote.faults else []
+    out += [(printable(o.entry.path), o.faults) for o in report.outcomes if o.faults]
     return out[:20]
 
 

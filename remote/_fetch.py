@@ -228,11 +228,11 @@ def _already_verified(dir_fd: int, name: str, entry: Entry) -> bool:
         os.close(fd)
 
 
-def _attempt(mirror: Mirror, partial: _Partial, entry: Entry, progress: Callable[[int], None] | None) -> int:
-    """Continue `partial` from `mirror` up to the signed size; returns bytes received. MirrorFault on any
-    misbehaviour (what arrived before it stays in the partial file)."""
+def _attempt(mirror: Mirror, partial: _Partial, entry: Entry, outcome: Outcome,
+             progress: Callable[[int], None] | None) -> None:
+    """Continue `partial` from `mirror` up to the signed size, counting what is written in `outcome.downloaded` as
+    it is written. MirrorFault on any misbehaviour (what arrived before it stays in the partial file, and counted)."""
     stream = mirror.open(entry.path, partial.size, entry.size)
-    received = 0
     pace = _RateGuard(mirror.timeout)
     try:
         if stream.offset != partial.size:  # the store starts from 0: what we hold is dropped
@@ -246,17 +246,18 @@ def _attempt(mirror: Mirror, partial: _Partial, entry: Entry, progress: Callable
             if partial.size + len(data) > entry.size:
                 keep = entry.size - partial.size
                 partial.append(data[:keep])
-                received += keep
+                outcome.downloaded += keep
+                if progress:
+                    progress(keep)
                 raise MirrorFault(f"serves more than the signed {entry.size} bytes")
             partial.append(data)
-            received += len(data)
+            outcome.downloaded += len(data)
             if progress:
                 progress(len(data))
     finally:
         stream.close()
     if partial.size < entry.size:
         raise MirrorFault(f"ended after {partial.size} of the signed {entry.size} bytes")
-    return received
 
 
 def fetch_entry(dest: OutDir, entry: Entry, mirrors: Sequence[Mirror], *,
@@ -277,7 +278,7 @@ def fetch_entry(dest: OutDir, entry: Entry, mirrors: Sequence[Mirror], *,
                 started_at = partial.size
                 try:
                     if partial.size < entry.size:
-                        outcome.downloaded += _attempt(mirror, partial, entry, progress)
+                        _attempt(mirror, partial, entry, outcome, progress)
                 except MirrorFault as fault:
                     outcome.faults.append(Fault(mirror.label, entry.path, fault.reason))
                     break

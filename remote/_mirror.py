@@ -235,19 +235,23 @@ def _range_start(content_range: str) -> int:
 # -- every other fsspec store ----------------------------------------------------------------------------------
 
 class _RangeStream(Stream):
-    """Ranged reads of a known-size object: each read asks for exactly the next n bytes (never past `end`)."""
+    """Ranged reads of a known-size object: each read asks for exactly the next n bytes (never past `end`). A read
+    answered with fewer bytes than asked reached the object's end: no further read is sent (an object store
+    refuses a range that starts at or past the end, HTTP 416, where a local file answers b"")."""
 
     def __init__(self, mirror: "_FsspecMirror", path: str, offset: int, end: int | None):
         self._mirror, self._path, self.offset, self._end = mirror, path, offset, end
         self._pos = offset
+        self._at_end = False
 
     def read(self, n: int) -> bytes:
         stop = self._pos + n if self._end is None else min(self._pos + n, self._end)
-        if stop <= self._pos:
+        if stop <= self._pos or self._at_end:
             return b""
         data = self._mirror.call(self._mirror.fs.cat_file, self._path, start=self._pos, end=stop)
         if len(data) > stop - self._pos:
             raise MirrorFault(f"answered a read of {stop - self._pos} bytes with {len(data)}")
+        self._at_end = len(data) < stop - self._pos
         self._pos += len(data)
         return data
 

@@ -26,7 +26,7 @@ from shardtool.keys import PublicKey
 from shardtool.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Entry, VerifiedManifest, trust_manifest_bytes
 from shardtool.outdir import OutDir
 from shardtool.text import printable
-from shardtool.remote._fetch import FetchFailed, Outcome, fetch_bytes, fetch_entry
+from shardtool.remote._fetch import Fault, FetchFailed, Outcome, fetch_bytes, fetch_entry
 from shardtool.remote._mirror import Mirror
 
 
@@ -37,7 +37,7 @@ class TrustedRemote:
     manifest: VerifiedManifest
     data: bytes
     mirror: str  # which mirror's copy was accepted
-    faults: tuple = ()  # mirrors whose copy was refused first (Fault), and why
+    faults: tuple[Fault, ...] = ()  # the mirrors asked before it, and why their copies were refused
 
 
 def fetch_trusted_manifest(mirrors: Sequence[Mirror], trusted: Sequence[PublicKey], threshold: int,
@@ -103,10 +103,9 @@ class PullReport:
             if o.mirror is not None:
                 m = mirrors.setdefault(o.mirror, {"files_served": 0, "faults": []})
                 m["files_served"] += 1
-        for o in [*self.outcomes, *(f for f in self.failures), self.remote]:
-            for fault in o.faults:
-                mirrors.setdefault(fault.mirror, {"files_served": 0, "faults": []})["faults"].append(
-                    {"path": fault.path, "reason": fault.reason})
+        for fault in [*self.remote.faults, *(x for o in [*self.outcomes, *self.failures] for x in o.faults)]:
+            mirrors.setdefault(fault.mirror, {"files_served": 0, "faults": []})["faults"].append(
+                {"path": fault.path, "reason": fault.reason})
         downloaded = sum(o.downloaded for o in self.outcomes)
         return {
             "model_id": head.model_id, "manifest_version": head.version, "merkle_root": head.merkle_root.hex(),

@@ -1,0 +1,83 @@
+"""Units of `push`: through a recording fsspec filesystem (a local filesystem under its own protocol that notes every
+committed upload), the manifest is committed last, after every shard it lists is already in the store; a shard
+upload that fails leaves no manifest in the store."""
+
+from __future__ import annotations
+
+import threading
+
+import fsspec
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+
+from shardtool.errors import StorageError
+from shardtool.manifest import MANIFEST_NAME
+from shardtool.remote import push
+
+
+class RecordingFS(LocalFileSystem):
+    """`recordfs:///abs/path`: local files, with each committed upload's path (and what the store held at that
+    moment) appended to `commits`; `fail` names a path whose commit raises."""
+
+    protocol = ("recordfs",)
+    commits: list[tuple[str, set[str]]] = []
+    fail: str | None = None
+    store: str = ""
+    lock = threading.Lock()
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        if isinstance(path, str) and path.startswith("recordfs://"):
+            path = path[len("recordfs://"):]
+        return super()._strip_protocol(path)
+
+    def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None, **kwargs):
+        if "w" in mode:  # like an object store: a key needs no directory made first
+            self.makedirs(self._parent(path), exist_ok=True)
+        f = super()._open(path, mode, block_size=block_size, autocommit=autocommit, cache_options=cache_options,
+                          **kwargs)
+        if "w" in mode:
+            commit = f.commit
+            rel = self._strip_protocol(path)[len(RecordingFS.store) + 1:]
+
+            def recording_commit():
+                if rel == RecordingFS.fail:
+                    raise OSError(5, "injected commit failure")
+                with RecordingFS.lock:
+                    held = {p[len(RecordingFS.store) + 1:] for p in self.find(RecordingFS.store)}
+                    RecordingFS.commits.append((rel, held))
+                commit()
+            f.commit = recording_commit
+        return f
+
+
+@pytest.fixture
+def recordfs(tmp_path):
+    fsspec.register_implementation("recordfs", RecordingFS, clobber=True)
+    RecordingFS.commits, RecordingFS.fail = [], None
+    RecordingFS.store = str(tmp_path / "store")
+    return RecordingFS
+
+
+def test_manifest_is_committed_last_after_every_shard(world, recordfs):
+    data = (world.model / MANIFEST_NAME).read_bytes()
+    report = push(world.model, data, f"recordfs://{recordfs.store}", jobs=4)
+    order = [rel for rel, _ in recordfs.commits]
+    assert sorted(order[:-1]) == sorted(world.entries) and order[-1] == MANIFEST_NAME
+    assert recordfs.commits[-1][1] == set(world.entries)  # the store held every shard when the manifest went up
+    assert report.uploaded[-1] == MANIFEST_NAME and not report.skipped
+
+    recordfs.commits.clear()
+    again = push(world.model, data, f"recordfs://{recordfs.store}", jobs=4)
+    assert [rel for rel, _ in recordfs.commits] == [MANIFEST_NAME]
+    assert sorted(again.skipped) == sorted(world.entries)
+
+
+def test_a_failed_shard_upload_leaves_no_manifest(world, recordfs, tmp_path):
+    recordfs.fail = sorted(world.entries)[0]
+    data = (world.model / MANIFEST_NAME).read_bytes()
+    with pytest.raises(StorageError, match="injected commit failure"):
+        push(world.model, data, f"recordfs://{recordfs.store}", jobs=4)
+    assert MANIFEST_NAME not in {rel for rel, _ in recordfs.commits}
+    assert not (tmp_path / "store" / MANIFEST_NAME).exists()
+    assert not (tmp_path / "store" / recordfs.fail).exists()
