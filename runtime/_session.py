@@ -56,6 +56,7 @@ class Session:
         self.root = Path(root)
         self.manifest = manifest
         self.remote = remote
+        self.fetch_missing = fetch_missing
         self.engine = Engine(self.root, manifest, budget=budget, max_batch=1, max_queue=0, max_context=max_tokens,
                              readers=readers, tokenizer=tokenizer, remote=remote, fetch_missing=fetch_missing)
         self.config = self.engine.config
@@ -78,10 +79,18 @@ class Session:
         than held whole in memory; the errors are the ones a verified read gives."""
         from shardtool.manifest import verify_entry
 
+        from shardtool.errors import DigestMismatchError, MissingFileError
+
         # With a cluster the experts are the nodes': each node checked its own before it joined.
         entries = [e for e in self.manifest.entries if self.remote is None or e.kind != "expert"]
         for entry in entries:
-            verify_entry(self.root, entry)
+            try:
+                verify_entry(self.root, entry)
+            except (MissingFileError, DigestMismatchError):
+                if self.fetch_missing is None:
+                    raise
+                self.fetch_missing(entry)  # --remote: every file is fetched (verified) into the cache first
+                verify_entry(self.root, entry)
         return sum(entry.size for entry in entries)
 
     def decode_text(self, ids: Sequence[int]) -> str:
