@@ -281,7 +281,13 @@ def fetch_entry(dest: OutDir, entry: Entry, mirrors: Sequence[Mirror], *,
                         _attempt(mirror, partial, entry, outcome, progress)
                 except MirrorFault as fault:
                     outcome.faults.append(Fault(mirror.label, entry.path, fault.reason))
-                    break
+                    if partial.size < entry.size:
+                        break  # a prefix: the next mirror continues it, the digest decides at the end
+                    if not partial.matches():
+                        partial.truncate()  # the signed size, cut off, and wrong: nothing in it worth keeping
+                        break
+                    # The signed bytes all arrived before the fault (an endless body cut off at the signed size):
+                    # they are verified, so they are kept; the fault stays on the record.
                 if partial.matches():
                     partial.promote(name)
                     outcome.mirror = mirror.label

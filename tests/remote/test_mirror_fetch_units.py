@@ -167,11 +167,18 @@ def test_wrong_bytes_from_one_mirror_are_blamed_at_once_and_the_next_serves(tmp_
 
 
 def test_a_longer_answer_is_cut_at_the_signed_size(tmp_path):
+    """Nothing past the signed size is written; when the bytes before it are the signed ones they are verified and
+    kept (the fault stays on the record), otherwise the file fails."""
     a = _MemMirror("a", DATA + b"x" * 100_000)
-    with OutDir(tmp_path) as od, pytest.raises(FetchFailed) as info:
-        fetch_entry(od, _entry(), [a])
+    with OutDir(tmp_path) as od:
+        outcome = fetch_entry(od, _entry(), [a])
+    assert [f.mirror for f in outcome.faults] == [a.label] and "serves more than the signed" in outcome.faults[0].reason
+    assert (tmp_path / PATH).read_bytes() == DATA and not _partial(tmp_path).exists()
+    bad = _MemMirror("bad", _corrupt(DATA, 0) + b"x" * 100_000)
+    with OutDir(tmp_path / "2") as od, pytest.raises(FetchFailed) as info:
+        fetch_entry(od, _entry(), [bad])
     assert "serves more than the signed" in info.value.faults[0].reason
-    assert _partial(tmp_path).stat().st_size == len(DATA) and not (tmp_path / PATH).exists()
+    assert _partial(tmp_path / "2").stat().st_size == 0 and not (tmp_path / "2" / PATH).exists()
 
 
 def test_a_partial_file_from_an_earlier_run_is_continued(tmp_path):
