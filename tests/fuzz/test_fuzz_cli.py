@@ -132,6 +132,12 @@ def _plan(s, *extra) -> list:
             "--json", *extra]
 
 
+def _pull(s, *extra) -> list:
+    """`shardtool pull` from the model's own directory (a local store) into a fresh DEST."""
+    return ["pull", s["model"], _fresh(s, "d"), "--trust", s["pub"], "--state-dir", s["base"] / "st", "-q", "--json",
+            "--timeout", "5", *extra]
+
+
 def _fresh(signed, name: str) -> Path:
     signed["n"] += 1
     return signed["base"] / f"{name}-{signed['n']}"
@@ -177,6 +183,15 @@ SHARDTOOL_OPTIONS = {
     "verify-receipt --sample": lambda s, v: ["verify-receipt", s["receipt"].parent, s["model"], "--operator", s["op"],
                                              "--trust", s["pub"], "--state-dir", s["base"] / "st", "--json",
                                              "--sample", v],
+    "pull --layers": lambda s, v: _pull(s, "--layers", v),
+    "pull --jobs": lambda s, v: _pull(s, "--jobs", v),
+    "pull --timeout": lambda s, v: ["pull", s["model"], _fresh(s, "d"), "--trust", s["pub"], "--state-dir",
+                                    s["base"] / "st", "-q", "--json", "--timeout", v],
+    "pull --mirror": lambda s, v: _pull(s, "--mirror", v),
+    "pull --node": lambda s, v: _pull(s, "--plan", s["plan"], "--node", v),
+    "pull --model-id": lambda s, v: _pull(s, "--model-id", v),
+    "push --jobs": lambda s, v: ["push", s["model"], _fresh(s, "u"), "-q", "--json", "--jobs", v],
+    "push --timeout": lambda s, v: ["push", s["model"], _fresh(s, "u"), "-q", "--json", "--timeout", v],
     "verify-receipt --sample-seed": lambda s, v: ["verify-receipt", s["receipt"].parent, s["model"], "--operator",
                                                   s["op"], "--trust", s["pub"], "--state-dir", s["base"] / "st",
                                                   "--json", "--sample", "1", "--sample-seed", v],
@@ -191,6 +206,7 @@ RUN_OPTIONS = {
     "--seed": lambda v: ["--seed", v, "--temperature", "1"],
     "--threshold": lambda v: ["--threshold", v],
     "--remote-timeout": lambda v: ["--remote-timeout", v],
+    "--fetch-timeout": lambda v: ["--fetch-timeout", v],
 }
 
 
@@ -211,6 +227,8 @@ def test_fuzz_cli_verify_and_run_options(option, value, signed):
     if option == "--remote-timeout":  # a cluster at a closed port: refused before Ray is asked
         extra += ["--cluster", "127.0.0.1:1", "--plan", str(signed["plan"])]
     base = [signed["model"], "--trust", signed["pub"], "--state-dir", signed["base"] / "st", "-q", "--print-ids"]
+    if option == "--fetch-timeout":  # the model's own directory as a store, fetched into a fresh cache
+        base[:1] = ["--remote", signed["model"], "--cache-dir", _fresh(signed, "c")]
     if option != "--prompt-ids":
         base += ["--prompt-ids", "1,2,3"]
     if option != "--max-new-tokens":
