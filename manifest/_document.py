@@ -24,6 +24,7 @@ from shardtool.manifest._records import MAX_ENTRIES, Entry, Head, check_model_id
 FORMAT = "shardtool-manifest-v1"
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_ENTRY_BYTES = 2048
+MAX_ENVELOPE_OBJECTS = 1 << 16  # the document map, its format, the envelope (payload, signatures), the entries list
 CLOCK_SKEW = 300  # seconds a manifest's `created` may lie ahead of our clock
 DAY = 86_400
 
@@ -96,7 +97,9 @@ def build_manifest(entries: Iterable[Entry], *, model_id: str, version: int = 1,
 
 def _split_document(data: bytes) -> tuple[Envelope, list[bytes]]:
     """The envelope and the raw entry byte strings; nothing inside either is interpreted yet."""
-    doc = _canonical.decode(data, max_size=MAX_MANIFEST_BYTES, what="manifest")
+    # Every object of a genuine manifest: the entries' byte strings and a bounded envelope (MAX_ENVELOPE_OBJECTS).
+    doc = _canonical.decode(data, max_size=MAX_MANIFEST_BYTES, what="manifest",
+                            max_objects=MAX_ENTRIES + MAX_ENVELOPE_OBJECTS)
     d = _canonical.take_fields(doc, ("format", "envelope", "entries"), "manifest")
     if d["format"] != FORMAT:
         raise ManifestFormatError(f"manifest format is {d['format']!r}, expected {FORMAT!r}")

@@ -204,7 +204,16 @@ class _Partial:
         return self.size == self.entry.size and self.hasher.digest() == self.entry.digest
 
     def promote(self, final_name: str) -> None:
-        """Rename over the final name (replacing a file or link of that name, never writing through it)."""
+        """Rename over the final name (replacing a file or link of that name, never writing through it), once the
+        partial name still holds the file we hashed (someone else writing in DEST may have swapped it)."""
+        try:
+            here = os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
+        except OSError as e:
+            raise _storage(e, self.where, "checking the partial file") from e
+        ours = os.fstat(self.fd)
+        if (here.st_dev, here.st_ino) != (ours.st_dev, ours.st_ino):
+            raise StorageError("the partial file was replaced while it was written (another writer in this "
+                               "directory)", path=self.where)
         try:
             os.replace(self.name, final_name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
         except OSError as e:

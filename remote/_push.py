@@ -16,12 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlsplit
 
 import blake3
 
 from shardtool.errors import DigestMismatchError, StorageError, UsageError
 from shardtool.manifest import MANIFEST_NAME, Entry, Manifest, decode_manifest
-from shardtool.remote._mirror import READ_CHUNK, MirrorFault, _FsspecMirror
+from shardtool.atomic import atomic_writer_at
+from shardtool.outdir import OutDir
+from shardtool.remote._mirror import READ_CHUNK, MirrorFault, _FsspecMirror, check_url, open_mirror
 from shardtool.safeio import open_beneath
 
 
@@ -40,20 +43,33 @@ class PushReport:
 
 
 class _Target:
-    """A writable fsspec store below a base URL."""
+    """A writable store below a base URL. Reads (is a file already there?) go through the same hardened readers as
+    pull (`open_mirror`); writes to a directory go through link-free descriptors and an atomic rename beside the
+    final name (`OutDir`, `atomic_writer_at`), writes to any other fsspec store through its transactional write."""
 
     def __init__(self, url: str, timeout: float):
-        if url.split("://", 1)[0].lower() in ("http", "https"):
+        scheme = check_url(url)
+        if scheme in ("http", "https"):
             raise UsageError(f"cannot push to {url!r}: HTTP stores are read-only here",
                              hint="push to an object store (s3://bucket/prefix) or a directory")
-        self.store = _FsspecMirror(url, timeout)
-        self.fs = self.store.fs
-        self.label = self.store.label
+        self.reader = open_mirror(url, timeout=timeout)
+        self.label = self.reader.label
+        self.dir = None
+        if scheme in ("", "file", "local"):
+            self.dir = OutDir(Path(urlsplit(url).path if scheme else url))
+        else:
+            self.store = _FsspecMirror(url, timeout)
+            self.fs = self.store.fs
+
+    def close(self) -> None:
+        self.reader.close()
+        if self.dir is not None:
+            self.dir.close()
 
     def holds(self, entry: Entry) -> bool:
         """Does the store already hold `entry`'s exact bytes? (Size first, then every byte hashed.)"""
         try:
-            stream = self.store.open(entry.path, 0, entry.size)
+            stream = self.reader.open(entry.path, 0, entry.size)
         except MirrorFault:
             return False
         hasher, total = blake3.blake3(), 0
@@ -72,6 +88,8 @@ class _Target:
 
     def upload(self, relpath: str, chunks, where: str, check: Callable[[int, bytes], None]) -> int:
         """Write `chunks` to relpath in one transaction; `check(size, digest)` decides before the commit."""
+        if self.dir is not None:
+            return self._upload_to_directory(relpath, chunks, check)
         path = self.store.path(relpath)
         try:
             parent = path.rpartition("/")[0]
@@ -109,6 +127,18 @@ class _Target:
         return total
 
 
+    def _upload_to_directory(self, relpath: str, chunks, check: Callable[[int, bytes], None]) -> int:
+        dir_fd, name = self.dir.locate(relpath)  # directories opened without following links
+        hasher, total = blake3.blake3(), 0
+        with atomic_writer_at(dir_fd, name, where=f"{self.label.rstrip('/')}/{relpath}") as fh:
+            for data in chunks:
+                hasher.update(data)
+                total += len(data)
+                fh.write(data)
+            check(total, hasher.digest())  # raising here removes the temp file: nothing is renamed into place
+        return total
+
+
 def _file_chunks(root: Path, entry: Entry):
     fd = open_beneath(root, entry.path)
     try:
@@ -132,41 +162,43 @@ def push(out: Path, manifest_bytes: bytes, url: str, *, jobs: int = 4, timeout: 
         raise UsageError("the manifest is not signed; a store should only ever hold signed manifests",
                          hint="run `shardtool sign` first")
     target = _Target(url, timeout)
-    report = PushReport(target.label)
-    lock = threading.Lock()
-    start = time.monotonic()
+    try:
+        report = PushReport(target.label)
+        lock = threading.Lock()
+        start = time.monotonic()
 
-    def one(entry: Entry) -> None:
-        where = str(Path(out) / entry.path)
-        if target.holds(entry):
+        def one(entry: Entry) -> None:
+            where = str(Path(out) / entry.path)
+            if target.holds(entry):
+                with lock:
+                    report.skipped.append(entry.path)
+                if progress:
+                    progress(entry.size)
+                return
+
+            def check(size: int, digest: bytes) -> None:
+                if size != entry.size or digest != entry.digest:
+                    raise DigestMismatchError("changed while it was uploaded, or does not match the manifest "
+                                              f"({size} bytes, BLAKE3 {digest.hex()})", path=where)
+
+            sent = target.upload(entry.path, _file_chunks(Path(out), entry), where, check)
             with lock:
-                report.skipped.append(entry.path)
+                report.uploaded.append(entry.path)
+                report.bytes_uploaded += sent
             if progress:
                 progress(entry.size)
-            return
 
-        def check(size: int, digest: bytes) -> None:
-            if size != entry.size or digest != entry.digest:
-                raise DigestMismatchError("changed while it was uploaded, or does not match the manifest "
-                                          f"({size} bytes, BLAKE3 {digest.hex()})", path=where)
-
-        sent = target.upload(entry.path, _file_chunks(Path(out), entry), where, check)
-        with lock:
-            report.uploaded.append(entry.path)
-            report.bytes_uploaded += sent
-        if progress:
-            progress(entry.size)
-
-    with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="push") as pool:
-        futures = [pool.submit(one, e) for e in sorted(manifest.entries, key=lambda e: -e.size)]
-        errors = [f.exception() for f in futures]
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
-    # Last: the manifest. A reader who finds it finds every shard it lists already in place.
-    target.upload(MANIFEST_NAME, [manifest_bytes], MANIFEST_NAME, lambda size, digest: None)
-    report.uploaded.append(MANIFEST_NAME)
-    report.bytes_uploaded += len(manifest_bytes)
-    report.seconds = time.monotonic() - start
-    target.store.close()
+        with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="push") as pool:
+            futures = [pool.submit(one, e) for e in sorted(manifest.entries, key=lambda e: -e.size)]
+            errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        # Last: the manifest. A reader who finds it finds every shard it lists already in place.
+        target.upload(MANIFEST_NAME, [manifest_bytes], MANIFEST_NAME, lambda size, digest: None)
+        report.uploaded.append(MANIFEST_NAME)
+        report.bytes_uploaded += len(manifest_bytes)
+        report.seconds = time.monotonic() - start
+    finally:
+        target.close()
     return report

@@ -228,3 +228,22 @@ def test_property_any_strict_prefix_is_refused(value, data):
     cut = data.draw(st.integers(min_value=0, max_value=len(wire) - 1))
     with pytest.raises(ManifestFormatError):
         decode(wire[:cut], max_size=CAP)
+
+
+def test_object_count_is_checked_before_anything_is_built():
+    """Nested empty arrays turn each byte into a Python list: a document of more objects than allowed is refused by
+    a walk of its bytes, before msgpack builds any of them; the walk counts every kind of object exactly."""
+    from shardtool.manifest._canonical import check_object_count
+
+    bomb = b"\xdd" + (3_000_000).to_bytes(4, "big") + b"\x90" * 3_000_000  # one array of 3M empty arrays
+    with pytest.raises(ManifestFormatError, match="more than 1000 msgpack objects"):
+        decode(bomb, max_size=1 << 30, max_objects=1000)
+    with pytest.raises(ManifestFormatError, match="nests deeper"):
+        check_object_count(b"\x91" * 40 + b"\xc0", 10**6)
+    value = {"a": [1, -1, 300, -40000, 2**40, None, True, "s" * 40, b"b" * 70000, [], {}], "b": {"c": [b"", "x"]}}
+    data = msgpack.packb(value, use_bin_type=True)
+    # the map, "a", its list and 11 items, "b", its map, "c", its list and 2 items
+    assert check_object_count(data, 10**6) == 1 + 1 + 1 + 11 + 1 + 1 + 1 + 1 + 2
+    assert check_object_count(msgpack.packb([msgpack.ExtType(5, b"a" * 300), 1.5]), 10) == 3
+    with pytest.raises(ManifestFormatError, match="ends inside"):
+        check_object_count(data[:-1], 10**6)

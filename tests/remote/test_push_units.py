@@ -4,13 +4,14 @@ upload that fails leaves no manifest in the store."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import fsspec
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from shardtool.errors import StorageError
+from shardtool.errors import StorageError, UsageError
 from shardtool.manifest import MANIFEST_NAME
 from shardtool.remote import push
 
@@ -81,3 +82,29 @@ def test_a_failed_shard_upload_leaves_no_manifest(world, recordfs, tmp_path):
     assert MANIFEST_NAME not in {rel for rel, _ in recordfs.commits}
     assert not (tmp_path / "store" / MANIFEST_NAME).exists()
     assert not (tmp_path / "store" / recordfs.fail).exists()
+
+
+def test_a_directory_target_is_written_through_no_link(world, tmp_path):
+    """A link planted in the target directory (a subdirectory to elsewhere, a file name to a victim, a FIFO at a
+    file name) never sends a byte outside it nor hangs the push: links on the way are refused, links and FIFOs at a
+    file name are replaced by a rename of a fresh file."""
+    data = (world.model / MANIFEST_NAME).read_bytes()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"keep me")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "experts").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(UsageError, match="symlink inside the output directory"):
+        push(world.model, data, str(linked), jobs=2)
+    assert list(outside.iterdir()) == [] and not (linked / MANIFEST_NAME).exists()
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").symlink_to(victim)
+    os.mkfifo(target / "tokenizer.json")
+    report = push(world.model, data, str(target), jobs=2, timeout=2)
+    assert victim.read_bytes() == b"keep me" and not (target / "config.json").is_symlink()
+    assert (target / "config.json").read_bytes() == (world.model / "config.json").read_bytes()
+    assert (target / "tokenizer.json").is_file() and report.uploaded[-1] == MANIFEST_NAME
