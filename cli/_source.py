@@ -55,6 +55,8 @@ def check_source(directory: Optional[Path], manifest_file: Optional[Path], remot
             raise UsageError("give the model directory DIR (or --remote URL --cache-dir D)")
         if cache_dir is not None:
             raise UsageError("--cache-dir goes with --remote")
+        from shardtool.cli._common import model_dir
+        model_dir(directory)  # an absent DIR is named before the keys are read
 
 
 @dataclass

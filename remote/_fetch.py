@@ -32,12 +32,11 @@ import blake3
 from shardtool.errors import MissingFileError, ShardtoolError, StorageError, VerificationError
 from shardtool.manifest import Entry, open_file_matches
 from shardtool.outdir import OutDir
-from shardtool.remote._mirror import READ_CHUNK, Mirror, MirrorFault
+from shardtool.remote._mirror import MIN_RATE, READ_CHUNK, Mirror, MirrorFault
 from shardtool.safeio import open_file_at
 from shardtool.text import printable
 
 PARTIAL_SUFFIX = ".partial"
-MIN_RATE = 32 * 1024  # bytes/s a store must keep up over each --timeout window (curl's --speed-limit/--speed-time)
 
 
 class _RateGuard:

@@ -30,6 +30,8 @@ from shardtool.errors import UsageError
 
 READ_CHUNK = 8 * 1024 * 1024  # bytes asked of a store per read: bounds memory per job and each range request
 MAX_REDIRECTS = 5
+SMALL_FILE = 1024 * 1024  # files below this are read whole within their request (HTTP)
+MIN_RATE = 32 * 1024  # bytes/s a store must keep up over each --timeout window (curl's --speed-limit/--speed-time)
 DEFAULT_TIMEOUT = 60.0
 
 
@@ -87,6 +89,22 @@ class Mirror:
 
 
 # -- HTTP ------------------------------------------------------------------------------------------------------
+
+class _BytesStream(Stream):
+    """A small file's bytes, already read (bounded) in the request's own trip to the event loop; `fault`: what
+    stopped that read early, raised once the bytes that did arrive are handed on (a prefix the next mirror
+    continues)."""
+
+    def __init__(self, data: bytes, offset: int, fault: str | None = None):
+        self._data, self.offset, self._pos, self._fault = data, offset, 0, fault
+
+    def read(self, n: int) -> bytes:
+        out = self._data[self._pos:self._pos + n]
+        self._pos += len(out)
+        if not out and self._fault is not None:
+            raise MirrorFault(self._fault)
+        return out
+
 
 class _HttpStream(Stream):
     def __init__(self, mirror: "_HttpMirror", response: Any, offset: int):
@@ -165,13 +183,37 @@ class _HttpMirror(Mirror):
             else:
                 raise MirrorFault(f"more than {MAX_REDIRECTS} redirects")
             try:
-                return response, _check_response(response, start, size, cap)
+                offset = _check_response(response, start, size, cap)
             except BaseException:
                 response.release()
                 raise
+            if size is None or size - offset >= SMALL_FILE:
+                return response, offset
+            # A small file is read whole here, in the same trip to the event loop (a few hops per file cost more
+            # than the bytes): at most one byte past the signed size, each read under the time-out.
+            want, data = size - offset + 1, bytearray()
 
-        response, offset = self.run(get)
-        return _HttpStream(self, response, offset)
+            async def read_all() -> None:
+                while len(data) < want:
+                    piece = await asyncio.wait_for(response.content.read(want - len(data)), self.timeout)
+                    if not piece:
+                        break
+                    data.extend(piece)
+            fault = None
+            try:  # each read under the time-out, and the whole at MIN_RATE (a trickle is a stall too)
+                await asyncio.wait_for(read_all(), self.timeout + want / MIN_RATE)
+            except (asyncio.TimeoutError, TimeoutError):
+                fault = f"no answer within {self.timeout:g}s"
+            except Exception as e:  # a reset connection, bad chunking: what arrived is still handed on
+                fault = _describe(e)
+            if fault is None and len(data) < want:
+                response.release()  # the whole body was read: the connection goes back to the pool
+            else:
+                response.close()  # longer than signed, or a fault: the rest is not read
+            return _BytesStream(bytes(data), offset, fault), offset
+
+        got, offset = self.run(get)
+        return got if isinstance(got, _BytesStream) else _HttpStream(self, got, offset)
 
     def close(self) -> None:
         if self._session is not None:
