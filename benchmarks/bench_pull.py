@@ -159,7 +159,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stores", default="s3,http")
     ap.add_argument("--sets", default="big,small")
-    ap.add_argument("--jobs", type=int, default=4, help="shardtool pull --jobs (its default is 4)")
+    ap.add_argument("--jobs", type=int, default=16, help="shardtool pull --jobs (its default is 16)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/shardtool-bench-pull"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()

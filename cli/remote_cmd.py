@@ -47,7 +47,8 @@ def pull(
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="A cluster plan (shardtool plan): with --node, only "
                                                                   "that node's share."),
     node_name: Optional[str] = typer.Option(None, "--node", help="The node of --plan whose share to pull."),
-    jobs: int = typer.Option(4, "--jobs", min=1, max=64, help="Files fetched at once."),
+    jobs: int = typer.Option(16, "--jobs", min=1, max=64, help="Files fetched at once (many small files need many "
+                                                               "in flight: each waits a round trip)."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds a store has to answer one request (a stall "
                                                           "past it moves on to the next mirror)."),
     json_out: bool = typer.Option(False, "--json", help="Print a summary document on stdout."),
