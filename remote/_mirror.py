@@ -20,10 +20,11 @@ Two readers:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import posixpath
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 from urllib.parse import quote, urljoin, urlsplit, urlunsplit
 
 from shardtool.errors import UsageError
@@ -106,33 +107,63 @@ class _BytesStream(Stream):
         return out
 
 
-class _HttpStream(Stream):
-    def __init__(self, mirror: "_HttpMirror", response: Any, offset: int):
-        self._mirror, self._response, self.offset = mirror, response, offset
-        self._ended = False
+class _LoopStream(Stream):
+    """A response body that belongs to its mirror's event loop: every read (under the time-out) and the close run
+    there."""
+
+    def __init__(self, mirror: "_LoopMirror", offset: int):
+        self._mirror, self.offset = mirror, offset
+
+    async def _read(self, n: int) -> bytes:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    async def _close(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
 
     def read(self, n: int) -> bytes:
         async def read() -> bytes:
-            return await asyncio.wait_for(self._response.content.read(n), self._mirror.timeout)
-        data = self._mirror.run(read)
-        self._ended = not data
-        return data
+            return await asyncio.wait_for(self._read(n), self._mirror.timeout)
+        return self._mirror.run(read)
 
     def close(self) -> None:
-        response, ended = self._response, self._ended
-
-        async def close() -> None:  # on the loop: aiohttp's objects belong to it
-            if ended:
-                response.release()  # the whole body was read: the connection goes back to the pool
-            else:
-                response.close()  # a body we stopped reading (too long, a fault): the connection is dropped
         try:
-            self._mirror.run(close)
+            self._mirror.run(self._close)
         except MirrorFault:
             pass
 
 
-class _HttpMirror(Mirror):
+class _LoopMirror(Mirror):
+    """A store whose client runs on an fsspec event loop (aiohttp for HTTP, aiobotocore for S3)."""
+
+    loop: Any
+
+    def run(self, coroutine_fn: Callable) -> Any:
+        """Run one of our coroutines on the store's event loop; its errors and time-outs turn into faults."""
+        from fsspec.asyn import sync
+
+        with _as_fault(self.timeout):
+            return sync(self.loop, coroutine_fn)
+
+
+class _HttpStream(_LoopStream):
+    def __init__(self, mirror: "_HttpMirror", response: Any, offset: int):
+        super().__init__(mirror, offset)
+        self._response = response
+        self._ended = False
+
+    async def _read(self, n: int) -> bytes:
+        data = await self._response.content.read(n)
+        self._ended = not data
+        return data
+
+    async def _close(self) -> None:  # on the loop: aiohttp's objects belong to it
+        if self._ended:
+            self._response.release()  # the whole body was read: the connection goes back to the pool
+        else:
+            self._response.close()  # a body we stopped reading (too long, a fault): the connection is dropped
+
+
+class _HttpMirror(_LoopMirror):
     def __init__(self, url: str, timeout: float):
         super().__init__(url.rstrip("/") + "/", timeout)
         import aiohttp
@@ -145,19 +176,7 @@ class _HttpMirror(Mirror):
         # ~/.netrc) on every request, which cost 5 ms of CPU per small file.
         self._proxy = _proxy_for(self.url)
         self._session = None
-
-    def run(self, coroutine_fn: Callable) -> Any:
-        """Run one of our coroutines on fsspec's event loop; its time-outs turn into faults."""
-        from fsspec.asyn import sync
-
-        try:
-            return sync(self._fs.loop, coroutine_fn)
-        except MirrorFault:
-            raise
-        except (asyncio.TimeoutError, TimeoutError):
-            raise MirrorFault(f"no answer within {self.timeout:g}s") from None
-        except Exception as e:  # aiohttp's errors: connection refused or reset, bad chunking, closed payload
-            raise MirrorFault(_describe(e)) from None
+        self.loop = self._fs.loop
 
     def open(self, relpath: str, start: int, size: int | None, cap: int | None = None) -> Stream:
         from yarl import URL
@@ -334,12 +353,8 @@ class _FsspecMirror(Mirror):
         return posixpath.join(self._base, relpath) if self._base else relpath
 
     def call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        try:
+        with _as_fault(self.timeout):
             return fn(*args, **kwargs)
-        except FileNotFoundError:
-            raise MirrorFault("not found") from None
-        except Exception as e:  # botocore, aiohttp, OSError from a local store: this mirror's fault for this file
-            raise MirrorFault(_describe(e)) from None
 
     def open(self, relpath: str, start: int, size: int | None, cap: int | None = None) -> Stream:
         path = self.path(relpath)
@@ -395,27 +410,19 @@ class _LocalMirror(Mirror):
         return _FdStream(fd, start)
 
 
-class _S3Stream(Stream):
+class _S3Stream(_LoopStream):
     def __init__(self, mirror: "_S3Mirror", body: Any, offset: int):
-        self._mirror, self._body, self.offset = mirror, body, offset
+        super().__init__(mirror, offset)
+        self._body = body
 
-    def read(self, n: int) -> bytes:
-        async def read() -> bytes:
-            return await asyncio.wait_for(self._body.read(n), self._mirror.timeout)
-        return self._mirror.run(read)
+    async def _read(self, n: int) -> bytes:
+        return await self._body.read(n)
 
-    def close(self) -> None:
-        body = self._body
-
-        async def close() -> None:
-            body.close()
-        try:
-            self._mirror.run(close)
-        except MirrorFault:
-            pass
+    async def _close(self) -> None:
+        self._body.close()
 
 
-class _S3Mirror(Mirror):
+class _S3Mirror(_LoopMirror):
     """s3:// through s3fs's client: one GET per file (a range from where a partial file ends), the object's size
     from Content-Range or Content-Length compared before the body is read, the body read in bounded pieces, each
     await under the time-out, no retries of our own or s3fs's (the next mirror is the retry)."""
@@ -428,20 +435,7 @@ class _S3Mirror(Mirror):
             "connect_timeout": timeout, "read_timeout": timeout, "retries": {"max_attempts": 1, "mode": "standard"}})
         self.fs.retries = 1
         self._base = self.fs._strip_protocol(url).rstrip("/")
-
-    def run(self, coroutine_fn: Callable) -> Any:
-        from fsspec.asyn import sync
-
-        try:
-            return sync(self.fs.loop, coroutine_fn)
-        except MirrorFault:
-            raise
-        except FileNotFoundError:
-            raise MirrorFault("not found") from None
-        except (asyncio.TimeoutError, TimeoutError):
-            raise MirrorFault(f"no answer within {self.timeout:g}s") from None
-        except Exception as e:  # botocore's and aiohttp's errors
-            raise MirrorFault(_describe(e)) from None
+        self.loop = self.fs.loop
 
     def path(self, relpath: str) -> str:
         return f"{self._base}/{relpath}"
@@ -492,6 +486,22 @@ class _BrokenMirror(Mirror):
 
     def open(self, relpath: str, start: int, size: int | None, cap: int | None = None) -> Stream:
         raise MirrorFault(self._reason)
+
+
+@contextlib.contextmanager
+def _as_fault(timeout: float) -> Iterator[None]:
+    """A store's errors for one request (aiohttp's, botocore's, a client library's, an OSError) are this mirror's
+    fault for this file: the caller asks the next mirror."""
+    try:
+        yield
+    except MirrorFault:
+        raise
+    except FileNotFoundError:
+        raise MirrorFault("not found") from None
+    except (asyncio.TimeoutError, TimeoutError):
+        raise MirrorFault(f"no answer within {timeout:g}s") from None
+    except Exception as e:  # noqa: BLE001 - whatever the backend raises
+        raise MirrorFault(_describe(e)) from None
 
 
 def _describe(e: BaseException) -> str:
