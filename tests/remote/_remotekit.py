@@ -40,18 +40,19 @@ class Result:
 
 
 class Cli:
-    """The installed `shardtool`, run in `cwd` with its own XDG state directory (rollback state) on every call."""
+    """The installed `shardtool` (or another of its commands, `program`), run in `cwd` with its own XDG state
+    directory (rollback state) on every call."""
 
     def __init__(self, cwd: Path, env: dict | None = None):
         self.cwd = cwd
         self.env = {**os.environ, "XDG_STATE_HOME": str(cwd / "xdg"), **(env or {})}
         self.env.pop("SHARDTOOL_PASSPHRASE", None)
 
-    def argv(self, *args) -> list[str]:
-        return [str(BIN / "shardtool"), *map(str, args)]
+    def argv(self, *args, program: str = "shardtool") -> list[str]:
+        return [str(BIN / program), *map(str, args)]
 
-    def __call__(self, *args, timeout: int = 120) -> Result:
-        proc = subprocess.run(self.argv(*args), cwd=self.cwd, capture_output=True, text=True, env=self.env,
+    def __call__(self, *args, timeout: int = 120, program: str = "shardtool") -> Result:
+        proc = subprocess.run(self.argv(*args, program=program), cwd=self.cwd, capture_output=True, text=True, env=self.env,
                               timeout=timeout, stdin=subprocess.DEVNULL)
         return Result(proc.returncode, proc.stdout, proc.stderr)
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 
 import boto3
 import pytest
 
-from _remotekit import BIN, MODEL_ID, Result, build_cli, target_file
+from _remotekit import MODEL_ID, Result, build_cli, target_file
 
 PROMPT = "4,5,6,7"
 
@@ -36,10 +35,7 @@ def stores(world, s3, tmp_path_factory):
 
 
 def _verify_and_run(cli, *args) -> Result:
-    """The installed `verify-and-run` command, with the Cli's directory and environment."""
-    proc = subprocess.run([str(BIN / "verify-and-run"), *map(str, args)], cwd=cli.cwd, env=cli.env, text=True,
-                          capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
-    return Result(proc.returncode, proc.stdout, proc.stderr)
+    return cli(*args, program="verify-and-run", timeout=300)
 
 
 def _run(cli, *args) -> Result:
