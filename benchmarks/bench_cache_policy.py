@@ -6,10 +6,11 @@
     [t, layers, k] array per forward step); each step is turned into the store's access sequence: the
     embedding, then per layer its trunk shard and the distinct experts the step's rows chose (ascending, as
     the MoE loop asks for them), then the head. Saved as JSON in WORKDIR/traces/.
-(2) replay: each trace through the runtime's own policy objects (`runtime/_cache_policy.py`) at shard-cache
-    budgets of the trunk + 1/8, 1/4 and 1/2 of all expert bytes, with the trunk sharing the cache or pinned
-    outside the policy, and Belady's optimal (evict the expert used again furthest in the future) as a
-    ceiling. Prints expert hit rates per family, budget and policy: the median over model seeds and its range.
+(2) replay: each trace through the store's own bookkeeping (`CacheIndex` in `runtime/_cache_policy.py`) at
+    shard-cache budgets of the trunk + 1/8, 1/4 and 1/2 of all expert bytes, with trunk shards evicted last
+    (as the store does) or in one order with the experts ("shared"), and Belady's optimal (evict the expert
+    used again furthest in the future, trunk kept) as a ceiling. Prints expert hit rates per family, budget
+    and policy (the median over model seeds and its range), trunk re-reads, and how repetitive the routing is.
 
 Hit rates are counts, not timings: the figures do not depend on the machine's load.
 The generated models have random weights: their routers are nearly flat, so these traces are closer to the
@@ -121,38 +122,31 @@ def accesses(trace: dict) -> list[tuple[str, int]]:
     return out
 
 
-def replay(seq: list[tuple[str, int]], policy: str, budget: int, pin_trunk: bool) -> dict:
-    """Replay through the runtime's policy as `ShardStore._insert/_lookup` do (evict until the new shard fits;
-    a shard bigger than the budget is never cached). With `pin_trunk`, the trunk sits outside the policy
-    and its bytes come off the budget."""
-    from shardtool.runtime._cache_policy import make_policy
+def replay(seq: list[tuple[str, int]], policy: str, budget: int, trunk_last: bool) -> dict:
+    """Replay through the store's own bookkeeping (`CacheIndex`: evict until the new shard fits; a shard
+    bigger than the budget is never cached). `trunk_last`: as the store does, trunk shards are evicted only
+    when no expert is cached; False: one order for all shards (every key given to the index as an expert)."""
+    from shardtool.runtime._cache_policy import CacheIndex
 
-    p = make_policy(policy)
-    cached: dict[str, int] = {}
-    used = 0
-    if pin_trunk:
-        budget -= sum({k: s for k, s in seq if not k.startswith("e:")}.values())
+    index = CacheIndex(policy, budget)
     hits = misses = trunk_misses = 0
+    read = trunk_read = 0  # bytes read, all and trunk re-reads
     seen: set[str] = set()
     for key, size in seq:
         expert = key.startswith("e:")
-        if not expert and pin_trunk:
-            continue
-        if key in cached:
-            p.touch(key)
+        if key in index:
+            index.touch(key)
             hits += expert
             continue
         misses += expert
-        trunk_misses += not expert and key in seen  # a re-read: the first read of each is no policy's doing
+        reread = not expert and key in seen  # a trunk re-read: the first read of each is no policy's doing
+        trunk_misses += reread
+        trunk_read += size * reread
+        read += size
         seen.add(key)
-        if size > budget:
-            continue
-        while cached and used + size > budget:
-            used -= cached.pop(p.victim())
-        cached[key] = size
-        used += size
-        p.admit(key)
-    return {"hit_rate": hits / max(hits + misses, 1), "trunk_misses": trunk_misses}
+        index.insert(key, size, expert=expert or not trunk_last)
+    return {"hit_rate": hits / max(hits + misses, 1), "trunk_misses": trunk_misses, "bytes_read": read,
+            "trunk_reread_bytes": trunk_read}
 
 
 def belady(seq: list[tuple[str, int]], capacity: int) -> float:
@@ -180,6 +174,26 @@ def belady(seq: list[tuple[str, int]], capacity: int) -> float:
     return hits / max(len(experts), 1)
 
 
+def locality(trace: dict) -> dict:
+    """How skewed and how repetitive the routing is: the share of a decode step's experts (per layer) that the
+    step before also chose, and the share of all expert accesses that go to the 1/8 most used experts."""
+    repeats = total = 0
+    prev = None
+    counts: dict[tuple[int, int], int] = {}
+    for step in trace["steps"]:
+        for j, experts in enumerate(step):
+            for e in experts:
+                counts[(j, e)] = counts.get((j, e), 0) + 1
+        if prev is not None and all(len(x) <= trace["top_k"] for x in step):  # a decode step
+            for now, before in zip(step, prev):
+                repeats += len(set(now) & set(before))
+                total += len(now)
+        prev = step
+    ranked = sorted(counts.values(), reverse=True)
+    top = len(trace["moe_layers"]) * trace["num_experts"] // 8
+    return {"repeat_previous_step": repeats / max(total, 1), "top_eighth_share": sum(ranked[:top]) / sum(ranked)}
+
+
 def evaluate(trace: dict) -> dict:
     seq = accesses(trace)
     n_experts = len(trace["moe_layers"]) * trace["num_experts"]
@@ -188,10 +202,12 @@ def evaluate(trace: dict) -> dict:
     for num, den in FRACTIONS:
         capacity = n_experts * num // den
         budget = trunk + capacity * trace["expert_size"]
-        row = {policy: replay(seq, policy, budget, False) for policy in ("lru", "lfu", "lfu-da")}
-        row.update({f"{policy}+pin": replay(seq, policy, budget, True) for policy in ("lru", "lfu", "lfu-da")})
-        row["belady"] = {"hit_rate": belady(seq, capacity), "trunk_misses": 0}
+        row = {policy: replay(seq, policy, budget, True) for policy in ("lru", "lfu", "lfu-da")}
+        row.update({f"{policy} shared": replay(seq, policy, budget, False) for policy in ("lru", "lfu", "lfu-da")})
+        row["belady"] = {"hit_rate": belady(seq, capacity), "trunk_misses": 0, "bytes_read": 0,
+                         "trunk_reread_bytes": 0}
         out[f"{num}/{den}"] = row
+    out["locality"] = locality(trace)
     return out
 
 
@@ -222,12 +238,12 @@ def main() -> None:
             results.setdefault(family, []).append(evaluate(trace))
             print(f"{family} seed {seed}: {len(trace['steps'])} steps, {len(accesses(trace))} shard accesses",
                   flush=True)
-    policies = ["lru", "lfu", "lfu-da", "lru+pin", "lfu+pin", "lfu-da+pin", "belady"]
+    policies = ["lru", "lfu", "lfu-da", "lru shared", "lfu shared", "lfu-da shared", "belady"]
     print("\n## expert hit rate, % (median over model seeds [min-max]); budget = trunk + fraction of expert bytes")
     print(f"{'family':<12} {'budget':>6} " + " ".join(f"{p:>17}" for p in policies))
     summary: dict = {}
     for family, runs in results.items():
-        for frac in runs[0]:
+        for frac in [f for f in runs[0] if f != "locality"]:
             cells = []
             for policy in policies:
                 rates = [100 * r[frac][policy]["hit_rate"] for r in runs]
@@ -243,11 +259,31 @@ def main() -> None:
                 d = [a - b for a, b in zip(rates[policy], rates["lru"])]
                 cells.append(f"{statistics.median(d):+5.1f} [{min(d):+.1f},{max(d):+.1f}]")
             print(f"{family:<12} {frac:>6} " + " ".join(f"{c:>17}" for c in cells))
-    trunk_misses = {p: sum(r[f][p]["trunk_misses"] for rs in results.values() for r in rs for f in r)
-                    for p in ("lru", "lfu", "lfu-da")}
-    print(f"\ntrunk re-reads when the trunk shares the cache (all families, budgets, seeds): {trunk_misses}")
+    print("\n## trunk re-reads (all seeds) and their share of the bytes read: trunk evicted last (the store) / "
+          "one order for all shards (shared)")
+    print(f"{'family':<12} {'budget':>6}  " + "  ".join(f"{p:>12}" for p in
+                                                       ("lru", "lfu", "lfu-da", "lru sh.", "lfu sh.", "lfu-da sh.")))
+    trunk = {}
+    for family, runs in results.items():
+        for frac in [f for f in runs[0] if f != "locality"]:
+            cells = []
+            for policy in ("lru", "lfu", "lfu-da", "lru shared", "lfu shared", "lfu-da shared"):
+                n = sum(r[frac][policy]["trunk_misses"] for r in runs)
+                share = (sum(r[frac][policy]["trunk_reread_bytes"] for r in runs)
+                         / max(sum(r[frac][policy]["bytes_read"] for r in runs), 1))
+                trunk.setdefault(family, {}).setdefault(frac, {})[policy] = {"rereads": n, "share": share}
+                cells.append(f"{n:4d} {100 * share:5.2f}%")
+            print(f"{family:<12} {frac:>6}  " + "  ".join(f"{c:>12}" for c in cells))
+    print("\n## routing locality (median over seeds): decode-step experts also chosen by the step before; "
+          "accesses to the 1/8 most used experts")
+    for family, runs in results.items():
+        rep = statistics.median(r["locality"]["repeat_previous_step"] for r in runs)
+        top = statistics.median(r["locality"]["top_eighth_share"] for r in runs)
+        print(f"{family:<12} repeat {100 * rep:5.1f}%   top-1/8 share {100 * top:5.1f}%")
     if args.json:
-        args.json.write_text(json.dumps({"hit_rates_percent": summary, "trunk_misses": trunk_misses}, indent=2))
+        args.json.write_text(json.dumps({"hit_rates_percent": summary, "trunk": trunk,
+                                         "locality": {f: [r["locality"] for r in rs] for f, rs in results.items()}},
+                                        indent=2))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import numpy as np
 
 from shardtool.errors import CheckpointFormatError, DigestMismatchError, MissingFileError, ShardFormatError
 from shardtool.manifest import Entry, read_verified_timed
-from shardtool.runtime._cache_policy import DEFAULT_POLICY, make_policy
+from shardtool.runtime._cache_policy import DEFAULT_POLICY, CacheIndex
 
 Arrays = Mapping[str, np.ndarray]
 # Each chunk is hashed right after it is read, while it is still in the CPU cache: one pass over memory
@@ -65,8 +65,8 @@ class ShardStore:
                  fetch_missing: Callable[[Entry], None] | None = None, policy: str = DEFAULT_POLICY):
         """`fetch_missing(entry)`: brings a listed shard that `root` does not hold into `root` (`--remote`: fetched
         from mirrors, verified, renamed into place); the store then reads it through the same entry check.
-        `policy`: which cached shard is evicted first (`_cache_policy.POLICIES`); trunk and expert shards
-        share the cache under it."""
+        `policy`: which cached shard is evicted first (`_cache_policy.POLICIES`); trunk shards go only when
+        no expert is left (`CacheIndex`)."""
         if budget_bytes <= 0:
             raise ValueError(f"budget must be positive, got {budget_bytes}")
         self.root = Path(root)
@@ -74,10 +74,9 @@ class ShardStore:
         self.stats = StoreStats()
         self._fetch_missing = fetch_missing
         self.policy = policy
-        self._policy = make_policy(policy)
-        self._cache: dict[str, tuple[Arrays, int]] = {}
+        self._index = CacheIndex(policy, budget_bytes)  # which shards are cached, their bytes, the eviction order
+        self._cache: dict[str, Arrays] = {}
         self._unused: set[str] = set()  # loaded (or loading) for a prefetch, not yet asked for by a request
-        self._cached_bytes = 0
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="shard-reader")
@@ -87,7 +86,7 @@ class ShardStore:
 
     @property
     def cached_bytes(self) -> int:
-        return self._cached_bytes
+        return self._index.used
 
     def _load(self, entry: Entry) -> Arrays:
         """Reader thread: read and verify, parse; then insert into the cache."""
@@ -125,19 +124,17 @@ class ShardStore:
         return arrays
 
     def _insert(self, entry: Entry, arrays: Arrays) -> None:
-        if entry.size > self.budget:
+        # Admitted as its first use: a prefetched shard's first request is not counted again (`_lookup`).
+        evicted = self._index.insert(entry.path, entry.size, expert=entry.kind == "expert")
+        if evicted is None:
             self._unused.discard(entry.path)
             return  # used once, never cached: it alone would break the budget
-        while self._cache and self._cached_bytes + entry.size > self.budget:
-            victim = self._policy.victim()
-            _, size = self._cache.pop(victim)
+        for victim in evicted:
+            del self._cache[victim]
             self._unused.discard(victim)
-            self._cached_bytes -= size
-            self.stats.evictions += 1
-        self._cache[entry.path] = (arrays, entry.size)
-        self._policy.admit(entry.path)  # as its first use; a prefetched shard's first request is not counted again
-        self._cached_bytes += entry.size
-        self.stats.peak_cached_bytes = max(self.stats.peak_cached_bytes, self._cached_bytes)
+        self.stats.evictions += len(evicted)
+        self._cache[entry.path] = arrays
+        self.stats.peak_cached_bytes = max(self.stats.peak_cached_bytes, self._index.used)
 
     def _lookup(self, entry: Entry, use: bool = True) -> Arrays | Future:
         """Caller holds the lock. The cached arrays (a hit), or the new or in-flight load (a miss).
@@ -155,8 +152,8 @@ class ShardStore:
             self._unused.discard(path)
         hit = self._cache.get(path)
         if hit is not None:
-            self._policy.touch(path, use=use and not first_use)
-            return hit[0]
+            self._index.touch(path, use=use and not first_use)
+            return hit
         fut = self._inflight.get(path)
         if fut is None:
             fut = self._pool.submit(self._load, entry)

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from shardtool.runtime import CACHE_POLICIES, DEFAULT_CACHE_POLICY
-from shardtool.runtime._cache_policy import LFU, make_policy
+from shardtool.runtime._cache_policy import LFU, CacheIndex, make_policy
 
 
 def simulate(policy: str, capacity: int, keys: str) -> list[str]:
@@ -150,3 +150,30 @@ def test_victim_of_an_empty_cache_and_unknown_names_are_errors():
             p.victim()
     with pytest.raises(ValueError, match="unknown cache policy 'mru'"):
         make_policy("mru")
+
+
+@pytest.mark.parametrize("policy", CACHE_POLICIES)
+def test_index_evicts_experts_before_any_trunk_shard_and_keeps_the_budget(policy):
+    index = CacheIndex(policy, budget=100)
+    assert index.insert("t0", 30, expert=False) == []
+    assert index.insert("e0", 20, expert=True) == []
+    assert index.insert("e1", 20, expert=True) == []
+    for _ in range(3):
+        index.touch("e0")  # e0 and e1 are used far more often than t0...
+        index.touch("e1")
+    assert index.insert("t1", 30, expert=False) == []  # 100 of 100
+    # ...yet a new shard evicts the experts first, whatever the policy's order among them.
+    evicted = index.insert("e2", 40, expert=True)
+    assert sorted(evicted) == ["e0", "e1"] and index.used == 100
+    # Only experts left to go: the new expert's room comes from e2, not from the trunk.
+    assert index.insert("e3", 40, expert=True) == ["e2"]
+    # With no expert cached but e3, the trunk evicts by the policy too, once experts are gone.
+    assert index.insert("t2", 70, expert=False) == ["e3", "t0"] and index.used == 100
+    assert "t1" in index and "t2" in index and len(index) == 2
+
+
+def test_index_never_caches_a_key_bigger_than_the_budget():
+    index = CacheIndex("lru", budget=50)
+    assert index.insert("a", 30, expert=True) == []
+    assert index.insert("big", 51, expert=True) is None
+    assert "big" not in index and "a" in index and index.used == 30
