@@ -74,7 +74,8 @@ def node(
     try:
         actor, info = serve_node(setup, address, timeout=join_timeout)
         say(f"node {name} ready: {len(info['experts'])} experts of {verified.head.model_id} "
-            f"v{verified.head.version} (root {info['root'][:16]}...) in the Ray cluster at {address}")
+            f"v{verified.head.version} (root {info['root'][:16]}...) in the Ray cluster at {address}; shard cache "
+            f"policy {setup.cache_policy}")
         while not stop.wait(HEALTH_SECONDS):
             if not node_alive(actor, HEALTH_SECONDS * 6):
                 raise UnavailableError(f"node {name}'s actor stopped answering; the node leaves the cluster")

@@ -139,7 +139,7 @@ def serve(
                 engine.start()
                 if expect_model is None:
                     say(unpinned_warning(model_id))
-                say(f"serving {model_id} on {url_of(sock)}")
+                say(f"serving {model_id} on {url_of(sock)} (shard cache policy {policy})")
                 run(app, sock, settings)
             finally:
                 sock.close()
