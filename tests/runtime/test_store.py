@@ -294,6 +294,27 @@ def test_a_prefetch_is_not_counted_as_a_use(model, reads):
     store.close()
 
 
+@pytest.mark.parametrize("policy", CACHE_POLICIES)
+def test_a_trunk_shard_is_evicted_only_when_no_expert_is_cached(tmp_path, reads, policy):
+    rel = "trunk/layer-000.safetensors"
+    (tmp_path / "trunk").mkdir()
+    (tmp_path / rel).write_bytes(shard_bytes(9))
+    trunk = Entry(path=rel, kind="trunk", size=SIZE, digest=blake3.blake3(shard_bytes(9)).digest(), layer=0)
+    experts = []
+    for i in range(3):
+        path = f"experts/layer-000/expert-{i:04d}.safetensors"
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_bytes(shard_bytes(i))
+        experts.append(entry_for(path, shard_bytes(i), i))
+    store = make_store(tmp_path, budget_shards=2.5, policy=policy)
+    store.get(trunk)  # the oldest and least used shard from here on
+    for e in (experts[0], experts[0], experts[1], experts[1], experts[2], experts[0], experts[1]):
+        store.get(e)
+    assert_arrays(store.get(trunk), 9)
+    assert reads[rel] == 1 and store.stats.peak_cached_bytes <= store.budget
+    store.close()
+
+
 def test_the_default_policy_is_named(model):
     root, _ = model
     store = make_store(root)
