@@ -100,11 +100,16 @@ def drop_caches() -> bool:
 def make_mixtral_without_eos(ck: Path, knobs: dict) -> None:
     """A tiny Mixtral checkpoint (examples/make_tiny_moe.py with `knobs`) whose config names no EOS token, so
     every run, ours and any reference, generates exactly the tokens asked for."""
+    make_without_eos(ck, knobs, "mixtral")
+
+
+def make_without_eos(ck: Path, knobs: dict, family: str) -> None:
+    """`make_mixtral_without_eos` for any family make_tiny_moe.py generates."""
     import json
 
     repo = Path(__file__).resolve().parents[1]
     args = [x for k, v in knobs.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    subprocess.run([sys.executable, str(repo / "examples" / "make_tiny_moe.py"), str(ck), "--family", "mixtral",
+    subprocess.run([sys.executable, str(repo / "examples" / "make_tiny_moe.py"), str(ck), "--family", family,
                     *args], check=True, capture_output=True)
     config = json.loads((ck / "config.json").read_text())
     config["eos_token_id"] = None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["bench_audit.py", "bench_split.py", "bench_runtime.py", "bench_serve.py", "bench_receipts.py",
-              "bench_cluster.py", "bench_pull.py"]
+              "bench_cluster.py", "bench_pull.py", "bench_cache_policy.py"]
 
 
 def main() -> int:

@@ -107,6 +107,22 @@ def check_cluster_options(cluster: Optional[str], plan_file: Optional[Path], rem
         raise UsageError(f"--remote-timeout must be a number of seconds, got {remote_timeout}")
 
 
+CACHE_POLICY_HELP = ("Which cached shard is evicted first: lru, lfu or lfu-da (LFU with dynamic aging); default: "
+                     "the runtime's choice, named in the report.")
+
+
+def check_cache_policy(name: str | None) -> str | None:
+    """--cache-policy: one of the runtime's policies (None: its default). Call after `set_blas_threads`: it
+    loads the runtime, and so numpy; no file has been read yet."""
+    if name is None:
+        return None
+    from shardtool.runtime import CACHE_POLICIES
+
+    if name not in CACHE_POLICIES:
+        raise UsageError(f"--cache-policy must be one of {', '.join(CACHE_POLICIES)}, got {printable(name[:40])!r}")
+    return name
+
+
 def load_operator_key(key: Path, passphrase_file: Optional[Path]):
     """The operator's private key that signs run receipts (verify-and-run and serve), loaded at start: a
     missing file, a wrong passphrase or a malformed key fails here, before any work."""

@@ -10,6 +10,7 @@ from typing import List, Optional
 
 import typer
 
+from shardtool.cli._common import CACHE_POLICY_HELP
 from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP
 from shardtool.errors import UnavailableError, UsageError
 
@@ -33,6 +34,7 @@ def node(
                                                        "`ray start --address HOST:PORT` on this machine first when it "
                                                        "is not the head's)."),
     readers: int = typer.Option(2, "--readers", min=1, max=64, help="Reader/verifier threads."),
+    cache_policy: Optional[str] = typer.Option(None, "--cache-policy", help=CACHE_POLICY_HELP),
     join_timeout: float = typer.Option(60.0, "--join-timeout", min=0.1, max=3600.0,
                                        help="Seconds to wait for the node's actor to start."),
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Rollback state directory."),
@@ -46,15 +48,17 @@ def node(
 ) -> None:
     """Verify the manifest and the plan, check every planned file (a missing or bad one: refuse to join, exit 1),
     then serve this node's experts to the cluster's coordinator; every load verified, also after eviction."""
-    from shardtool.cli._common import load_trusted, parse_size, say
+    from shardtool.cli._common import check_cache_policy, load_trusted, parse_size, say
     from shardtool.cli._source import check_source, open_source
 
     budget = parse_size(memory_budget)
     if not address or len(address) > 300:
         raise UsageError("--address must be the Ray head's HOST:PORT")
     check_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout)
+    policy = check_cache_policy(cache_policy)
     trusted = load_trusted(trust)
-    from shardtool.runtime import NODE_CONFIG, leave_cluster, load_plan, node_alive, prepare_node, serve_node
+    from shardtool.runtime import (DEFAULT_CACHE_POLICY, NODE_CONFIG, leave_cluster, load_plan, node_alive,
+                                   prepare_node, serve_node)
 
     # With --remote only config.json is fetched now; the node's actor fetches each planned expert when first asked.
     source = open_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout, trusted, threshold,
@@ -62,14 +66,16 @@ def node(
     directory, verified = source.directory, source.manifest
     plan = load_plan(plan_file, verified)
 
-    setup = prepare_node(directory, verified, plan, name, budget=budget, readers=readers, remote=source.spec)
+    setup = prepare_node(directory, verified, plan, name, budget=budget, readers=readers, remote=source.spec,
+                         cache_policy=policy or DEFAULT_CACHE_POLICY)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     actor = None
     try:
         actor, info = serve_node(setup, address, timeout=join_timeout)
         say(f"node {name} ready: {len(info['experts'])} experts of {verified.head.model_id} "
-            f"v{verified.head.version} (root {info['root'][:16]}...) in the Ray cluster at {address}")
+            f"v{verified.head.version} (root {info['root'][:16]}...) in the Ray cluster at {address}; shard cache "
+            f"policy {setup.cache_policy}")
         while not stop.wait(HEALTH_SECONDS):
             if not node_alive(actor, HEALTH_SECONDS * 6):
                 raise UnavailableError(f"node {name}'s actor stopped answering; the node leaves the cluster")

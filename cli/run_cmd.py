@@ -10,7 +10,8 @@ from typing import List, Optional
 
 import typer
 
-from shardtool.cli._common import check_cluster_options, keep_freed_memory, parse_size, run_app, say, set_blas_threads
+from shardtool.cli._common import (CACHE_POLICY_HELP, check_cache_policy, check_cluster_options, keep_freed_memory,
+                                   parse_size, run_app, say, set_blas_threads)
 from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP, check_source, open_source
 from shardtool.errors import UsageError
 
@@ -82,6 +83,7 @@ def verify_and_run(
     seed: Optional[int] = typer.Option(None, "--seed", min=0, max=MAX_SEED),
     memory_budget: str = typer.Option("8GiB", "--memory-budget", help="Cached shards + KV cache + working buffers."),
     readers: int = typer.Option(2, "--readers", min=1, max=64, help="Reader/verifier threads."),
+    cache_policy: Optional[str] = typer.Option(None, "--cache-policy", help=CACHE_POLICY_HELP),
     threads: int = typer.Option(0, "--threads", min=0, max=1024,
                                 help="Compute (BLAS) threads; 0: the cores the readers leave free, at least 1 "
                                      "(an OPENBLAS_NUM_THREADS or OMP_NUM_THREADS setting is kept)."),
@@ -137,7 +139,9 @@ def verify_and_run(
         operator_key = load_operator_key(receipt_key, receipt_passphrase_file)
     set_blas_threads(threads, readers)
     keep_freed_memory()
-    from shardtool.runtime import Session, connect_cluster, encode_prompt, load_plan, load_tokenizer, make_receipt
+    from shardtool.runtime import (DEFAULT_CACHE_POLICY, Session, connect_cluster, encode_prompt, load_plan,
+                                   load_tokenizer, make_receipt)
+    policy = check_cache_policy(cache_policy) or DEFAULT_CACHE_POLICY
 
     trusted = load_trusted(trust)
     # A local DIR, or the store's files fetched into --cache-dir (the small files and the trunk now, each expert
@@ -157,7 +161,8 @@ def verify_and_run(
         # The KV cache is sized (and budgeted) for exactly this prompt plus the new tokens: a sequence the budget
         # cannot hold is refused here, before the first token.
         session = Session(directory, verified, budget=budget, max_tokens=len(ids) + max_new_tokens, readers=readers,
-                          tokenizer=tokenizer, remote=remote, fetch_missing=source.fetch_missing)
+                          tokenizer=tokenizer, remote=remote, fetch_missing=source.fetch_missing,
+                          cache_policy=policy)
     except BaseException:
         if remote is not None:
             remote.close()
@@ -224,7 +229,7 @@ def _print_report(s: dict) -> None:
     if cache["fetched_from_remote"]:
         say(f"  remote: {cache['fetched_from_remote']} shards fetched into the cache directory first "
             f"({cache['fetch_seconds']:.2f}s), each then read and verified like any other")
-    say(f"  cache: {cache['hits']} hits, {cache['misses']} misses, {cache['evictions']} evictions; "
+    say(f"  cache ({cache['policy']}): {cache['hits']} hits, {cache['misses']} misses, {cache['evictions']} evictions; "
         f"shard cache {s['budget']['shard_cache'] / 2**20:.1f} MiB of budget {s['budget']['total'] / 2**20:.1f} MiB; "
         f"peak RSS {s['peak_rss_bytes'] / 2**20:.1f} MiB")
 

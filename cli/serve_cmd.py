@@ -9,6 +9,7 @@ from typing import List, Optional
 
 import typer
 
+from shardtool.cli._common import CACHE_POLICY_HELP
 from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP
 from shardtool.errors import UsageError
 
@@ -41,6 +42,7 @@ def serve(
     max_queue: int = typer.Option(64, "--max-queue", min=0, max=1 << 16,
                                   help="Requests waiting for admission; past it, HTTP 503 with Retry-After."),
     readers: int = typer.Option(2, "--readers", min=1, max=64, help="Reader/verifier threads."),
+    cache_policy: Optional[str] = typer.Option(None, "--cache-policy", help=CACHE_POLICY_HELP),
     threads: int = typer.Option(0, "--threads", min=0, max=1024,
                                 help="Compute (BLAS) threads; 0: the cores the readers leave free, at least 1."),
     read_timeout: float = typer.Option(30.0, "--read-timeout", min=0.1, max=3600.0,
@@ -68,7 +70,7 @@ def serve(
     """Serve a verified model: POST /v1/completions and /v1/chat/completions (OpenAI-style, streaming as
     server-sent events), GET /v1/models, /health, /metrics; with --receipt-key, a signed run receipt per
     completion and GET /v1/receipts/{id}."""
-    from shardtool.cli._common import (check_cluster_options, keep_freed_memory, load_operator_key, load_trusted,
+    from shardtool.cli._common import (check_cache_policy, check_cluster_options, keep_freed_memory, load_operator_key, load_trusted,
                                        parse_size, say, set_blas_threads, unpinned_warning)
     from shardtool.cli._source import check_source, open_source
 
@@ -89,7 +91,8 @@ def serve(
     set_blas_threads(threads, readers)
     keep_freed_memory()
 
-    from shardtool.runtime import Engine, connect_cluster, load_plan  # loads numpy
+    from shardtool.runtime import DEFAULT_CACHE_POLICY, Engine, connect_cluster, load_plan  # loads numpy
+    policy = check_cache_policy(cache_policy) or DEFAULT_CACHE_POLICY
     from shardtool.serve import (ChatTemplate, Limits, ReceiptSigner, ServerSettings, Stopped, bind, create_app, run,
                                  stop_on_signals, url_of)
 
@@ -108,7 +111,7 @@ def serve(
                 remote = connect_cluster(cluster, load_plan(plan_file, verified), timeout=remote_timeout)
             engine = Engine(source.directory, verified, budget=budget, max_batch=max_batch, max_queue=max_queue,
                             kv_cache=kv_bytes, max_context=max_context, readers=readers, remote=remote,
-                            fetch_missing=source.fetch_missing)
+                            fetch_missing=source.fetch_missing, cache_policy=policy)
         except BaseException as e:
             if remote is not None:
                 remote.close()
@@ -136,7 +139,7 @@ def serve(
                 engine.start()
                 if expect_model is None:
                     say(unpinned_warning(model_id))
-                say(f"serving {model_id} on {url_of(sock)}")
+                say(f"serving {model_id} on {url_of(sock)} (shard cache policy {policy})")
                 run(app, sock, settings)
             finally:
                 sock.close()

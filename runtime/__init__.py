@@ -1,9 +1,11 @@
 """The verifying runtime: shard store (`_store`: where every weight is verified before use), the
 provider that maps the split layout onto it (`_provider`), the numpy MoE forward pass (`_model`), and the
-one decode loop (`_engine`: continuous batching under the memory budget, `_plan`); run receipts: what a run
+one decode loop (`_engine`: continuous batching under the memory budget, `_plan`); which cached shard is evicted
+first (`_cache_policy`); run receipts: what a run
 records (`_record`) and the teacher-forced replay that checks one (`_replay`); a cluster: the node that serves its
 planned experts (`_cluster_node`) and the coordinator's side that asks the nodes for them (`_cluster`)."""
 
+from shardtool.runtime._cache_policy import DEFAULT_POLICY as DEFAULT_CACHE_POLICY, POLICIES as CACHE_POLICIES
 from shardtool.runtime._cluster import ClusterStats, RemoteExperts, connect_cluster, load_plan
 from shardtool.runtime._cluster_node import NodeService, NodeSetup, leave_cluster, node_alive, prepare_node, serve_node
 from shardtool.runtime._cluster_plan import (MAX_PLAN_BYTES, NODE_NAME_PATTERN, ClusterPlan, NodePlan, check_plan,
@@ -18,7 +20,7 @@ from shardtool.runtime._session import Session, encode_prompt
 from shardtool.runtime._signed import load_tokenizer, verified_config
 from shardtool.runtime._store import ShardFormatError, ShardStore, StoreStats
 
-__all__ = ["node_files", "NODE_CONFIG", "MAX_PLAN_BYTES", "NODE_NAME_PATTERN", "ClusterPlan", "NodePlan", "check_plan", "decode_plan", "encode_plan", "make_plan", "node_memory_floor",
+__all__ = ["CACHE_POLICIES", "DEFAULT_CACHE_POLICY", "node_files", "NODE_CONFIG", "MAX_PLAN_BYTES", "NODE_NAME_PATTERN", "ClusterPlan", "NodePlan", "check_plan", "decode_plan", "encode_plan", "make_plan", "node_memory_floor",
            "summarize", "BudgetPlan", "Engine", "ErrorEvent", "Event", "FinishEvent", "SamplingParams", "Session", "ShardFormatError",
            "Ticket", "TokenEvent", "plan_budget", "ShardStore", "StoreStats", "VerifiedWeights", "encode_prompt",
            "load_tokenizer", "verified_config", "RunRecord", "SignedReceipt", "make_receipt", "Tolerances", "check_request", "check_weights", "replay_engine", "replay_receipt",

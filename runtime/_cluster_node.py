@@ -27,6 +27,7 @@ from shardtool.remote import RemoteFiles, RemoteSource
 from shardtool.runtime._model import ModelConfig, run_expert
 from shardtool.runtime._cluster_plan import ClusterPlan, node_memory_floor
 from shardtool.runtime._signed import unusable_shards, verified_config
+from shardtool.runtime._cache_policy import DEFAULT_POLICY
 from shardtool.runtime._store import ShardStore
 
 NAMESPACE = "shardtool"
@@ -93,6 +94,7 @@ class NodeSetup:
     budget: int  # bytes of verified shards kept cached (the rest of --memory-budget: working buffers)
     readers: int
     remote: RemoteSource | None = None  # --remote: planned experts not on disk are fetched when first asked for
+    cache_policy: str = DEFAULT_POLICY  # which cached expert is evicted first
 
 
 class NodeService:
@@ -104,7 +106,8 @@ class NodeService:
         self.held: dict[tuple[int, int], Entry] = {(e.layer, e.expert): e for e in setup.entries}
         self.fetcher = RemoteFiles(Path(setup.directory), setup.remote) if setup.remote is not None else None
         self.store = ShardStore(Path(setup.directory), budget_bytes=setup.budget, readers=setup.readers,
-                                fetch_missing=self.fetcher.fetch if self.fetcher is not None else None)
+                                fetch_missing=self.fetcher.fetch if self.fetcher is not None else None,
+                                policy=setup.cache_policy)
         self.failed: dict[tuple[int, int], str] = {}
         self.calls = 0
         self._lock = threading.Lock()
@@ -252,7 +255,8 @@ def leave_cluster(actor) -> None:
 
 
 def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan, name: str, *, budget: int,
-                 readers: int = 2, remote: RemoteSource | None = None) -> NodeSetup:
+                 readers: int = 2, remote: RemoteSource | None = None,
+                 cache_policy: str = DEFAULT_POLICY) -> NodeSetup:
     """Check this node before it may join. The signed config.json (the experts' shapes) is read through
     verification; `budget` must hold a step over this node's experts; then every file the plan gives node `name`
     is hashed whole and must be present and match the manifest: the first missing or failing one is a
@@ -286,4 +290,4 @@ def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan,
     head = manifest.head
     return NodeSetup(name=name, directory=str(Path(directory).resolve()), root=head.merkle_root, manifest_version=head.version,
                      config=config, entries=tuple(entries), budget=budget - need + largest * (k + 1), readers=readers,
-                     remote=remote)
+                     remote=remote, cache_policy=cache_policy)

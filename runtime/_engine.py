@@ -48,6 +48,7 @@ from shardtool.runtime._plan import BudgetPlan, plan_budget
 from shardtool.runtime._record import RunRecord
 from shardtool.runtime._provider import VerifiedWeights
 from shardtool.runtime._signed import load_tokenizer, signed_json, unusable_shards, verified_config
+from shardtool.runtime._cache_policy import DEFAULT_POLICY
 from shardtool.runtime._store import ShardStore
 
 
@@ -136,10 +137,11 @@ class Engine:
     def __init__(self, root: Path, manifest: VerifiedManifest, *, budget: int, max_batch: int = 16,
                  max_queue: int = 64, kv_cache: int | None = None, max_context: int | None = None,
                  readers: int = 2, tokenizer=None, remote: RemoteExperts | None = None,
-                 fetch_missing: Callable[[Entry], None] | None = None):
+                 fetch_missing: Callable[[Entry], None] | None = None, cache_policy: str = DEFAULT_POLICY):
         """`remote`: a cluster's nodes compute the routed experts (`shardtool node`); `root` then needs to hold
         only the trunk and the model's small files (the plan's coordinator_files). `fetch_missing`: the shard
-        store's hook for a shard `root` does not hold (`--remote URL --cache-dir D`)."""
+        store's hook for a shard `root` does not hold (`--remote URL --cache-dir D`). `cache_policy`: the
+        store's eviction policy (`_cache_policy.POLICIES`)."""
         if max_batch < 1:
             raise UsageError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue < 0:
@@ -161,7 +163,7 @@ class Engine:
         self.plan: BudgetPlan = plan_budget(budget, self.config, manifest, max_tokens=max_context, readers=readers,
                                             max_batch=max_batch, kv_cache=kv_cache)
         self.store = ShardStore(self.root, budget_bytes=self.plan.shard_cache, readers=readers,
-                                fetch_missing=fetch_missing)
+                                fetch_missing=fetch_missing, policy=cache_policy)
         self.weights = VerifiedWeights(self.store, manifest, self.config.num_layers, window=self.config.top_k)
         self.remote = remote
         self._weights = Float32Weights(self.config, self.weights, remote.fetch if remote is not None else None)

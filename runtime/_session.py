@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 
 from shardtool.errors import UsageError
 from shardtool.manifest import VerifiedManifest
+from shardtool.runtime._cache_policy import DEFAULT_POLICY
 from shardtool.runtime._cluster import RemoteExperts
 from shardtool.runtime._engine import Engine, SamplingParams
 from shardtool.runtime._model import Model
@@ -50,15 +51,18 @@ class Session:
     first: pass the tokenizer they loaded with `load_tokenizer` to avoid reading and verifying it twice."""
 
     def __init__(self, root: Path, manifest: VerifiedManifest, *, budget: int, max_tokens: int, readers: int = 2,
-                 tokenizer=None, remote: RemoteExperts | None = None, fetch_missing=None):
+                 tokenizer=None, remote: RemoteExperts | None = None, fetch_missing=None,
+                 cache_policy: str = DEFAULT_POLICY):
         """`remote`: the routed experts come from a cluster's nodes (the engine's `remote`); `fetch_missing`: the
-        shard store's hook for shards the directory does not hold yet (the engine's)."""
+        shard store's hook for shards the directory does not hold yet (the engine's); `cache_policy`: the shard
+        store's eviction policy."""
         self.root = Path(root)
         self.manifest = manifest
         self.remote = remote
         self.fetch_missing = fetch_missing
         self.engine = Engine(self.root, manifest, budget=budget, max_batch=1, max_queue=0, max_context=max_tokens,
-                             readers=readers, tokenizer=tokenizer, remote=remote, fetch_missing=fetch_missing)
+                             readers=readers, tokenizer=tokenizer, remote=remote, fetch_missing=fetch_missing,
+                             cache_policy=cache_policy)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.plan = self.engine.plan
@@ -145,7 +149,7 @@ class Session:
             "bytes_read_per_token": s.bytes_read / max(r.prompt_tokens + r.new_tokens, 1),
             "decode_expert_bytes_per_token": r.decode_expert_bytes / decode_steps if decode_steps else None,
             "contract_expert_bytes_per_token_cold": contract.get("expert_bytes_per_token_cold"),
-            "cache": {"hits": s.hits, "misses": s.misses, "evictions": s.evictions,
+            "cache": {"policy": self.store.policy, "hits": s.hits, "misses": s.misses, "evictions": s.evictions,
                       "peak_cached_bytes": s.peak_cached_bytes, "fetched_from_remote": s.fetched,
                       "fetch_seconds": s.fetch_seconds},
             "budget": self.plan.as_dict(),

@@ -1,15 +1,15 @@
 """The verifying shard store: the only way weights reach the forward pass.
 
 `get(entry)` reads a shard into private memory, checks size and BLAKE3 against the signed manifest,
-and only then parses those same bytes into read-only arrays. Verified shards live in an LRU cache
-bounded by a byte budget; an evicted shard needed again is read and verified again.
+and only then parses those same bytes into read-only arrays. Verified shards live in a cache bounded by a
+byte budget, evicted by a `_cache_policy` (LRU, LFU or LFU-DA); an evicted shard needed again is read and
+verified again.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +19,7 @@ import numpy as np
 
 from shardtool.errors import CheckpointFormatError, DigestMismatchError, MissingFileError, ShardFormatError
 from shardtool.manifest import Entry, read_verified_timed
+from shardtool.runtime._cache_policy import DEFAULT_POLICY, CacheIndex
 
 Arrays = Mapping[str, np.ndarray]
 # Each chunk is hashed right after it is read, while it is still in the CPU cache: one pass over memory
@@ -58,20 +59,24 @@ def parse_shard(entry: Entry, data: np.ndarray | bytes) -> Arrays:
 
 
 class ShardStore:
-    """LRU cache of verified, parsed shards under `budget_bytes`, with a pool of reader threads."""
+    """A cache of verified, parsed shards under `budget_bytes`, with a pool of reader threads."""
 
     def __init__(self, root: Path, *, budget_bytes: int, readers: int = 2,
-                 fetch_missing: Callable[[Entry], None] | None = None):
+                 fetch_missing: Callable[[Entry], None] | None = None, policy: str = DEFAULT_POLICY):
         """`fetch_missing(entry)`: brings a listed shard that `root` does not hold into `root` (`--remote`: fetched
-        from mirrors, verified, renamed into place); the store then reads it through the same entry check."""
+        from mirrors, verified, renamed into place); the store then reads it through the same entry check.
+        `policy`: which cached shard is evicted first (`_cache_policy.POLICIES`); trunk shards go only when
+        no expert is left (`CacheIndex`)."""
         if budget_bytes <= 0:
             raise ValueError(f"budget must be positive, got {budget_bytes}")
         self.root = Path(root)
         self.budget = budget_bytes
         self.stats = StoreStats()
         self._fetch_missing = fetch_missing
-        self._cache: OrderedDict[str, tuple[Arrays, int]] = OrderedDict()
-        self._cached_bytes = 0
+        self.policy = policy
+        self._index = CacheIndex(policy, budget_bytes)  # which shards are cached, their bytes, the eviction order
+        self._cache: dict[str, Arrays] = {}
+        self._unused: set[str] = set()  # loaded (or loading) for a prefetch, not yet asked for by a request
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="shard-reader")
@@ -81,7 +86,7 @@ class ShardStore:
 
     @property
     def cached_bytes(self) -> int:
-        return self._cached_bytes
+        return self._index.used
 
     def _load(self, entry: Entry) -> Arrays:
         """Reader thread: read and verify, parse; then insert into the cache."""
@@ -103,6 +108,7 @@ class ShardStore:
         except BaseException:
             with self._lock:
                 self._inflight.pop(entry.path, None)
+                self._unused.discard(entry.path)
             raise
         with self._lock:
             s = self.stats
@@ -118,38 +124,50 @@ class ShardStore:
         return arrays
 
     def _insert(self, entry: Entry, arrays: Arrays) -> None:
-        if entry.size > self.budget:
+        # Admitted as its first use: a prefetched shard's first request is not counted again (`_lookup`).
+        evicted = self._index.insert(entry.path, entry.size, expert=entry.kind == "expert")
+        if evicted is None:
+            self._unused.discard(entry.path)
             return  # used once, never cached: it alone would break the budget
-        while self._cache and self._cached_bytes + entry.size > self.budget:
-            _, (_, size) = self._cache.popitem(last=False)
-            self._cached_bytes -= size
-            self.stats.evictions += 1
-        self._cache[entry.path] = (arrays, entry.size)
-        self._cached_bytes += entry.size
-        self.stats.peak_cached_bytes = max(self.stats.peak_cached_bytes, self._cached_bytes)
+        for victim in evicted:
+            del self._cache[victim]
+            self._unused.discard(victim)
+        self.stats.evictions += len(evicted)
+        self._cache[entry.path] = arrays
+        self.stats.peak_cached_bytes = max(self.stats.peak_cached_bytes, self._index.used)
 
-    def _lookup(self, entry: Entry) -> Arrays | Future:
+    def _lookup(self, entry: Entry, use: bool = True) -> Arrays | Future:
         """Caller holds the lock. The cached arrays (a hit), or the new or in-flight load (a miss).
 
         A hit hands out the arrays at once, under the lock: looking them up again later could find them
         evicted by a concurrent load and force an unaccounted re-read.
+
+        `use`: the forward pass asks for the shard (False: a prefetch). The policy counts uses only: a
+        loaded shard is admitted as used once, and the first request after the prefetch that loaded it is
+        that use, not a second one (an LFU count is then the requests, however the shard was loaded).
         """
-        hit = self._cache.get(entry.path)
+        path = entry.path
+        first_use = use and path in self._unused
+        if use:
+            self._unused.discard(path)
+        hit = self._cache.get(path)
         if hit is not None:
-            self._cache.move_to_end(entry.path)
-            return hit[0]
-        fut = self._inflight.get(entry.path)
+            self._index.touch(path, use=use and not first_use)
+            return hit
+        fut = self._inflight.get(path)
         if fut is None:
             fut = self._pool.submit(self._load, entry)
-            self._inflight[entry.path] = fut
+            self._inflight[path] = fut
             self.stats.misses += 1
+            if not use:
+                self._unused.add(path)
         return fut
 
     def prefetch(self, entries: Iterable[Entry]) -> None:
         """Start loading shards in the background; errors surface when they are `get`."""
         with self._lock:
             for entry in entries:
-                self._lookup(entry)
+                self._lookup(entry, use=False)
 
     def request(self, entries: list[Entry]) -> list[Callable[[], Arrays]]:
         """Start loading every shard now (reader pool) and return one waiter per shard: calling it blocks

@@ -1,4 +1,5 @@
-"""The verifying shard store: read -> BLAKE3 check -> parse, an LRU under a byte budget, a reader pool."""
+"""The verifying shard store: read -> BLAKE3 check -> parse, a cache under a byte budget (each eviction
+policy), a reader pool."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import shardtool.runtime._store as store_mod
 from shardtool.errors import DigestMismatchError
 from shardtool.manifest import Entry, build_manifest
 from shardtool.errors import MissingFileError, NotARegularFileError
-from shardtool.runtime import ShardFormatError, ShardStore
+from shardtool.runtime import CACHE_POLICIES, DEFAULT_CACHE_POLICY, ShardFormatError, ShardStore
 
 ROWS = 64  # every test shard holds one [ROWS, 16] float32 tensor: same size, so budgets count shards
 
@@ -67,8 +68,9 @@ def reads(monkeypatch):
     return counts
 
 
-def make_store(root, budget_shards: float = 100, readers: int = 2) -> ShardStore:
-    store = ShardStore(root, budget_bytes=int(budget_shards * SIZE), readers=readers)
+def make_store(root, budget_shards: float = 100, readers: int = 2, policy: str | None = None) -> ShardStore:
+    kw = {} if policy is None else {"policy": policy}
+    store = ShardStore(root, budget_bytes=int(budget_shards * SIZE), readers=readers, **kw)
     return store
 
 
@@ -216,7 +218,7 @@ def test_signed_but_malformed_shard_is_a_format_error(tmp_path, case, raises_exa
 
 def test_lru_eviction_counts_and_order(model, reads):
     root, e = model
-    store = make_store(root, budget_shards=2.5)  # room for two shards
+    store = make_store(root, budget_shards=2.5, policy="lru")  # room for two shards
     a, b, c = e[0], e[1], e[2]
     store.get(a)
     store.get(b)
@@ -230,6 +232,93 @@ def test_lru_eviction_counts_and_order(model, reads):
     assert reads == {a.path: 1, b.path: 2, c.path: 1}
     assert store.cached_bytes == 2 * SIZE <= store.budget
     assert s.peak_cached_bytes == 2 * SIZE and s.bytes_read == 4 * SIZE
+    store.close()
+
+
+@pytest.mark.parametrize("policy", CACHE_POLICIES)
+def test_every_policy_keeps_the_budget_and_verifies_every_load(model, monkeypatch, policy, raises_exactly):
+    root, e = model
+    verified = []
+    real = store_mod.read_verified_timed
+
+    def counting(root_, entry):
+        verified.append(entry.path)
+        return real(root_, entry)
+
+    monkeypatch.setattr(store_mod, "read_verified_timed", counting)
+    store = make_store(root, budget_shards=2.5, readers=2, policy=policy)
+    assert store.policy == policy
+    rng = np.random.default_rng(7)
+    for i in rng.choice(5, size=200, p=[0.4, 0.3, 0.15, 0.1, 0.05]):
+        assert_arrays(store.get(e[i]), i)
+        assert store.cached_bytes <= store.budget
+    s = store.stats
+    assert s.peak_cached_bytes <= store.budget and s.hits + s.misses == 200
+    assert len(verified) == s.misses == s.bytes_read // SIZE and s.evictions == s.misses - 2
+    # An evicted shard changed on disk is caught when it is needed again, whatever the policy kept.
+    victim = next(x for x in e if x.path not in store._cache)
+    flip_byte(root / victim.path)
+    with raises_exactly(DigestMismatchError):
+        store.get(victim)
+    store.close()
+
+
+@pytest.mark.parametrize("policy, a_reads", [("lru", 2), ("lfu", 1), ("lfu-da", 1)])
+def test_the_policy_decides_which_shard_is_read_again(model, reads, policy, a_reads):
+    root, e = model
+    store = make_store(root, budget_shards=2.5, policy=policy)
+    a, b, c = e[0], e[1], e[2]
+    for x in (a, a, a, b, c, a):  # c evicts a (least recent) under lru, b (least used) under lfu and lfu-da
+        store.get(x)
+    assert reads[a.path] == a_reads
+    store.close()
+
+
+def test_a_prefetch_is_not_counted_as_a_use(model, reads):
+    root, e = model
+    store = make_store(root, budget_shards=2.5, policy="lfu")
+    a, b, c = e[0], e[1], e[2]
+    store.get(a)
+    store.get(a)  # a: 2 uses
+    store.prefetch([b])
+    loading = store._inflight.get(b.path)
+    if loading is not None:
+        loading.result(10)  # b is cached before it is asked for: the request below is a cache hit
+    assert b.path in store._cache
+    store.get(b)  # b: 1 use (the prefetch's load and this request are one); 2 would tie a and evict a
+    store.get(c)  # evicts b, the least used
+    store.get(a)
+    assert reads == {a.path: 1, b.path: 1, c.path: 1}
+    store.get(b)
+    assert reads[b.path] == 2
+    store.close()
+
+
+@pytest.mark.parametrize("policy", CACHE_POLICIES)
+def test_a_trunk_shard_is_evicted_only_when_no_expert_is_cached(tmp_path, reads, policy):
+    rel = "trunk/layer-000.safetensors"
+    (tmp_path / "trunk").mkdir()
+    (tmp_path / rel).write_bytes(shard_bytes(9))
+    trunk = Entry(path=rel, kind="trunk", size=SIZE, digest=blake3.blake3(shard_bytes(9)).digest(), layer=0)
+    experts = []
+    for i in range(3):
+        path = f"experts/layer-000/expert-{i:04d}.safetensors"
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_bytes(shard_bytes(i))
+        experts.append(entry_for(path, shard_bytes(i), i))
+    store = make_store(tmp_path, budget_shards=2.5, policy=policy)
+    store.get(trunk)  # the oldest and least used shard from here on
+    for e in (experts[0], experts[0], experts[1], experts[1], experts[2], experts[0], experts[1]):
+        store.get(e)
+    assert_arrays(store.get(trunk), 9)
+    assert reads[rel] == 1 and store.stats.peak_cached_bytes <= store.budget
+    store.close()
+
+
+def test_the_default_policy_is_named(model):
+    root, _ = model
+    store = make_store(root)
+    assert store.policy == DEFAULT_CACHE_POLICY
     store.close()
 
 

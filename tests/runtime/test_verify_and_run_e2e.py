@@ -17,7 +17,7 @@ import pytest
 
 from shardtool.keys import load_private_key
 from shardtool.manifest import build_manifest, load_manifest, save_manifest
-from shardtool.runtime import encode_prompt
+from shardtool.runtime import DEFAULT_CACHE_POLICY, encode_prompt
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
@@ -137,7 +137,7 @@ def test_text_streams_to_stdout_and_report_to_stderr(built, tmp_path):
     assert r.code == 0, r.err
     tok = Tokenizer.from_file(str(built.model / "tokenizer.json"))
     assert r.out == tok.decode(built.greedy, skip_special_tokens=True) + "\n"
-    assert "verify-and-run: test/tiny-mixtral v3" in r.err and "cache:" in r.err and "peak RSS" in r.err
+    assert "verify-and-run: test/tiny-mixtral v3" in r.err and f"cache ({DEFAULT_CACHE_POLICY}): " in r.err and "peak RSS" in r.err
 
 
 def test_greedy_print_ids_is_deterministic(built, tmp_path):
@@ -208,6 +208,29 @@ def test_budget_hint_is_enough_and_a_minimal_budget_evicts_yet_gives_the_same_to
     assert r.ids == built.greedy
     s = json.loads(report.read_text())
     assert s["budget"]["total"] == budget and s["cache"]["evictions"] > 0
+    assert s["cache"]["peak_cached_bytes"] <= s["budget"]["shard_cache"]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfu-da"])
+def test_cache_policy_option_under_a_budget_that_evicts(built, tmp_path, policy):
+    from shardtool.keys import load_public_key
+    from shardtool.manifest import load_verified_manifest
+    from shardtool.runtime._model import ModelConfig
+    from shardtool.runtime._plan import plan_budget
+
+    verified = load_verified_manifest(built.model / "manifest.msgpack", [load_public_key(built.work / "a.pub")], 1)
+    cfg = ModelConfig.from_hf_config(json.loads((built.model / "config.json").read_text()))
+    plan = plan_budget(1 << 30, cfg, verified, 2 + NEW, 2)
+    largest = max(e.size for e in verified.entries if e.kind in ("expert", "trunk"))
+    budget = plan.kv_cache + plan.working + (cfg.top_k + 3) * largest
+    report = tmp_path / "report.json"
+    r = var(built, built.model, "--prompt", PROMPT, "--max-new-tokens", NEW, "--print-ids", "--memory-budget", budget,
+            "--cache-policy", policy, "--json-report", report, state=tmp_path)
+    assert r.code == 0, r.err
+    assert r.ids == built.greedy  # the policy changes what is read again, never what is computed
+    assert f"cache ({policy}): " in r.err
+    s = json.loads(report.read_text())
+    assert s["cache"]["policy"] == policy and s["cache"]["evictions"] > 0
     assert s["cache"]["peak_cached_bytes"] <= s["budget"]["shard_cache"]
 
 
@@ -380,6 +403,7 @@ OUR_USAGE = {  # name: args after the model directory; these are our UsageErrors
     "neither prompt option": (),
     "budget too small": ("--prompt", "x", "--memory-budget", "1MiB"),
     "budget not a size": ("--prompt", "x", "--memory-budget", "lots"),
+    "unknown cache policy": ("--prompt", "x", "--cache-policy", "mru"),
     "prompt ids not integers": ("--prompt-ids", "1,x"),
     "prompt id outside vocabulary": ("--prompt-ids", "1,99999"),
 }
