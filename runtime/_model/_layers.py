@@ -130,7 +130,8 @@ def gqa_attention(x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray, 
         q = rms_norm(q, w["self_attn.q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, w["self_attn.k_norm.weight"], cfg.rms_norm_eps)
     if cfg.chunked_nope is not None:  # Llama 4: interleaved RoPE + L2 norm, or a NoPE layer (cos is None)
-        q, k = _llama4.position_qk(q, k, cos, sin, cfg.chunked_nope, cfg.rms_norm_eps)
+        q, k = _llama4.position_qk(q, k, cos, sin, cfg.chunked_nope, cfg.rms_norm_eps,
+                                   cfg.rope.interleave)
     else:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     keys, values = append_kv(k.transpose(1, 0, 2), v.transpose(1, 0, 2))

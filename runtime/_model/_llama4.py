@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ._config import ChunkedNopeConfig
-from ._rope import apply_rope_interleave
+from ._rope import apply_rope, apply_rope_interleave
 
 
 def route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -45,14 +45,15 @@ def l2_norm(x: np.ndarray, eps: float) -> np.ndarray:
 
 
 def position_qk(q: np.ndarray, k: np.ndarray, cos: np.ndarray | None, sin: np.ndarray | None,
-                cfg: ChunkedNopeConfig, eps: float) -> tuple[np.ndarray, np.ndarray]:
+                cfg: ChunkedNopeConfig, eps: float, interleave: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """# [T, nh, d], [T, kvh, d], cos/sin [T, d] (None on a NoPE layer) -> q, k before the cache.
 
     The complex rotation's output is de-interleaved (evens, then odds) as `apply_rope_interleave` gives it: q
     and k get the same permutation, so their dot products, and the L2 norm over each head, are unchanged."""
     if cos is None:
         return q, k
-    q, k = apply_rope_interleave(q, cos, sin), apply_rope_interleave(k, cos, sin)
+    rotate = apply_rope_interleave if interleave else apply_rope  # the config says interleave; tests flip it
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     if cfg.use_qk_norm:
         q, k = l2_norm(q, eps), l2_norm(k, eps)
     return q, k

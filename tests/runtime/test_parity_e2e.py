@@ -45,6 +45,10 @@ CASES = {
     "deepseek_v3-bf16": Case("deepseek_v3", "bfloat16"),
     "deepseek_v3-fp8-16x16": Case("deepseek_v3", "float8", (16, 16)),
     "deepseek_v3_yarn-fp8-128x128": Case("deepseek_v3_yarn", "float8", (128, 128)),
+    # The 8-token prompt spans two attention chunks of 5; layer 2 is a NoPE layer.
+    "llama4": Case("llama4"),
+    "llama4_llama3": Case("llama4_llama3"),
+    "llama4-bf16": Case("llama4", "bfloat16"),
 }
 
 
@@ -169,7 +173,7 @@ def test_text_prompt_through_the_verified_tokenizer(keys, tmp_path):
 BATCH_PROMPTS = [PROMPT, [11, 4], [250, 31, 7, 90, 64, 12, 8, 3, 99, 101, 42, 17, 5], [60]]
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "llama4"])
 def test_requests_served_in_one_batch_each_match_transformers(name, keys, tmp_path):
     """Continuous batching (the engine `serve` runs): four prompts of different lengths prefilled and decoded
     in shared steps; each one's greedy tokens equal transformers' for that prompt alone."""
