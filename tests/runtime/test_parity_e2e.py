@@ -147,6 +147,29 @@ def test_verify_and_run_matches_transformers(name, keys, tmp_path):
     assert np.abs(got - want_logits).max() <= REL_TOL * np.abs(want_logits).max()
 
 
+def test_make_tiny_moe_llama4_runs_as_transformers_does(keys, tmp_path):
+    """examples/make_tiny_moe.py's Llama 4 (bf16, one dense layer then MoE, NoPE every 2nd layer, chunks of 4 so
+    the 8-token prompt spans two): verify-and-run's 16 greedy tokens equal transformers' on the same files."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from examples.make_tiny_moe import make_checkpoint
+
+    ck = make_checkpoint(tmp_path / "ck", "llama4", layers=4, dense_layers=1, attention_chunk_size=4,
+                         nope_interval=2, vocab=300, max_position_embeddings=64)
+    config = json.loads((ck / "config.json").read_text())
+    assert config["no_rope_layers"] == [1, 0, 1, 0] and config["attention_chunk_size"] == 4
+    ref = AutoModelForCausalLM.from_pretrained(ck, attn_implementation="eager", dtype=torch.float32).eval()
+    ref.generation_config.eos_token_id = None
+    ref.generation_config.pad_token_id = 0
+    cli("shardtool", "split", "-q", ck, tmp_path / "model", cwd=tmp_path)
+    cli("shardtool", "sign", tmp_path / "model", "--key", keys / "k.key", cwd=tmp_path)
+    r = cli("verify-and-run", tmp_path / "model", "--trust", keys / "k.pub", "--prompt-ids", ",".join(map(str, PROMPT)),
+            "--print-ids", "--temperature", "0", "--max-new-tokens", NEW, "--state-dir", tmp_path / "state", "-q",
+            cwd=tmp_path)
+    assert [int(x) for x in r.stdout.split()] == oracle.greedy(ref, PROMPT, NEW)
+
+
 def test_text_prompt_through_the_verified_tokenizer(keys, tmp_path):
     """--prompt with the model's tokenizer.json: same ids as the transformers tokenizer, same text out."""
     from tokenizers import Tokenizer, models, pre_tokenizers
