@@ -178,6 +178,9 @@ def moe_layers(family: Family, r: ConfigReader, n_layers: int) -> tuple[bool, ..
     if family.moe_rule == "listed_or_interleaved":
         if r.has("moe_layers"):
             listed = set(r.int_list("moe_layers"))
+            if listed and max(listed) >= n_layers:
+                raise CheckpointFormatError(f"config.json: moe_layers names layer {max(listed)}, beyond "
+                                            f"num_hidden_layers {n_layers}")
             return tuple(i in listed for i in range(n_layers))
         step = r.int("interleave_moe_layer_step", 1)
         return tuple((i + 1) % step == 0 for i in range(n_layers))
