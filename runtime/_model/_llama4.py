@@ -25,7 +25,8 @@ def route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
     (the logits: top-k runs on them)."""
     idx = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
     chosen = np.take_along_axis(logits, idx, axis=-1)
-    return (1.0 / (1.0 + np.exp(-chosen))).astype(np.float32), idx, logits
+    weights = np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * chosen))  # sigmoid; never overflows
+    return weights.astype(np.float32), idx, logits
 
 
 def scale_expert_inputs(x: np.ndarray, weights: np.ndarray, groups: Mapping[int, tuple[np.ndarray, np.ndarray]]
