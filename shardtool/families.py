@@ -105,6 +105,10 @@ RUNTIME_MODEL_TYPES: dict[str, str] = {mt: f.name for f in TABLE if f.runtime fo
 # Llama 4 calls it feed_forward, and its router the MoE block's gate. The first matching prefix wins.
 MOE_MODULE_ALIASES = {"block_sparse_moe.": "mlp.", "feed_forward.router.": "mlp.gate.", "feed_forward.": "mlp."}
 
+# A multimodal checkpoint (Llama 4) stores its language model under this prefix: language_model.model.embed_tokens,
+# language_model.lm_head; split keeps those names in the embed and head files.
+TEXT_MODEL_WRAPPER = "language_model."
+
 # HF tensor names of routed experts, every family's original layout. Per expert (Mixtral's w1/w3/w2 are
 # gate/up/down):
 EXPERT_PROJ_ALIASES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

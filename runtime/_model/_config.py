@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from shardtool.errors import CheckpointFormatError
-from shardtool.families import BY_NAME, RUNTIME_MODEL_TYPES, Family, expert_count, experts_per_token, moe_layers
+from shardtool.families import (BY_NAME, RUNTIME_MODEL_TYPES, Family, expert_count, experts_per_token, find_family,
+                                moe_layers, text_config)
 from shardtool.hf_config import INT_CAPS, ConfigReader, check_int
 
 _ROPE_TYPES = ("default", "linear", "yarn", "llama3")
@@ -110,11 +111,12 @@ class ModelConfig:
             raise CheckpointFormatError(f"config.json: unsupported model_type {model_type!r}",
                                         hint=f"supported: {', '.join(sorted(RUNTIME_MODEL_TYPES))}")
         family = BY_NAME[RUNTIME_MODEL_TYPES[model_type]]
-        if isinstance(d.get("text_config"), Mapping):
-            raise CheckpointFormatError(f"config.json: model_type {model_type!r} nests its language model under "
-                                        "text_config (a multimodal checkpoint); the runtime runs text-only ones",
-                                        hint=f"supported: {', '.join(sorted(RUNTIME_MODEL_TYPES))} without "
-                                             "text_config")
+        if "text_config" in d:  # a multimodal checkpoint (Llama 4): the runtime runs its language model
+            inner = text_config(d)
+            if inner is d or find_family(inner) not in (None, family):
+                raise CheckpointFormatError(f"config.json: text_config must be an object describing a "
+                                            f"{family.name} language model, got {d['text_config']!r:.80}")
+            d = inner
         r = ConfigReader(d, family.defaults)
         if family.attention == "mla":
             return _parse_mla(r, model_type, family)

@@ -9,7 +9,7 @@ from itertools import chain
 import numpy as np
 
 from shardtool.errors import CheckpointFormatError, UsageError
-from shardtool.families import MOE_MODULE_ALIASES
+from shardtool.families import MOE_MODULE_ALIASES, TEXT_MODEL_WRAPPER
 
 from ._activations import prefill_chunk
 from ._cache import KVCache
@@ -150,7 +150,7 @@ class Float32Weights:
         return to_float32(table[ids], "model.embed_tokens.weight")  # convert only the rows used
 
     def _embed_table(self) -> np.ndarray:
-        table = self.provider.embed().get("model.embed_tokens.weight")
+        table = _unwrapped(self.provider.embed()).get("model.embed_tokens.weight")
         if table is None:
             raise CheckpointFormatError("missing tensor model.embed_tokens.weight")
         if table.shape != (self.cfg.vocab_size, self.cfg.hidden_size):
@@ -161,7 +161,7 @@ class Float32Weights:
     def head(self) -> tuple[np.ndarray, np.ndarray]:  # norm [H], lm_head [V, H]
         if self._head is not None:
             return self._head
-        t = self.provider.head()
+        t = _unwrapped(self.provider.head())
         if "model.norm.weight" not in t:
             raise CheckpointFormatError("missing tensor model.norm.weight")
         norm = weight_f32(t, "model.norm.weight")
@@ -201,6 +201,19 @@ class Float32Weights:
                 raise CheckpointFormatError(f"layer {layer}: provider returned no tensors for experts {missing}")
             return _LocalExperts(self.cfg, layer, got, x, rows)
         return fetch
+
+
+def _unwrapped(tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+    """Embed/head tensors under their text-model names: a multimodal checkpoint's wrapper prefix removed."""
+    if not any(n.startswith(TEXT_MODEL_WRAPPER) for n in tensors):
+        return tensors
+    out: dict[str, np.ndarray] = {}
+    for name, array in tensors.items():
+        plain = name.removeprefix(TEXT_MODEL_WRAPPER)
+        if plain in out:
+            raise CheckpointFormatError(f"tensors {plain!r} and {TEXT_MODEL_WRAPPER + plain!r} are both present")
+        out[plain] = array
+    return out
 
 
 class _LocalExperts(Mapping):

@@ -123,6 +123,12 @@ def test_config_follows_transformers_defaults():
     assert listed.attention_chunks == (None, None, None, 4)
 
 
+def test_multimodal_config_runs_its_text_config():
+    wrapped = {"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"], "text_config": CONFIG,
+               "vision_config": {"hidden_size": 8}}
+    assert ModelConfig.from_hf_config(wrapped) == ModelConfig.from_hf_config({**CONFIG, "model_type": "llama4"})
+
+
 BAD = {
     "no_rope_layers shorter than the model": {"no_rope_layers": [1, 0, 1]},
     "no_rope_layers longer than the model": {"no_rope_layers": [1, 0, 1, 0, 1]},
@@ -148,7 +154,9 @@ BAD = {
                                                        "original_max_position_embeddings": 16}},
     "llama3 rope without low_freq_factor": {"rope_parameters": {"rope_type": "llama3", "factor": 8.0,
                                                                 "high_freq_factor": 4.0}},
-    "multimodal config": {"model_type": "llama4", "text_config": {"model_type": "llama4_text"}},
+    "text_config not an object": {"model_type": "llama4", "text_config": [1]},
+    "text_config of another family": {"model_type": "llama4", "text_config": {**CONFIG, "model_type": "mixtral"}},
+    "text_config lacking the model": {"model_type": "llama4", "text_config": {"model_type": "llama4_text"}},
     "gelu activation": {"hidden_act": "gelu"},
 }
 

@@ -170,6 +170,34 @@ def test_make_tiny_moe_llama4_runs_as_transformers_does(keys, tmp_path):
     assert [int(x) for x in r.stdout.split()] == oracle.greedy(ref, PROMPT, NEW)
 
 
+def test_llama4_multimodal_checkpoint_runs_its_language_model(keys, tmp_path):
+    """A checkpoint in the published Llama4ForConditionalGeneration layout (config under text_config, tensors under
+    language_model., a vision tower beside them), made from the text model's own weights: verify-and-run generates
+    the text model's greedy tokens."""
+    from safetensors.numpy import load_file, save_file
+
+    ref = write_checkpoint(CASES["llama4"], tmp_path / "text", tmp_path / "ref")
+    state = {}
+    for f in (tmp_path / "text").glob("*.safetensors"):
+        state.update(load_file(f))
+    wrapped = {f"language_model.{k}": v for k, v in state.items()}
+    wrapped["vision_model.patch_embedding.linear.weight"] = np.ones((8, 12), np.float32)
+    wrapped["multi_modal_projector.linear_1.weight"] = np.ones((64, 8), np.float32)
+    (tmp_path / "ck").mkdir()
+    save_file(wrapped, tmp_path / "ck" / "model.safetensors", metadata={"format": "pt"})
+    text = json.loads((tmp_path / "text" / "config.json").read_text())
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(
+        {"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"], "text_config": text,
+         "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 8}, "tie_word_embeddings": False}))
+    cli("shardtool", "split", "-q", tmp_path / "ck", tmp_path / "model", cwd=tmp_path)
+    cli("shardtool", "sign", tmp_path / "model", "--key", keys / "k.key", cwd=tmp_path)
+    assert (tmp_path / "model" / "trunk" / "extra.safetensors").exists()  # the vision tower, never read
+    r = cli("verify-and-run", tmp_path / "model", "--trust", keys / "k.pub", "--prompt-ids", ",".join(map(str, PROMPT)),
+            "--print-ids", "--temperature", "0", "--max-new-tokens", NEW, "--state-dir", tmp_path / "state", "-q",
+            cwd=tmp_path)
+    assert [int(x) for x in r.stdout.split()] == oracle.greedy(ref, PROMPT, NEW)
+
+
 def test_text_prompt_through_the_verified_tokenizer(keys, tmp_path):
     """--prompt with the model's tokenizer.json: same ids as the transformers tokenizer, same text out."""
     from tokenizers import Tokenizer, models, pre_tokenizers
