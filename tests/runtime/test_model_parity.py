@@ -153,3 +153,23 @@ def test_stored_dtypes_match_transformers_on_dequantized_weights(name, tmp_path)
     model = Model(cfg, provider(cfg, stored))
     assert rel_err(model.prefill(PROMPT), oracle.logits(torch_model, PROMPT)) <= REL_TOL
     assert generate(model, PROMPT, 16) == oracle.greedy(torch_model, PROMPT, 16)
+
+
+@pytest.mark.parametrize("low, high", [(1.0, 1.0), (1.0, 4.0)])  # Llama 4 Scout ships low = high = 1
+def test_llama3_rope_frequencies_match_transformers(low, high):
+    from transformers import Llama4TextConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from shardtool.runtime._model._rope import inv_freq
+
+    params = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 16.0, "low_freq_factor": low,
+              "high_freq_factor": high, "original_max_position_embeddings": 8192}
+    want, scaling = ROPE_INIT_FUNCTIONS["llama3"](Llama4TextConfig(hidden_size=5120, num_attention_heads=40,
+                                                                   head_dim=128, rope_parameters=params))
+    cfg = ModelConfig.from_hf_config({"model_type": "llama4_text", "vocab_size": 32, "hidden_size": 5120,
+                                      "num_hidden_layers": 1, "num_attention_heads": 40, "head_dim": 128,
+                                      "intermediate_size": 8, "rope_scaling": params})
+    got, got_scaling = inv_freq(cfg.rope)
+    assert got_scaling == scaling == 1.0
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
+    assert (got != inv_freq(dataclasses.replace(cfg.rope, kind="default"))[0]).sum() > 10  # the scaling acts
