@@ -78,6 +78,8 @@ class Knobs:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     chat_template: bool = True  # tokenizer_config.json carries CHAT_TEMPLATE; False: a model without one
+    attention_chunk_size: int | None = None  # llama4 only; default 8192 (transformers')
+    nope_interval: int | None = None  # llama4 only: every n-th layer is a NoPE layer; default 4 (transformers')
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -148,6 +150,10 @@ def _resolve(family: str, k: Knobs) -> Knobs:
                 raise UsageError(f"{name} is a deepseek_v3 option, not valid for {family}")
         if k.mtp_layers:
             raise UsageError(f"mtp_layers is a deepseek_v3 option, not valid for {family}")
+        if family != "llama4":
+            for name in ("attention_chunk_size", "nope_interval"):
+                if getattr(k, name) is not None:
+                    raise UsageError(f"{name} is a llama4 option, not valid for {family}")
         return k
     n_group = k.n_group if k.n_group is not None else (2 if k.experts % 2 == 0 and k.experts >= 4 else 1)
     topk_group = k.topk_group if k.topk_group is not None else max(1, n_group // 2)
@@ -442,10 +448,16 @@ def _gpt_oss(k: Knobs) -> tuple[dict, list[TensorSpec]]:
 def _llama4(k: Knobs) -> tuple[dict, list[TensorSpec]]:
     cfg = _base_config(k, "llama4_text", "Llama4ForCausalLM", 500000.0, 1e-5)
     moe_layers = list(range(k.dense_layers, k.layers))
+    chunk = k.attention_chunk_size or 8192
+    interval = k.nope_interval or 4
+    no_rope_layers = [int((i + 1) % interval != 0) for i in range(k.layers)]  # 0 = NoPE, as transformers' default
+    # floor_scale follows the chunk, as in the released models (both 8192): a small chunk exercises both.
     cfg.update(intermediate_size=k.moe_intermediate, intermediate_size_mlp=k.intermediate,
                num_local_experts=k.experts, head_dim=k.head_dim, interleave_moe_layer_step=1,
-               moe_layers=moe_layers, use_qk_norm=True, attention_chunk_size=8192, attention_bias=False,
-               attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1, router_jitter_noise=0.0)
+               moe_layers=moe_layers, use_qk_norm=True, attention_chunk_size=chunk, attention_bias=False,
+               no_rope_layers=no_rope_layers, no_rope_layer_interval=interval,
+               layer_types=["chunked_attention" if r else "full_attention" for r in no_rope_layers],
+               attn_temperature_tuning=True, floor_scale=chunk, attn_scale=0.1, router_jitter_noise=0.0)
     s = _Specs(k.dtype)
     _embed(s, k)
     ie = k.moe_intermediate
@@ -752,6 +764,8 @@ def _parser() -> argparse.ArgumentParser:
         ("n-group", "deepseek_v3 expert groups"), ("topk-group", "deepseek_v3 groups picked per token"),
         ("q-lora-rank", "deepseek_v3 q compression rank (0: none)"), ("kv-lora-rank", "deepseek_v3 kv rank"),
         ("max-position-embeddings", "max_position_embeddings"),
+        ("attention-chunk-size", "llama4 attention chunk (default 8192)"),
+        ("nope-interval", "llama4: every n-th layer is NoPE (default 4)"),
     ]:
         attr = name.replace("-", "_")
         ap.add_argument(f"--{name}", dest=attr, type=int, default=getattr(d, attr), help=help_)

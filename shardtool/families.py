@@ -45,10 +45,15 @@ class Family:
     # "in_out_interleaved" as in_out with gate/up alternating on the last axis
     fused_layout: Literal["out_in", "in_out", "in_out_interleaved"] = "out_in"
     runtime: bool = False                  # the numpy forward pass runs it
-    router: Literal["softmax", "sigmoid_group"] = "softmax"
+    # "softmax": top-k of the softmax; "sigmoid_group": DeepSeek's group-limited sigmoid; "sigmoid_input": top-k of
+    # the logits, each chosen expert's sigmoid score multiplying that expert's input (Llama 4)
+    router: Literal["softmax", "sigmoid_group", "sigmoid_input"] = "softmax"
     norm_topk_prob: bool | None = None     # fixed by the modeling code, or None: read from config.json
     sliding_window: Literal["none", "always", "flag", "per_layer"] = "none"
     clip_qkv: bool = False
+    # Llama 4 attention: chunked attention on RoPE layers, NoPE layers (no_rope_layers) with attention-temperature
+    # tuning, interleaved (complex) RoPE and a weightless L2 q/k norm on RoPE layers (use_qk_norm)
+    chunked_nope: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)  # transformers config-class defaults (v5)
 
 
@@ -81,7 +86,12 @@ TABLE: tuple[Family, ...] = (
            fused_layout="in_out_interleaved"),
     Family("llama4", ("llama4", "llama4_text"), ("Llama4ForConditionalGeneration", "Llama4ForCausalLM"),
            ("num_local_experts",), "listed_or_interleaved", "intermediate_size",
-           dense_size_key="intermediate_size_mlp", shared_expert="one", fused_layout="in_out"),
+           dense_size_key="intermediate_size_mlp", shared_expert="one", fused_layout="in_out", runtime=True,
+           router="sigmoid_input", norm_topk_prob=False, chunked_nope=True,
+           defaults={"rope_theta": 5e5, "rms_norm_eps": 1e-5, "num_experts_per_tok": 1, "num_local_experts": 16,
+                     "intermediate_size_mlp": 16384, "use_qk_norm": True, "attention_chunk_size": 8192,
+                     "no_rope_layer_interval": 4, "attn_temperature_tuning": True, "floor_scale": 8192,
+                     "attn_scale": 0.1}),
 )
 BY_NAME: dict[str, Family] = {f.name: f for f in TABLE}
 SUPPORTED_FAMILIES = tuple(BY_NAME)
@@ -92,7 +102,12 @@ RUNTIME_MODEL_TYPES: dict[str, str] = {mt: f.name for f in TABLE if f.runtime fo
 
 # Module names older checkpoints use for the MoE block, and the name the runtime reads them under (Mixtral
 # keeps the pre-v5 `block_sparse_moe` for its router and experts).
-MOE_MODULE_ALIASES = {"block_sparse_moe.": "mlp."}
+# Llama 4 calls it feed_forward, and its router the MoE block's gate. The first matching prefix wins.
+MOE_MODULE_ALIASES = {"block_sparse_moe.": "mlp.", "feed_forward.router.": "mlp.gate.", "feed_forward.": "mlp."}
+
+# A multimodal checkpoint (Llama 4) stores its language model under this prefix: language_model.model.embed_tokens,
+# language_model.lm_head; split keeps those names in the embed and head files.
+TEXT_MODEL_WRAPPER = "language_model."
 
 # HF tensor names of routed experts, every family's original layout. Per expert (Mixtral's w1/w3/w2 are
 # gate/up/down):
@@ -167,6 +182,9 @@ def moe_layers(family: Family, r: ConfigReader, n_layers: int) -> tuple[bool, ..
     if family.moe_rule == "listed_or_interleaved":
         if r.has("moe_layers"):
             listed = set(r.int_list("moe_layers"))
+            if listed and max(listed) >= n_layers:
+                raise CheckpointFormatError(f"config.json: moe_layers names layer {max(listed)}, beyond "
+                                            f"num_hidden_layers {n_layers}")
             return tuple(i in listed for i in range(n_layers))
         step = r.int("interleave_moe_layer_step", 1)
         return tuple((i + 1) % step == 0 for i in range(n_layers))

@@ -34,11 +34,14 @@ INT_CAPS: dict[str, int] = {
     "original_max_position_embeddings": _MAX_POSITIONS, "bos_token_id": _MAX_VOCAB, "eos_token_id": _MAX_VOCAB,
     "q_lora_rank": 1 << 16, "kv_lora_rank": 1 << 14, "qk_nope_head_dim": _MAX_HEAD, "qk_rope_head_dim": _MAX_HEAD,
     "v_head_dim": _MAX_HEAD, "weight_block_size": _MAX_DIM,
+    "attention_chunk_size": _MAX_POSITIONS, "floor_scale": _MAX_POSITIONS, "no_rope_layer_interval": _MAX_LAYERS,
+    "no_rope_layers": 1,  # per layer: 1 = RoPE, 0 = NoPE
 }
 # Floats: the largest magnitude accepted (rope factors, scales, epsilons).
 FLOAT_CAPS: dict[str, float] = {
     "rope_theta": 1e12, "factor": 1e4, "attention_factor": 1e4, "beta_fast": 1e4, "beta_slow": 1e4,
     "mscale": 1e4, "mscale_all_dim": 1e4, "rms_norm_eps": 1.0, "clip_qkv": 1e9, "routed_scaling_factor": 1e4,
+    "low_freq_factor": 1e4, "high_freq_factor": 1e4, "attn_scale": 1e4,
 }
 
 # Producer caps (split, inspect): the contract is arithmetic only, and a product that outgrows the manifest's

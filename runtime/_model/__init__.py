@@ -1,4 +1,5 @@
-"""The numpy forward pass of Mixture-of-Experts decoders (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3/Kimi-K2).
+"""The numpy forward pass of Mixture-of-Experts decoders (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3/Kimi-K2,
+Llama 4 text).
 
 Weights arrive only through a `WeightProvider`; this package never opens a file.
 """

@@ -35,8 +35,10 @@ def _attention_per_query(cfg: ModelConfig) -> int:
     nh = cfg.num_heads
     if cfg.mla is None:
         hd, kvh = cfg.head_dim, cfg.num_kv_heads
-        # q, k, v; rotary (concatenated halves, two products, their sum); grouped q; output; its transpose
-        return nh * hd * 7 + kvh * hd * 6
+        # q, k, v; rotary (concatenated halves, two products, their sum); grouped q; output; its transpose;
+        # Llama 4's L2 q/k norm or NoPE temperature (a squared copy and the result)
+        extra = 2 * (nh + kvh) * hd if cfg.chunked_nope is not None else 0
+        return nh * hd * 7 + kvh * hd * 6 + extra
     m = cfg.mla
     dq = m.qk_nope_head_dim + m.qk_rope_head_dim
     q_in = m.q_lora_rank or 0
@@ -55,7 +57,8 @@ def _mlp_per_query(cfg: ModelConfig) -> int:
         widths.append(cfg.intermediate_size)
     if cfg.shared_expert != "none":
         widths.append(cfg.shared_intermediate_size)
-    return 6 * max(widths) + 8 * cfg.num_experts + 4 * cfg.hidden_size
+    scaled = cfg.top_k * cfg.hidden_size if cfg.router == "sigmoid_input" else 0  # Llama 4's scaled expert inputs
+    return 6 * max(widths) + 8 * cfg.num_experts + 4 * cfg.hidden_size + scaled
 
 
 def per_query_bytes(cfg: ModelConfig, keys: int) -> int:

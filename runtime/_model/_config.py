@@ -13,17 +13,18 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from shardtool.errors import CheckpointFormatError
-from shardtool.families import BY_NAME, RUNTIME_MODEL_TYPES, Family, expert_count, experts_per_token, moe_layers
+from shardtool.families import (BY_NAME, RUNTIME_MODEL_TYPES, Family, expert_count, experts_per_token, find_family,
+                                moe_layers, text_config)
 from shardtool.hf_config import INT_CAPS, ConfigReader, check_int
 
-_ROPE_TYPES = ("default", "linear", "yarn")
+_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding over the first `dim` channels of a head (all of them, or DeepSeek's rope part)."""
 
-    kind: Literal["default", "linear", "yarn"]
+    kind: Literal["default", "linear", "yarn", "llama3"]
     theta: float
     dim: int
     factor: float = 1.0
@@ -35,6 +36,8 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 1.0  # llama3
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,18 @@ class MlaConfig:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+
+
+@dataclass(frozen=True)
+class ChunkedNopeConfig:
+    """Llama 4 attention beyond the per-layer tables (`ModelConfig.rope_layers`, `attention_chunks`): the
+    weightless L2 q/k norm on RoPE layers, and NoPE layers' attention-temperature tuning
+    (q *= 1 + attn_scale * log1p(floor((position + 1) / floor_scale)))."""
+
+    use_qk_norm: bool
+    temperature_tuning: bool
+    floor_scale: int
+    attn_scale: float
 
 
 @dataclass(frozen=True)
@@ -71,17 +86,20 @@ class ModelConfig:
     moe_layers: tuple[bool, ...]  # per layer: routed experts (True) or a dense MLP
     num_experts: int
     top_k: int
-    router: Literal["softmax", "sigmoid_group"]
+    router: Literal["softmax", "sigmoid_group", "sigmoid_input"]
     norm_topk_prob: bool
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
-    shared_expert: Literal["none", "gated", "plain"] = "none"
+    shared_expert: Literal["none", "gated", "plain", "one"] = "none"
     mla: MlaConfig | None = None
     fp8_block: tuple[int, int] = (128, 128)
     max_position_embeddings: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    rope_layers: tuple[bool, ...] = ()  # per layer: RoPE applied (False: a NoPE layer); () = every layer
+    attention_chunks: tuple[int | None, ...] = ()  # per layer: chunked attention's chunk size; () = none
+    chunked_nope: ChunkedNopeConfig | None = None  # Llama 4 attention
 
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any]) -> ModelConfig:
@@ -93,6 +111,12 @@ class ModelConfig:
             raise CheckpointFormatError(f"config.json: unsupported model_type {model_type!r}",
                                         hint=f"supported: {', '.join(sorted(RUNTIME_MODEL_TYPES))}")
         family = BY_NAME[RUNTIME_MODEL_TYPES[model_type]]
+        if "text_config" in d:  # a multimodal checkpoint (Llama 4): the runtime runs its language model
+            inner = text_config(d)
+            if inner is d or find_family(inner) not in (None, family):
+                raise CheckpointFormatError(f"config.json: text_config must be an object describing a "
+                                            f"{family.name} language model, got {d['text_config']!r:.80}")
+            d = inner
         r = ConfigReader(d, family.defaults)
         if family.attention == "mla":
             return _parse_mla(r, model_type, family)
@@ -124,7 +148,7 @@ def _common(r: ConfigReader, model_type: str, family: Family) -> dict[str, Any]:
     return dict(
         model_type=model_type, family=family.name, vocab_size=r.int("vocab_size"), hidden_size=hidden,
         num_layers=r.int("num_hidden_layers"), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=r.int("intermediate_size"), rms_norm_eps=r.float("rms_norm_eps"),
+        intermediate_size=r.int(family.dense_size_key), rms_norm_eps=r.float("rms_norm_eps"),
         tie_word_embeddings=r.bool("tie_word_embeddings", False),
         max_position_embeddings=r.int("max_position_embeddings", 0, minimum=0),
         bos_token_id=r.int("bos_token_id", None, minimum=0), eos_token_ids=eos_ids,
@@ -154,6 +178,13 @@ def _rope(r: ConfigReader, dim: int, max_pos: int, interleave: bool = False) -> 
         raise CheckpointFormatError(f"config.json: rope factor must be >= 1, got {factor}")
     if kind == "linear":
         return RopeConfig("linear", theta, dim, factor=factor, interleave=interleave)
+    if kind == "llama3":
+        low, high = p.float("low_freq_factor"), p.float("high_freq_factor")
+        if high < low:
+            raise CheckpointFormatError(f"config.json: rope high_freq_factor {high} is below low_freq_factor {low}")
+        return RopeConfig("llama3", theta, dim, factor=factor, interleave=interleave, low_freq_factor=low,
+                          high_freq_factor=high, original_max_position_embeddings=p.int(
+                              "original_max_position_embeddings", max_pos or ConfigReader.REQUIRED))
     truncate = params.get("truncate", True)
     if not isinstance(truncate, bool):
         raise CheckpointFormatError(f"config.json: rope truncate must be true or false, got {truncate!r}")
@@ -198,16 +229,55 @@ def _parse_gqa(r: ConfigReader, model_type: str, family: Family) -> ModelConfig:
     n = c["num_layers"]
     windows = _sliding_windows(r, family, n)
     counts = _moe_counts(r, family)
-    gated = family.shared_expert == "gated"
+    expert_size = r.int(family.expert_size_key)
+    shared = family.shared_expert if family.shared_expert in ("gated", "one") else "none"
+    shared_size = {"gated": lambda: r.int("shared_expert_intermediate_size"), "one": lambda: expert_size,
+                   "none": lambda: 0}[shared]()
     return ModelConfig(
-        **c, **counts, moe_intermediate_size=r.int(family.expert_size_key),
-        shared_intermediate_size=r.int("shared_expert_intermediate_size") if gated else 0,
-        rope=_rope(r, c["head_dim"], c["max_position_embeddings"]), attn_scale=c["head_dim"] ** -0.5,
+        **c, **counts, moe_intermediate_size=expert_size, shared_intermediate_size=shared_size,
+        rope=_rope(r, c["head_dim"], c["max_position_embeddings"], interleave=family.chunked_nope),
+        attn_scale=c["head_dim"] ** -0.5,
         qk_norm=family.qk_norm, clip_qkv=r.float("clip_qkv") if family.clip_qkv else None,
         sliding_windows=windows, moe_layers=moe_layers(family, r, n), router=family.router,
         norm_topk_prob=family.norm_topk_prob if family.norm_topk_prob is not None else r.bool("norm_topk_prob"),
-        shared_expert="gated" if gated else "none",
+        shared_expert=shared, **(_chunked_nope(r, n) if family.chunked_nope else {}),
     )
+
+
+_LAYER_TYPES = ("chunked_attention", "full_attention")
+
+
+def _chunked_nope(r: ConfigReader, n: int) -> dict[str, Any]:
+    """Llama 4's per-layer attention: which layers are NoPE, which are chunked, and the temperature tuning.
+
+    As transformers' Llama4TextConfig: an absent or empty no_rope_layers means a NoPE layer every
+    no_rope_layer_interval layers; an explicit null attention_chunk_size means no chunking; layer_types, when
+    absent, makes every RoPE layer chunked."""
+    listed = r.raw("no_rope_layers", None)
+    if listed:
+        flags = r.int_list("no_rope_layers", minimum=0)
+        if len(flags) != n:
+            raise CheckpointFormatError(f"config.json: no_rope_layers lists {len(flags)} layers, expected "
+                                        f"num_hidden_layers {n}")
+        rope_layers = tuple(bool(f) for f in flags)
+    else:
+        interval = r.int("no_rope_layer_interval")
+        rope_layers = tuple((i + 1) % interval != 0 for i in range(n))
+    chunk = None if "attention_chunk_size" in r.d and r.d["attention_chunk_size"] is None \
+        else r.int("attention_chunk_size")
+    types = r.raw("layer_types", None)
+    if types is None:
+        types = ["chunked_attention" if rope and chunk is not None else "full_attention" for rope in rope_layers]
+    if not isinstance(types, list) or len(types) != n or any(t not in _LAYER_TYPES for t in types):
+        raise CheckpointFormatError(f"config.json: layer_types must list {n} of {' / '.join(_LAYER_TYPES)}, "
+                                    f"got {types!r:.120}")
+    if chunk is None and "chunked_attention" in types:
+        raise CheckpointFormatError("config.json: layer_types names chunked_attention but attention_chunk_size "
+                                    "is null")
+    nope = ChunkedNopeConfig(use_qk_norm=r.bool("use_qk_norm"), temperature_tuning=r.bool("attn_temperature_tuning"),
+                             floor_scale=r.int("floor_scale"), attn_scale=r.float("attn_scale", positive=False))
+    return dict(rope_layers=rope_layers, attention_chunks=tuple(chunk if t == "chunked_attention" else None
+                                                                for t in types), chunked_nope=nope)
 
 
 def _parse_mla(r: ConfigReader, model_type: str, family: Family) -> ModelConfig:

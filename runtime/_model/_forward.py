@@ -9,12 +9,13 @@ from itertools import chain
 import numpy as np
 
 from shardtool.errors import CheckpointFormatError, UsageError
-from shardtool.families import MOE_MODULE_ALIASES
+from shardtool.families import MOE_MODULE_ALIASES, TEXT_MODEL_WRAPPER
 
 from ._activations import prefill_chunk
 from ._cache import KVCache
 from ._config import ModelConfig
 from ._dtypes import to_float32, weight_f32
+from ._llama4 import chunked_mask
 from ._layers import (ExpertFetch, ExpertOutputs, ExpertUnavailable, causal_mask, decoder_layer, expert_mlp, gqa_attention,
                       matmul_t, mla_attention, rms_norm)
 from ._rope import cos_sin, inv_freq
@@ -57,7 +58,8 @@ def trunk_shapes(cfg: ModelConfig, layer: int) -> tuple[Shapes, Shapes]:
         req["mlp.gate.weight"] = (cfg.num_experts, h)
         if cfg.router == "sigmoid_group":
             req["mlp.gate.e_score_correction_bias"] = (cfg.num_experts,)
-        shared = {"gated": "mlp.shared_expert.", "plain": "mlp.shared_experts."}.get(cfg.shared_expert)
+        shared = {"gated": "mlp.shared_expert.", "plain": "mlp.shared_experts.",
+                  "one": "mlp.shared_expert."}.get(cfg.shared_expert)
         if shared:
             req.update(_mlp_shapes(shared, cfg.shared_intermediate_size, h))
         if cfg.shared_expert == "gated":
@@ -148,7 +150,7 @@ class Float32Weights:
         return to_float32(table[ids], "model.embed_tokens.weight")  # convert only the rows used
 
     def _embed_table(self) -> np.ndarray:
-        table = self.provider.embed().get("model.embed_tokens.weight")
+        table = _unwrapped(self.provider.embed()).get("model.embed_tokens.weight")
         if table is None:
             raise CheckpointFormatError("missing tensor model.embed_tokens.weight")
         if table.shape != (self.cfg.vocab_size, self.cfg.hidden_size):
@@ -159,7 +161,7 @@ class Float32Weights:
     def head(self) -> tuple[np.ndarray, np.ndarray]:  # norm [H], lm_head [V, H]
         if self._head is not None:
             return self._head
-        t = self.provider.head()
+        t = _unwrapped(self.provider.head())
         if "model.norm.weight" not in t:
             raise CheckpointFormatError("missing tensor model.norm.weight")
         norm = weight_f32(t, "model.norm.weight")
@@ -199,6 +201,19 @@ class Float32Weights:
                 raise CheckpointFormatError(f"layer {layer}: provider returned no tensors for experts {missing}")
             return _LocalExperts(self.cfg, layer, got, x, rows)
         return fetch
+
+
+def _unwrapped(tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+    """Embed/head tensors under their text-model names: a multimodal checkpoint's wrapper prefix removed."""
+    if not any(n.startswith(TEXT_MODEL_WRAPPER) for n in tensors):
+        return tensors
+    out: dict[str, np.ndarray] = {}
+    for name, array in tensors.items():
+        plain = name.removeprefix(TEXT_MODEL_WRAPPER)
+        if plain in out:
+            raise CheckpointFormatError(f"tensors {plain!r} and {TEXT_MODEL_WRAPPER + plain!r} are both present")
+        out[plain] = array
+    return out
 
 
 class _LocalExperts(Mapping):
@@ -273,12 +288,15 @@ def forward_batch(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndar
     for seg in segments:
         seg.cache.check_room(len(seg.ids))
     bounds = np.cumsum([0] + [len(seg.ids) for seg in segments])
-    windows = set(cfg.sliding_windows)
-    where = []  # per segment: cos [t, d], sin [t, d], {window: mask [t, S] or None}
+    chunks = cfg.attention_chunks or (None,) * cfg.num_layers
+    spans = set(zip(cfg.sliding_windows, chunks))  # (sliding window, attention chunk) per layer
+    where = []  # per segment: cos [t, d], sin [t, d], {span: mask [t, S] or None}
     for seg in segments:
         q_pos = seg.cache.length + np.arange(len(seg.ids))
         cos, sin = cos_sin(rope[0], rope[1], q_pos)
-        where.append((cos, sin, {w: causal_mask(q_pos, seg.cache.length + len(seg.ids), w) for w in windows}))
+        kv_len = seg.cache.length + len(seg.ids)
+        where.append((cos, sin, {(w, c): causal_mask(q_pos, kv_len, w) if c is None else chunked_mask(q_pos, kv_len, c)
+                                 for w, c in spans}))
     attention = mla_attention if cfg.mla is not None else gqa_attention
     traced = [(seg.trace, lo, hi) for seg, lo, hi in zip(segments, bounds[:-1], bounds[1:]) if seg.trace is not None]
     observe = None
@@ -288,14 +306,17 @@ def forward_batch(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndar
                 trace.observe(idx[lo:hi], scores[lo:hi])
     x = weights.embed_rows(np.concatenate([seg.ids for seg in segments]))  # [sum t, H]
     for layer in range(cfg.num_layers):
-        window = cfg.sliding_windows[layer]
+        span = (cfg.sliding_windows[layer], chunks[layer])
+        rotary = not cfg.rope_layers or cfg.rope_layers[layer]  # False: a NoPE layer, given no cos/sin
 
-        def attend(xn: np.ndarray, w: Mapping[str, np.ndarray], _layer: int = layer, _window=window) -> np.ndarray:
+        def attend(xn: np.ndarray, w: Mapping[str, np.ndarray], _layer: int = layer, _span=span,
+                   _rotary: bool = rotary) -> np.ndarray:
             outs = []
             for seg, (cos, sin, masks), lo, hi in zip(segments, where, bounds[:-1], bounds[1:]):
                 def append_kv(*new: np.ndarray, _cache: KVCache = seg.cache) -> tuple[np.ndarray, ...]:
                     return _cache.append(_layer, *new)
-                outs.append(attention(xn[lo:hi], w, cfg, cos, sin, masks[_window], append_kv))
+                outs.append(attention(xn[lo:hi], w, cfg, *((cos, sin) if _rotary else (None, None)),
+                                      masks[_span], append_kv))
             return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
         x = decoder_layer(x, weights.layer(layer), cfg, layer, attend, weights.expert_fetch(layer), observe)

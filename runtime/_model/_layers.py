@@ -12,6 +12,7 @@ import numpy as np
 
 from shardtool.errors import ShardtoolError
 
+from . import _llama4
 from ._config import ModelConfig
 from ._rope import apply_rope, apply_rope_interleave
 
@@ -128,8 +129,14 @@ def gqa_attention(x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray, 
     if cfg.qk_norm == "per_head":  # Qwen3: norm over each head's channels
         q = rms_norm(q, w["self_attn.q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, w["self_attn.k_norm.weight"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cfg.chunked_nope is not None:  # Llama 4: interleaved RoPE + L2 norm, or a NoPE layer (cos is None)
+        q, k = _llama4.position_qk(q, k, cos, sin, cfg.chunked_nope, cfg.rms_norm_eps,
+                                   cfg.rope.interleave)
+    else:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     keys, values = append_kv(k.transpose(1, 0, 2), v.transpose(1, 0, 2))
+    if cfg.chunked_nope is not None and cos is None:
+        q = _llama4.nope_temperature(q, keys.shape[1] - t, cfg.chunked_nope)
     out = attention(q, keys, values, cfg.attn_scale, mask)
     return linear(out.reshape(t, nh * hd), w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
 
@@ -267,6 +274,8 @@ def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch,
         weights, idx, scores = _route_deepseek(logits, w["mlp.gate.e_score_correction_bias"], cfg.top_k,
                                                cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
                                                cfg.routed_scaling_factor)
+    elif cfg.router == "sigmoid_input":
+        weights, idx, scores = _llama4.route(logits, cfg.top_k)
     else:
         weights, idx, scores = _route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
     if observe is not None:
@@ -274,11 +283,15 @@ def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch,
     # Ask for the routed experts first: a streaming provider loads them (cluster nodes compute them) while the
     # shared expert computes.
     groups = expert_groups(idx)
-    outputs = fetch(x, {e: tokens for e, (tokens, _) in groups.items()})
+    x_in, rows = x, {e: tokens for e, (tokens, _) in groups.items()}
+    if cfg.router == "sigmoid_input":  # Llama 4: the scores scale each expert's input; outputs summed unweighted
+        x_in, rows, weights = _llama4.scale_expert_inputs(x, weights, groups)
+    outputs = fetch(x_in, rows)
     shared = None
-    if cfg.shared_expert == "gated":  # Qwen2-MoE: sigmoid(shared_expert_gate x) * shared_expert(x)
+    if cfg.shared_expert in ("gated", "one"):  # Qwen2-MoE: behind sigmoid(shared_expert_gate x); Llama 4: plain
         shared = expert_mlp(x, w["mlp.shared_expert.gate_proj.weight"], w["mlp.shared_expert.up_proj.weight"],
                             w["mlp.shared_expert.down_proj.weight"])
+    if cfg.shared_expert == "gated":
         shared = sigmoid(matmul_t(x, w["mlp.shared_expert_gate.weight"])) * shared
     elif cfg.shared_expert == "plain":  # DeepSeek-V3: shared experts always run
         shared = expert_mlp(x, w["mlp.shared_experts.gate_proj.weight"], w["mlp.shared_experts.up_proj.weight"],

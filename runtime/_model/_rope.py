@@ -21,6 +21,8 @@ def inv_freq(rope: RopeConfig) -> tuple[np.ndarray, float]:  # -> [dim/2] f32, c
         return (1.0 / pos_freqs).astype(np.float32), 1.0
     if rope.kind == "linear":
         return (1.0 / pos_freqs / np.float32(rope.factor)).astype(np.float32), 1.0
+    if rope.kind == "llama3":  # transformers' `_compute_llama3_parameters`
+        return _llama3(rope, (1.0 / pos_freqs).astype(np.float32)), 1.0
     # YaRN (arXiv:2309.00071), as transformers' `_compute_yarn_parameters`.
     factor = rope.factor
     attention_factor = rope.attention_factor
@@ -46,6 +48,20 @@ def inv_freq(rope: RopeConfig) -> tuple[np.ndarray, float]:  # -> [dim/2] f32, c
     interpolation = 1.0 / (np.float32(factor) * pos_freqs)
     freqs = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
     return freqs.astype(np.float32), float(attention_factor)
+
+
+def _llama3(rope: RopeConfig, freqs: np.ndarray) -> np.ndarray:
+    """# [dim/2] -> [dim/2]: long wavelengths divided by `factor`, short ones kept, a smooth ramp between."""
+    old, low, high = rope.original_max_position_embeddings, rope.low_freq_factor, rope.high_freq_factor
+    factor = np.float32(rope.factor)
+    wavelen = np.float32(2 * math.pi) / freqs
+    low_wavelen, high_wavelen = np.float32(old / low), np.float32(old / high)
+    scaled = np.where(wavelen > low_wavelen, freqs / factor, freqs)
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    if high > low:  # equal factors leave no medium band (transformers' ramp would divide by zero, unused)
+        smooth = (np.float32(old) / wavelen - np.float32(low)) / np.float32(high - low)
+        scaled = np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    return scaled.astype(np.float32)
 
 
 def cos_sin(freqs: np.ndarray, scaling: float, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -57,7 +57,9 @@ class DictWeightProvider:
     `mlp.experts.down_proj [E, H, I]`), and serves experts under the canonical names.
     """
 
-    def __init__(self, state: Mapping[str, np.ndarray], *, cache_float32: bool = False):
+    def __init__(self, state: Mapping[str, np.ndarray], *, cache_float32: bool = False, fused_layout: str = "out_in"):
+        """`fused_layout`: the family's (shardtool/families.py): "out_in" [E, 2I, H] / [E, H, I], or "in_out"
+        [E, H, 2I] / [E, I, H] (Llama 4)."""
         self.cache_float32 = cache_float32
         self._embed: dict[str, np.ndarray] = {}
         self._head: dict[str, np.ndarray] = {}
@@ -79,7 +81,7 @@ class DictWeightProvider:
                 self._layers.setdefault(int(m[1]), {})[m[2]] = array
             # Anything else (rotary buffers, vision towers) is not part of the decoder.
         for layer, parts in fused.items():
-            self._experts[layer] = _unfuse(layer, parts)
+            self._experts[layer] = _unfuse(layer, parts, fused_layout)
 
     def embed(self) -> Mapping[str, np.ndarray]:
         return self._embed
@@ -100,12 +102,15 @@ class DictWeightProvider:
         return {e: have[e] for e in expert_ids}
 
 
-def _unfuse(layer: int, parts: Mapping[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
-    """# gate_up_proj [E, 2I, H], down_proj [E, H, I] -> per expert gate/up [I, H], down [H, I] (views)."""
+def _unfuse(layer: int, parts: Mapping[str, np.ndarray], layout: str = "out_in") -> dict[int, dict[str, np.ndarray]]:
+    """# gate_up_proj [E, 2I, H], down_proj [E, H, I] -> per expert gate/up [I, H], down [H, I] (views);
+    "in_out": the same tensors stored transposed ([E, H, 2I], [E, I, H])."""
     gate_up, down = parts.get("gate_up_proj"), parts.get("down_proj")
-    if gate_up is None or down is None or down.ndim != 3:
-        raise CheckpointFormatError(f"layer {layer}: fused experts need gate_up_proj and a 3-D down_proj",
+    if gate_up is None or down is None or down.ndim != 3 or gate_up.ndim != 3:
+        raise CheckpointFormatError(f"layer {layer}: fused experts need 3-D gate_up_proj and down_proj",
                                     hint=f"got {sorted(parts)}")
+    if layout == "in_out":
+        gate_up, down = gate_up.transpose(0, 2, 1), down.transpose(0, 2, 1)
     e, h, i = down.shape
     if gate_up.shape != (e, 2 * i, h):
         raise CheckpointFormatError(f"layer {layer}: fused gate_up_proj shape {gate_up.shape}, "

@@ -40,6 +40,39 @@ def test_deepseek_v3_matches_published_parameter_counts() -> None:
     assert s.params_active == pytest.approx(37e9, rel=0.02)
 
 
+# Llama 4 Scout as published (multimodal config, the language model under text_config); Maverick: 128 experts
+# on every other layer, dense MLPs (intermediate_size_mlp) between.
+LLAMA4_SCOUT_TEXT = {
+    "model_type": "llama4_text", "vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+    "head_dim": 128, "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+    "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(48)], "attention_chunk_size": 8192,
+    "torch_dtype": "bfloat16",
+}
+LLAMA4_SCOUT = {"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"],
+                "text_config": LLAMA4_SCOUT_TEXT}
+LLAMA4_MAVERICK = {**LLAMA4_SCOUT, "text_config": {**LLAMA4_SCOUT_TEXT, "num_local_experts": 128,
+                                                    "interleave_moe_layer_step": 2}}
+
+
+@pytest.mark.parametrize("config, experts, moe_layers, total_b, active_b", [
+    (LLAMA4_SCOUT, 16, 48, 107.8, 17.2), (LLAMA4_MAVERICK, 128, 24, 400.7, 17.2)])
+def test_llama4_matches_published_parameter_counts(config, experts, moe_layers, total_b, active_b) -> None:
+    """Meta: Scout 17B active / 109B total, Maverick 17B active / 400B total (both with the vision tower)."""
+    h, expert, dense, vocab = 5120, 3 * 5120 * 8192, 3 * 5120 * 16384, 202048
+    attention = h * 40 * 128 * 2 + 2 * h * 8 * 128 + 2 * h  # q, o, k, v, the two layer norms
+    moe = attention + experts * h + expert  # + router + shared expert (+ routed experts below)
+    total = 2 * vocab * h + h + moe_layers * (moe + experts * expert) + (48 - moe_layers) * (attention + dense)
+    active = 2 * vocab * h + h + moe_layers * (moe + expert) + (48 - moe_layers) * (attention + dense)
+    c = contract_from_config(config, 16)
+    assert (c["params_total"], c["params_active"]) == (total, active)
+    assert round(c["params_total"] / 1e9, 1) == total_b and round(c["params_active"] / 1e9, 1) == active_b
+    assert (c["moe_layers"], c["experts_per_layer"], c["experts_per_token"], c["shared_experts"]) == \
+        (moe_layers, experts, 1, 1)
+    assert c["kv_cache_bytes_per_token"] == 48 * 2 * 8 * 128 * 2  # K and V, 8 heads of 128, bf16, every layer
+    assert c["bytes_per_expert"] == expert * 2 and c["expert_bytes_per_token_cold"] == moe_layers * expert * 2
+
+
 def test_kimi_k2_from_config_alone() -> None:
     c = contract_from_config(KIMI_K2, 8.0)  # FP8 weights: one byte each (scales ignored at 8.0 bits)
     assert 1.00e12 <= c["params_total"] <= 1.05e12  # "1 T total parameters"

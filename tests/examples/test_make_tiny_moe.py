@@ -335,6 +335,9 @@ BAD_KNOBS = [
     ("zero_layers", "mixtral", {"layers": 0}),
     ("negative_shard_size", "mixtral", {"shard_size_mb": -1}),
     ("unknown_knob", "mixtral", {"hiden": 64}),
+    ("chunk_size_outside_llama4", "mixtral", {"attention_chunk_size": 16}),
+    ("nope_interval_outside_llama4", "qwen3_moe", {"nope_interval": 2}),
+    ("zero_chunk_size", "llama4", {"attention_chunk_size": 0}),
 ]
 
 

@@ -54,10 +54,27 @@ def _configs() -> dict[str, Callable[[], Any]]:
             v_head_dim=12, norm_topk_prob=False, rope_interleave=False,
             rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0,
                           "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1}),
+        # Llama 4: dense and MoE layers interleaved, a shared expert, the top-1 sigmoid router scaling the expert
+        # input, attention chunks of 5 (< the 8-token prompt), a NoPE layer (2) whose temperature tuning acts
+        # from position 1 on (floor_scale 2), L2 q/k norm on the RoPE layers.
+        "llama4": lambda: tf.Llama4TextConfig(
+            **_SMALL, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=6, num_experts_per_tok=1,
+            interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1], attention_chunk_size=5, floor_scale=2,
+            attn_scale=0.5, use_qk_norm=True),
+        # Llama 4 with top-2 (each expert gets its own scaled input), MoE layers listed, llama3 RoPE scaling
+        # with a medium band, no q/k norm, no chunking, NoPE layer 1 without temperature tuning.
+        "llama4_llama3": lambda: tf.Llama4TextConfig(
+            **_SMALL, intermediate_size=32, intermediate_size_mlp=48, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=2, moe_layers=[0, 2],
+            no_rope_layers=[1, 0, 1], attention_chunk_size=None, attn_temperature_tuning=False, use_qk_norm=False,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
     }
 
 
-FAMILY_CASES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v3_yarn")
+FAMILY_CASES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v3_yarn", "llama4",
+                "llama4_llama3")
 
 
 def build(case: str, seed: int = 0):
@@ -76,7 +93,7 @@ def build(case: str, seed: int = 0):
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape))
         for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
             if gate is not None and hasattr(gate, "e_score_correction_bias"):
                 # Non-zero, and as large as the score spread, so the bias really changes which experts win.
                 gate.e_score_correction_bias.copy_(torch.randn(gate.e_score_correction_bias.shape) * 0.05)

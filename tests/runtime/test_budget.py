@@ -36,7 +36,8 @@ ABOVE_CAP = [
     (_MX, "sliding_window"), (_MX, "max_position_embeddings"), (_MX, "bos_token_id"), (_MX, "eos_token_id"),
     (_DS, "q_lora_rank"), (_DS, "kv_lora_rank"), (_DS, "qk_nope_head_dim"), (_DS, "qk_rope_head_dim"),
     (_DS, "v_head_dim"), (_MX, "rope_theta"), (_MX, "rms_norm_eps"), (_DS, "routed_scaling_factor"),
-    ("olmoe", "clip_qkv"),
+    ("olmoe", "clip_qkv"), ("llama4", "intermediate_size_mlp"), ("llama4", "attention_chunk_size"),
+    ("llama4", "floor_scale"), ("llama4", "attn_scale"),
 ]
 NESTED = {  # family, field as named in the message, the config change
     "quantization_config.weight_block_size[0]": (_DS, lambda cap: {"quantization_config": {
@@ -54,6 +55,11 @@ NESTED = {  # family, field as named in the message, the config change
     "eos_token_id[1]": (_MX, lambda cap: {"eos_token_id": [1, cap + 1]}),
     "mlp_only_layers[0]": (_QW2, lambda cap: {"mlp_only_layers": [cap + 1]}),
     "max_window_layers": (_QW2, lambda cap: {"use_sliding_window": True, "max_window_layers": cap + 1}),
+    "no_rope_layers[1]": ("llama4", lambda cap: {"no_rope_layers": [1, cap + 1, 1]}),
+    "no_rope_layer_interval": ("llama4", lambda cap: {"no_rope_layers": None, "no_rope_layer_interval": cap + 1}),
+    "rope_parameters.low_freq_factor": ("llama4", lambda cap: {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": cap * 2, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}}),
 }
 
 

@@ -34,6 +34,10 @@ CONFIGS = {
                 "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
                 "moe_intermediate_size": 16, "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
                 "qk_rope_head_dim": 4, "v_head_dim": 8, "rope_interleave": False},
+    # dense / MoE interleaved, a NoPE layer, chunks of 4 (the 6-token prompt spans two), top-1 input scaling
+    "llama4": {**_BASE, "model_type": "llama4_text", "num_local_experts": 4, "num_experts_per_tok": 1,
+               "intermediate_size": 16, "intermediate_size_mlp": 40, "head_dim": 8, "interleave_moe_layer_step": 2,
+               "no_rope_layers": [1, 0, 1], "attention_chunk_size": 4, "floor_scale": 2, "attn_scale": 0.5},
 }
 PROMPT = [5, 1, 90, 33, 7, 12]
 

@@ -13,6 +13,7 @@ pytest.importorskip("transformers", reason="parity oracle needs transformers (pi
 
 import _hf_oracle as oracle  # noqa: E402  (tests/runtime is on sys.path: pytest's prepend import mode)
 
+from shardtool.families import BY_NAME  # noqa: E402
 from shardtool.runtime._model import DictWeightProvider, Model, ModelConfig  # noqa: E402
 
 from _decode import generate  # noqa: E402
@@ -35,10 +36,14 @@ def reference(case: str):
     return hf, oracle.config_dict(hf), oracle.logits(hf, PROMPT)
 
 
+def provider(cfg: ModelConfig, state) -> DictWeightProvider:
+    return DictWeightProvider(state, fused_layout=BY_NAME[cfg.family].fused_layout)
+
+
 def numpy_model(case: str, **config_changes) -> Model:
     hf, config, _ = reference(case)
     cfg = dataclasses.replace(ModelConfig.from_hf_config(config), **config_changes)
-    return Model(cfg, DictWeightProvider(oracle.state_dict(hf)))
+    return Model(cfg, provider(cfg, oracle.state_dict(hf)))
 
 
 @pytest.mark.parametrize("case", oracle.FAMILY_CASES)
@@ -89,6 +94,18 @@ FEATURES = {  # name: (case, config changes (or a function of the config giving 
     "deepseek yarn softmax mscale": ("deepseek_v3_yarn", {"attn_scale": (16 + 8) ** -0.5}, None),
     "deepseek yarn frequencies": ("deepseek_v3_yarn", lambda c: {"rope": dataclasses.replace(c.rope, kind="default")},
                                   None),
+    "llama4 chunked attention": ("llama4", {"attention_chunks": ()}, None),
+    "llama4 NoPE layer": ("llama4", {"rope_layers": ()}, None),
+    "llama4 NoPE temperature tuning": ("llama4", lambda c: {"chunked_nope": dataclasses.replace(
+        c.chunked_nope, temperature_tuning=False)}, None),
+    "llama4 L2 q/k norm": ("llama4", lambda c: {"chunked_nope": dataclasses.replace(c.chunked_nope,
+                                                                                     use_qk_norm=False)}, None),
+    "llama4 complex (interleaved) rope": ("llama4", _flip_interleave, None),
+    "llama4 shared expert": ("llama4", {}, _zero("shared_expert.down_proj.weight")),
+    "llama4 router scales the expert input": ("llama4", {"router": "softmax", "norm_topk_prob": True}, None),
+    "llama4 top-2 NoPE layer": ("llama4_llama3", {"rope_layers": ()}, None),
+    "llama4 llama3 rope frequencies": ("llama4_llama3", lambda c: {"rope": dataclasses.replace(c.rope, kind="default")},
+                                       None),
 }
 
 
@@ -99,7 +116,7 @@ def test_each_case_exercises_its_feature(feature):
     cfg = ModelConfig.from_hf_config(config)
     cfg = dataclasses.replace(cfg, **(changes(cfg) if callable(changes) else changes))
     state = oracle.state_dict(hf)
-    model = Model(cfg, DictWeightProvider(reweigh(state) if reweigh else state))
+    model = Model(cfg, provider(cfg, reweigh(state) if reweigh else state))
     assert rel_err(model.prefill(PROMPT), ref) > 1e-3
 
 
@@ -119,6 +136,7 @@ PRECISION_CASES = {
     "qwen3_moe-float16": ("qwen3_moe", "float16", (128, 128)),
     "deepseek_v3-float8-16x16": ("deepseek_v3", "float8", (16, 16)),
     "deepseek_v3_yarn-float8-128x128": ("deepseek_v3_yarn", "float8", (128, 128)),
+    "llama4-bfloat16": ("llama4", "bfloat16", (128, 128)),
 }
 
 
@@ -131,6 +149,27 @@ def test_stored_dtypes_match_transformers_on_dequantized_weights(name, tmp_path)
     torch_model = oracle.load_weights(hf, tmp_path / "ref", exact)
     if kind == "float8":
         config = {**config, "quantization_config": {"quant_method": "fp8", "weight_block_size": list(block)}}
-    model = Model(ModelConfig.from_hf_config(config), DictWeightProvider(stored))
+    cfg = ModelConfig.from_hf_config(config)
+    model = Model(cfg, provider(cfg, stored))
     assert rel_err(model.prefill(PROMPT), oracle.logits(torch_model, PROMPT)) <= REL_TOL
     assert generate(model, PROMPT, 16) == oracle.greedy(torch_model, PROMPT, 16)
+
+
+@pytest.mark.parametrize("low, high", [(1.0, 1.0), (1.0, 4.0)])  # Llama 4 Scout ships low = high = 1
+def test_llama3_rope_frequencies_match_transformers(low, high):
+    from transformers import Llama4TextConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from shardtool.runtime._model._rope import inv_freq
+
+    params = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 16.0, "low_freq_factor": low,
+              "high_freq_factor": high, "original_max_position_embeddings": 8192}
+    want, scaling = ROPE_INIT_FUNCTIONS["llama3"](Llama4TextConfig(hidden_size=5120, num_attention_heads=40,
+                                                                   head_dim=128, rope_parameters=params))
+    cfg = ModelConfig.from_hf_config({"model_type": "llama4_text", "vocab_size": 32, "hidden_size": 5120,
+                                      "num_hidden_layers": 1, "num_attention_heads": 40, "head_dim": 128,
+                                      "intermediate_size": 8, "rope_scaling": params})
+    got, got_scaling = inv_freq(cfg.rope)
+    assert got_scaling == scaling == 1.0
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
+    assert (got != inv_freq(dataclasses.replace(cfg.rope, kind="default"))[0]).sum() > 10  # the scaling acts

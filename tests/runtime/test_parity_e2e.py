@@ -45,6 +45,10 @@ CASES = {
     "deepseek_v3-bf16": Case("deepseek_v3", "bfloat16"),
     "deepseek_v3-fp8-16x16": Case("deepseek_v3", "float8", (16, 16)),
     "deepseek_v3_yarn-fp8-128x128": Case("deepseek_v3_yarn", "float8", (128, 128)),
+    # The 8-token prompt spans two attention chunks of 5; layer 2 is a NoPE layer.
+    "llama4": Case("llama4"),
+    "llama4_llama3": Case("llama4_llama3"),
+    "llama4-bf16": Case("llama4", "bfloat16"),
 }
 
 
@@ -143,6 +147,57 @@ def test_verify_and_run_matches_transformers(name, keys, tmp_path):
     assert np.abs(got - want_logits).max() <= REL_TOL * np.abs(want_logits).max()
 
 
+def test_make_tiny_moe_llama4_runs_as_transformers_does(keys, tmp_path):
+    """examples/make_tiny_moe.py's Llama 4 (bf16, one dense layer then MoE, NoPE every 2nd layer, chunks of 4 so
+    the 8-token prompt spans two): verify-and-run's 16 greedy tokens equal transformers' on the same files."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from examples.make_tiny_moe import make_checkpoint
+
+    ck = make_checkpoint(tmp_path / "ck", "llama4", layers=4, dense_layers=1, attention_chunk_size=4,
+                         nope_interval=2, vocab=300, max_position_embeddings=64)
+    config = json.loads((ck / "config.json").read_text())
+    assert config["no_rope_layers"] == [1, 0, 1, 0] and config["attention_chunk_size"] == 4
+    ref = AutoModelForCausalLM.from_pretrained(ck, attn_implementation="eager", dtype=torch.float32).eval()
+    ref.generation_config.eos_token_id = None
+    ref.generation_config.pad_token_id = 0
+    cli("shardtool", "split", "-q", ck, tmp_path / "model", cwd=tmp_path)
+    cli("shardtool", "sign", tmp_path / "model", "--key", keys / "k.key", cwd=tmp_path)
+    r = cli("verify-and-run", tmp_path / "model", "--trust", keys / "k.pub", "--prompt-ids", ",".join(map(str, PROMPT)),
+            "--print-ids", "--temperature", "0", "--max-new-tokens", NEW, "--state-dir", tmp_path / "state", "-q",
+            cwd=tmp_path)
+    assert [int(x) for x in r.stdout.split()] == oracle.greedy(ref, PROMPT, NEW)
+
+
+def test_llama4_multimodal_checkpoint_runs_its_language_model(keys, tmp_path):
+    """A checkpoint in the published Llama4ForConditionalGeneration layout (config under text_config, tensors under
+    language_model., a vision tower beside them), made from the text model's own weights: verify-and-run generates
+    the text model's greedy tokens."""
+    from safetensors.numpy import load_file, save_file
+
+    ref = write_checkpoint(CASES["llama4"], tmp_path / "text", tmp_path / "ref")
+    state = {}
+    for f in (tmp_path / "text").glob("*.safetensors"):
+        state.update(load_file(f))
+    wrapped = {f"language_model.{k}": v for k, v in state.items()}
+    wrapped["vision_model.patch_embedding.linear.weight"] = np.ones((8, 12), np.float32)
+    wrapped["multi_modal_projector.linear_1.weight"] = np.ones((64, 8), np.float32)
+    (tmp_path / "ck").mkdir()
+    save_file(wrapped, tmp_path / "ck" / "model.safetensors", metadata={"format": "pt"})
+    text = json.loads((tmp_path / "text" / "config.json").read_text())
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(
+        {"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"], "text_config": text,
+         "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 8}, "tie_word_embeddings": False}))
+    cli("shardtool", "split", "-q", tmp_path / "ck", tmp_path / "model", cwd=tmp_path)
+    cli("shardtool", "sign", tmp_path / "model", "--key", keys / "k.key", cwd=tmp_path)
+    assert (tmp_path / "model" / "trunk" / "extra.safetensors").exists()  # the vision tower, never read
+    r = cli("verify-and-run", tmp_path / "model", "--trust", keys / "k.pub", "--prompt-ids", ",".join(map(str, PROMPT)),
+            "--print-ids", "--temperature", "0", "--max-new-tokens", NEW, "--state-dir", tmp_path / "state", "-q",
+            cwd=tmp_path)
+    assert [int(x) for x in r.stdout.split()] == oracle.greedy(ref, PROMPT, NEW)
+
+
 def test_text_prompt_through_the_verified_tokenizer(keys, tmp_path):
     """--prompt with the model's tokenizer.json: same ids as the transformers tokenizer, same text out."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -169,7 +224,7 @@ def test_text_prompt_through_the_verified_tokenizer(keys, tmp_path):
 BATCH_PROMPTS = [PROMPT, [11, 4], [250, 31, 7, 90, 64, 12, 8, 3, 99, 101, 42, 17, 5], [60]]
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "llama4"])
 def test_requests_served_in_one_batch_each_match_transformers(name, keys, tmp_path):
     """Continuous batching (the engine `serve` runs): four prompts of different lengths prefilled and decoded
     in shared steps; each one's greedy tokens equal transformers' for that prompt alone."""
