@@ -441,3 +441,28 @@ def test_join_refuses_a_large_shard_tampered_in_its_middle(make_tiny, tmp_path: 
         join_checkpoint(out, tmp_path / "rebuilt", manifest, chunk=4096)
     assert calls
     assert not list((tmp_path / "rebuilt").iterdir())
+
+
+def test_join_refuses_a_shard_that_grew_between_passes(make_tiny, tmp_path: Path, monkeypatch,
+                                                       raises_exactly) -> None:
+    """Pass 2 compares the size before reading a byte: a shard appended to after pass 1 is refused, and
+    nothing is renamed into place."""
+    import shardtool.checkpoint._join as join_module
+    from shardtool.checkpoint import join_checkpoint
+
+    src = _source(make_tiny, "mixtral")
+    out = tmp_path / "out"
+    _split(src, out)
+    manifest = load_manifest(out / "manifest.msgpack")
+    real = join_module._plan
+
+    def plan_then_grow(*args):
+        planned = real(*args)
+        with open(out / "trunk/head.safetensors", "ab") as fh:
+            fh.write(b"x")
+        return planned
+
+    monkeypatch.setattr(join_module, "_plan", plan_then_grow)
+    with raises_exactly(DigestMismatchError, match="size is"):
+        join_checkpoint(out, tmp_path / "rebuilt", manifest)
+    assert not list((tmp_path / "rebuilt").iterdir())
