@@ -45,6 +45,37 @@ def _hash_file_window(hasher: Any, fd: int, pos: int, length: int) -> None:
         hasher.update(part)
 
 
+PREALLOCATE_MIN = 1 << 20
+_fallocate: Any = None
+
+
+def preallocate(fd: int, size: int) -> None:
+    """Reserve the blocks of a file about to be written whole (fallocate(2), mode 0), so the filesystem does
+    not reserve delayed-allocation space page by page during the copy (ext4: about a quarter less kernel CPU
+    in copy_file_range). Where fallocate is unsupported nothing is done: glibc's posix_fallocate is not
+    used, as it emulates by writing a byte per block. No space is the only failure reported (OSError ENOSPC)."""
+    global _fallocate
+    if size < PREALLOCATE_MIN:
+        return
+    if _fallocate is None:
+        import ctypes
+
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).fallocate
+            fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+            fn.restype = ctypes.c_int
+            _fallocate = (fn, ctypes)
+        except (AttributeError, OSError):
+            _fallocate = False
+    if not _fallocate:
+        return
+    fn, ctypes = _fallocate
+    if fn(fd, 0, 0, size) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(err, os.strerror(err))
+
+
 class HashQueue:
     """Hash steps of every file being written, run in submission order on one worker thread (or at once,
     without an executor), at most DEPTH steps behind the writer. A step's failure is reported by the file

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 
 from shardtool.atomic import atomic_writer_at
 from shardtool.atomic import sync_filesystem
-from shardtool.checkpoint._copy import COPY_UNSUPPORTED, HashingFileWriter, HashQueue
+from shardtool.checkpoint._copy import COPY_UNSUPPORTED, HashingFileWriter, HashQueue, preallocate
 from shardtool.checkpoint._contract import DEFAULT_CONTEXT_TOKENS, SplitSizes, check_config, contract_from_split
 from shardtool.checkpoint._families import decoder_layers, plan_split
 from shardtool.outdir import OutDir
@@ -193,6 +193,7 @@ def _write(dir_fd: int, name: str, where: str, out: OutputFile, mode: int, sourc
     with atomic_writer_at(dir_fd, name, mode, fsync=False, where=where) as fh:
         w = HashingFileWriter(fh.fileno(), queue, use_copy_file_range=sources.copy_file_range_ok)
         try:
+            preallocate(fh.fileno(), out.size)
             for seg in segments(out, sources):
                 if not isinstance(seg, Run):
                     w.write(seg)

@@ -466,3 +466,31 @@ def test_join_refuses_a_shard_that_grew_between_passes(make_tiny, tmp_path: Path
     with raises_exactly(DigestMismatchError, match="size is"):
         join_checkpoint(out, tmp_path / "rebuilt", manifest)
     assert not list((tmp_path / "rebuilt").iterdir())
+
+
+@pytest.mark.parametrize("case", ["mixtral", "gpt_oss"])
+def test_preallocated_shards_hold_exactly_the_bytes_written(case: str, make_tiny, tmp_path: Path,
+                                                            monkeypatch) -> None:
+    """Every output preallocated (threshold 0): same files, sizes and digests as without preallocation, and the
+    manifest still names the bytes on disk (no reserved block left unwritten or past the planned size)."""
+    from shardtool.checkpoint import _copy
+
+    src = _source(make_tiny, case)
+    monkeypatch.setattr(_copy, "PREALLOCATE_MIN", 1 << 62)
+    _split(src, tmp_path / "plain")
+    calls = []
+    real = _copy.preallocate
+
+    def counted(fd: int, size: int) -> None:
+        calls.append(size)
+        real(fd, size)
+
+    monkeypatch.setattr(_copy, "PREALLOCATE_MIN", 0)
+    from shardtool.checkpoint import _split as split_module
+    monkeypatch.setattr(split_module, "preallocate", counted)
+    _split(src, tmp_path / "prealloc")
+    plain = load_manifest(tmp_path / "plain/manifest.msgpack")
+    prealloc = load_manifest(tmp_path / "prealloc/manifest.msgpack")
+    assert len(calls) == len(prealloc.entries)
+    assert plain.entries == prealloc.entries
+    assert list(prealloc.entries) == sorted(hash_directory(tmp_path / "prealloc", exclude=["manifest.msgpack"]))
