@@ -1,8 +1,12 @@
 """`join`: rebuild the Hugging Face checkpoint from verified shards, every tensor byte-identical.
 
-Each shard's `shardtool.source` record says where its tensors came from. Pass 1 reads only shard
-headers to lay out the rebuilt files; pass 2 reads each shard whole through `read_verified`, checks its
-header is the one planned from, and writes the tensor bytes at their place with pwrite.
+Each shard's `shardtool.source` record says where its tensors came from. Pass 1 streams every shard
+through the entry check and keeps only its header, to lay out the rebuilt files; pass 2 streams each shard
+again through the entry check (`VerifyingStream`, bounded buffers: a 2 GiB trunk file is never held whole),
+checks its header is the one verified in pass 1, and writes the tensor bytes at their place with pwrite into
+the rebuilt files' temp files. Those are renamed into place only after every shard's size and BLAKE3 matched:
+a shard that fails its check leaves no rebuilt file. Memory: one CHUNK buffer, plus, for a fused tensor, one
+expert's slice (its pieces are pasted back together before they are written).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from shardtool.atomic import atomic_writer, atomic_write_bytes
+from shardtool.atomic import atomic_writer
 from shardtool.checkpoint._plan import Cut, paste, uint_view
 from shardtool.checkpoint._writer import TensorSpec, encode_header
 from shardtool.safetensors_format import DTYPE_SIZES, MAX_HEADER_BYTES, parse_header
@@ -27,6 +31,8 @@ from shardtool.errors import (CheckpointFormatError, DigestMismatchError, ShardF
 
 if TYPE_CHECKING:
     import numpy as np
+
+CHUNK = 4 * 1024 * 1024  # pass 2's read buffer: join's memory does not grow with the size of a shard
 
 
 @dataclass
@@ -102,10 +108,10 @@ def _records(header: bytes, file_size: int, where: str) -> tuple[Any, dict[str, 
     return parsed, doc
 
 
-def _plan(root: Path, shard_entries: list) -> tuple[dict[str, _File], dict[str, bytes]]:
+def _plan(root: Path, shard_entries: list, chunk: int) -> tuple[dict[str, _File], dict[str, bytes]]:
     files: dict[str, _File] = {}
     headers: dict[str, bytes] = {}
-    buffer = bytearray(4 * 1024 * 1024)
+    buffer = bytearray(chunk)
     for entry in shard_entries:
         header = _verified_header(root, entry, buffer)
         headers[entry.path] = header
@@ -155,25 +161,28 @@ def _plan(root: Path, shard_entries: list) -> tuple[dict[str, _File], dict[str, 
 
 
 def join_checkpoint(out: Path, rebuilt: Path, manifest: Any, *,
-                    on_bytes: Callable[[int], None] | None = None) -> JoinResult:
+                    on_bytes: Callable[[int], None] | None = None, chunk: int = CHUNK) -> JoinResult:
     """Rebuild the checkpoint of split directory `out` in `rebuilt` from `manifest`'s files only.
 
     `manifest`: a signature-verified manifest (`VerifiedManifest`, from `load_trusted_manifest`), or, for
     a publisher's own unsigned split, a decoded one. Either way every byte join uses is checked against
     its entry first: each shard is streamed through the size and BLAKE3 check before its header is
-    parsed (pass 1), and read whole through the same check before its tensors are placed (pass 2).
+    parsed (pass 1), and streamed through the same check again while its tensors are placed (pass 2), in
+    pieces of at most `chunk` bytes; no rebuilt file is renamed into place unless every check passed.
     """
-    from shardtool.manifest import read_verified
+    from shardtool.manifest import VerifyingStream
 
     out, rebuilt = Path(out), Path(rebuilt)
     on_bytes = on_bytes or (lambda n: None)
+    if chunk < 1:
+        raise ValueError("chunk must be positive")
     started = time.perf_counter()
     if rebuilt.exists() and (not rebuilt.is_dir() or any(rebuilt.iterdir())):
         raise UsageError("output must be absent or an empty directory", path=str(rebuilt))
     shards = [e for e in manifest.entries if e.kind in ("trunk", "expert")]
     side = [e for e in manifest.entries if e.kind not in ("trunk", "expert")]
     try:
-        files, headers = _plan(out, shards)
+        files, headers = _plan(out, shards, chunk)
     except CheckpointFormatError as e:
         # The bytes matched the manifest: the shards as listed cannot be joined (exit 1, not "malformed input").
         raise ShardFormatError(e.message, path=e.path) from None
@@ -182,6 +191,7 @@ def join_checkpoint(out: Path, rebuilt: Path, manifest: Any, *,
         rebuilt.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise StorageError(f"cannot create directory: {e.strerror}", path=str(rebuilt)) from e
+    buffer = memoryview(bytearray(chunk))
     written = 0
     with contextlib.ExitStack() as stack:
         fds = {}
@@ -192,24 +202,32 @@ def join_checkpoint(out: Path, rebuilt: Path, manifest: Any, *,
             fds[fname] = fh.fileno()
             written += len(f.header)
         for entry in shards:
-            data = read_verified(out, entry)
-            if bytes(data[:len(headers[entry.path])]) != headers[entry.path]:
-                raise DigestMismatchError("shard changed between planning and reading", path=entry.path)
-            try:
-                written += _place(entry.path, data, headers[entry.path], files, fds)
-            except CheckpointFormatError as e:
-                raise ShardFormatError(e.message, path=e.path) from None
+            with VerifyingStream(out, entry) as stream:
+                header = headers[entry.path]
+                head = bytearray(len(header))
+                stream.readinto(memoryview(head))
+                if head != header:
+                    raise DigestMismatchError("shard changed between planning and reading", path=entry.path)
+                try:
+                    written += _place(entry.path, stream, header, files, fds, buffer)
+                except CheckpointFormatError as e:
+                    raise ShardFormatError(e.message, path=e.path) from None
+                stream.finish()
             on_bytes(entry.size)
         try:
             _check_complete(files)
         except CheckpointFormatError as e:
             raise ShardFormatError(e.message, path=e.path or str(out)) from None
     for entry in side:
-        data = read_verified(out, entry)
         target = rebuilt / entry.path
         target.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(target, data)
-        written += len(data)
+        with VerifyingStream(out, entry) as stream, atomic_writer(target) as fh:
+            while stream.done < entry.size:
+                piece = buffer[:min(chunk, entry.size - stream.done)]
+                stream.readinto(piece)
+                fh.write(piece)
+            stream.finish()  # before the writer renames the file into place
+        written += entry.size
         on_bytes(entry.size)
     tensors = sum(len(f.tensors) for f in files.values())
     return JoinResult(rebuilt, len(files) + len(side), tensors, written, time.perf_counter() - started)
@@ -225,14 +243,17 @@ def _pwrite(fd: int, data: memoryview | bytes, position: int, where: str) -> Non
         raise StorageError(f"write failed: {e.strerror}", path=where) from e
 
 
-def _place(path: str, data: bytes, header: bytes, files: dict[str, _File], fds: dict[str, int]) -> int:
+def _place(path: str, stream: Any, header: bytes, files: dict[str, _File], fds: dict[str, int],
+           buffer: memoryview) -> int:
+    """Read the shard's tensors from `stream` (positioned after its header), in data order, and write each at
+    its place in the rebuilt file: plain tensors piece by piece through `buffer`, a fused expert's pieces
+    pasted into its slice first."""
     import numpy as np
 
-    parsed, doc = _records(header, len(data), path)
-    view = memoryview(data)
+    parsed, doc = _records(header, stream.entry.size, path)
     written = 0
     fused: dict[tuple[str, str, int], tuple[np.ndarray, np.ndarray]] = {}
-    for t in parsed.tensors:
+    for t in parsed.tensors:  # data order: they tile the file from the header's end
         rec = doc["tensors"][t.name]
         f = files[rec["file"]]
         target = f.tensors[rec["name"]]
@@ -240,7 +261,12 @@ def _place(path: str, data: bytes, header: bytes, files: dict[str, _File], fds: 
         if "cut" not in rec:
             if target.done:
                 raise CheckpointFormatError(f"tensor {rec['name']!r} appears in two shards", path=path)
-            _pwrite(fds[rec["file"]], view[t.start:t.end], base, path)
+            done = 0
+            while done < t.nbytes:
+                piece = buffer[:min(len(buffer), t.nbytes - done)]
+                stream.readinto(piece)
+                _pwrite(fds[rec["file"]], piece, base + done, path)
+                done += len(piece)
             target.done.add(0)
             written += t.nbytes
             continue
@@ -249,7 +275,9 @@ def _place(path: str, data: bytes, header: bytes, files: dict[str, _File], fds: 
             slice_shape = target.shape[1:]
             fused[key] = (np.zeros(slice_shape, dtype=uint_view(target.dtype)), np.zeros(slice_shape, dtype=np.uint8))
         s, cover = fused[key]
-        paste(s, cover, view[t.start:t.end], Cut.from_json(rec["cut"]))
+        data = bytearray(t.nbytes)  # one piece of one expert's slice, no larger than the slice itself
+        stream.readinto(memoryview(data))
+        paste(s, cover, data, Cut.from_json(rec["cut"]))
     for (fname, name, e), (s, cover) in fused.items():
         target = files[fname].tensors[name]
         if e in target.done:

@@ -20,14 +20,14 @@ import math
 import os
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from shardtool.atomic import atomic_writer_at
 from shardtool.atomic import sync_filesystem
-from shardtool.checkpoint._copy import COPY_UNSUPPORTED, HashingFileWriter
+from shardtool.checkpoint._copy import COPY_UNSUPPORTED, HashingFileWriter, HashQueue, preallocate
 from shardtool.checkpoint._contract import DEFAULT_CONTEXT_TOKENS, SplitSizes, check_config, contract_from_split
 from shardtool.checkpoint._families import decoder_layers, plan_split
 from shardtool.outdir import OutDir
@@ -36,7 +36,7 @@ from shardtool.checkpoint._reuse import existing_digest
 from shardtool.checkpoint._writer import TensorSpec, encode_header
 from shardtool.checkpoint._source import Checkpoint, open_checkpoint
 from shardtool.checkpoint._stream import Run, Sources, segments
-from shardtool.errors import CheckpointFormatError, ManifestFormatError, UsageError
+from shardtool.errors import CheckpointFormatError, ManifestFormatError, StorageError, UsageError
 
 SOURCE_KEY = "shardtool.source"
 SOURCE_FORMAT = 1
@@ -185,12 +185,15 @@ def _check_entries(outputs: list[OutputFile]) -> None:
 
 
 def _write(dir_fd: int, name: str, where: str, out: OutputFile, mode: int, sources: Sources,
-           on_bytes: Callable[[int], None], executor: Any = None) -> bytes:
+           on_bytes: Callable[[int], None], queue: HashQueue) -> Future:
+    """Write `out` and rename it into place; returns the future BLAKE3 of the bytes in it (its last hash
+    steps may still run while the next file is copied)."""
     # No fsync per shard: a shard lost to a crash fails the rerun's byte comparison, and run_split
     # flushes the filesystem once before writing the manifest.
     with atomic_writer_at(dir_fd, name, mode, fsync=False, where=where) as fh:
-        w = HashingFileWriter(fh.fileno(), executor, use_copy_file_range=sources.copy_file_range_ok)
+        w = HashingFileWriter(fh.fileno(), queue, use_copy_file_range=sources.copy_file_range_ok)
         try:
+            preallocate(fh.fileno(), out.size)
             for seg in segments(out, sources):
                 if not isinstance(seg, Run):
                     w.write(seg)
@@ -201,13 +204,12 @@ def _write(dir_fd: int, name: str, where: str, out: OutputFile, mode: int, sourc
                     for chunk in sources.chunks(seg.file, seg.offset, seg.length):
                         w.write(chunk)
                         on_bytes(len(chunk))
-            digest = w.digest()
+            if w.pos != out.size:
+                raise CheckpointFormatError(f"wrote {w.pos} bytes, planned {out.size}", path=out.path)
         except BaseException:
             w.abandon()
             raise
-        if w.pos != out.size:
-            raise CheckpointFormatError(f"wrote {w.pos} bytes, planned {out.size}", path=out.path)
-    return digest
+        return w.finish()
 
 
 def _copy_run(w: HashingFileWriter, run: Run, sources: Sources, on_bytes: Callable[[int], None]) -> None:
@@ -306,20 +308,28 @@ def _write_all(od: OutDir, job: SplitJob, on_bytes: Callable[[int], None]) -> tu
     """(digest per output path, files written, files reused, bytes written)."""
     sources = Sources(job.checkpoint)
     digests: dict[str, bytes] = {}
+    hashing: dict[str, Future] = {}
     written = reused = bytes_written = 0
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtool-hash")
     try:
+        queue = HashQueue(executor)
         for o in job.outputs:
             dir_fd, name = od.locate(o.path)
             mode = job.modes[o.path]
             digest = existing_digest(dir_fd, name, o, mode, sources, on_bytes, executor)
             if digest is None:
-                digest = _write(dir_fd, name, str(od.path / o.path), o, mode, sources, on_bytes, executor)
+                hashing[o.path] = _write(dir_fd, name, str(od.path / o.path), o, mode, sources, on_bytes, queue)
                 written += 1
                 bytes_written += o.size
             else:
                 reused += 1
-            digests[o.path] = digest
+                digests[o.path] = digest
+        for path, future in hashing.items():
+            try:
+                digests[path] = future.result()
+            except OSError as e:
+                raise StorageError(f"cannot hash the file just written: {e.strerror or e}",
+                                   path=str(od.path / path)) from e
     finally:
         executor.shutdown(wait=True)
         sources.close()

@@ -21,6 +21,7 @@ from shardtool.manifest._document import (
 from shardtool.manifest._envelope import PAYLOAD_TYPE, Envelope, Signature, pae, verify_envelope
 from shardtool.manifest._files import (
     VerifiedBytes,
+    VerifyingStream,
     open_file_matches,
     read_verified,
     read_verified_prefix,
@@ -50,7 +51,7 @@ from shardtool.manifest._records import KINDS, MAX_ENTRIES, MAX_EXPERT, MAX_LAYE
 from shardtool.manifest._state import check_and_record, default_state_dir
 
 __all__ = [
-    "MAX_ENTRIES", "MAX_MANIFEST_BYTES", "MAX_EXPERT", "MAX_LAYER", "VerifiedBytes", "open_file_matches", "check_relpath", "read_verified_timed",
+    "MAX_ENTRIES", "MAX_MANIFEST_BYTES", "MAX_EXPERT", "MAX_LAYER", "VerifiedBytes", "VerifyingStream", "open_file_matches", "check_relpath", "read_verified_timed",
     "verify_entry", "verify_file", "manifest_relpath", "read_manifest_bytes", "check_model_id_form",
     "FORMAT", "KINDS", "MANIFEST_NAME", "PAYLOAD_TYPE", "Entry", "Envelope", "Head", "Manifest", "Signature",
     "ProvenEntry", "VerifiedManifest", "build_proof", "verify_proof", "build_manifest", "check_and_record", "check_freshness", "decode_manifest",

@@ -161,6 +161,70 @@ def read_verified_prefix(root: Path, entry: Entry, prefix_length: Callable[[byte
     return bytes(prefix[:want])
 
 
+class VerifyingStream:
+    """`entry` read front to back in bounded pieces, each hashed as it is read; `finish()` raises unless the
+    whole file had the entry's size and BLAKE3. The size is compared when the stream opens, before a byte is read.
+
+    Nothing read is verified until `finish()` returns: a caller may only put the bytes where they are thrown
+    away if it raises (join writes them into temp files that are renamed into place only after every shard
+    verified, as `pull` does with `.NAME.partial`), and parses only bytes it verified before (join compares
+    the shard's header with the one it verified whole in its first pass). Use as a context manager.
+    """
+
+    def __init__(self, root: Path, entry: Entry):
+        self.entry = entry
+        self.done = 0
+        self._hash = blake3.blake3()
+        self._fd = open_beneath(Path(root), entry.path)
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError as e:
+            os.close(self._fd)
+            raise StorageError(f"cannot stat: {e.strerror}", path=entry.path) from e
+        if size != entry.size:
+            os.close(self._fd)
+            raise size_mismatch(entry, size)
+
+    def __enter__(self) -> "VerifyingStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def readinto(self, view: memoryview) -> None:
+        """Fill `view` with the next bytes of the file, hashing them; the file ending first is an error."""
+        if self.done + len(view) > self.entry.size:
+            raise ValueError(f"{self.entry.path}: read past the signed size")  # callers stay within it
+        filled = 0
+        while filled < len(view):
+            try:
+                n = os.readv(self._fd, [view[filled:]])
+            except OSError as e:
+                raise StorageError(f"read failed: {e.strerror}", path=self.entry.path) from e
+            if n == 0:
+                raise changed_while_read(self.entry, self.done + filled)
+            filled += n
+        self._hash.update(view)
+        self.done += filled
+
+    def finish(self) -> None:
+        """The entry check over everything read: the whole file, no byte more, the signed BLAKE3."""
+        try:
+            extra = len(os.read(self._fd, 1)) if self.done == self.entry.size else 0
+        except OSError as e:
+            raise StorageError(f"read failed: {e.strerror}", path=self.entry.path) from e
+        if self.done != self.entry.size or extra:
+            raise changed_while_read(self.entry, f"{self.done}{'+' if extra else ''}")
+        digest = self._hash.digest()
+        if digest != self.entry.digest:
+            raise digest_mismatch(self.entry, digest)
+
+
 def read_verified(root: Path, entry: Entry) -> "np.ndarray":
     """The whole file `entry.path` as a private, read-only uint8 array, returned only if its size and
     BLAKE3 match `entry`. Callers parse and use exactly these bytes, never a fresh read."""

@@ -386,3 +386,111 @@ def test_hashing_falls_back_to_reads_without_mmap(make_tiny, tmp_path: Path, mon
     _split(src, tmp_path / "read")
     assert load_manifest(tmp_path / "mapped/manifest.msgpack").entries == \
         load_manifest(tmp_path / "read/manifest.msgpack").entries
+
+
+def test_join_streams_a_large_trunk_file_through_bounded_buffers(make_tiny, tmp_path: Path) -> None:
+    """join never holds a shard whole: with 64 KiB pieces, rebuilding a checkpoint whose embedding shard is
+    32 MiB allocates far less than that shard (tracemalloc counts bytes, bytearrays and numpy's buffers)."""
+    import tracemalloc
+
+    from shardtool.checkpoint import join_checkpoint
+
+    src = make_tiny("mixtral", hidden=512, vocab=16384, dtype="f32", tie_word_embeddings=True, layers=2,
+                    shard_size_mb=1000.0)
+    out = tmp_path / "out"
+    _split(src, out)
+    trunk = (out / "trunk/embed.safetensors").stat().st_size
+    assert trunk > 32 * 1024 * 1024
+    manifest = load_manifest(out / "manifest.msgpack")
+    np.zeros(1)  # numpy's own first-use allocations are not join's
+    tracemalloc.start()
+    try:
+        join_checkpoint(out, tmp_path / "rebuilt", manifest, chunk=64 * 1024)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < trunk // 8, f"join allocated {peak} bytes at peak for a {trunk}-byte shard"
+    assert tensors_of(tmp_path / "rebuilt") == tensors_of(src)
+
+
+def test_join_refuses_a_large_shard_tampered_in_its_middle(make_tiny, tmp_path: Path, monkeypatch,
+                                                          raises_exactly) -> None:
+    """Pass 2 writes a shard's bytes before its digest is known: a mismatch found at its end must still leave
+    no rebuilt file (the temp files are removed, nothing renamed into place)."""
+    import shardtool.checkpoint._join as join_module
+    from shardtool.checkpoint import join_checkpoint
+
+    src = _source(make_tiny, "mixtral")
+    out = tmp_path / "out"
+    _split(src, out)
+    manifest = load_manifest(out / "manifest.msgpack")
+    shard = out / "trunk/embed.safetensors"
+    calls = []
+    real = join_module._place
+
+    def tamper_between_passes(path, *args):  # pass 1 saw the right bytes; pass 2 reads changed ones
+        if path == "trunk/embed.safetensors" and not calls:
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 1
+            shard.write_bytes(bytes(data))
+            calls.append(path)
+        return real(path, *args)
+
+    monkeypatch.setattr(join_module, "_place", tamper_between_passes)
+    with raises_exactly(DigestMismatchError):
+        join_checkpoint(out, tmp_path / "rebuilt", manifest, chunk=4096)
+    assert calls
+    assert not list((tmp_path / "rebuilt").iterdir())
+
+
+def test_join_refuses_a_shard_that_grew_between_passes(make_tiny, tmp_path: Path, monkeypatch,
+                                                       raises_exactly) -> None:
+    """Pass 2 compares the size before reading a byte: a shard appended to after pass 1 is refused, and
+    nothing is renamed into place."""
+    import shardtool.checkpoint._join as join_module
+    from shardtool.checkpoint import join_checkpoint
+
+    src = _source(make_tiny, "mixtral")
+    out = tmp_path / "out"
+    _split(src, out)
+    manifest = load_manifest(out / "manifest.msgpack")
+    real = join_module._plan
+
+    def plan_then_grow(*args):
+        planned = real(*args)
+        with open(out / "trunk/head.safetensors", "ab") as fh:
+            fh.write(b"x")
+        return planned
+
+    monkeypatch.setattr(join_module, "_plan", plan_then_grow)
+    with raises_exactly(DigestMismatchError, match="size is"):
+        join_checkpoint(out, tmp_path / "rebuilt", manifest)
+    assert not list((tmp_path / "rebuilt").iterdir())
+
+
+@pytest.mark.parametrize("case", ["mixtral", "gpt_oss"])
+def test_preallocated_shards_hold_exactly_the_bytes_written(case: str, make_tiny, tmp_path: Path,
+                                                            monkeypatch) -> None:
+    """Every output preallocated (threshold 0): same files, sizes and digests as without preallocation, and the
+    manifest still names the bytes on disk (no reserved block left unwritten or past the planned size)."""
+    from shardtool.checkpoint import _copy
+
+    src = _source(make_tiny, case)
+    monkeypatch.setattr(_copy, "PREALLOCATE_MIN", 1 << 62)
+    _split(src, tmp_path / "plain")
+    calls = []
+    real = _copy.preallocate
+
+    def counted(fd: int, size: int) -> None:
+        calls.append(size)
+        real(fd, size)
+
+    monkeypatch.setattr(_copy, "PREALLOCATE_MIN", 0)
+    from shardtool.checkpoint import _split as split_module
+    monkeypatch.setattr(split_module, "preallocate", counted)
+    _split(src, tmp_path / "prealloc")
+    plain = load_manifest(tmp_path / "plain/manifest.msgpack")
+    prealloc = load_manifest(tmp_path / "prealloc/manifest.msgpack")
+    assert len(calls) == len(prealloc.entries)
+    assert plain.entries == prealloc.entries
+    assert list(prealloc.entries) == sorted(hash_directory(tmp_path / "prealloc", exclude=["manifest.msgpack"]))
