@@ -45,9 +45,16 @@ class Family:
     # "in_out_interleaved" as in_out with gate/up alternating on the last axis
     fused_layout: Literal["out_in", "in_out", "in_out_interleaved"] = "out_in"
     runtime: bool = False                  # the numpy forward pass runs it
-    router: Literal["softmax", "sigmoid_group"] = "softmax"
+    # "softmax": softmax over all experts, then top-k; "sigmoid_group": DeepSeek's group-limited sigmoid;
+    # "topk_softmax": top-k of the (biased) logits, then a softmax over those k (gpt-oss)
+    router: Literal["softmax", "sigmoid_group", "topk_softmax"] = "softmax"
     norm_topk_prob: bool | None = None     # fixed by the modeling code, or None: read from config.json
-    sliding_window: Literal["none", "always", "flag", "per_layer"] = "none"
+    # "layer_types": config.json's layer_types (default: sliding, full, sliding, ...) with one sliding_window
+    sliding_window: Literal["none", "always", "flag", "per_layer", "layer_types"] = "none"
+    # routed experts' activation: "silu" (SwiGLU), or gpt-oss's "clamped_swiglu" (gate clamped above and up on both
+    # sides at swiglu_limit, gate * sigmoid(swiglu_alpha * gate) * (up + 1))
+    expert_act: Literal["silu", "clamped_swiglu"] = "silu"
+    mxfp4_experts: bool = False            # experts may be stored MXFP4 (quantization_config.quant_method "mxfp4")
     clip_qkv: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)  # transformers config-class defaults (v5)
 
@@ -78,7 +85,12 @@ TABLE: tuple[Family, ...] = (
                      "n_shared_experts": 1, "routed_scaling_factor": 2.5}),
     Family("gpt_oss", ("gpt_oss",), ("GptOssForCausalLM",), ("num_local_experts", "num_experts"), "all",
            "intermediate_size", bias_default=True, attention_sinks=True, router_bias=True, expert_bias=True,
-           fused_layout="in_out_interleaved"),
+           fused_layout="in_out_interleaved", runtime=True, router="topk_softmax", sliding_window="layer_types",
+           expert_act="clamped_swiglu", mxfp4_experts=True, norm_topk_prob=True,
+           defaults={"rope_theta": 1.5e5, "rms_norm_eps": 1e-5, "sliding_window": 128, "swiglu_alpha": 1.702,
+                     "swiglu_limit": 7.0,
+                     "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "original_max_position_embeddings": 4096}}),
     Family("llama4", ("llama4", "llama4_text"), ("Llama4ForConditionalGeneration", "Llama4ForCausalLM"),
            ("num_local_experts",), "listed_or_interleaved", "intermediate_size",
            dense_size_key="intermediate_size_mlp", shared_expert="one", fused_layout="in_out"),
@@ -90,9 +102,9 @@ _BY_ARCHITECTURE = {a: f for f in TABLE for a in f.architectures}
 # model_type -> family, for the families the runtime runs.
 RUNTIME_MODEL_TYPES: dict[str, str] = {mt: f.name for f in TABLE if f.runtime for mt in f.model_types}
 
-# Module names older checkpoints use for the MoE block, and the name the runtime reads them under (Mixtral
-# keeps the pre-v5 `block_sparse_moe` for its router and experts).
-MOE_MODULE_ALIASES = {"block_sparse_moe.": "mlp."}
+# Module names checkpoints use for the MoE block and its router, and the names the runtime reads them under
+# (Mixtral keeps the pre-v5 `block_sparse_moe` for its router and experts; gpt-oss calls its router `router`).
+MOE_MODULE_ALIASES = {"block_sparse_moe.": "mlp.", "mlp.router.": "mlp.gate."}
 
 # HF tensor names of routed experts, every family's original layout. Per expert (Mixtral's w1/w3/w2 are
 # gate/up/down):

@@ -71,7 +71,7 @@ class ModelConfig:
     moe_layers: tuple[bool, ...]  # per layer: routed experts (True) or a dense MLP
     num_experts: int
     top_k: int
-    router: Literal["softmax", "sigmoid_group"]
+    router: Literal["softmax", "sigmoid_group", "topk_softmax"]
     norm_topk_prob: bool
     n_group: int = 1
     topk_group: int = 1
@@ -82,6 +82,14 @@ class ModelConfig:
     max_position_embeddings: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # gpt-oss (runtime/_model/_gpt_oss.py): attention sinks, router and expert biases, the clamped SwiGLU
+    attention_sinks: bool = False
+    router_bias: bool = False  # mlp.gate.bias (gpt-oss's mlp.router.bias) added to the router logits
+    expert_bias: bool = False
+    expert_act: Literal["silu", "clamped_swiglu"] = "silu"
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0
+    mxfp4: bool = False  # routed experts stored as MXFP4 blocks + scales (quantization_config.quant_method)
 
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any]) -> ModelConfig:
@@ -133,7 +141,7 @@ def _common(r: ConfigReader, model_type: str, family: Family) -> dict[str, Any]:
 
 def _rope(r: ConfigReader, dim: int, max_pos: int, interleave: bool = False) -> RopeConfig:
     """rope_parameters (transformers v5) or rope_scaling + rope_theta (older config.json files)."""
-    params = r.d.get("rope_scaling") or r.d.get("rope_parameters") or {}
+    params = r.d.get("rope_scaling") or r.d.get("rope_parameters") or r.defaults.get("rope_parameters") or {}
     if not isinstance(params, Mapping):
         raise CheckpointFormatError(f"config.json: rope_parameters must be an object, got {params!r}")
     p = ConfigReader(params, {}, prefix="rope_scaling." if r.d.get("rope_scaling") else "rope_parameters.")
@@ -178,14 +186,19 @@ def _moe_counts(r: ConfigReader, family: Family) -> dict[str, Any]:
 def _sliding_windows(r: ConfigReader, family: Family, n: int) -> tuple[int | None, ...]:
     if family.sliding_window == "always":  # one window for every layer, or none
         return (r.int("sliding_window", None),) * n
-    if family.sliding_window == "none" or not r.bool("use_sliding_window"):
+    if family.sliding_window == "layer_types":  # gpt-oss: sliding, full, sliding, ... unless listed
+        window = r.int("sliding_window")
+        types = r.raw("layer_types", None) or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    elif family.sliding_window == "none" or not r.bool("use_sliding_window"):
         return (None,) * n
-    window = r.int("sliding_window")
-    if family.sliding_window == "flag":
-        return (window,) * n
-    types = r.raw("layer_types", None) or [
-        "sliding_attention" if (i + 1) % 2 and i < r.int("max_window_layers", minimum=0) else "full_attention"
-        for i in range(n)]
+    else:
+        window = r.int("sliding_window")
+        if family.sliding_window == "flag":
+            return (window,) * n
+        types = r.raw("layer_types", None) or [
+            "sliding_attention" if (i + 1) % 2 and i < r.int("max_window_layers", minimum=0) else "full_attention"
+            for i in range(n)]
     if not isinstance(types, list) or len(types) != n or \
             any(t not in ("sliding_attention", "full_attention") for t in types):
         raise CheckpointFormatError(f"config.json: layer_types must list {n} attention types, got {types!r}")
@@ -200,7 +213,7 @@ def _parse_gqa(r: ConfigReader, model_type: str, family: Family) -> ModelConfig:
     counts = _moe_counts(r, family)
     gated = family.shared_expert == "gated"
     return ModelConfig(
-        **c, **counts, moe_intermediate_size=r.int(family.expert_size_key),
+        **c, **counts, **_gpt_oss_traits(r, family), moe_intermediate_size=r.int(family.expert_size_key),
         shared_intermediate_size=r.int("shared_expert_intermediate_size") if gated else 0,
         rope=_rope(r, c["head_dim"], c["max_position_embeddings"]), attn_scale=c["head_dim"] ** -0.5,
         qk_norm=family.qk_norm, clip_qkv=r.float("clip_qkv") if family.clip_qkv else None,
@@ -208,6 +221,27 @@ def _parse_gqa(r: ConfigReader, model_type: str, family: Family) -> ModelConfig:
         norm_topk_prob=family.norm_topk_prob if family.norm_topk_prob is not None else r.bool("norm_topk_prob"),
         shared_expert="gated" if gated else "none",
     )
+
+
+def _gpt_oss_traits(r: ConfigReader, family: Family) -> dict[str, Any]:
+    """Sinks, router/expert biases, the expert activation and MXFP4 experts, as the family row says."""
+    if family.expert_act == "clamped_swiglu":
+        act = dict(expert_act="clamped_swiglu", swiglu_alpha=r.float("swiglu_alpha"),
+                   swiglu_limit=r.float("swiglu_limit"))
+    else:
+        act = {}
+    quant = r.raw("quantization_config", None)
+    mxfp4 = False
+    if family.mxfp4_experts and quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, Mapping) else None
+        if method != "mxfp4":
+            raise CheckpointFormatError(f"config.json: quantization_config quant_method {method!r:.40} is not "
+                                        f"supported for {family.name}", hint="expected 'mxfp4' or no "
+                                                                            "quantization_config")
+        mxfp4 = True
+    router_bias = family.router_bias and family.router != "sigmoid_group"  # DeepSeek's steers selection only
+    return dict(attention_sinks=family.attention_sinks, router_bias=router_bias, expert_bias=family.expert_bias,
+                mxfp4=mxfp4, **act)
 
 
 def _parse_mla(r: ConfigReader, model_type: str, family: Family) -> ModelConfig:

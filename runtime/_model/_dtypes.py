@@ -1,4 +1,4 @@
-"""Stored weight dtypes (F32, F16, BF16, F8_E4M3 with block scales) to float32 for compute."""
+"""Stored weight dtypes (F32, F16, BF16, F8_E4M3 with block scales, MXFP4 blocks with E8M0 scales) to float32."""
 
 from __future__ import annotations
 
@@ -12,6 +12,12 @@ from shardtool.errors import CheckpointFormatError
 FLOAT8 = np.dtype(ml_dtypes.float8_e4m3fn)
 COMPUTE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), FLOAT8)
 DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3 `quantization_config.weight_block_size`
+# MXFP4 (OCP Microscaling, as gpt-oss stores its experts): FP4 E2M1 values, two per byte, in groups of 32 that
+# share one E8M0 scale byte 2^(s - 127). The value of each 4-bit code (sign bit, then magnitude):
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                    np.float32)
+MXFP4_GROUP = 32  # weights per scale: 16 bytes of blocks
+MXFP4_NAN_SCALE = 0xFF  # E8M0's NaN encoding
 
 
 def to_float32(a: np.ndarray, name: str = "") -> np.ndarray:
@@ -51,6 +57,45 @@ def dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = DE
     if m % b0:
         out[whole * b0:] *= columns[whole]
     return out
+
+
+def mxfp4_to_float32(blocks: np.ndarray, scales: np.ndarray, name: str = "") -> np.ndarray:
+    """# [R, G, 16] uint8, [R, G] uint8 -> [R, G*32] float32 (MXFP4, as transformers' convert_moe_packed_tensors)
+
+    Byte j of a group holds element 2j in its low nibble and 2j+1 in its high one; the group is scaled by
+    2^(scale - 127), exactly (a power of two). A scale of 0xFF (NaN in the MX format) is refused: it would
+    make every weight of its group infinite. Temporaries are at most the size of the result.
+    """
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise CheckpointFormatError(f"{name}: MXFP4 blocks and scales must be U8, got {blocks.dtype} and "
+                                    f"{scales.dtype}")
+    if blocks.ndim != 3 or blocks.shape[2] != MXFP4_GROUP // 2 or scales.shape != blocks.shape[:2]:
+        raise CheckpointFormatError(f"{name}: MXFP4 blocks {blocks.shape} and scales {scales.shape} do not match",
+                                    hint=f"expected blocks [rows, groups, {MXFP4_GROUP // 2}] and scales "
+                                         f"[rows, groups]")
+    if np.any(scales == MXFP4_NAN_SCALE):
+        raise CheckpointFormatError(f"{name}: MXFP4 scale 0xFF (NaN) in the weights")
+    rows, groups, half = blocks.shape
+    out = np.empty((rows, groups, 2 * half), np.float32)
+    out[..., 0::2] = FP4_E2M1[blocks & 0x0F]
+    out[..., 1::2] = FP4_E2M1[blocks >> 4]
+    out *= np.ldexp(np.float32(1.0), scales.astype(np.int32) - 127)[..., None]
+    return out.reshape(rows, groups * 2 * half)
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """# [R, C] float (C a multiple of 32) -> blocks [R, C/32, 16] uint8, scales [R, C/32] uint8: the inverse of
+    `mxfp4_to_float32` (each group's absmax scaled to at most 6, values rounded to the nearest E2M1 code), for
+    building MXFP4 test checkpoints."""
+    rows, cols = w.shape
+    groups = w.astype(np.float32).reshape(rows, cols // MXFP4_GROUP, MXFP4_GROUP)
+    absmax = np.abs(groups).max(axis=-1)
+    exponent = np.ceil(np.log2(np.maximum(absmax, np.float32(2.0 ** -126)) / 6.0)).astype(np.int32)
+    exponent = np.clip(exponent, -127, 127)
+    scaled = np.abs(groups) / np.ldexp(np.float32(1.0), exponent)[..., None]
+    magnitude = np.abs(scaled[..., None] - FP4_E2M1[:8]).argmin(axis=-1).astype(np.uint8)  # codes 0..7
+    codes = magnitude | np.where(groups < 0, np.uint8(8), np.uint8(0))
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), (exponent + 127).astype(np.uint8)
 
 
 def weight_f32(tensors: Mapping[str, np.ndarray], name: str, block: tuple[int, int] = DEFAULT_BLOCK) -> np.ndarray:

@@ -17,7 +17,7 @@ from shardtool.families import EXPERT_PROJ_ALIASES, FUSED, PER_EXPERT
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
-_EXPERT_SUFFIXES = ("weight", "weight_scale_inv", "bias")
+_EXPERT_SUFFIXES = ("weight", "weight_scale_inv", "bias", "weight_blocks", "weight_scales")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
@@ -57,7 +57,9 @@ class DictWeightProvider:
     `mlp.experts.down_proj [E, H, I]`), and serves experts under the canonical names.
     """
 
-    def __init__(self, state: Mapping[str, np.ndarray], *, cache_float32: bool = False):
+    def __init__(self, state: Mapping[str, np.ndarray], *, cache_float32: bool = False,
+                 fused_layout: str = "out_in"):
+        """`fused_layout`: how fused [E, ...] expert tensors are laid out (the family table's `fused_layout`)."""
         self.cache_float32 = cache_float32
         self._embed: dict[str, np.ndarray] = {}
         self._head: dict[str, np.ndarray] = {}
@@ -73,13 +75,14 @@ class DictWeightProvider:
                 layer, expert, proj = int(m["layer"]), int(m["expert"]), m["proj"]
                 proj = EXPERT_PROJ_ALIASES.get(proj, proj)
                 self._experts.setdefault(layer, {}).setdefault(expert, {})[f"{proj}.{m['suffix']}"] = array
-            elif (m := FUSED.fullmatch(name)) and m["prefix"] == "model." and m["part"] is None:
-                fused.setdefault(int(m["layer"]), {})[m["proj"]] = array
+            elif (m := FUSED.fullmatch(name)) and m["prefix"] == "model.":
+                part = f"_{m['part']}" if m["part"] else ""
+                fused.setdefault(int(m["layer"]), {})[m["proj"] + part] = array
             elif m := _LAYER.fullmatch(name):
                 self._layers.setdefault(int(m[1]), {})[m[2]] = array
             # Anything else (rotary buffers, vision towers) is not part of the decoder.
         for layer, parts in fused.items():
-            self._experts[layer] = _unfuse(layer, parts)
+            self._experts[layer] = _unfuse(layer, parts, fused_layout)
 
     def embed(self) -> Mapping[str, np.ndarray]:
         return self._embed
@@ -100,15 +103,38 @@ class DictWeightProvider:
         return {e: have[e] for e in expert_ids}
 
 
-def _unfuse(layer: int, parts: Mapping[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
-    """# gate_up_proj [E, 2I, H], down_proj [E, H, I] -> per expert gate/up [I, H], down [H, I] (views)."""
-    gate_up, down = parts.get("gate_up_proj"), parts.get("down_proj")
-    if gate_up is None or down is None or down.ndim != 3:
-        raise CheckpointFormatError(f"layer {layer}: fused experts need gate_up_proj and a 3-D down_proj",
-                                    hint=f"got {sorted(parts)}")
-    e, h, i = down.shape
-    if gate_up.shape != (e, 2 * i, h):
-        raise CheckpointFormatError(f"layer {layer}: fused gate_up_proj shape {gate_up.shape}, "
-                                    f"expected {(e, 2 * i, h)} beside down_proj {down.shape}")
-    return {x: {"gate_proj.weight": gate_up[x, :i], "up_proj.weight": gate_up[x, i:],
-                "down_proj.weight": down[x]} for x in range(e)}
+def _unfuse(layer: int, parts: Mapping[str, np.ndarray], layout: str) -> dict[int, dict[str, np.ndarray]]:
+    """# the fused [E, ...] tensors of one layer -> per expert, under the canonical names (views).
+
+    "out_in": gate_up_proj [E, 2I, H] = cat(gate, up), down_proj [E, H, I]; "in_out": [E, H, 2I] and [E, I, H]
+    (transposed per expert); "in_out_interleaved" (gpt-oss): as in_out with gate/up alternating. Biases
+    gate_up_proj_bias [E, 2I] / down_proj_bias [E, H] and MXFP4 `*_blocks` [E, out, G, 16] / `*_scales`
+    [E, out, G] are always output-major. Shapes against the config are checked when an expert is used.
+    """
+    if layout not in ("out_in", "in_out", "in_out_interleaved"):
+        raise CheckpointFormatError(f"unknown fused expert layout {layout!r}")
+    transposed = layout != "out_in"
+    interleaved = layout == "in_out_interleaved"
+    gate_up = [k for k in parts if k.startswith("gate_up_proj")]
+    down = [k for k in parts if k.startswith("down_proj")]
+    counts = {parts[k].shape[0] if parts[k].ndim else 0 for k in parts}
+    if not gate_up or not down or len(counts) != 1 or any(parts[k].ndim < 2 for k in parts):
+        raise CheckpointFormatError(f"layer {layer}: fused experts need gate_up_proj and down_proj tensors with one "
+                                    f"leading expert axis", hint=f"got {sorted((k, parts[k].shape) for k in parts)}")
+    experts: dict[int, dict[str, np.ndarray]] = {e: {} for e in range(counts.pop())}
+    for key, array in parts.items():
+        proj, _, part = key.partition("_proj")
+        suffix = {"": "weight", "_bias": "bias", "_blocks": "weight_blocks", "_scales": "weight_scales"}[part]
+        if part == "" and array.ndim != 3:
+            raise CheckpointFormatError(f"layer {layer}: fused {key} has shape {array.shape}, expected 3-D")
+        for e, x in experts.items():
+            piece = array[e].T if part == "" and transposed else array[e]  # output features first
+            if proj == "down":
+                x[f"down_proj.{suffix}"] = piece
+                continue
+            rows = piece.shape[0]
+            if rows % 2:
+                raise CheckpointFormatError(f"layer {layer}: fused {key} has an odd gate+up width {rows}")
+            gate, up = (piece[0::2], piece[1::2]) if interleaved else (piece[:rows // 2], piece[rows // 2:])
+            x[f"gate_proj.{suffix}"], x[f"up_proj.{suffix}"] = gate, up
+    return experts

@@ -54,10 +54,15 @@ def _configs() -> dict[str, Callable[[], Any]]:
             v_head_dim=12, norm_topk_prob=False, rope_interleave=False,
             rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0,
                           "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1}),
+        # Sinks, router and expert biases, a SwiGLU limit small enough to clamp, sliding_window=5 < prompt length on
+        # the sliding layers (0, 2) only, YaRN (the config-class default, truncate off), head_dim != hidden/heads.
+        "gpt_oss": lambda: tf.GptOssConfig(
+            **_SMALL, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=24, num_local_experts=8, num_experts_per_tok=2, sliding_window=5, swiglu_limit=0.6),
     }
 
 
-FAMILY_CASES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v3_yarn")
+FAMILY_CASES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss")
 
 
 def build(case: str, seed: int = 0):
@@ -73,8 +78,10 @@ def build(case: str, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn(p.shape))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):
                 p.copy_(0.1 * torch.randn(p.shape))
+            elif name.endswith(".sinks"):  # gpt-oss: as large as the attention logits, so they take real weight
+                p.copy_(torch.randn(p.shape))
         for layer in model.model.layers:
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None and hasattr(gate, "e_score_correction_bias"):
