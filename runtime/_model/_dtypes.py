@@ -18,6 +18,9 @@ FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -
                     np.float32)
 MXFP4_GROUP = 32  # weights per scale: 16 bytes of blocks
 MXFP4_NAN_SCALE = 0xFF  # E8M0's NaN encoding
+# float32 bytes per stored byte, at most: 4 (FP8, one byte per weight); MXFP4 128 per 17 (32 weights in 16 bytes
+# and one scale byte), under 8
+F32_EXPANSION = {"fp8": 4, "mxfp4": 8}
 
 
 def to_float32(a: np.ndarray, name: str = "") -> np.ndarray:
@@ -64,7 +67,7 @@ def mxfp4_to_float32(blocks: np.ndarray, scales: np.ndarray, name: str = "") -> 
 
     Byte j of a group holds element 2j in its low nibble and 2j+1 in its high one; the group is scaled by
     2^(scale - 127), exactly (a power of two). A scale of 0xFF (NaN in the MX format) is refused: it would
-    make every weight of its group infinite. Temporaries are at most the size of the result.
+    make every weight of its group infinite. Temporaries: one byte per two weights, beside the result.
     """
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
         raise CheckpointFormatError(f"{name}: MXFP4 blocks and scales must be U8, got {blocks.dtype} and "
@@ -77,8 +80,9 @@ def mxfp4_to_float32(blocks: np.ndarray, scales: np.ndarray, name: str = "") -> 
         raise CheckpointFormatError(f"{name}: MXFP4 scale 0xFF (NaN) in the weights")
     rows, groups, half = blocks.shape
     out = np.empty((rows, groups, 2 * half), np.float32)
-    out[..., 0::2] = FP4_E2M1[blocks & 0x0F]
-    out[..., 1::2] = FP4_E2M1[blocks >> 4]
+    # Gathered straight into the strided halves (mode="clip" never buffers; every 4-bit code is in range).
+    np.take(FP4_E2M1, blocks & 0x0F, out=out[..., 0::2], mode="clip")
+    np.take(FP4_E2M1, blocks >> 4, out=out[..., 1::2], mode="clip")
     out *= np.ldexp(np.float32(1.0), scales.astype(np.int32) - 127)[..., None]
     return out.reshape(rows, groups * 2 * half)
 

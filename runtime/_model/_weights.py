@@ -121,12 +121,12 @@ def _unfuse(layer: int, parts: Mapping[str, np.ndarray], layout: str) -> dict[in
     if not gate_up or not down or len(counts) != 1 or any(parts[k].ndim < 2 for k in parts):
         raise CheckpointFormatError(f"layer {layer}: fused experts need gate_up_proj and down_proj tensors with one "
                                     f"leading expert axis", hint=f"got {sorted((k, parts[k].shape) for k in parts)}")
-    experts: dict[int, dict[str, np.ndarray]] = {e: {} for e in range(counts.pop())}
+    n = counts.pop()
+    _check_fused_shapes(layer, parts, n, transposed)
+    experts: dict[int, dict[str, np.ndarray]] = {e: {} for e in range(n)}
     for key, array in parts.items():
         proj, _, part = key.partition("_proj")
         suffix = {"": "weight", "_bias": "bias", "_blocks": "weight_blocks", "_scales": "weight_scales"}[part]
-        if part == "" and array.ndim != 3:
-            raise CheckpointFormatError(f"layer {layer}: fused {key} has shape {array.shape}, expected 3-D")
         for e, x in experts.items():
             piece = array[e].T if part == "" and transposed else array[e]  # output features first
             if proj == "down":
@@ -138,3 +138,28 @@ def _unfuse(layer: int, parts: Mapping[str, np.ndarray], layout: str) -> dict[in
             gate, up = (piece[0::2], piece[1::2]) if interleaved else (piece[:rows // 2], piece[rows // 2:])
             x[f"gate_proj.{suffix}"], x[f"up_proj.{suffix}"] = gate, up
     return experts
+
+
+def _check_fused_shapes(layer: int, parts: Mapping[str, np.ndarray], n: int, transposed: bool) -> None:
+    """Every fused part agrees with the intermediate and hidden sizes its down projection implies."""
+    group = 32  # MXFP4: weights per scale
+    if "down_proj" in parts:
+        d = parts["down_proj"]
+        if d.ndim != 3:
+            raise CheckpointFormatError(f"layer {layer}: fused down_proj has shape {d.shape}, expected 3-D")
+        i, h = (d.shape[1], d.shape[2]) if transposed else (d.shape[2], d.shape[1])
+    elif "down_proj_blocks" in parts and parts["down_proj_blocks"].ndim == 4:
+        _, h, groups, _ = parts["down_proj_blocks"].shape
+        i = groups * group
+    else:
+        raise CheckpointFormatError(f"layer {layer}: fused experts need down_proj or a 4-D down_proj_blocks",
+                                    hint=f"got {sorted((k, parts[k].shape) for k in parts)}")
+    expected = {"gate_up_proj": (n, h, 2 * i) if transposed else (n, 2 * i, h),
+                "down_proj": (n, i, h) if transposed else (n, h, i),
+                "gate_up_proj_bias": (n, 2 * i), "down_proj_bias": (n, h),
+                "gate_up_proj_blocks": (n, 2 * i, h // group, group // 2), "gate_up_proj_scales": (n, 2 * i, h // group),
+                "down_proj_blocks": (n, h, i // group, group // 2), "down_proj_scales": (n, h, i // group)}
+    for key, array in parts.items():
+        if array.shape != expected[key]:
+            raise CheckpointFormatError(f"layer {layer}: fused {key} has shape {array.shape}, expected "
+                                        f"{expected[key]} beside the others", hint=f"intermediate {i}, hidden {h}")

@@ -34,6 +34,9 @@ CONFIGS = {
                 "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
                 "moe_intermediate_size": 16, "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
                 "qk_rope_head_dim": 4, "v_head_dim": 8, "rope_interleave": False},
+    # Sinks, biases, a SwiGLU limit that clamps, the default layer_types (sliding, full, sliding) and YaRN.
+    "gpt_oss": {**_BASE, "model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 12,
+                "sliding_window": 3, "swiglu_limit": 0.5},
 }
 PROMPT = [5, 1, 90, 33, 7, 12]
 
@@ -60,6 +63,9 @@ def random_state(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
                 p = f"model.layers.{layer}.mlp.experts.{e}."
                 state.update({p + "gate_proj.weight": rand("g", (i, h)), p + "up_proj.weight": rand("u", (i, h)),
                               p + "down_proj.weight": rand("d", (h, i))})
+                if cfg.expert_bias:
+                    state.update({p + "gate_proj.bias": rand("gb", (i,)), p + "up_proj.bias": rand("ub", (i,)),
+                                  p + "down_proj.bias": rand("db", (h,))})
     return state
 
 
