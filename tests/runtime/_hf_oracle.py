@@ -10,7 +10,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from shardtool.families import BY_NAME
 from shardtool.runtime._model import dequantize, quantize_fp8
+from shardtool.runtime._model._dtypes import quantize_mxfp4
 
 _SMALL = dict(vocab_size=256, hidden_size=64, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
               pad_token_id=None, initializer_range=0.05)
@@ -165,3 +167,53 @@ def load_weights(model, directory: Path, weights: Mapping[str, np.ndarray]):
     loaded.generation_config.eos_token_id = None
     loaded.generation_config.pad_token_id = 0
     return loaded
+
+
+def fused_layout(config: Mapping[str, Any]) -> str:
+    """How the family of a config.json dict fuses its expert tensors (the family table's row)."""
+    return next(f.fused_layout for f in BY_NAME.values() if config["model_type"] in f.model_types)
+
+
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def to_mxfp4(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """gpt-oss's fused expert weights ([E, in, out], as save_pretrained writes them) as the released checkpoints
+    store them: U8 `*_blocks` [E, out, in/32, 16] and `*_scales` [E, out, in/32]; everything else unchanged."""
+    out: dict[str, np.ndarray] = {}
+    for name, a in state.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            pairs = [quantize_mxfp4(np.ascontiguousarray(a[e].T)) for e in range(a.shape[0])]
+            out[name + "_blocks"] = np.stack([b for b, _ in pairs])
+            out[name + "_scales"] = np.stack([s for _, s in pairs])
+        else:
+            out[name] = a
+    return out
+
+
+def load_mxfp4(directory: Path):
+    """transformers' own reading of an MXFP4 checkpoint (its dequantization to float32 on a CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    loaded = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", dtype=torch.float32,
+                                                  quantization_config=Mxfp4Config(dequantize=True)).eval()
+    loaded.generation_config.eos_token_id = None
+    loaded.generation_config.pad_token_id = 0
+    return loaded
+
+
+def write_mxfp4(model, directory: Path) -> dict[str, np.ndarray]:
+    """`model` saved as an MXFP4 checkpoint in `directory` (config with quantization_config); the stored tensors."""
+    from safetensors.numpy import save_file
+
+    stored = to_mxfp4(saved_state(model, directory))
+    for f in directory.glob("*.safetensors*"):
+        f.unlink()
+    save_file({k: np.ascontiguousarray(v) for k, v in stored.items()}, directory / "model.safetensors",
+              metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = MXFP4_CONFIG
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return stored

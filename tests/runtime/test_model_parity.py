@@ -35,10 +35,14 @@ def reference(case: str):
     return hf, oracle.config_dict(hf), oracle.logits(hf, PROMPT)
 
 
+def provider(config, state) -> DictWeightProvider:
+    return DictWeightProvider(state, fused_layout=oracle.fused_layout(config))
+
+
 def numpy_model(case: str, **config_changes) -> Model:
     hf, config, _ = reference(case)
     cfg = dataclasses.replace(ModelConfig.from_hf_config(config), **config_changes)
-    return Model(cfg, DictWeightProvider(oracle.state_dict(hf)))
+    return Model(cfg, provider(config, oracle.state_dict(hf)))
 
 
 @pytest.mark.parametrize("case", oracle.FAMILY_CASES)
@@ -89,6 +93,15 @@ FEATURES = {  # name: (case, config changes (or a function of the config giving 
     "deepseek yarn softmax mscale": ("deepseek_v3_yarn", {"attn_scale": (16 + 8) ** -0.5}, None),
     "deepseek yarn frequencies": ("deepseek_v3_yarn", lambda c: {"rope": dataclasses.replace(c.rope, kind="default")},
                                   None),
+    "gpt-oss attention sinks": ("gpt_oss", {}, lambda s: {k: (v * 0 - 1e9 if k.endswith(".sinks") else v)
+                                                          for k, v in s.items()}),
+    "gpt-oss sliding window": ("gpt_oss", {"sliding_windows": (None, None, None)}, None),
+    "gpt-oss router bias": ("gpt_oss", {}, _zero("router.bias")),
+    "gpt-oss expert biases": ("gpt_oss", {}, _zero("gate_up_proj_bias")),
+    "gpt-oss swiglu limit": ("gpt_oss", {"swiglu_limit": 1e9}, None),
+    "gpt-oss swiglu alpha": ("gpt_oss", {"swiglu_alpha": 1.0}, None),
+    "gpt-oss top-k then softmax": ("gpt_oss", {"router": "softmax", "norm_topk_prob": False}, None),
+    "gpt-oss yarn": ("gpt_oss", lambda c: {"rope": dataclasses.replace(c.rope, kind="default")}, None),
 }
 
 
@@ -99,7 +112,7 @@ def test_each_case_exercises_its_feature(feature):
     cfg = ModelConfig.from_hf_config(config)
     cfg = dataclasses.replace(cfg, **(changes(cfg) if callable(changes) else changes))
     state = oracle.state_dict(hf)
-    model = Model(cfg, DictWeightProvider(reweigh(state) if reweigh else state))
+    model = Model(cfg, provider(config, reweigh(state) if reweigh else state))
     assert rel_err(model.prefill(PROMPT), ref) > 1e-3
 
 
@@ -134,3 +147,18 @@ def test_stored_dtypes_match_transformers_on_dequantized_weights(name, tmp_path)
     model = Model(ModelConfig.from_hf_config(config), DictWeightProvider(stored))
     assert rel_err(model.prefill(PROMPT), oracle.logits(torch_model, PROMPT)) <= REL_TOL
     assert generate(model, PROMPT, 16) == oracle.greedy(torch_model, PROMPT, 16)
+
+
+def test_mxfp4_experts_match_transformers_reading_the_same_checkpoint(tmp_path):
+    """gpt-oss as released: MXFP4 expert blocks + scales. transformers dequantizes them itself (the oracle for the
+    decoding too); the numpy model reads the packed arrays."""
+    hf, config, _ = reference("gpt_oss")
+    stored = oracle.write_mxfp4(hf, tmp_path)
+    assert stored["model.layers.0.mlp.experts.down_proj_blocks"].dtype == np.uint8
+    ref = oracle.load_mxfp4(tmp_path)
+    model = Model(ModelConfig.from_hf_config({**config, "quantization_config": oracle.MXFP4_CONFIG}),
+                  provider(config, stored))
+    want = oracle.logits(ref, PROMPT)
+    assert rel_err(model.prefill(PROMPT), want) <= REL_TOL
+    assert rel_err(model.prefill(PROMPT), oracle.logits(hf, PROMPT)) > 1e-3  # the 4-bit weights really differ
+    assert generate(model, PROMPT, 16) == oracle.greedy(ref, PROMPT, 16)

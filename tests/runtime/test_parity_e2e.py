@@ -30,7 +30,8 @@ REL_TOL = 1e-4  # max |verify-and-run - torch| <= REL_TOL * max |torch|
 @dataclass(frozen=True)
 class Case:
     family: str  # an oracle.FAMILY_CASES name
-    stored: str = "float32"  # float32 | bfloat16 (save_pretrained in bf16) | float8 (DeepSeek-style block FP8)
+    # float32 | bfloat16 (save_pretrained in bf16) | float8 (DeepSeek-style block FP8) | mxfp4 (gpt-oss's experts)
+    stored: str = "float32"
     block: tuple[int, int] = (128, 128)
 
 
@@ -45,6 +46,9 @@ CASES = {
     "deepseek_v3-bf16": Case("deepseek_v3", "bfloat16"),
     "deepseek_v3-fp8-16x16": Case("deepseek_v3", "float8", (16, 16)),
     "deepseek_v3_yarn-fp8-128x128": Case("deepseek_v3_yarn", "float8", (128, 128)),
+    "gpt_oss": Case("gpt_oss"),
+    "gpt_oss-bf16": Case("gpt_oss", "bfloat16"),
+    "gpt_oss-mxfp4": Case("gpt_oss", "mxfp4"),
 }
 
 
@@ -73,6 +77,9 @@ def write_checkpoint(case: Case, ck: Path, ref_dir: Path):
     if case.stored == "float32":
         hf.save_pretrained(ck)
         return hf
+    if case.stored == "mxfp4":  # as gpt-oss ships: U8 expert blocks + scales; transformers reads them itself
+        oracle.write_mxfp4(hf, ck)
+        return oracle.load_mxfp4(ck)
     if case.stored == "bfloat16":
         hf.to(torch.bfloat16).save_pretrained(ck)
         ref = AutoModelForCausalLM.from_pretrained(ck, attn_implementation="eager", dtype=torch.float32).eval()
@@ -114,7 +121,7 @@ def test_verify_and_run_matches_transformers(name, keys, tmp_path):
     cli("shardtool", "split", "-q", tmp_path / "ck", tmp_path / "model", cwd=tmp_path)
     cli("shardtool", "sign", tmp_path / "model", "--key", keys / "k.key", cwd=tmp_path)
     dtypes = stored_dtypes(tmp_path / "model")
-    want = {"float32": "F32", "bfloat16": "BF16", "float8": "F8_E4M3"}[case.stored]
+    want = {"float32": "F32", "bfloat16": "BF16", "float8": "F8_E4M3", "mxfp4": "U8"}[case.stored]
     assert want in dtypes, f"split output holds {dtypes}, expected {want} shards"
 
     report = tmp_path / "report.json"
@@ -169,7 +176,7 @@ def test_text_prompt_through_the_verified_tokenizer(keys, tmp_path):
 BATCH_PROMPTS = [PROMPT, [11, 4], [250, 31, 7, 90, 64, 12, 8, 3, 99, 101, 42, 17, 5], [60]]
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss-mxfp4"])
 def test_requests_served_in_one_batch_each_match_transformers(name, keys, tmp_path):
     """Continuous batching (the engine `serve` runs): four prompts of different lengths prefilled and decoded
     in shared steps; each one's greedy tokens equal transformers' for that prompt alone."""
