@@ -202,3 +202,28 @@ def test_requests_served_in_one_batch_each_match_transformers(name, keys, tmp_pa
         engine.close()
     for prompt, tokens in zip(BATCH_PROMPTS, got):
         assert tokens == oracle.greedy(ref, prompt, NEW), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
+def test_make_tiny_moe_gpt_oss_runs_like_transformers(mxfp4, keys, tmp_path):
+    """examples/make_tiny_moe.py's gpt-oss (BF16, and with MXFP4 experts as released) as transformers loads it:
+    split, signed and run by verify-and-run, its greedy tokens are transformers' (up to the config's EOS)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from examples import make_tiny_moe as mtm
+
+    ck = mtm.make_checkpoint(tmp_path / "ck", "gpt_oss", layers=2, moe_intermediate=32, mxfp4=mxfp4)
+    if mxfp4:
+        ref = oracle.load_mxfp4(ck)
+    else:
+        ref = AutoModelForCausalLM.from_pretrained(ck, attn_implementation="eager", dtype=torch.float32).eval()
+    cli("shardtool", "split", "-q", ck, tmp_path / "model", cwd=tmp_path)
+    cli("shardtool", "sign", tmp_path / "model", "--key", keys / "k.key", cwd=tmp_path)
+    assert ("U8" in stored_dtypes(tmp_path / "model")) == mxfp4
+    r = cli("verify-and-run", tmp_path / "model", "--trust", keys / "k.pub", "--prompt-ids", ",".join(map(str, PROMPT)),
+            "--print-ids", "--max-new-tokens", NEW, "--state-dir", tmp_path / "state", "-q", cwd=tmp_path)
+    want = oracle.greedy(ref, PROMPT, NEW)
+    if mtm.EOS_ID in want:  # verify-and-run stops after the config's eos_token_id
+        want = want[:want.index(mtm.EOS_ID) + 1]
+    assert [int(x) for x in r.stdout.split()] == want
