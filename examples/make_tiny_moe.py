@@ -24,6 +24,7 @@ try:
 except ModuleNotFoundError:  # run as a script from a checkout where `pip install -e .` was not done
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from shardtool.errors import StorageError, UsageError
+from shardtool.families import MXFP4_GROUP  # gpt-oss MXFP4: 32 FP4 weights in 16 bytes share one scale byte
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "fused", "gpt_oss", "llama4")
 DTYPES = ("f32", "f16", "bf16")
@@ -43,7 +44,6 @@ BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 _MIN_VOCAB = 256 + 3  # byte-level alphabet + the special tokens
 
 FP8_BLOCK = 128  # DeepSeek-V3 quantizes in 128x128 blocks ("weight_block_size": [128, 128])
-MXFP4_GROUP = 32  # gpt-oss MXFP4: 32 FP4 (E2M1) weights in 16 bytes share one E8M0 scale byte 2^(s - 127)
 _FP4_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # of a uniformly random 4-bit code
 # What gpt-oss's released config.json says: only the routed experts are MXFP4.
 MXFP4_QUANTIZATION = {"quant_method": "mxfp4", "modules_to_not_convert": [

@@ -118,6 +118,29 @@ FUSED = re.compile(
     r"(?P<proj>gate_up_proj|down_proj)(?:_(?P<part>bias|blocks|scales))?")
 
 
+# MXFP4 (OCP Microscaling FP4, gpt-oss's expert format): 32 FP4 weights in 16 bytes share one E8M0 scale byte,
+# 4.25 bits per weight. A [rows, cols] projection is stored as blocks [rows, cols/32, 16] + scales [rows, cols/32].
+MXFP4_GROUP = 32
+
+
+def mxfp4_bytes(rows: int, cols: int) -> int:
+    """Bytes of one [rows, cols] projection stored as MXFP4 blocks + scales."""
+    return rows * -(-cols // MXFP4_GROUP) * (MXFP4_GROUP // 2 + 1)
+
+
+def mxfp4_experts(family: Family, r: ConfigReader) -> bool:
+    """Whether config.json declares this family's routed experts MXFP4 (quantization_config.quant_method
+    "mxfp4"). For a family whose experts may be MXFP4, any other quantization_config is refused."""
+    quant = r.raw("quantization_config", None)
+    if not family.mxfp4_experts or quant is None:
+        return False
+    method = quant.get("quant_method") if isinstance(quant, Mapping) else None
+    if method != "mxfp4":
+        raise CheckpointFormatError(f"config.json: quantization_config quant_method {method!r:.40} is not "
+                                    f"supported for {family.name}", hint="expected 'mxfp4' or no quantization_config")
+    return True
+
+
 def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The language-model part of a config (Llama 4 nests it under text_config)."""
     inner = config.get("text_config")

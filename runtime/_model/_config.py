@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from shardtool.errors import CheckpointFormatError
-from shardtool.families import BY_NAME, RUNTIME_MODEL_TYPES, Family, expert_count, experts_per_token, moe_layers
+from shardtool.families import (BY_NAME, RUNTIME_MODEL_TYPES, Family, expert_count, experts_per_token, moe_layers,
+                                mxfp4_experts)
 from shardtool.hf_config import INT_CAPS, ConfigReader, check_int
 
 _ROPE_TYPES = ("default", "linear", "yarn")
@@ -230,15 +231,7 @@ def _gpt_oss_traits(r: ConfigReader, family: Family) -> dict[str, Any]:
                    swiglu_limit=r.float("swiglu_limit"))
     else:
         act = {}
-    quant = r.raw("quantization_config", None)
-    mxfp4 = False
-    if family.mxfp4_experts and quant is not None:
-        method = quant.get("quant_method") if isinstance(quant, Mapping) else None
-        if method != "mxfp4":
-            raise CheckpointFormatError(f"config.json: quantization_config quant_method {method!r:.40} is not "
-                                        f"supported for {family.name}", hint="expected 'mxfp4' or no "
-                                                                            "quantization_config")
-        mxfp4 = True
+    mxfp4 = mxfp4_experts(family, r)
     router_bias = family.router_bias and family.router != "sigmoid_group"  # DeepSeek's steers selection only
     return dict(attention_sinks=family.attention_sinks, router_bias=router_bias, expert_bias=family.expert_bias,
                 mxfp4=mxfp4, **act)

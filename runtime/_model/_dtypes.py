@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 
 from shardtool.errors import CheckpointFormatError
+from shardtool.families import MXFP4_GROUP
 
 FLOAT8 = np.dtype(ml_dtypes.float8_e4m3fn)
 COMPUTE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), FLOAT8)
@@ -16,7 +17,6 @@ DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3 `quantization_config.weight_block_size
 # share one E8M0 scale byte 2^(s - 127). The value of each 4-bit code (sign bit, then magnitude):
 FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                     np.float32)
-MXFP4_GROUP = 32  # weights per scale: 16 bytes of blocks
 MXFP4_NAN_SCALE = 0xFF  # E8M0's NaN encoding
 # float32 bytes per stored byte, at most: 4 (FP8, one byte per weight); MXFP4 128 per 17 (32 weights in 16 bytes
 # and one scale byte), under 8

@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from shardtool.errors import CheckpointFormatError
-from shardtool.families import EXPERT_PROJ_ALIASES, FUSED, PER_EXPERT
+from shardtool.families import EXPERT_PROJ_ALIASES, FUSED, MXFP4_GROUP, PER_EXPERT
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -142,7 +142,7 @@ def _unfuse(layer: int, parts: Mapping[str, np.ndarray], layout: str) -> dict[in
 
 def _check_fused_shapes(layer: int, parts: Mapping[str, np.ndarray], n: int, transposed: bool) -> None:
     """Every fused part agrees with the intermediate and hidden sizes its down projection implies."""
-    group = 32  # MXFP4: weights per scale
+    group = MXFP4_GROUP
     if "down_proj" in parts:
         d = parts["down_proj"]
         if d.ndim != 3:
