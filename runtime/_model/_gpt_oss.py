@@ -46,12 +46,14 @@ def clamped_swiglu(gate: np.ndarray, up: np.ndarray, alpha: float, limit: float)
     """# [m, I], [m, I] -> [m, I]  (GptOssExperts._apply_gate)
 
     gate clamped above at `limit`, up clamped to [-limit, limit]; gate * sigmoid(alpha * gate) * (up + 1). The
-    sigmoid in its tanh form (0.5 + 0.5 tanh(z / 2)), which never overflows for very negative gates.
+    sigmoid as 1 / (1 + exp(-z)), like torch.sigmoid keeping its relative accuracy for very negative gates (the
+    tanh form rounds them to 0); where exp overflows the result is 0, as it should be.
     """
     gate = np.minimum(gate, np.float32(limit))
     up = np.clip(up, np.float32(-limit), np.float32(limit))
-    glu = gate * (np.float32(0.5) + np.float32(0.5) * np.tanh(np.float32(0.5 * alpha) * gate))
-    return (up + np.float32(1.0)) * glu
+    with np.errstate(over="ignore"):
+        sig = np.float32(1.0) / (np.float32(1.0) + np.exp(np.float32(-alpha) * gate))
+    return (up + np.float32(1.0)) * (gate * sig)
 
 
 @dataclass(frozen=True)
