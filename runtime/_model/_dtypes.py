@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import cache
 
 import ml_dtypes
 import numpy as np
@@ -19,8 +20,8 @@ FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -
                     np.float32)
 MXFP4_NAN_SCALE = 0xFF  # E8M0's NaN encoding
 # float32 bytes per stored byte, at most: 4 (FP8, one byte per weight); MXFP4 128 per 17 (32 weights in 16 bytes
-# and one scale byte), under 8
-F32_EXPANSION = {"fp8": 4, "mxfp4": 8}
+# and one scale byte) = 7.53, plus the decoding's 2-byte index per byte of the projection being decoded: under 9
+F32_EXPANSION = {"fp8": 4, "mxfp4": 9}
 
 
 def to_float32(a: np.ndarray, name: str = "") -> np.ndarray:
@@ -62,12 +63,26 @@ def dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = DE
     return out
 
 
+@cache
+def _mxfp4_pairs() -> np.ndarray:
+    """# [256 * 256] uint64: for (scale byte << 8 | packed byte), its two float32 weights (low nibble first) as one
+    8-byte word. Each is an FP4 value times a power of two: exact, or inf where 2^(s - 127) overflows. 512 KiB."""
+    codes = np.arange(256)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scale = np.ldexp(np.float32(1.0), np.arange(256, dtype=np.int32) - 127).astype(np.float32)
+        pairs = np.empty((256, 256, 2), np.float32)
+        pairs[:, :, 0] = FP4_E2M1[codes & 0x0F][None, :] * scale[:, None]
+        pairs[:, :, 1] = FP4_E2M1[codes >> 4][None, :] * scale[:, None]
+    return pairs.view(np.uint64).reshape(256 * 256)
+
+
 def mxfp4_to_float32(blocks: np.ndarray, scales: np.ndarray, name: str = "") -> np.ndarray:
     """# [R, G, 16] uint8, [R, G] uint8 -> [R, G*32] float32 (MXFP4, as transformers' convert_moe_packed_tensors)
 
     Byte j of a group holds element 2j in its low nibble and 2j+1 in its high one; the group is scaled by
     2^(scale - 127), exactly (a power of two). A scale of 0xFF (NaN in the MX format) is refused: it would
-    make every weight of its group infinite. Temporaries: one byte per two weights, beside the result.
+    make every weight of its group infinite. One table look-up per byte gives both of its weights already
+    scaled (`_mxfp4_pairs`); the only temporary is the 2-byte index per byte of blocks.
     """
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
         raise CheckpointFormatError(f"{name}: MXFP4 blocks and scales must be U8, got {blocks.dtype} and "
@@ -79,12 +94,10 @@ def mxfp4_to_float32(blocks: np.ndarray, scales: np.ndarray, name: str = "") -> 
     if np.any(scales == MXFP4_NAN_SCALE):
         raise CheckpointFormatError(f"{name}: MXFP4 scale 0xFF (NaN) in the weights")
     rows, groups, half = blocks.shape
-    out = np.empty((rows, groups, 2 * half), np.float32)
-    # Gathered straight into the strided halves (mode="clip" never buffers; every 4-bit code is in range).
-    np.take(FP4_E2M1, blocks & 0x0F, out=out[..., 0::2], mode="clip")
-    np.take(FP4_E2M1, blocks >> 4, out=out[..., 1::2], mode="clip")
-    out *= np.ldexp(np.float32(1.0), scales.astype(np.int32) - 127)[..., None]
-    return out.reshape(rows, groups * 2 * half)
+    index = (scales.astype(np.uint16) << 8)[..., None] | blocks  # [R, G, 16] uint16
+    out = np.empty(blocks.shape, np.uint64)
+    np.take(_mxfp4_pairs(), index, out=out, mode="clip")  # mode="clip" never buffers; every index is in range
+    return out.view(np.float32).reshape(rows, groups * 2 * half)
 
 
 def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

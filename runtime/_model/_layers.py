@@ -263,20 +263,24 @@ def moe_experts(x: np.ndarray, weights: np.ndarray, groups: Mapping[int, tuple[n
     return out
 
 
+def route(x: np.ndarray, w: Weights, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """# [T, H] -> weights [T, k], expert ids [T, k], selection scores [T, E]: the layer's router on x, as the
+    config's family routes (its router bias, if any, added to the logits)."""
+    logits = linear(x, w["mlp.gate.weight"], w.get("mlp.gate.bias"))  # [T, E]
+    if cfg.router == "topk_softmax":
+        return route_topk_softmax(logits, cfg.top_k)
+    if cfg.router == "sigmoid_group":
+        return _route_deepseek(logits, w["mlp.gate.e_score_correction_bias"], cfg.top_k, cfg.n_group,
+                               cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    return _route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
+
+
 def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch,
               observe: ObserveRoute | None = None) -> np.ndarray:
     """# [T, H] -> [T, H]: router -> top-k -> selected experts (+ the family's shared expert).
 
     `observe(idx, scores)`, when given, sees the routing (run receipts record it, their replay checks it)."""
-    logits = linear(x, w["mlp.gate.weight"], w.get("mlp.gate.bias"))  # [T, E]
-    if cfg.router == "topk_softmax":
-        weights, idx, scores = route_topk_softmax(logits, cfg.top_k)
-    elif cfg.router == "sigmoid_group":
-        weights, idx, scores = _route_deepseek(logits, w["mlp.gate.e_score_correction_bias"], cfg.top_k,
-                                               cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
-                                               cfg.routed_scaling_factor)
-    else:
-        weights, idx, scores = _route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
+    weights, idx, scores = route(x, w, cfg)
     if observe is not None:
         observe(idx, scores)
     # Ask for the routed experts first: a streaming provider loads them (cluster nodes compute them) while the

@@ -44,8 +44,9 @@ class WeightProvider(Protocol):
 
     def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Mapping[str, np.ndarray]]:
         """Routed experts of `layer`, each under the canonical names gate_proj.weight [I, H],
-        up_proj.weight [I, H], down_proj.weight [H, I] (+ *.weight_scale_inv). All ids are asked for at
-        once so an implementation can load them in parallel."""
+        up_proj.weight [I, H], down_proj.weight [H, I] (+ *.weight_scale_inv; gpt-oss: *.bias, and MXFP4
+        *.weight_blocks + *.weight_scales instead of *.weight). All ids are asked for at once so an
+        implementation can load them in parallel."""
         ...
 
 
