@@ -44,7 +44,7 @@ def plan_budget(budget: int, cfg: ModelConfig, manifest: VerifiedManifest, max_t
     trunk = [e.size for e in manifest.entries if e.kind == "trunk"]
     largest_expert, largest_trunk = max(experts, default=0), max(trunk, default=0)
     k = max(cfg.top_k, 1)
-    # A shard's float32 copy is at most 4x its bytes (FP8), an MXFP4 expert's 9x (`F32_EXPANSION`); in-flight
+    # A shard's float32 copy is at most 4x its bytes (FP8), an MXFP4 expert's 8x (`F32_EXPANSION`); in-flight
     # reads hold raw bytes. Experts are loaded at most k ahead of the one computing (`VerifiedWeights.window`),
     # whatever the batch chose.
     expert_f32 = F32_EXPANSION["mxfp4" if cfg.mxfp4 else "fp8"]

@@ -19,9 +19,10 @@ DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3 `quantization_config.weight_block_size
 FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                     np.float32)
 MXFP4_NAN_SCALE = 0xFF  # E8M0's NaN encoding
+_MXFP4_CHUNK = 1 << 16  # bytes of blocks per table look-up (its int64 indices and numpy's buffer: < 2 MiB)
 # float32 bytes per stored byte, at most: 4 (FP8, one byte per weight); MXFP4 128 per 17 (32 weights in 16 bytes
-# and one scale byte) = 7.53, plus the decoding's 2-byte index per byte of the projection being decoded: under 9
-F32_EXPANSION = {"fp8": 4, "mxfp4": 9}
+# and one scale byte) = 7.53, under 8 (the decoding's look-ups take a fixed 2 MiB at most)
+F32_EXPANSION = {"fp8": 4, "mxfp4": 8}
 
 
 def to_float32(a: np.ndarray, name: str = "") -> np.ndarray:
@@ -82,7 +83,7 @@ def mxfp4_to_float32(blocks: np.ndarray, scales: np.ndarray, name: str = "") -> 
     Byte j of a group holds element 2j in its low nibble and 2j+1 in its high one; the group is scaled by
     2^(scale - 127), exactly (a power of two). A scale of 0xFF (NaN in the MX format) is refused: it would
     make every weight of its group infinite. One table look-up per byte gives both of its weights already
-    scaled (`_mxfp4_pairs`); the only temporary is the 2-byte index per byte of blocks.
+    scaled (`_mxfp4_pairs`); the look-up indices are made for at most _MXFP4_CHUNK bytes at a time.
     """
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
         raise CheckpointFormatError(f"{name}: MXFP4 blocks and scales must be U8, got {blocks.dtype} and "
@@ -94,9 +95,12 @@ def mxfp4_to_float32(blocks: np.ndarray, scales: np.ndarray, name: str = "") -> 
     if np.any(scales == MXFP4_NAN_SCALE):
         raise CheckpointFormatError(f"{name}: MXFP4 scale 0xFF (NaN) in the weights")
     rows, groups, half = blocks.shape
-    index = (scales.astype(np.uint16) << 8)[..., None] | blocks  # [R, G, 16] uint16
     out = np.empty(blocks.shape, np.uint64)
-    np.take(_mxfp4_pairs(), index, out=out, mode="clip")  # mode="clip" never buffers; every index is in range
+    table = _mxfp4_pairs()
+    step = max(1, _MXFP4_CHUNK // max(1, groups * half))  # rows per look-up: bounded temporaries
+    for r in range(0, rows, step):
+        index = (scales[r:r + step].astype(np.intp) << 8)[..., None] | blocks[r:r + step]  # [r, G, 16]
+        np.take(table, index, out=out[r:r + step], mode="clip")  # "clip" never buffers; every index is in range
     return out.view(np.float32).reshape(rows, groups * 2 * half)
 
 

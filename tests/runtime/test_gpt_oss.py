@@ -66,6 +66,24 @@ def test_quantize_mxfp4_round_trips_representable_weights():
     np.testing.assert_array_equal(mxfp4_to_float32(blocks, scales), w)
 
 
+def test_mxfp4_decoding_memory_is_the_result_plus_a_bounded_index():
+    import tracemalloc
+
+    rng = np.random.default_rng(2)
+    blocks = rng.integers(0, 256, (1024, 32, 16), dtype=np.uint8)  # 512 KiB: eight look-ups of 64 KiB
+    scales = rng.integers(100, 140, (1024, 32), dtype=np.uint8)
+    mxfp4_to_float32(blocks[:1, :1], scales[:1, :1])  # the look-up table exists before measuring
+    tracemalloc.start()
+    try:
+        got = mxfp4_to_float32(blocks, scales)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert got.nbytes == 1024 * 1024 * 4
+    # + one chunk's int64 indices and numpy's buffer for the look-up: 2 MiB at most, whatever the size
+    assert peak <= got.nbytes + 4 * 8 * (1 << 16), peak
+
+
 @pytest.mark.parametrize("blocks,scales,message", [
     (np.zeros((2, 1, 16), np.int8), np.zeros((2, 1), np.uint8), "must be U8"),
     (np.zeros((2, 1, 16), np.uint8), np.zeros((2, 1), np.float32), "must be U8"),
