@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from shardtool.checkpoint._families import config_reader
 from shardtool.errors import CheckpointFormatError
 from shardtool.families import (BY_NAME, CUSTOM, Family, detect_family, expert_count, experts_per_token,
-                                moe_layers, text_config)
+                                moe_layers, mxfp4_bytes, mxfp4_experts, text_config)
 from shardtool.hf_config import ConfigReader
 
 DEFAULT_CONTEXT_TOKENS = 4096
@@ -47,6 +47,8 @@ class ModelShape:
     params_mtp: int                  # all MTP layers, routed experts included
     kv_elements_per_token: int       # K/V cache elements per token of context, all layers
     kv_element_bytes: int
+    params_expert_mxfp4: int = 0     # of params_expert, the weights stored as MXFP4 (gpt-oss), not at B bits
+    bytes_expert_mxfp4: int = 0      # their bytes: blocks + scales, 4.25 bits per weight
 
     @property
     def params_total(self) -> int:
@@ -110,6 +112,7 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
     expert_i = _int(r, family.expert_size_key)
     dense_i = _int(r, family.dense_size_key)
     params_expert = 3 * h * expert_i + (2 * expert_i + h if family.expert_bias else 0)
+    mxfp4 = mxfp4_experts(family, r)  # gate, up [I, H] and down [H, I] as blocks + scales; biases stay at B bits
 
     router = experts * h + (experts if family.router_bias else 0)
     shared, shared_params = 0, 0
@@ -139,12 +142,15 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
         params_head=h + (0 if tied else vocab * h), params_layers=layers, params_expert=params_expert,
         params_mtp=mtp_params, kv_elements_per_token=kv_per_layer * n,
         kv_element_bytes=4 if dtype == "float32" else 2,
+        params_expert_mxfp4=3 * h * expert_i if mxfp4 else 0,
+        bytes_expert_mxfp4=2 * mxfp4_bytes(expert_i, h) + mxfp4_bytes(h, expert_i) if mxfp4 else 0,
     )
 
 
 def contract_from_config(config: Mapping[str, Any], bits_per_weight: float, *,
                          context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> dict[str, int]:
-    """The contract a split of this model would carry if every weight took `bits_per_weight` bits."""
+    """The contract a split of this model would carry if every weight took `bits_per_weight` bits, except the
+    experts a config.json declares MXFP4 (gpt-oss), which take what they take: 4.25 bits per weight."""
     if not bits_per_weight > 0:
         raise CheckpointFormatError(f"bits per weight must be > 0, got {bits_per_weight}")
     s = model_shape(config)
@@ -153,7 +159,7 @@ def contract_from_config(config: Mapping[str, Any], bits_per_weight: float, *,
         return round(params * bits_per_weight / 8)
 
     resident = size(s.params_embed + s.params_head + sum(s.params_layers))
-    per_expert = size(s.params_expert)
+    per_expert = size(s.params_expert - s.params_expert_mxfp4) + s.bytes_expert_mxfp4
     routed_total = len(s.moe_layers) * s.experts_per_layer * per_expert
     trunk = resident + size(s.params_mtp)
     return _assemble(

@@ -24,6 +24,7 @@ try:
 except ModuleNotFoundError:  # run as a script from a checkout where `pip install -e .` was not done
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from shardtool.errors import StorageError, UsageError
+from shardtool.families import MXFP4_GROUP  # gpt-oss MXFP4: 32 FP4 weights in 16 bytes share one scale byte
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "fused", "gpt_oss", "llama4")
 DTYPES = ("f32", "f16", "bf16")
@@ -33,6 +34,7 @@ _NP_DTYPES = {
     "f16": np.dtype(np.float16),
     "bf16": np.dtype(ml_dtypes.bfloat16),
     "fp8": np.dtype(ml_dtypes.float8_e4m3fn),
+    "u8": np.dtype(np.uint8),
 }
 _CONFIG_DTYPE = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
@@ -42,6 +44,10 @@ BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 _MIN_VOCAB = 256 + 3  # byte-level alphabet + the special tokens
 
 FP8_BLOCK = 128  # DeepSeek-V3 quantizes in 128x128 blocks ("weight_block_size": [128, 128])
+_FP4_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # of a uniformly random 4-bit code
+# What gpt-oss's released config.json says: only the routed experts are MXFP4.
+MXFP4_QUANTIZATION = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _FP8_POOL_SIGMAS = 4.0  # pool values are N(0,1) scaled so that 4 sigma maps to _FP8_MAX
 
@@ -70,6 +76,7 @@ class Knobs:
     shard_size_mb: float = 5000.0  # MB = 10**6 bytes, like HF's max_shard_size="5000MB"
     dense_layers: int | None = None  # leading non-MoE layers; default deepseek_v3: 1, others: 0
     fp8: bool = False  # deepseek_v3 only
+    mxfp4: bool = False  # gpt_oss only: experts as U8 MXFP4 blocks + scales (hidden, moe_intermediate % 32 == 0)
     mtp_layers: int | None = None  # deepseek_v3 only; default 1
     n_group: int | None = None  # deepseek_v3 only
     topk_group: int | None = None  # deepseek_v3 only
@@ -84,7 +91,8 @@ class Knobs:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("dtype", "fp8", "tie_word_embeddings", "shard_size_mb", "chat_template") or value is None:
+            if f.name in ("dtype", "fp8", "mxfp4", "tie_word_embeddings", "shard_size_mb", "chat_template") \
+                    or value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise UsageError(f"{f.name} must be an integer, got {value!r}")
@@ -116,7 +124,8 @@ class TensorSpec:
     dtype: str  # key of _NP_DTYPES
     std: float
     mean: float = 0.0
-    kind: str = "normal"  # "normal" | "fp8" (quantized weight) | "fp8_scale" (its weight_scale_inv)
+    # "normal" | "fp8" (quantized weight) | "fp8_scale" (its weight_scale_inv) | "mxfp4_blocks" | "mxfp4_scales"
+    kind: str = "normal"
 
     @property
     def nbytes(self) -> int:
@@ -144,6 +153,11 @@ def _resolve(family: str, k: Knobs) -> Knobs:
         raise UsageError(f"dense_layers ({k.dense_layers}) must be <= layers ({k.layers})")
     if k.dense_layers and family in ("mixtral", "olmoe", "gpt_oss"):
         raise UsageError(f"{family} has no dense layers; dense_layers must be 0, got {k.dense_layers}")
+    if k.mxfp4 and family != "gpt_oss":
+        raise UsageError(f"mxfp4 is a gpt_oss option, not valid for {family}")
+    if k.mxfp4 and (k.hidden % MXFP4_GROUP or k.moe_intermediate % MXFP4_GROUP):
+        raise UsageError(f"mxfp4 needs hidden ({k.hidden}) and moe_intermediate ({k.moe_intermediate}) to be "
+                         f"multiples of {MXFP4_GROUP}")
     if not is_ds:
         for name in ("fp8", "n_group", "topk_group", "q_lora_rank", "kv_lora_rank"):
             if getattr(k, name):
@@ -202,6 +216,14 @@ class _Specs:
             self.normal(f"{name}.weight", (out_f, in_f), std)
         if bias:
             self.normal(f"{name}.bias", (out_f,), 0.02)
+
+    def mxfp4(self, name: str, experts: int, out_f: int, in_f: int) -> None:
+        """Fused expert weights as MXFP4: `name`_blocks [E, out, in/32, 16] and `name`_scales [E, out, in/32]."""
+        groups = in_f // MXFP4_GROUP
+        self.items.append(TensorSpec(f"{name}_blocks", (experts, out_f, groups, MXFP4_GROUP // 2), "u8",
+                                     _std(in_f), kind="mxfp4_blocks"))
+        self.items.append(TensorSpec(f"{name}_scales", (experts, out_f, groups), "u8", _std(in_f),
+                                     kind="mxfp4_scales"))
 
     def norm(self, name: str, size: int) -> None:
         # Not all ones: split/join tests must be able to tell one layer's norm from another's.
@@ -424,6 +446,8 @@ def _gpt_oss(k: Knobs) -> tuple[dict, list[TensorSpec]]:
     cfg.update(intermediate_size=k.moe_intermediate, num_local_experts=k.experts, head_dim=k.head_dim,
                sliding_window=128, attention_bias=True, swiglu_limit=7.0, rope_parameters=yarn,
                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(k.layers)])
+    if k.mxfp4:
+        cfg["quantization_config"] = MXFP4_QUANTIZATION
     s = _Specs(k.dtype)
     _embed(s, k)
     ie = k.moe_intermediate
@@ -437,6 +461,12 @@ def _gpt_oss(k: Knobs) -> tuple[dict, list[TensorSpec]]:
         s.normal(f"{p}.mlp.router.bias", (k.experts,), 0.02)
         # Input-major ([in, out], used as x @ W) and gate/up interleaved on the last axis:
         # gate = gate_up[..., 0::2], up = gate_up[..., 1::2] (GptOssExperts._apply_gate).
+        if k.mxfp4:  # as released: output-major U8 blocks [E, out, in/32, 16] and scales [E, out, in/32]
+            s.mxfp4(f"{p}.mlp.experts.gate_up_proj", k.experts, 2 * ie, k.hidden)
+            s.normal(f"{p}.mlp.experts.gate_up_proj_bias", (k.experts, 2 * ie), 0.02)
+            s.mxfp4(f"{p}.mlp.experts.down_proj", k.experts, k.hidden, ie)
+            s.normal(f"{p}.mlp.experts.down_proj_bias", (k.experts, k.hidden), 0.02)
+            continue
         s.normal(f"{p}.mlp.experts.gate_up_proj", (k.experts, k.hidden, 2 * ie), _std(k.hidden))
         s.normal(f"{p}.mlp.experts.gate_up_proj_bias", (k.experts, 2 * ie), 0.02)
         s.normal(f"{p}.mlp.experts.down_proj", (k.experts, ie, k.hidden), _std(ie))
@@ -559,6 +589,12 @@ class _ValueSource:
             # so this gives std ~spec.std, with a per-block spread so that blocks are distinguishable.
             base = spec.std * _FP8_POOL_SIGMAS / _FP8_MAX
             return (base * rng.uniform(0.75, 1.25, size=spec.shape)).astype(np.float32)
+        if spec.kind == "mxfp4_blocks":  # uniformly random 4-bit codes, two per byte
+            return rng.integers(0, 256, size=spec.shape, dtype=np.uint8)
+        if spec.kind == "mxfp4_scales":
+            # 2^(s - 127) brings the codes' RMS to ~spec.std, give or take a factor of 2 per group
+            exponent = round(math.log2(spec.std / _FP4_RMS))
+            return (127 + exponent + rng.integers(-1, 2, size=spec.shape)).astype(np.uint8)
         pool = self._pool("fp8" if spec.kind == "fp8" else spec.dtype, spec.std, spec.mean)
         return _tile(pool, int(rng.integers(len(pool))), n).reshape(spec.shape)
 
@@ -773,6 +809,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--shard-size-mb", type=float, default=d.shard_size_mb,
                     help="max tensor bytes per shard file, in 10^6 bytes (HF's max_shard_size)")
     ap.add_argument("--fp8", action="store_true", help="deepseek_v3: F8_E4M3 weights + 128x128 weight_scale_inv")
+    ap.add_argument("--mxfp4", action="store_true",
+                    help="gpt_oss: experts as MXFP4 U8 blocks + E8M0 scales, as released (sizes multiples of 32)")
     ap.add_argument("--tie-word-embeddings", action="store_true")
     ap.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                     help="tokenizer_config.json without a chat_template")

@@ -10,6 +10,7 @@ from shardtool.errors import UsageError
 from shardtool.manifest import VerifiedManifest
 from shardtool.runtime._model import ModelConfig, bytes_per_token
 from shardtool.runtime._model._activations import step_bytes
+from shardtool.runtime._model._dtypes import F32_EXPANSION
 
 # The least the budget keeps for one forward step's temporaries; more when the step's queries over the whole
 # sequence need more (`step_bytes`). A step takes as many rows as fit (`step_rows`, `prefill_chunk`).
@@ -43,9 +44,11 @@ def plan_budget(budget: int, cfg: ModelConfig, manifest: VerifiedManifest, max_t
     trunk = [e.size for e in manifest.entries if e.kind == "trunk"]
     largest_expert, largest_trunk = max(experts, default=0), max(trunk, default=0)
     k = max(cfg.top_k, 1)
-    # A shard's float32 copy is at most 4x its bytes (FP8); in-flight reads hold raw bytes. Experts are loaded
-    # at most k ahead of the one computing (`VerifiedWeights.window`), whatever the batch chose.
-    f32 = 4 * (largest_trunk + k * largest_expert)
+    # A shard's float32 copy is at most 4x its bytes (FP8), an MXFP4 expert's 8x (`F32_EXPANSION`); in-flight
+    # reads hold raw bytes. Experts are loaded at most k ahead of the one computing (`VerifiedWeights.window`),
+    # whatever the batch chose.
+    expert_f32 = F32_EXPANSION["mxfp4" if cfg.mxfp4 else "fp8"]
+    f32 = F32_EXPANSION["fp8"] * largest_trunk + expert_f32 * k * largest_expert
     inflight = readers * max(largest_expert, largest_trunk)
     activations = max(MIN_ACTIVATION_RESERVE, step_bytes(cfg, max_batch, max_tokens))
     working = f32 + inflight + activations

@@ -45,11 +45,17 @@ class Family:
     # "in_out_interleaved" as in_out with gate/up alternating on the last axis
     fused_layout: Literal["out_in", "in_out", "in_out_interleaved"] = "out_in"
     runtime: bool = False                  # the numpy forward pass runs it
-    # "softmax": top-k of the softmax; "sigmoid_group": DeepSeek's group-limited sigmoid; "sigmoid_input": top-k of
-    # the logits, each chosen expert's sigmoid score multiplying that expert's input (Llama 4)
-    router: Literal["softmax", "sigmoid_group", "sigmoid_input"] = "softmax"
+    # "softmax": softmax over all experts, then top-k; "sigmoid_group": DeepSeek's group-limited sigmoid;
+    # "topk_softmax": top-k of the (biased) logits, then a softmax over those k (gpt-oss); "sigmoid_input": top-k
+    # of the logits, each chosen expert's sigmoid score multiplying that expert's input (Llama 4)
+    router: Literal["softmax", "sigmoid_group", "topk_softmax", "sigmoid_input"] = "softmax"
     norm_topk_prob: bool | None = None     # fixed by the modeling code, or None: read from config.json
-    sliding_window: Literal["none", "always", "flag", "per_layer"] = "none"
+    # "layer_types": config.json's layer_types (default: sliding, full, sliding, ...) with one sliding_window
+    sliding_window: Literal["none", "always", "flag", "per_layer", "layer_types"] = "none"
+    # routed experts' activation: "silu" (SwiGLU), or gpt-oss's "clamped_swiglu" (gate clamped above and up on both
+    # sides at swiglu_limit, gate * sigmoid(swiglu_alpha * gate) * (up + 1))
+    expert_act: Literal["silu", "clamped_swiglu"] = "silu"
+    mxfp4_experts: bool = False            # experts may be stored MXFP4 (quantization_config.quant_method "mxfp4")
     clip_qkv: bool = False
     # Llama 4 attention: chunked attention on RoPE layers, NoPE layers (no_rope_layers) with attention-temperature
     # tuning, interleaved (complex) RoPE and a weightless L2 q/k norm on RoPE layers (use_qk_norm)
@@ -83,7 +89,12 @@ TABLE: tuple[Family, ...] = (
                      "n_shared_experts": 1, "routed_scaling_factor": 2.5}),
     Family("gpt_oss", ("gpt_oss",), ("GptOssForCausalLM",), ("num_local_experts", "num_experts"), "all",
            "intermediate_size", bias_default=True, attention_sinks=True, router_bias=True, expert_bias=True,
-           fused_layout="in_out_interleaved"),
+           fused_layout="in_out_interleaved", runtime=True, router="topk_softmax", sliding_window="layer_types",
+           expert_act="clamped_swiglu", mxfp4_experts=True, norm_topk_prob=True,
+           defaults={"rope_theta": 1.5e5, "rms_norm_eps": 1e-5, "sliding_window": 128, "swiglu_alpha": 1.702,
+                     "swiglu_limit": 7.0,
+                     "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "original_max_position_embeddings": 4096}}),
     Family("llama4", ("llama4", "llama4_text"), ("Llama4ForConditionalGeneration", "Llama4ForCausalLM"),
            ("num_local_experts",), "listed_or_interleaved", "intermediate_size",
            dense_size_key="intermediate_size_mlp", shared_expert="one", fused_layout="in_out", runtime=True,
@@ -100,10 +111,11 @@ _BY_ARCHITECTURE = {a: f for f in TABLE for a in f.architectures}
 # model_type -> family, for the families the runtime runs.
 RUNTIME_MODEL_TYPES: dict[str, str] = {mt: f.name for f in TABLE if f.runtime for mt in f.model_types}
 
-# Module names older checkpoints use for the MoE block, and the name the runtime reads them under (Mixtral
-# keeps the pre-v5 `block_sparse_moe` for its router and experts).
-# Llama 4 calls it feed_forward, and its router the MoE block's gate. The first matching prefix wins.
-MOE_MODULE_ALIASES = {"block_sparse_moe.": "mlp.", "feed_forward.router.": "mlp.gate.", "feed_forward.": "mlp."}
+# Module names checkpoints use for the MoE block and its router, and the names the runtime reads them under
+# (Mixtral keeps the pre-v5 `block_sparse_moe` for its router and experts; gpt-oss calls its router `router`;
+# Llama 4 calls the block feed_forward and its router the block's gate). The first matching prefix wins.
+MOE_MODULE_ALIASES = {"block_sparse_moe.": "mlp.", "mlp.router.": "mlp.gate.", "feed_forward.router.": "mlp.gate.",
+                      "feed_forward.": "mlp."}
 
 # A multimodal checkpoint (Llama 4) stores its language model under this prefix: language_model.model.embed_tokens,
 # language_model.lm_head; split keeps those names in the embed and head files.
@@ -119,6 +131,29 @@ PER_EXPERT = re.compile(
 FUSED = re.compile(
     r"(?P<prefix>(?:[A-Za-z0-9_]+\.)*?)layers\.(?P<layer>\d+)\.(?:block_sparse_moe|mlp|feed_forward)\.experts\."
     r"(?P<proj>gate_up_proj|down_proj)(?:_(?P<part>bias|blocks|scales))?")
+
+
+# MXFP4 (OCP Microscaling FP4, gpt-oss's expert format): 32 FP4 weights in 16 bytes share one E8M0 scale byte,
+# 4.25 bits per weight. A [rows, cols] projection is stored as blocks [rows, cols/32, 16] + scales [rows, cols/32].
+MXFP4_GROUP = 32
+
+
+def mxfp4_bytes(rows: int, cols: int) -> int:
+    """Bytes of one [rows, cols] projection stored as MXFP4 blocks + scales."""
+    return rows * -(-cols // MXFP4_GROUP) * (MXFP4_GROUP // 2 + 1)
+
+
+def mxfp4_experts(family: Family, r: ConfigReader) -> bool:
+    """Whether config.json declares this family's routed experts MXFP4 (quantization_config.quant_method
+    "mxfp4"). For a family whose experts may be MXFP4, any other quantization_config is refused."""
+    quant = r.raw("quantization_config", None)
+    if not family.mxfp4_experts or quant is None:
+        return False
+    method = quant.get("quant_method") if isinstance(quant, Mapping) else None
+    if method != "mxfp4":
+        raise CheckpointFormatError(f"config.json: quantization_config quant_method {method!r:.40} is not "
+                                    f"supported for {family.name}", hint="expected 'mxfp4' or no quantization_config")
+    return True
 
 
 def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:

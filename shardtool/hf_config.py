@@ -42,6 +42,7 @@ FLOAT_CAPS: dict[str, float] = {
     "rope_theta": 1e12, "factor": 1e4, "attention_factor": 1e4, "beta_fast": 1e4, "beta_slow": 1e4,
     "mscale": 1e4, "mscale_all_dim": 1e4, "rms_norm_eps": 1.0, "clip_qkv": 1e9, "routed_scaling_factor": 1e4,
     "low_freq_factor": 1e4, "high_freq_factor": 1e4, "attn_scale": 1e4,
+    "swiglu_alpha": 1e4, "swiglu_limit": 1e9,
 }
 
 # Producer caps (split, inspect): the contract is arithmetic only, and a product that outgrows the manifest's

@@ -57,8 +57,10 @@ def _mlp_per_query(cfg: ModelConfig) -> int:
         widths.append(cfg.intermediate_size)
     if cfg.shared_expert != "none":
         widths.append(cfg.shared_intermediate_size)
+    # gpt-oss's clamped SwiGLU adds its clamped copies, the scaled gate and (up + 1), and the expert biases
+    swiglu = 10 if cfg.expert_act == "clamped_swiglu" else 6
     scaled = cfg.top_k * cfg.hidden_size if cfg.router == "sigmoid_input" else 0  # Llama 4's scaled expert inputs
-    return 6 * max(widths) + 8 * cfg.num_experts + 4 * cfg.hidden_size + scaled
+    return swiglu * max(widths) + 8 * cfg.num_experts + 4 * cfg.hidden_size + scaled
 
 
 def per_query_bytes(cfg: ModelConfig, keys: int) -> int:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from shardtool.errors import CheckpointFormatError
 from shardtool.families import (BY_NAME, RUNTIME_MODEL_TYPES, Family, expert_count, experts_per_token, find_family,
-                                moe_layers, text_config)
+                                moe_layers, mxfp4_experts, text_config)
 from shardtool.hf_config import INT_CAPS, ConfigReader, check_int
 
 _ROPE_TYPES = ("default", "linear", "yarn", "llama3")
@@ -86,7 +86,7 @@ class ModelConfig:
     moe_layers: tuple[bool, ...]  # per layer: routed experts (True) or a dense MLP
     num_experts: int
     top_k: int
-    router: Literal["softmax", "sigmoid_group", "sigmoid_input"]
+    router: Literal["softmax", "sigmoid_group", "topk_softmax", "sigmoid_input"]
     norm_topk_prob: bool
     n_group: int = 1
     topk_group: int = 1
@@ -100,6 +100,14 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()  # per layer: RoPE applied (False: a NoPE layer); () = every layer
     attention_chunks: tuple[int | None, ...] = ()  # per layer: chunked attention's chunk size; () = none
     chunked_nope: ChunkedNopeConfig | None = None  # Llama 4 attention
+    # gpt-oss (runtime/_model/_gpt_oss.py): attention sinks, router and expert biases, the clamped SwiGLU
+    attention_sinks: bool = False
+    router_bias: bool = False  # mlp.gate.bias (gpt-oss's mlp.router.bias) added to the router logits
+    expert_bias: bool = False
+    expert_act: Literal["silu", "clamped_swiglu"] = "silu"
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0
+    mxfp4: bool = False  # routed experts stored as MXFP4 blocks + scales (quantization_config.quant_method)
 
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any]) -> ModelConfig:
@@ -157,7 +165,7 @@ def _common(r: ConfigReader, model_type: str, family: Family) -> dict[str, Any]:
 
 def _rope(r: ConfigReader, dim: int, max_pos: int, interleave: bool = False) -> RopeConfig:
     """rope_parameters (transformers v5) or rope_scaling + rope_theta (older config.json files)."""
-    params = r.d.get("rope_scaling") or r.d.get("rope_parameters") or {}
+    params = r.d.get("rope_scaling") or r.d.get("rope_parameters") or r.defaults.get("rope_parameters") or {}
     if not isinstance(params, Mapping):
         raise CheckpointFormatError(f"config.json: rope_parameters must be an object, got {params!r}")
     p = ConfigReader(params, {}, prefix="rope_scaling." if r.d.get("rope_scaling") else "rope_parameters.")
@@ -209,14 +217,19 @@ def _moe_counts(r: ConfigReader, family: Family) -> dict[str, Any]:
 def _sliding_windows(r: ConfigReader, family: Family, n: int) -> tuple[int | None, ...]:
     if family.sliding_window == "always":  # one window for every layer, or none
         return (r.int("sliding_window", None),) * n
-    if family.sliding_window == "none" or not r.bool("use_sliding_window"):
+    if family.sliding_window == "layer_types":  # gpt-oss: sliding, full, sliding, ... unless listed
+        window = r.int("sliding_window")
+        types = r.raw("layer_types", None) or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    elif family.sliding_window == "none" or not r.bool("use_sliding_window"):
         return (None,) * n
-    window = r.int("sliding_window")
-    if family.sliding_window == "flag":
-        return (window,) * n
-    types = r.raw("layer_types", None) or [
-        "sliding_attention" if (i + 1) % 2 and i < r.int("max_window_layers", minimum=0) else "full_attention"
-        for i in range(n)]
+    else:
+        window = r.int("sliding_window")
+        if family.sliding_window == "flag":
+            return (window,) * n
+        types = r.raw("layer_types", None) or [
+            "sliding_attention" if (i + 1) % 2 and i < r.int("max_window_layers", minimum=0) else "full_attention"
+            for i in range(n)]
     if not isinstance(types, list) or len(types) != n or \
             any(t not in ("sliding_attention", "full_attention") for t in types):
         raise CheckpointFormatError(f"config.json: layer_types must list {n} attention types, got {types!r}")
@@ -234,7 +247,8 @@ def _parse_gqa(r: ConfigReader, model_type: str, family: Family) -> ModelConfig:
     shared_size = {"gated": lambda: r.int("shared_expert_intermediate_size"), "one": lambda: expert_size,
                    "none": lambda: 0}[shared]()
     return ModelConfig(
-        **c, **counts, moe_intermediate_size=expert_size, shared_intermediate_size=shared_size,
+        **c, **counts, **_gpt_oss_traits(r, family), moe_intermediate_size=expert_size,
+        shared_intermediate_size=shared_size,
         rope=_rope(r, c["head_dim"], c["max_position_embeddings"], interleave=family.chunked_nope),
         attn_scale=c["head_dim"] ** -0.5,
         qk_norm=family.qk_norm, clip_qkv=r.float("clip_qkv") if family.clip_qkv else None,
@@ -278,6 +292,19 @@ def _chunked_nope(r: ConfigReader, n: int) -> dict[str, Any]:
                              floor_scale=r.int("floor_scale"), attn_scale=r.float("attn_scale", positive=False))
     return dict(rope_layers=rope_layers, attention_chunks=tuple(chunk if t == "chunked_attention" else None
                                                                 for t in types), chunked_nope=nope)
+
+
+def _gpt_oss_traits(r: ConfigReader, family: Family) -> dict[str, Any]:
+    """Sinks, router/expert biases, the expert activation and MXFP4 experts, as the family row says."""
+    if family.expert_act == "clamped_swiglu":
+        act = dict(expert_act="clamped_swiglu", swiglu_alpha=r.float("swiglu_alpha"),
+                   swiglu_limit=r.float("swiglu_limit"))
+    else:
+        act = {}
+    mxfp4 = mxfp4_experts(family, r)
+    router_bias = family.router_bias and family.router != "sigmoid_group"  # DeepSeek's steers selection only
+    return dict(attention_sinks=family.attention_sinks, router_bias=router_bias, expert_bias=family.expert_bias,
+                mxfp4=mxfp4, **act)
 
 
 def _parse_mla(r: ConfigReader, model_type: str, family: Family) -> ModelConfig:

@@ -16,8 +16,9 @@ from ._cache import KVCache
 from ._config import ModelConfig
 from ._dtypes import to_float32, weight_f32
 from ._llama4 import chunked_mask
+from ._gpt_oss import clamped_swiglu, expert_weights
 from ._layers import (ExpertFetch, ExpertOutputs, ExpertUnavailable, causal_mask, decoder_layer, expert_mlp, gqa_attention,
-                      matmul_t, mla_attention, rms_norm)
+                      linear, matmul_t, mla_attention, rms_norm)
 from ._rope import cos_sin, inv_freq
 from ._weights import WeightProvider
 
@@ -36,6 +37,8 @@ def trunk_shapes(cfg: ModelConfig, layer: int) -> tuple[Shapes, Shapes]:
                     a + "v_proj.weight": (kvh * d, h), a + "o_proj.weight": (h, nh * d)})
         opt.update({a + "q_proj.bias": (nh * d,), a + "k_proj.bias": (kvh * d,), a + "v_proj.bias": (kvh * d,),
                     a + "o_proj.bias": (h,)})
+        if cfg.attention_sinks:
+            req[a + "sinks"] = (nh,)
         if cfg.qk_norm == "per_head":
             req.update({a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
         elif cfg.qk_norm == "full":
@@ -58,6 +61,8 @@ def trunk_shapes(cfg: ModelConfig, layer: int) -> tuple[Shapes, Shapes]:
         req["mlp.gate.weight"] = (cfg.num_experts, h)
         if cfg.router == "sigmoid_group":
             req["mlp.gate.e_score_correction_bias"] = (cfg.num_experts,)
+        if cfg.router_bias:
+            req["mlp.gate.bias"] = (cfg.num_experts,)
         shared = {"gated": "mlp.shared_expert.", "plain": "mlp.shared_experts.",
                   "one": "mlp.shared_expert."}.get(cfg.shared_expert)
         if shared:
@@ -121,6 +126,11 @@ def _expert_f32(cfg: ModelConfig, layer: int, expert: int,
 def run_expert(cfg: ModelConfig, layer: int, expert: int, t: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
     """# the expert's stored tensors, x [m, H] float32 -> its unweighted output [m, H]: what the local forward pass
     and a cluster node both compute for an expert (the coordinator weights and sums them, `moe_experts`)."""
+    if cfg.expert_act == "clamped_swiglu":  # gpt-oss: biased projections around the clamped SwiGLU
+        w = expert_weights(cfg, layer, expert, t)
+        hidden = clamped_swiglu(linear(x, w.gate, w.gate_bias), linear(x, w.up, w.up_bias), cfg.swiglu_alpha,
+                                cfg.swiglu_limit)
+        return linear(hidden, w.down, w.down_bias)
     return expert_mlp(x, *_expert_f32(cfg, layer, expert, t))
 
 

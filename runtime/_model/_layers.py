@@ -14,6 +14,7 @@ from shardtool.errors import ShardtoolError
 
 from . import _llama4
 from ._config import ModelConfig
+from ._gpt_oss import route_topk_softmax, sink_softmax
 from ._rope import apply_rope, apply_rope_interleave
 
 Weights = Mapping[str, np.ndarray]
@@ -93,10 +94,11 @@ def causal_mask(q_pos: np.ndarray, kv_len: int, window: int | None) -> np.ndarra
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
-              mask: np.ndarray | None) -> np.ndarray:
-    """# [T, nh, d], [kvh, S, d], [kvh, S, dv], [T, S] -> [T, nh, dv]
+              mask: np.ndarray | None, sinks: np.ndarray | None = None) -> np.ndarray:
+    """# [T, nh, d], [kvh, S, d], [kvh, S, dv], [T, S], [nh] -> [T, nh, dv]
 
     Grouped-query attention: query head h reads key/value head h // (nh / kvh), as transformers' repeat_kv.
+    `sinks` (gpt-oss): one learned logit per head that joins the softmax and is then dropped (`sink_softmax`).
     """
     t, nh, d = q.shape
     kvh, s, dv = v.shape
@@ -105,7 +107,11 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
     scores = (qg @ k.transpose(0, 2, 1)) * np.float32(scale)  # [kvh, g*T, S]
     if mask is not None:
         scores = np.where(mask[None, None], scores.reshape(kvh, g, t, s), -np.inf).reshape(kvh, g * t, s)
-    out = softmax(scores) @ v  # [kvh, g*T, dv]
+    if sinks is None:
+        probs = softmax(scores)
+    else:
+        probs = sink_softmax(scores.reshape(kvh, g, t, s), sinks.reshape(kvh, g)).reshape(kvh, g * t, s)
+    out = probs @ v  # [kvh, g*T, dv]
     return out.reshape(kvh, g, t, dv).transpose(2, 0, 1, 3).reshape(t, nh, dv)
 
 
@@ -137,7 +143,7 @@ def gqa_attention(x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray, 
     keys, values = append_kv(k.transpose(1, 0, 2), v.transpose(1, 0, 2))
     if cfg.chunked_nope is not None and cos is None:
         q = _llama4.nope_temperature(q, keys.shape[1] - t, cfg.chunked_nope)
-    out = attention(q, keys, values, cfg.attn_scale, mask)
+    out = attention(q, keys, values, cfg.attn_scale, mask, w.get("self_attn.sinks"))
     return linear(out.reshape(t, nh * hd), w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
 
 
@@ -264,20 +270,26 @@ def moe_experts(x: np.ndarray, weights: np.ndarray, groups: Mapping[int, tuple[n
     return out
 
 
+def route(x: np.ndarray, w: Weights, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """# [T, H] -> weights [T, k], expert ids [T, k], selection scores [T, E]: the layer's router on x, as the
+    config's family routes (its router bias, if any, added to the logits)."""
+    logits = linear(x, w["mlp.gate.weight"], w.get("mlp.gate.bias"))  # [T, E]
+    if cfg.router == "topk_softmax":
+        return route_topk_softmax(logits, cfg.top_k)
+    if cfg.router == "sigmoid_group":
+        return _route_deepseek(logits, w["mlp.gate.e_score_correction_bias"], cfg.top_k, cfg.n_group,
+                               cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    if cfg.router == "sigmoid_input":
+        return _llama4.route(logits, cfg.top_k)
+    return _route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
+
+
 def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch,
               observe: ObserveRoute | None = None) -> np.ndarray:
     """# [T, H] -> [T, H]: router -> top-k -> selected experts (+ the family's shared expert).
 
     `observe(idx, scores)`, when given, sees the routing (run receipts record it, their replay checks it)."""
-    logits = matmul_t(x, w["mlp.gate.weight"])  # [T, E]
-    if cfg.router == "sigmoid_group":
-        weights, idx, scores = _route_deepseek(logits, w["mlp.gate.e_score_correction_bias"], cfg.top_k,
-                                               cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
-                                               cfg.routed_scaling_factor)
-    elif cfg.router == "sigmoid_input":
-        weights, idx, scores = _llama4.route(logits, cfg.top_k)
-    else:
-        weights, idx, scores = _route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
+    weights, idx, scores = route(x, w, cfg)
     if observe is not None:
         observe(idx, scores)
     # Ask for the routed experts first: a streaming provider loads them (cluster nodes compute them) while the

@@ -13,11 +13,11 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from shardtool.errors import CheckpointFormatError
-from shardtool.families import EXPERT_PROJ_ALIASES, FUSED, PER_EXPERT
+from shardtool.families import EXPERT_PROJ_ALIASES, FUSED, MXFP4_GROUP, PER_EXPERT
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
-_EXPERT_SUFFIXES = ("weight", "weight_scale_inv", "bias")
+_EXPERT_SUFFIXES = ("weight", "weight_scale_inv", "bias", "weight_blocks", "weight_scales")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
@@ -44,8 +44,9 @@ class WeightProvider(Protocol):
 
     def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Mapping[str, np.ndarray]]:
         """Routed experts of `layer`, each under the canonical names gate_proj.weight [I, H],
-        up_proj.weight [I, H], down_proj.weight [H, I] (+ *.weight_scale_inv). All ids are asked for at
-        once so an implementation can load them in parallel."""
+        up_proj.weight [I, H], down_proj.weight [H, I] (+ *.weight_scale_inv; gpt-oss: *.bias, and MXFP4
+        *.weight_blocks + *.weight_scales instead of *.weight). All ids are asked for at once so an
+        implementation can load them in parallel."""
         ...
 
 
@@ -57,9 +58,9 @@ class DictWeightProvider:
     `mlp.experts.down_proj [E, H, I]`), and serves experts under the canonical names.
     """
 
-    def __init__(self, state: Mapping[str, np.ndarray], *, cache_float32: bool = False, fused_layout: str = "out_in"):
-        """`fused_layout`: the family's (shardtool/families.py): "out_in" [E, 2I, H] / [E, H, I], or "in_out"
-        [E, H, 2I] / [E, I, H] (Llama 4)."""
+    def __init__(self, state: Mapping[str, np.ndarray], *, cache_float32: bool = False,
+                 fused_layout: str = "out_in"):
+        """`fused_layout`: how fused [E, ...] expert tensors are laid out (the family table's `fused_layout`)."""
         self.cache_float32 = cache_float32
         self._embed: dict[str, np.ndarray] = {}
         self._head: dict[str, np.ndarray] = {}
@@ -75,8 +76,9 @@ class DictWeightProvider:
                 layer, expert, proj = int(m["layer"]), int(m["expert"]), m["proj"]
                 proj = EXPERT_PROJ_ALIASES.get(proj, proj)
                 self._experts.setdefault(layer, {}).setdefault(expert, {})[f"{proj}.{m['suffix']}"] = array
-            elif (m := FUSED.fullmatch(name)) and m["prefix"] == "model." and m["part"] is None:
-                fused.setdefault(int(m["layer"]), {})[m["proj"]] = array
+            elif (m := FUSED.fullmatch(name)) and m["prefix"] == "model.":
+                part = f"_{m['part']}" if m["part"] else ""
+                fused.setdefault(int(m["layer"]), {})[m["proj"] + part] = array
             elif m := _LAYER.fullmatch(name):
                 self._layers.setdefault(int(m[1]), {})[m[2]] = array
             # Anything else (rotary buffers, vision towers) is not part of the decoder.
@@ -102,18 +104,63 @@ class DictWeightProvider:
         return {e: have[e] for e in expert_ids}
 
 
-def _unfuse(layer: int, parts: Mapping[str, np.ndarray], layout: str = "out_in") -> dict[int, dict[str, np.ndarray]]:
-    """# gate_up_proj [E, 2I, H], down_proj [E, H, I] -> per expert gate/up [I, H], down [H, I] (views);
-    "in_out": the same tensors stored transposed ([E, H, 2I], [E, I, H])."""
-    gate_up, down = parts.get("gate_up_proj"), parts.get("down_proj")
-    if gate_up is None or down is None or down.ndim != 3 or gate_up.ndim != 3:
-        raise CheckpointFormatError(f"layer {layer}: fused experts need 3-D gate_up_proj and down_proj",
-                                    hint=f"got {sorted(parts)}")
-    if layout == "in_out":
-        gate_up, down = gate_up.transpose(0, 2, 1), down.transpose(0, 2, 1)
-    e, h, i = down.shape
-    if gate_up.shape != (e, 2 * i, h):
-        raise CheckpointFormatError(f"layer {layer}: fused gate_up_proj shape {gate_up.shape}, "
-                                    f"expected {(e, 2 * i, h)} beside down_proj {down.shape}")
-    return {x: {"gate_proj.weight": gate_up[x, :i], "up_proj.weight": gate_up[x, i:],
-                "down_proj.weight": down[x]} for x in range(e)}
+def _unfuse(layer: int, parts: Mapping[str, np.ndarray], layout: str) -> dict[int, dict[str, np.ndarray]]:
+    """# the fused [E, ...] tensors of one layer -> per expert, under the canonical names (views).
+
+    "out_in": gate_up_proj [E, 2I, H] = cat(gate, up), down_proj [E, H, I]; "in_out": [E, H, 2I] and [E, I, H]
+    (transposed per expert); "in_out_interleaved" (gpt-oss): as in_out with gate/up alternating. Biases
+    gate_up_proj_bias [E, 2I] / down_proj_bias [E, H] and MXFP4 `*_blocks` [E, out, G, 16] / `*_scales`
+    [E, out, G] are always output-major. Shapes against the config are checked when an expert is used.
+    """
+    if layout not in ("out_in", "in_out", "in_out_interleaved"):
+        raise CheckpointFormatError(f"unknown fused expert layout {layout!r}")
+    transposed = layout != "out_in"
+    interleaved = layout == "in_out_interleaved"
+    gate_up = [k for k in parts if k.startswith("gate_up_proj")]
+    down = [k for k in parts if k.startswith("down_proj")]
+    counts = {parts[k].shape[0] if parts[k].ndim else 0 for k in parts}
+    if not gate_up or not down or len(counts) != 1 or any(parts[k].ndim < 2 for k in parts):
+        raise CheckpointFormatError(f"layer {layer}: fused experts need gate_up_proj and down_proj tensors with one "
+                                    f"leading expert axis", hint=f"got {sorted((k, parts[k].shape) for k in parts)}")
+    n = counts.pop()
+    _check_fused_shapes(layer, parts, n, transposed)
+    experts: dict[int, dict[str, np.ndarray]] = {e: {} for e in range(n)}
+    for key, array in parts.items():
+        proj, _, part = key.partition("_proj")
+        suffix = {"": "weight", "_bias": "bias", "_blocks": "weight_blocks", "_scales": "weight_scales"}[part]
+        for e, x in experts.items():
+            piece = array[e].T if part == "" and transposed else array[e]  # output features first
+            if proj == "down":
+                x[f"down_proj.{suffix}"] = piece
+                continue
+            rows = piece.shape[0]
+            if rows % 2:
+                raise CheckpointFormatError(f"layer {layer}: fused {key} has an odd gate+up width {rows}")
+            gate, up = (piece[0::2], piece[1::2]) if interleaved else (piece[:rows // 2], piece[rows // 2:])
+            x[f"gate_proj.{suffix}"], x[f"up_proj.{suffix}"] = gate, up
+    return experts
+
+
+def _check_fused_shapes(layer: int, parts: Mapping[str, np.ndarray], n: int, transposed: bool) -> None:
+    """Every fused part agrees with the intermediate and hidden sizes its down projection implies."""
+    group = MXFP4_GROUP
+    if "down_proj" in parts:
+        d = parts["down_proj"]
+        if d.ndim != 3:
+            raise CheckpointFormatError(f"layer {layer}: fused down_proj has shape {d.shape}, expected 3-D")
+        i, h = (d.shape[1], d.shape[2]) if transposed else (d.shape[2], d.shape[1])
+    elif "down_proj_blocks" in parts and parts["down_proj_blocks"].ndim == 4:
+        _, h, groups, _ = parts["down_proj_blocks"].shape
+        i = groups * group
+    else:
+        raise CheckpointFormatError(f"layer {layer}: fused experts need down_proj or a 4-D down_proj_blocks",
+                                    hint=f"got {sorted((k, parts[k].shape) for k in parts)}")
+    expected = {"gate_up_proj": (n, h, 2 * i) if transposed else (n, 2 * i, h),
+                "down_proj": (n, i, h) if transposed else (n, h, i),
+                "gate_up_proj_bias": (n, 2 * i), "down_proj_bias": (n, h),
+                "gate_up_proj_blocks": (n, 2 * i, h // group, group // 2), "gate_up_proj_scales": (n, 2 * i, h // group),
+                "down_proj_blocks": (n, h, i // group, group // 2), "down_proj_scales": (n, h, i // group)}
+    for key, array in parts.items():
+        if array.shape != expected[key]:
+            raise CheckpointFormatError(f"layer {layer}: fused {key} has shape {array.shape}, expected "
+                                        f"{expected[key]} beside the others", hint=f"intermediate {i}, hidden {h}")

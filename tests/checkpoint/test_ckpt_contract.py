@@ -30,6 +30,20 @@ KIMI_K2 = {**DEEPSEEK_V3, "model_type": "kimi_k2", "vocab_size": 163840, "num_at
 GIANT = {**KIMI_K2, "model_type": "deepseek_v3", "num_hidden_layers": 71, "n_routed_experts": 896,
          "num_experts_per_tok": 16}
 EXPERT_PARAMS = 3 * 7168 * 2048
+# gpt-oss-20b's config.json as released (layer_types omitted: the config class alternates them the same way).
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "experts_per_token": 4,
+    "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "intermediate_size": 2880,
+    "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "rms_norm_eps": 1e-05, "rope_theta": 150000,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "vocab_size": 201088, "eos_token_id": 200002, "pad_token_id": 199999,
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+}
+GPT_OSS_120B = {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128}
 
 
 def test_deepseek_v3_matches_published_parameter_counts() -> None:
@@ -97,6 +111,28 @@ def test_giant_896_expert_model_from_config_alone() -> None:
     assert estimate(c, disk_gbps=2.0).seconds_per_token_cold == pytest.approx(12.33, rel=0.01)
     assert estimate(c, disk_gbps=2.0, context_tokens=131072).min_memory_bytes == \
         c["min_memory_bytes"] + c["kv_cache_bytes_per_token"] * (131072 - 4096)
+
+
+@pytest.mark.parametrize("config,total,active,gib", [(GPT_OSS_20B, 20.91e9, 3.61e9, 12.8),
+                                                     (GPT_OSS_120B, 116.83e9, 5.13e9, 60.8)],
+                         ids=["gpt-oss-20b", "gpt-oss-120b"])
+def test_gpt_oss_mxfp4_experts_match_the_published_checkpoint_sizes(config, total, active, gib) -> None:
+    """gpt-oss model card: 20.91 B / 116.83 B parameters, 3.61 B / 5.13 B active (embeddings excluded), checkpoints
+    of 12.8 GiB / 60.8 GiB: BF16 everywhere but the experts' weights, which are MXFP4 (4.25 bits per weight)."""
+    c = contract_from_config(config, 16.0)
+    s = model_shape(config)
+    assert c["params_total"] == pytest.approx(total, rel=0.001)
+    assert c["params_active"] - s.params_embed == pytest.approx(active, rel=0.005)
+    h = i = 2880
+    # gate and up [I, H], down [H, I]: 32 weights in 16 bytes + 1 scale byte; the 2I + H biases stay BF16
+    one_expert = 3 * (h * i // 32) * 17 + (2 * i + h) * 2
+    assert c["bytes_per_expert"] == one_expert == 13_236_480
+    assert c["expert_bytes_total"] == config["num_hidden_layers"] * config["num_local_experts"] * one_expert
+    assert c["expert_bytes_per_token_cold"] == config["num_hidden_layers"] * 4 * one_expert
+    assert c["total_bytes"] / 2**30 == pytest.approx(gib, abs=0.05)
+    # Without the quantization_config the same model at 16 bits: experts 3.76x larger
+    bf16 = contract_from_config({k: v for k, v in config.items() if k != "quantization_config"}, 16.0)
+    assert bf16["bytes_per_expert"] == 2 * s.params_expert and bf16["params_total"] == c["params_total"]
 
 
 def test_contract_keys_are_canonical_integers() -> None:

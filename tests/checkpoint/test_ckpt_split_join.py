@@ -32,6 +32,7 @@ CASES = {
                                         "hidden": 256, "moe_intermediate": 128, "intermediate": 256}),
     "fused": ("fused", {"layers": 3, "dense_layers": 1}),
     "gpt_oss": ("gpt_oss", {}),
+    "gpt_oss_mxfp4": ("gpt_oss", {"mxfp4": True, "moe_intermediate": 32}),  # experts as released: U8 blocks + scales
     "llama4": ("llama4", {"layers": 3, "dense_layers": 1}),
     "mixtral_single_file_f32": ("mixtral", {"dtype": "f32", "shard_size_mb": 5000.0}),
 }

@@ -243,6 +243,28 @@ def test_fp8_matches_deepseek_v3_release_layout(tmp_path):
                                           "weight_block_size": [128, 128]}
 
 
+def test_mxfp4_matches_gpt_oss_release_layout(tmp_path):
+    """U8 blocks [E, out, in/32, 16] and scales [E, out, in/32] for the experts only; they decode (low nibble
+    first, times 2^(scale - 127)) to weights of the size the BF16 variant has."""
+    from shardtool.runtime._model._dtypes import mxfp4_to_float32
+
+    ckpt = mtm.make_checkpoint(tmp_path / "mx", "gpt_oss", layers=2, moe_intermediate=32, mxfp4=True)
+    tensors = _tensors(ckpt)
+    u8 = {n for n, t in tensors.items() if t["dtype"] == "U8"}
+    assert u8 == {f"model.layers.{i}.mlp.experts.{p}_{part}" for i in range(2) for p in ("gate_up_proj", "down_proj")
+                  for part in ("blocks", "scales")}
+    assert tensors["model.layers.1.mlp.experts.gate_up_proj_blocks"]["shape"] == (E, 64, H // 32, 16)
+    assert tensors["model.layers.1.mlp.experts.down_proj_scales"]["shape"] == (E, H, 1)
+    assert set(tensors) - u8 == {n for n, t in tensors.items() if t["dtype"] == "BF16"}
+    with safe_open(ckpt / "model.safetensors", "np") as f:
+        for p in ("gate_up_proj", "down_proj"):
+            blocks = f.get_tensor(f"model.layers.0.mlp.experts.{p}_blocks")
+            scales = f.get_tensor(f"model.layers.0.mlp.experts.{p}_scales")
+            w = mxfp4_to_float32(blocks[0], scales[0])
+            assert np.isfinite(w).all() and 0.02 < w.std() < 0.5 and abs(w.mean()) < 0.05, p
+    assert json.loads((ckpt / "config.json").read_text())["quantization_config"] == mtm.MXFP4_QUANTIZATION
+
+
 def test_sharding_and_index_as_hf_writes_them(tmp_path):
     ckpt = mtm.make_checkpoint(tmp_path / "sharded", "qwen3_moe", shard_size_mb=0.1, layers=3, dense_layers=1)
     shards = sorted(ckpt.glob("*.safetensors"))
@@ -325,6 +347,8 @@ BAD_KNOBS = [
     ("top_k_above_experts", "qwen3_moe", {"experts": 2, "experts_per_tok": 3}),
     ("vocab_below_byte_alphabet", "mixtral", {"vocab": 200}),
     ("fp8_outside_deepseek", "mixtral", {"fp8": True}),
+    ("mxfp4_outside_gpt_oss", "mixtral", {"mxfp4": True}),
+    ("mxfp4_width_not_multiple_of_32", "gpt_oss", {"mxfp4": True, "moe_intermediate": 40}),
     ("dense_layers_on_mixtral", "mixtral", {"dense_layers": 1}),
     ("mtp_outside_deepseek", "qwen3_moe", {"mtp_layers": 1}),
     ("dense_layers_above_layers", "deepseek_v3", {"layers": 2, "dense_layers": 3}),
@@ -440,6 +464,18 @@ def test_from_pretrained_has_no_missing_or_unexpected_keys(family, checkpoints, 
     assert torch.isfinite(logits).all()
     assert logits.std() > 0.3
     assert len(set(logits.argmax(-1).tolist())) > ids.shape[1] // 3  # predictions depend on the input
+
+
+@pytest.mark.oracle
+def test_from_pretrained_reads_mxfp4_experts(tmp_path, hf):
+    torch, transformers = hf
+    ckpt = mtm.make_checkpoint(tmp_path / "mx", "gpt_oss", layers=2, moe_intermediate=32, mxfp4=True)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        ckpt, output_loading_info=True, quantization_config=transformers.Mxfp4Config(dequantize=True))
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    with torch.no_grad():
+        logits = model(torch.tensor([[3, 17, 200, 45, 9]])).logits[0].float()
+    assert torch.isfinite(logits).all() and logits.std() > 0.3
 
 
 @pytest.mark.oracle

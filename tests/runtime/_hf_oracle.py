@@ -10,7 +10,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from shardtool.families import BY_NAME
 from shardtool.runtime._model import dequantize, quantize_fp8
+from shardtool.runtime._model._dtypes import quantize_mxfp4
 
 _SMALL = dict(vocab_size=256, hidden_size=64, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
               pad_token_id=None, initializer_range=0.05)
@@ -70,11 +72,16 @@ def _configs() -> dict[str, Callable[[], Any]]:
             no_rope_layers=[1, 0, 1], attention_chunk_size=None, attn_temperature_tuning=False, use_qk_norm=False,
             rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+        # Sinks, router and expert biases, a SwiGLU limit small enough to clamp, sliding_window=5 < prompt length on
+        # the sliding layers (0, 2) only, YaRN (the config-class default, truncate off), head_dim != hidden/heads.
+        "gpt_oss": lambda: tf.GptOssConfig(
+            **_SMALL, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=24, num_local_experts=8, num_experts_per_tok=2, sliding_window=5, swiglu_limit=0.6),
     }
 
 
 FAMILY_CASES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v3_yarn", "llama4",
-                "llama4_llama3")
+                "llama4_llama3", "gpt_oss")
 
 
 def build(case: str, seed: int = 0):
@@ -90,8 +97,10 @@ def build(case: str, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn(p.shape))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):
                 p.copy_(0.1 * torch.randn(p.shape))
+            elif name.endswith(".sinks"):  # gpt-oss: as large as the attention logits, so they take real weight
+                p.copy_(torch.randn(p.shape))
         for layer in model.model.layers:
             gate = getattr(getattr(layer, "mlp", None), "gate", None)
             if gate is not None and hasattr(gate, "e_score_correction_bias"):
@@ -175,3 +184,53 @@ def load_weights(model, directory: Path, weights: Mapping[str, np.ndarray]):
     loaded.generation_config.eos_token_id = None
     loaded.generation_config.pad_token_id = 0
     return loaded
+
+
+def fused_layout(config: Mapping[str, Any]) -> str:
+    """How the family of a config.json dict fuses its expert tensors (the family table's row)."""
+    return next(f.fused_layout for f in BY_NAME.values() if config["model_type"] in f.model_types)
+
+
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def to_mxfp4(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """gpt-oss's fused expert weights ([E, in, out], as save_pretrained writes them) as the released checkpoints
+    store them: U8 `*_blocks` [E, out, in/32, 16] and `*_scales` [E, out, in/32]; everything else unchanged."""
+    out: dict[str, np.ndarray] = {}
+    for name, a in state.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            pairs = [quantize_mxfp4(np.ascontiguousarray(a[e].T)) for e in range(a.shape[0])]
+            out[name + "_blocks"] = np.stack([b for b, _ in pairs])
+            out[name + "_scales"] = np.stack([s for _, s in pairs])
+        else:
+            out[name] = a
+    return out
+
+
+def load_mxfp4(directory: Path):
+    """transformers' own reading of an MXFP4 checkpoint (its dequantization to float32 on a CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    loaded = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", dtype=torch.float32,
+                                                  quantization_config=Mxfp4Config(dequantize=True)).eval()
+    loaded.generation_config.eos_token_id = None
+    loaded.generation_config.pad_token_id = 0
+    return loaded
+
+
+def write_mxfp4(model, directory: Path) -> dict[str, np.ndarray]:
+    """`model` saved as an MXFP4 checkpoint in `directory` (config with quantization_config); the stored tensors."""
+    from safetensors.numpy import save_file
+
+    stored = to_mxfp4(saved_state(model, directory))
+    for f in directory.glob("*.safetensors*"):
+        f.unlink()
+    save_file({k: np.ascontiguousarray(v) for k, v in stored.items()}, directory / "model.safetensors",
+              metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = MXFP4_CONFIG
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return stored

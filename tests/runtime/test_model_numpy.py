@@ -38,6 +38,9 @@ CONFIGS = {
     "llama4": {**_BASE, "model_type": "llama4_text", "num_local_experts": 4, "num_experts_per_tok": 1,
                "intermediate_size": 16, "intermediate_size_mlp": 40, "head_dim": 8, "interleave_moe_layer_step": 2,
                "no_rope_layers": [1, 0, 1], "attention_chunk_size": 4, "floor_scale": 2, "attn_scale": 0.5},
+    # Sinks, biases, a SwiGLU limit that clamps, the default layer_types (sliding, full, sliding) and YaRN.
+    "gpt_oss": {**_BASE, "model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 12,
+                "sliding_window": 3, "swiglu_limit": 0.5},
 }
 PROMPT = [5, 1, 90, 33, 7, 12]
 
@@ -64,6 +67,9 @@ def random_state(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
                 p = f"model.layers.{layer}.mlp.experts.{e}."
                 state.update({p + "gate_proj.weight": rand("g", (i, h)), p + "up_proj.weight": rand("u", (i, h)),
                               p + "down_proj.weight": rand("d", (h, i))})
+                if cfg.expert_bias:
+                    state.update({p + "gate_proj.bias": rand("gb", (i,)), p + "up_proj.bias": rand("ub", (i,)),
+                                  p + "down_proj.bias": rand("db", (h,))})
     return state
 
 

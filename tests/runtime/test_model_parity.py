@@ -13,7 +13,6 @@ pytest.importorskip("transformers", reason="parity oracle needs transformers (pi
 
 import _hf_oracle as oracle  # noqa: E402  (tests/runtime is on sys.path: pytest's prepend import mode)
 
-from shardtool.families import BY_NAME  # noqa: E402
 from shardtool.runtime._model import DictWeightProvider, Model, ModelConfig  # noqa: E402
 
 from _decode import generate  # noqa: E402
@@ -36,14 +35,14 @@ def reference(case: str):
     return hf, oracle.config_dict(hf), oracle.logits(hf, PROMPT)
 
 
-def provider(cfg: ModelConfig, state) -> DictWeightProvider:
-    return DictWeightProvider(state, fused_layout=BY_NAME[cfg.family].fused_layout)
+def provider(config, state) -> DictWeightProvider:
+    return DictWeightProvider(state, fused_layout=oracle.fused_layout(config))
 
 
 def numpy_model(case: str, **config_changes) -> Model:
     hf, config, _ = reference(case)
     cfg = dataclasses.replace(ModelConfig.from_hf_config(config), **config_changes)
-    return Model(cfg, provider(cfg, oracle.state_dict(hf)))
+    return Model(cfg, provider(config, oracle.state_dict(hf)))
 
 
 @pytest.mark.parametrize("case", oracle.FAMILY_CASES)
@@ -106,6 +105,15 @@ FEATURES = {  # name: (case, config changes (or a function of the config giving 
     "llama4 top-2 NoPE layer": ("llama4_llama3", {"rope_layers": ()}, None),
     "llama4 llama3 rope frequencies": ("llama4_llama3", lambda c: {"rope": dataclasses.replace(c.rope, kind="default")},
                                        None),
+    "gpt-oss attention sinks": ("gpt_oss", {}, lambda s: {k: (v * 0 - 1e9 if k.endswith(".sinks") else v)
+                                                          for k, v in s.items()}),
+    "gpt-oss sliding window": ("gpt_oss", {"sliding_windows": (None, None, None)}, None),
+    "gpt-oss router bias": ("gpt_oss", {}, _zero("router.bias")),
+    "gpt-oss expert biases": ("gpt_oss", {}, _zero("gate_up_proj_bias")),
+    "gpt-oss swiglu limit": ("gpt_oss", {"swiglu_limit": 1e9}, None),
+    "gpt-oss swiglu alpha": ("gpt_oss", {"swiglu_alpha": 1.0}, None),
+    "gpt-oss top-k then softmax": ("gpt_oss", {"router": "softmax", "norm_topk_prob": False}, None),
+    "gpt-oss yarn": ("gpt_oss", lambda c: {"rope": dataclasses.replace(c.rope, kind="default")}, None),
 }
 
 
@@ -116,7 +124,7 @@ def test_each_case_exercises_its_feature(feature):
     cfg = ModelConfig.from_hf_config(config)
     cfg = dataclasses.replace(cfg, **(changes(cfg) if callable(changes) else changes))
     state = oracle.state_dict(hf)
-    model = Model(cfg, provider(cfg, reweigh(state) if reweigh else state))
+    model = Model(cfg, provider(config, reweigh(state) if reweigh else state))
     assert rel_err(model.prefill(PROMPT), ref) > 1e-3
 
 
@@ -150,7 +158,7 @@ def test_stored_dtypes_match_transformers_on_dequantized_weights(name, tmp_path)
     if kind == "float8":
         config = {**config, "quantization_config": {"quant_method": "fp8", "weight_block_size": list(block)}}
     cfg = ModelConfig.from_hf_config(config)
-    model = Model(cfg, provider(cfg, stored))
+    model = Model(cfg, provider(config, stored))
     assert rel_err(model.prefill(PROMPT), oracle.logits(torch_model, PROMPT)) <= REL_TOL
     assert generate(model, PROMPT, 16) == oracle.greedy(torch_model, PROMPT, 16)
 
@@ -173,3 +181,18 @@ def test_llama3_rope_frequencies_match_transformers(low, high):
     assert got_scaling == scaling == 1.0
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
     assert (got != inv_freq(dataclasses.replace(cfg.rope, kind="default"))[0]).sum() > 10  # the scaling acts
+
+
+def test_mxfp4_experts_match_transformers_reading_the_same_checkpoint(tmp_path):
+    """gpt-oss as released: MXFP4 expert blocks + scales. transformers dequantizes them itself (the oracle for the
+    decoding too); the numpy model reads the packed arrays."""
+    hf, config, _ = reference("gpt_oss")
+    stored = oracle.write_mxfp4(hf, tmp_path)
+    assert stored["model.layers.0.mlp.experts.down_proj_blocks"].dtype == np.uint8
+    ref = oracle.load_mxfp4(tmp_path)
+    model = Model(ModelConfig.from_hf_config({**config, "quantization_config": oracle.MXFP4_CONFIG}),
+                  provider(config, stored))
+    want = oracle.logits(ref, PROMPT)
+    assert rel_err(model.prefill(PROMPT), want) <= REL_TOL
+    assert rel_err(model.prefill(PROMPT), oracle.logits(hf, PROMPT)) > 1e-3  # the 4-bit weights really differ
+    assert generate(model, PROMPT, 16) == oracle.greedy(ref, PROMPT, 16)

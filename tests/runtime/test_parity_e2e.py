@@ -30,7 +30,8 @@ REL_TOL = 1e-4  # max |verify-and-run - torch| <= REL_TOL * max |torch|
 @dataclass(frozen=True)
 class Case:
     family: str  # an oracle.FAMILY_CASES name
-    stored: str = "float32"  # float32 | bfloat16 (save_pretrained in bf16) | float8 (DeepSeek-style block FP8)
+    # float32 | bfloat16 (save_pretrained in bf16) | float8 (DeepSeek-style block FP8) | mxfp4 (gpt-oss's experts)
+    stored: str = "float32"
     block: tuple[int, int] = (128, 128)
 
 
@@ -49,6 +50,9 @@ CASES = {
     "llama4": Case("llama4"),
     "llama4_llama3": Case("llama4_llama3"),
     "llama4-bf16": Case("llama4", "bfloat16"),
+    "gpt_oss": Case("gpt_oss"),
+    "gpt_oss-bf16": Case("gpt_oss", "bfloat16"),
+    "gpt_oss-mxfp4": Case("gpt_oss", "mxfp4"),
 }
 
 
@@ -77,6 +81,9 @@ def write_checkpoint(case: Case, ck: Path, ref_dir: Path):
     if case.stored == "float32":
         hf.save_pretrained(ck)
         return hf
+    if case.stored == "mxfp4":  # as gpt-oss ships: U8 expert blocks + scales; transformers reads them itself
+        oracle.write_mxfp4(hf, ck)
+        return oracle.load_mxfp4(ck)
     if case.stored == "bfloat16":
         hf.to(torch.bfloat16).save_pretrained(ck)
         ref = AutoModelForCausalLM.from_pretrained(ck, attn_implementation="eager", dtype=torch.float32).eval()
@@ -118,7 +125,7 @@ def test_verify_and_run_matches_transformers(name, keys, tmp_path):
     cli("shardtool", "split", "-q", tmp_path / "ck", tmp_path / "model", cwd=tmp_path)
     cli("shardtool", "sign", tmp_path / "model", "--key", keys / "k.key", cwd=tmp_path)
     dtypes = stored_dtypes(tmp_path / "model")
-    want = {"float32": "F32", "bfloat16": "BF16", "float8": "F8_E4M3"}[case.stored]
+    want = {"float32": "F32", "bfloat16": "BF16", "float8": "F8_E4M3", "mxfp4": "U8"}[case.stored]
     assert want in dtypes, f"split output holds {dtypes}, expected {want} shards"
 
     report = tmp_path / "report.json"
@@ -224,7 +231,7 @@ def test_text_prompt_through_the_verified_tokenizer(keys, tmp_path):
 BATCH_PROMPTS = [PROMPT, [11, 4], [250, 31, 7, 90, 64, 12, 8, 3, 99, 101, 42, 17, 5], [60]]
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "llama4"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "llama4", "gpt_oss-mxfp4"])
 def test_requests_served_in_one_batch_each_match_transformers(name, keys, tmp_path):
     """Continuous batching (the engine `serve` runs): four prompts of different lengths prefilled and decoded
     in shared steps; each one's greedy tokens equal transformers' for that prompt alone."""
@@ -250,3 +257,28 @@ def test_requests_served_in_one_batch_each_match_transformers(name, keys, tmp_pa
         engine.close()
     for prompt, tokens in zip(BATCH_PROMPTS, got):
         assert tokens == oracle.greedy(ref, prompt, NEW), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
+def test_make_tiny_moe_gpt_oss_runs_like_transformers(mxfp4, keys, tmp_path):
+    """examples/make_tiny_moe.py's gpt-oss (BF16, and with MXFP4 experts as released) as transformers loads it:
+    split, signed and run by verify-and-run, its greedy tokens are transformers' (up to the config's EOS)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from examples import make_tiny_moe as mtm
+
+    ck = mtm.make_checkpoint(tmp_path / "ck", "gpt_oss", layers=2, moe_intermediate=32, mxfp4=mxfp4)
+    if mxfp4:
+        ref = oracle.load_mxfp4(ck)
+    else:
+        ref = AutoModelForCausalLM.from_pretrained(ck, attn_implementation="eager", dtype=torch.float32).eval()
+    cli("shardtool", "split", "-q", ck, tmp_path / "model", cwd=tmp_path)
+    cli("shardtool", "sign", tmp_path / "model", "--key", keys / "k.key", cwd=tmp_path)
+    assert ("U8" in stored_dtypes(tmp_path / "model")) == mxfp4
+    r = cli("verify-and-run", tmp_path / "model", "--trust", keys / "k.pub", "--prompt-ids", ",".join(map(str, PROMPT)),
+            "--print-ids", "--max-new-tokens", NEW, "--state-dir", tmp_path / "state", "-q", cwd=tmp_path)
+    want = oracle.greedy(ref, PROMPT, NEW)
+    if mtm.EOS_ID in want:  # verify-and-run stops after the config's eos_token_id
+        want = want[:want.index(mtm.EOS_ID) + 1]
+    assert [int(x) for x in r.stdout.split()] == want

@@ -1,0 +1,125 @@
+"""gpt-oss numerics (transformers v5 `modeling_gpt_oss.py`): attention sinks, top-k-then-softmax routing, the
+clamped SwiGLU of its experts, and reading one expert's tensors (float or MXFP4 blocks + scales, with biases).
+
+Pure functions on float32 arrays; `_layers.py` and `_forward.py` call them where the config says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardtool.errors import CheckpointFormatError
+
+from ._config import ModelConfig
+from ._dtypes import MXFP4_GROUP, mxfp4_to_float32, weight_f32
+
+
+def sink_softmax(scores: np.ndarray, sinks: np.ndarray) -> np.ndarray:
+    """# [kvh, g, T, S] (masked keys -inf), [kvh, g] -> [kvh, g, T, S]  (GptOssAttention's eager softmax)
+
+    Each head's learned sink logit joins its softmax as one more key with no value, then is dropped: the
+    probabilities of the real keys sum to less than one. Shifted by the row maximum over keys and sink, as
+    transformers does, so the exponentials never overflow.
+    """
+    sink = sinks.astype(np.float32)[:, :, None, None]  # [kvh, g, 1, 1]
+    top = np.maximum(np.max(scores, axis=-1, keepdims=True), sink)
+    e = np.exp(scores - top)
+    return e / (np.sum(e, axis=-1, keepdims=True) + np.exp(sink - top))
+
+
+def route_topk_softmax(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """# [T, E] (biased) logits -> weights [T, k], expert ids [T, k], selection scores [T, E]  (GptOssTopKRouter)
+
+    The k largest logits are chosen first; their softmax (over those k only) weights the experts. The selection
+    scores are the logits themselves.
+    """
+    idx = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
+    top = np.take_along_axis(logits, idx, axis=-1)
+    e = np.exp(top - np.max(top, axis=-1, keepdims=True))
+    return e / np.sum(e, axis=-1, keepdims=True), idx, logits
+
+
+def clamped_swiglu(gate: np.ndarray, up: np.ndarray, alpha: float, limit: float) -> np.ndarray:
+    """# [m, I], [m, I] -> [m, I]  (GptOssExperts._apply_gate)
+
+    gate clamped above at `limit`, up clamped to [-limit, limit]; gate * sigmoid(alpha * gate) * (up + 1). The
+    sigmoid as 1 / (1 + exp(-z)), like torch.sigmoid keeping its relative accuracy for very negative gates (the
+    tanh form rounds them to 0); where exp overflows the result is 0, as it should be.
+    """
+    gate = np.minimum(gate, np.float32(limit))
+    up = np.clip(up, np.float32(-limit), np.float32(limit))
+    with np.errstate(over="ignore"):
+        sig = np.float32(1.0) / (np.float32(1.0) + np.exp(np.float32(-alpha) * gate))
+    return (up + np.float32(1.0)) * (gate * sig)
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One gpt-oss expert in float32, nn.Linear orientation: gate/up [I, H], down [H, I], biases [I], [I], [H]."""
+
+    gate: np.ndarray
+    up: np.ndarray
+    down: np.ndarray
+    gate_bias: np.ndarray
+    up_bias: np.ndarray
+    down_bias: np.ndarray
+
+
+def expert_weights(cfg: ModelConfig, layer: int, expert: int, t: Mapping[str, np.ndarray]) -> ExpertWeights:
+    """An expert shard's tensors as float32, each checked against the config before it is converted.
+
+    A projection is either `<proj>.weight` (F32/F16/BF16) or MXFP4 `<proj>.weight_blocks` [out, in/32, 16] +
+    `<proj>.weight_scales` [out, in/32] (U8), the latter only when config.json declares quant_method mxfp4.
+    """
+    i, h = cfg.moe_intermediate_size, cfg.hidden_size
+    where = f"layer {layer} expert {expert}"
+    known = {f"{p}.{s}" for p in ("gate_proj", "up_proj", "down_proj")
+             for s in ("weight", "weight_blocks", "weight_scales", "bias")}
+    unknown = sorted(set(t) - known)
+    if unknown:
+        raise CheckpointFormatError(f"{where}: unexpected tensors {unknown[:4]} for a {cfg.model_type} expert")
+    mats = [_matrix(cfg, where, t, name, shape)
+            for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i)))]
+    biases = []
+    for name, size in (("gate_proj.bias", i), ("up_proj.bias", i), ("down_proj.bias", h)):
+        if name not in t:
+            if cfg.expert_bias:
+                raise CheckpointFormatError(f"{where}: missing tensor {name}")
+            biases.append(np.zeros(size, np.float32))
+            continue
+        b = weight_f32(t, name)
+        if b.shape != (size,):
+            raise CheckpointFormatError(f"{where}: {name} has shape {b.shape}, expected {(size,)}")
+        biases.append(b)
+    return ExpertWeights(*mats, *biases)
+
+
+def _matrix(cfg: ModelConfig, where: str, t: Mapping[str, np.ndarray], proj: str,
+            shape: tuple[int, int]) -> np.ndarray:
+    out_f, in_f = shape
+    blocks, scales = t.get(f"{proj}.weight_blocks"), t.get(f"{proj}.weight_scales")
+    if f"{proj}.weight" in t:
+        if blocks is not None or scales is not None:
+            raise CheckpointFormatError(f"{where}: {proj} is stored both as a weight and as MXFP4 blocks")
+        a = weight_f32(t, f"{proj}.weight")
+        if a.shape != shape:
+            raise CheckpointFormatError(f"{where}: {proj}.weight has shape {a.shape}, expected {shape}")
+        return a
+    if blocks is None or scales is None:
+        raise CheckpointFormatError(f"{where}: missing tensor {proj}.weight (or MXFP4 {proj}.weight_blocks and "
+                                    f"{proj}.weight_scales)")
+    if not cfg.mxfp4:
+        raise CheckpointFormatError(f"{where}: {proj} is stored as MXFP4 blocks, but config.json declares no "
+                                    f"quantization_config with quant_method 'mxfp4'")
+    if in_f % MXFP4_GROUP:
+        raise CheckpointFormatError(f"{where}: {proj} has {in_f} inputs, not a multiple of the MXFP4 group of "
+                                    f"{MXFP4_GROUP}")
+    groups = in_f // MXFP4_GROUP
+    want_blocks, want_scales = (out_f, groups, MXFP4_GROUP // 2), (out_f, groups)
+    if blocks.shape != want_blocks or scales.shape != want_scales:
+        raise CheckpointFormatError(f"{where}: MXFP4 {proj}.weight_blocks {blocks.shape} / weight_scales "
+                                    f"{scales.shape}, expected {want_blocks} / {want_scales} for {shape}")
+    return mxfp4_to_float32(blocks, scales, f"{where} {proj}")
