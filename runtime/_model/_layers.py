@@ -222,6 +222,30 @@ def _route_deepseek(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, 
     return weights * np.float32(scaling), idx, choice
 
 
+# The router's tensors in a layer's trunk: what `route` reads, and all that `predict_experts` needs of a layer.
+ROUTER_TENSORS = ("post_attention_layernorm.weight", "mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+
+def route(x: np.ndarray, w: Weights, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """# normed MLP input [T, H], the layer's weights -> weights [T, k], expert ids [T, k], selection scores [T, E].
+
+    The one place a layer's router is applied: the MoE layer routes with it, and the lookahead predicts with it."""
+    logits = matmul_t(x, w["mlp.gate.weight"])  # [T, E]
+    if cfg.router == "sigmoid_group":
+        return _route_deepseek(logits, w["mlp.gate.e_score_correction_bias"], cfg.top_k, cfg.n_group, cfg.topk_group,
+                               cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    return _route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
+
+
+def predict_experts(hidden: np.ndarray, w: Weights, cfg: ModelConfig) -> np.ndarray:
+    """# a hidden state [T, H] that has not reached layer l yet, layer l's router tensors -> expert ids [T, k]
+
+    Lookahead (mixtral-offloading, Eliseev & Mazur 2023): the residual stream changes little from one layer to the
+    next, so layer l's router applied to the state entering layer l (before its attention) mostly picks the experts
+    it will pick after it. Only a guess for prefetching: the layer routes on its real input."""
+    return route(rms_norm(hidden, w["post_attention_layernorm.weight"], cfg.rms_norm_eps), w, cfg)[1]
+
+
 class ExpertUnavailable(Exception):
     """An expert some rows of a step chose could not be had (its shard failed verification or does not fit the
     config). Carries the rows, so a batch can fail only the sequences that need that expert."""
@@ -262,13 +286,7 @@ def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch,
     """# [T, H] -> [T, H]: router -> top-k -> selected experts (+ the family's shared expert).
 
     `observe(idx, scores)`, when given, sees the routing (run receipts record it, their replay checks it)."""
-    logits = matmul_t(x, w["mlp.gate.weight"])  # [T, E]
-    if cfg.router == "sigmoid_group":
-        weights, idx, scores = _route_deepseek(logits, w["mlp.gate.e_score_correction_bias"], cfg.top_k,
-                                               cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
-                                               cfg.routed_scaling_factor)
-    else:
-        weights, idx, scores = _route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
+    weights, idx, scores = route(x, w, cfg)
     if observe is not None:
         observe(idx, scores)
     # Ask for the routed experts first: a streaming provider loads them (cluster nodes compute them) while the
