@@ -240,9 +240,10 @@ def route(x: np.ndarray, w: Weights, cfg: ModelConfig) -> tuple[np.ndarray, np.n
 def predict_experts(hidden: np.ndarray, w: Weights, cfg: ModelConfig) -> np.ndarray:
     """# a hidden state [T, H] that has not reached layer l yet, layer l's router tensors -> expert ids [T, k]
 
-    Lookahead (mixtral-offloading, Eliseev & Mazur 2023): the residual stream changes little from one layer to the
-    next, so layer l's router applied to the state entering layer l (before its attention) mostly picks the experts
-    it will pick after it. Only a guess for prefetching: the layer routes on its real input."""
+    Lookahead (Eliseev & Mazur 2023, "Fast inference of Mixture-of-Experts language models with offloading"): the
+    residual stream changes little from one layer to the next, so layer l's router applied to the state entering
+    layer l (before its attention) mostly picks the experts it will pick after it. Only a guess for prefetching: the
+    layer routes on its real input."""
     return route(rms_norm(hidden, w["post_attention_layernorm.weight"], cfg.rms_norm_eps), w, cfg)[1]
 
 
