@@ -108,7 +108,8 @@ def check_cluster_options(cluster: Optional[str], plan_file: Optional[Path], rem
 
 
 LOOKAHEAD_HELP = ("Predict each next layer's experts with its router and start reading and verifying them while "
-                  "the current layer computes (not with --cluster).")
+                  "the current layer computes (not with --cluster). Off by default: on 2 busy cores it did not "
+                  "halve the time waiting for shards (benchmarks/bench_runtime.py part e).")
 
 
 def load_operator_key(key: Path, passphrase_file: Optional[Path]):
@@ -202,9 +203,10 @@ READER_SWITCH_INTERVAL = 0.0005
 
 def share_gil_with_readers() -> None:
     """Reader threads give the GIL up around every 1 MiB read and hash and need it back to go on; while the forward
-    pass holds it, each return waits up to the switch interval. At Python's 5 ms a prefetched expert took several
-    such waits and was seldom ready when its layer came (verify-and-run, 786 KB experts, 2 cores: waiting for shards
-    about halved with lookahead at 0.5 ms, unchanged at 5 ms; benchmarks/bench_runtime.py part (e))."""
+    pass holds it, each return waits up to the switch interval, so at Python's 5 ms a prefetched expert was seldom
+    ready when its layer came. Set with --lookahead (a 6-layer bf16 model with 786 KB experts, shard cache of a
+    quarter of them, 3 runs each on 2 busy cores: time waiting for experts with lookahead 0.21-0.32 s at 0.5 ms
+    against 0.35-0.60 s at 5 ms; without lookahead 0.33-0.75 s at 5 ms and 0.52-0.70 s at 0.5 ms, no clear change)."""
     sys.setswitchinterval(READER_SWITCH_INTERVAL)
 
 

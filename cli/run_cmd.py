@@ -110,7 +110,7 @@ def verify_and_run(
     remote_store: List[str] = typer.Option([], "--remote", help=REMOTE_HELP),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=CACHE_HELP),
     fetch_timeout: float = typer.Option(60.0, "--fetch-timeout", help=FETCH_TIMEOUT_HELP),
-    lookahead: bool = typer.Option(True, "--lookahead/--no-lookahead", help=LOOKAHEAD_HELP),
+    lookahead: bool = typer.Option(False, "--lookahead/--no-lookahead", help=LOOKAHEAD_HELP),
 ) -> None:
     """Verify the signed manifest, then generate, checking every shard's BLAKE3 before its weights are used."""
     from shardtool.atomic import atomic_write_bytes
@@ -139,7 +139,8 @@ def verify_and_run(
         operator_key = load_operator_key(receipt_key, receipt_passphrase_file)
     set_blas_threads(threads, readers)
     keep_freed_memory()
-    share_gil_with_readers()
+    if lookahead:
+        share_gil_with_readers()
     from shardtool.runtime import Session, connect_cluster, encode_prompt, load_plan, load_tokenizer, make_receipt
 
     trusted = load_trusted(trust)

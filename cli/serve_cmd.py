@@ -65,7 +65,7 @@ def serve(
     remote_store: List[str] = typer.Option([], "--remote", help=REMOTE_HELP),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=CACHE_HELP),
     fetch_timeout: float = typer.Option(60.0, "--fetch-timeout", help=FETCH_TIMEOUT_HELP),
-    lookahead: bool = typer.Option(True, "--lookahead/--no-lookahead", help=LOOKAHEAD_HELP),
+    lookahead: bool = typer.Option(False, "--lookahead/--no-lookahead", help=LOOKAHEAD_HELP),
 ) -> None:
     """Serve a verified model: POST /v1/completions and /v1/chat/completions (OpenAI-style, streaming as
     server-sent events), GET /v1/models, /health, /metrics; with --receipt-key, a signed run receipt per
@@ -90,7 +90,8 @@ def serve(
         operator_key = load_operator_key(receipt_key, receipt_passphrase_file)
     set_blas_threads(threads, readers)
     keep_freed_memory()
-    share_gil_with_readers()
+    if lookahead:
+        share_gil_with_readers()
 
     from shardtool.runtime import Engine, connect_cluster, load_plan  # loads numpy
     from shardtool.serve import (ChatTemplate, Limits, ReceiptSigner, ServerSettings, Stopped, bind, create_app, run,

@@ -136,7 +136,7 @@ class Engine:
     def __init__(self, root: Path, manifest: VerifiedManifest, *, budget: int, max_batch: int = 16,
                  max_queue: int = 64, kv_cache: int | None = None, max_context: int | None = None,
                  readers: int = 2, tokenizer=None, remote: RemoteExperts | None = None,
-                 fetch_missing: Callable[[Entry], None] | None = None, lookahead: bool = True):
+                 fetch_missing: Callable[[Entry], None] | None = None, lookahead: bool = False):
         """`remote`: a cluster's nodes compute the routed experts (`shardtool node`); `root` then needs to hold
         only the trunk and the model's small files (the plan's coordinator_files). `fetch_missing`: the shard
         store's hook for a shard `root` does not hold (`--remote URL --cache-dir D`). `lookahead`: predict each

@@ -50,7 +50,7 @@ class Session:
     first: pass the tokenizer they loaded with `load_tokenizer` to avoid reading and verifying it twice."""
 
     def __init__(self, root: Path, manifest: VerifiedManifest, *, budget: int, max_tokens: int, readers: int = 2,
-                 tokenizer=None, remote: RemoteExperts | None = None, fetch_missing=None, lookahead: bool = True):
+                 tokenizer=None, remote: RemoteExperts | None = None, fetch_missing=None, lookahead: bool = False):
         """`remote`: the routed experts come from a cluster's nodes (the engine's `remote`); `fetch_missing`: the
         shard store's hook for shards the directory does not hold yet (the engine's); `lookahead`: the engine's."""
         self.root = Path(root)
