@@ -5,8 +5,11 @@
       the same expert files, and the share of token time verification costs
   (d) budgets under attack: a signed DeepSeek FP8 config claiming 8192x8192 scale blocks under 64 MiB, and a
       3,000-token prompt under 40 MiB; peak RSS must stay <= budget + 150 MiB
-Usage: python benchmarks/bench_runtime.py [--parts abcd] [--repeats 3] [--tokens 32] [--speed-tokens 128]
-       [--budget-mib 256] [--workdir DIR] [--json FILE]
+  (e) lookahead prefetch, every family: a shard cache of the trunk + a quarter of the experts, verify-and-run with
+      --lookahead against --no-lookahead (interleaved): time waiting for shards per new token (target: at least
+      halved), prediction recall, expert cache hit rate
+Usage: python benchmarks/bench_runtime.py [--parts abcde] [--repeats 3] [--tokens 32] [--speed-tokens 128]
+       [--budget-mib 256] [--workdir DIR] [--json FILE]   (part e: --parts e --repeats 5)
 """
 
 from __future__ import annotations
@@ -361,13 +364,118 @@ def run_decode(out: Path, model: str, pub: str, budget_mib: str, tokens: str, mo
     out.write_text(json.dumps({"decode_s": report.decode_seconds, "prefill_s": report.prefill_seconds}))
 
 
+# --- (e) lookahead prefetch --------------------------------------------------------------------------------
+
+LOOKAHEAD_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+# 6 layers x 16 experts of 0.79 MB (bf16): a quarter of the experts is 24 of 96.
+LOOKAHEAD_KNOBS = dict(layers=6, experts=16, hidden=256, moe_intermediate=512, intermediate=384, vocab=512,
+                       dtype="bf16")
+
+
+def build_family(work: Path, family: str) -> Path:
+    """A make_tiny_moe.py checkpoint of `family` with LOOKAHEAD_KNOBS and no EOS token (every run generates every
+    token asked for), split and signed once; returns the split directory."""
+    name = f"lookahead-{family}"
+    out, marker = work / name / "model", work / name / "signed.json"
+    if marker.exists() and json.loads(marker.read_text()) == LOOKAHEAD_KNOBS:
+        return out
+    shutil.rmtree(work / name, ignore_errors=True)
+    ck = work / name / "ck"
+    knobs = [x for k, v in LOOKAHEAD_KNOBS.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    # DeepSeek's multi-token-prediction layer (one trunk shard holding all its experts) is never run: left out, so
+    # the trunk is what the forward pass reads
+    mtp = ["--mtp-layers", "0"] if family == "deepseek_v3" else []
+    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(ck), "--family", family, *knobs,
+                    *mtp], check=True, capture_output=True)
+    config = json.loads((ck / "config.json").read_text())
+    config["eos_token_id"] = None
+    (ck / "config.json").write_text(json.dumps(config, indent=2))
+    (ck / "generation_config.json").unlink(missing_ok=True)
+    shardtool = str(VENV_BIN / "shardtool")
+    subprocess.run([shardtool, "split", "-q", str(ck), str(out), "--model-id", f"bench/{name}"], check=True,
+                   capture_output=True)
+    subprocess.run([shardtool, "sign", str(out), "--key", str(work / "bench.key")], check=True, capture_output=True)
+    shutil.rmtree(ck)
+    marker.write_text(json.dumps(LOOKAHEAD_KNOBS))
+    return out
+
+
+def quarter_budget(work: Path, model: Path, tokens: int) -> dict:
+    """The --memory-budget whose shard cache is every trunk shard + a quarter of the expert bytes (the plan's KV cache
+    and working buffers on top, as verify-and-run computes them)."""
+    from shardtool.keys import load_public_key
+    from shardtool.manifest import load_verified_manifest
+    from shardtool.runtime import verified_config
+    from shardtool.runtime._plan import plan_budget
+
+    manifest = load_verified_manifest(model / "manifest.msgpack", [load_public_key(work / "bench.pub")], 1)
+    config = verified_config(model, manifest)
+    plan = plan_budget(1 << 40, config, manifest, max_tokens=len(PROMPT) + tokens, readers=2)
+    experts = sum(e.size for e in manifest.entries if e.kind == "expert")
+    trunk = sum(e.size for e in manifest.entries if e.kind == "trunk")
+    return {"budget": plan.kv_cache + plan.working + trunk + experts // 4, "shard_cache": trunk + experts // 4,
+            "expert_bytes": experts, "trunk_bytes": trunk}
+
+
+def part_e(work: Path, repeats: int, tokens: int) -> dict:
+    models = {family: build_family(work, family) for family in LOOKAHEAD_FAMILIES}
+    budgets = {family: quarter_budget(work, model, tokens) for family, model in models.items()}
+    keys = ("wait", "expert_wait", "recall", "hit", "decode", "prefetched", "used")
+    m = {f: {arm: {k: [] for k in keys} for arm in ("on", "off")} for f in LOOKAHEAD_FAMILIES}
+    same = {f: True for f in LOOKAHEAD_FAMILIES}
+    for i in range(repeats):  # interleaved: every family and arm in each round, the arms' order alternating
+        for family, model in models.items():
+            ids = {}
+            for arm in (("on", "off") if i % 2 == 0 else ("off", "on")):
+                _, rep = verify_and_run(work, model, str(budgets[family]["budget"]), tokens,
+                                        extra=(f"--{'' if arm == 'on' else 'no-'}lookahead",))
+                r, la = m[family][arm], rep["lookahead"]
+                new = max(rep["new_tokens"], 1)
+                r["wait"].append(rep["per_token_seconds"]["waiting_for_shards"])
+                r["expert_wait"].append(rep["seconds"]["waiting_for_experts"] / new)
+                r["recall"].append(la["recall"])
+                r["hit"].append(rep["cache"]["expert_hit_rate"])
+                r["decode"].append(rep["decode_tokens_per_s"])
+                r["prefetched"].append(la["prefetched"] / new)
+                r["used"].append(la["prefetch_used"] / new)
+                ids[arm] = rep["generated_ids"]
+            same[family] &= ids["on"] == ids["off"]
+    print(f"\n## (e) lookahead prefetch: shard cache = trunk + 1/4 of the experts ({LOOKAHEAD_KNOBS}), "
+          f"{len(PROMPT)}-token prompt, {tokens} new tokens, medians of {repeats} interleaved runs")
+    print(f"{'family':<12} {'wait ms/tok on':>14} {'off':>7} {'ratio':>6} {'recall':>7} {'hit on':>7} {'hit off':>7} "
+          f"{'tok/s on':>8} {'off':>6}  same tokens   wait runs on | off")
+    out = {}
+    for family in LOOKAHEAD_FAMILIES:
+        on, off = m[family]["on"], m[family]["off"]
+        med = {arm: {k: median([x for x in v if x is not None]) for k, v in m[family][arm].items()}
+               for arm in ("on", "off")}
+        ratio = med["on"]["wait"] / med["off"]["wait"] if med["off"]["wait"] else float("nan")
+        print(f"{family:<12} {med['on']['wait'] * 1e3:14.2f} {med['off']['wait'] * 1e3:7.2f} {ratio:6.2f} "
+              f"{med['on']['recall']:7.2f} {med['on']['hit']:7.2f} {med['off']['hit']:7.2f} {med['on']['decode']:8.1f} "
+              f"{med['off']['decode']:6.1f}  {str(same[family]):<11}   {fmt([x * 1e3 for x in on['wait']], '.1f')} | "
+              f"{fmt([x * 1e3 for x in off['wait']], '.1f')}")
+        out[family] = {"budget": budgets[family], "wait_per_token_on": med["on"]["wait"],
+                       "wait_per_token_off": med["off"]["wait"], "wait_ratio": ratio, "target_met": ratio <= 0.5,
+                       "recall": med["on"]["recall"], "hit_rate_on": med["on"]["hit"], "hit_rate_off": med["off"]["hit"],
+                       "expert_wait_per_token_on": med["on"]["expert_wait"],
+                       "expert_wait_per_token_off": med["off"]["expert_wait"],
+                       "decode_tokens_per_s_on": med["on"]["decode"], "decode_tokens_per_s_off": med["off"]["decode"],
+                       "prefetched_per_token": med["on"]["prefetched"], "prefetch_used_per_token": med["on"]["used"],
+                       "same_tokens": same[family], "runs": m[family]}
+    ratios = [out[f]["wait_ratio"] for f in LOOKAHEAD_FAMILIES]
+    print(f"wait per token, lookahead / none: median over families {median(ratios):.2f} (target <= 0.5); "
+          f"prefetched per token {fmt([out[f]['prefetched_per_token'] for f in LOOKAHEAD_FAMILIES], '.1f')}, of which "
+          f"used {fmt([out[f]['prefetch_used_per_token'] for f in LOOKAHEAD_FAMILIES], '.1f')}")
+    return out
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--_run":
         mode, out, *rest = sys.argv[2:]
         {"hf": run_hf, "sweep": run_sweep, "decode": run_decode}[mode](Path(out), *rest)
         return
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="abcd")
+    ap.add_argument("--parts", default="abcde")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--budget-mib", type=int, default=256)
@@ -393,6 +501,8 @@ def main() -> None:
         results["streaming"] = part_c(work, args.repeats, args.tokens, args.budget_mib)
     if "d" in args.parts:
         results["attack_budgets"] = part_d(work, args.repeats)
+    if "e" in args.parts:
+        results["lookahead"] = part_e(work, args.repeats, args.tokens)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

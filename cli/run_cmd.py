@@ -10,8 +10,9 @@ from typing import List, Optional
 
 import typer
 
-from shardtool.cli._common import (CACHE_POLICY_HELP, check_cache_policy, check_cluster_options, keep_freed_memory,
-                                   parse_size, run_app, say, set_blas_threads)
+from shardtool.cli._common import (CACHE_POLICY_HELP, LOOKAHEAD_HELP, check_cache_policy, check_cluster_options,
+                                   keep_freed_memory, parse_size, run_app, say, set_blas_threads,
+                                   share_gil_with_readers)
 from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP, check_source, open_source
 from shardtool.errors import UsageError
 
@@ -111,6 +112,7 @@ def verify_and_run(
     remote_store: List[str] = typer.Option([], "--remote", help=REMOTE_HELP),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=CACHE_HELP),
     fetch_timeout: float = typer.Option(60.0, "--fetch-timeout", help=FETCH_TIMEOUT_HELP),
+    lookahead: bool = typer.Option(False, "--lookahead/--no-lookahead", help=LOOKAHEAD_HELP),
 ) -> None:
     """Verify the signed manifest, then generate, checking every shard's BLAKE3 before its weights are used."""
     from shardtool.atomic import atomic_write_bytes
@@ -139,6 +141,8 @@ def verify_and_run(
         operator_key = load_operator_key(receipt_key, receipt_passphrase_file)
     set_blas_threads(threads, readers)
     keep_freed_memory()
+    if lookahead:
+        share_gil_with_readers()
     from shardtool.runtime import (DEFAULT_CACHE_POLICY, Session, connect_cluster, encode_prompt, load_plan,
                                    load_tokenizer, make_receipt)
     policy = check_cache_policy(cache_policy) or DEFAULT_CACHE_POLICY
@@ -162,7 +166,7 @@ def verify_and_run(
         # cannot hold is refused here, before the first token.
         session = Session(directory, verified, budget=budget, max_tokens=len(ids) + max_new_tokens, readers=readers,
                           tokenizer=tokenizer, remote=remote, fetch_missing=source.fetch_missing,
-                          cache_policy=policy)
+                          cache_policy=policy, lookahead=lookahead)
     except BaseException:
         if remote is not None:
             remote.close()
@@ -229,9 +233,25 @@ def _print_report(s: dict) -> None:
     if cache["fetched_from_remote"]:
         say(f"  remote: {cache['fetched_from_remote']} shards fetched into the cache directory first "
             f"({cache['fetch_seconds']:.2f}s), each then read and verified like any other")
+    say("  " + lookahead_line(s))
     say(f"  cache ({cache['policy']}): {cache['hits']} hits, {cache['misses']} misses, {cache['evictions']} evictions; "
         f"shard cache {s['budget']['shard_cache'] / 2**20:.1f} MiB of budget {s['budget']['total'] / 2**20:.1f} MiB; "
         f"peak RSS {s['peak_rss_bytes'] / 2**20:.1f} MiB")
+
+
+def lookahead_line(summary: dict) -> str:
+    """verify-and-run's report line on the lookahead: its recall, what its prefetches read, the expert cache's hit rate
+    and the time the forward pass waited for shards per new token."""
+    la, cache = summary["lookahead"], summary["cache"]
+    waited = f"waited {summary['per_token_seconds']['waiting_for_shards'] * 1e3:.2f} ms per new token for shards"
+    hit = cache["expert_hit_rate"]
+    hits = f"expert cache hit rate {hit:.0%}" if hit is not None else "no experts asked for"
+    if not la["enabled"]:
+        why = " (the shard cache holds less than two layers' trunk + top-k experts)" if la["requested"] else ""
+        return f"lookahead: off{why}; {hits}; {waited}"
+    recall = f"recall {la['recall']:.0%} ({la['matched']} of {la['actual']})" if la["recall"] is not None else "no predictions"
+    return (f"lookahead: on, from {la['predicted_from']}: {recall}; {la['prefetched']} experts prefetched, "
+            f"{la['prefetch_used']} used; {hits}; {waited}")
 
 
 def main(args: list[str] | None = None) -> None:

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import typer
 
-from shardtool.cli._common import CACHE_POLICY_HELP
+from shardtool.cli._common import CACHE_POLICY_HELP, LOOKAHEAD_HELP
 from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP
 from shardtool.errors import UsageError
 
@@ -66,12 +66,14 @@ def serve(
     remote_store: List[str] = typer.Option([], "--remote", help=REMOTE_HELP),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=CACHE_HELP),
     fetch_timeout: float = typer.Option(60.0, "--fetch-timeout", help=FETCH_TIMEOUT_HELP),
+    lookahead: bool = typer.Option(False, "--lookahead/--no-lookahead", help=LOOKAHEAD_HELP),
 ) -> None:
     """Serve a verified model: POST /v1/completions and /v1/chat/completions (OpenAI-style, streaming as
     server-sent events), GET /v1/models, /health, /metrics; with --receipt-key, a signed run receipt per
     completion and GET /v1/receipts/{id}."""
-    from shardtool.cli._common import (check_cache_policy, check_cluster_options, keep_freed_memory, load_operator_key, load_trusted,
-                                       parse_size, say, set_blas_threads, unpinned_warning)
+    from shardtool.cli._common import (check_cache_policy, check_cluster_options, keep_freed_memory, load_operator_key,
+                                       load_trusted, parse_size, say, set_blas_threads, share_gil_with_readers,
+                                       unpinned_warning)
     from shardtool.cli._source import check_source, open_source
 
     # Every option is checked before anything is read: a bad value is one usage line, exit 2.
@@ -90,6 +92,8 @@ def serve(
         operator_key = load_operator_key(receipt_key, receipt_passphrase_file)
     set_blas_threads(threads, readers)
     keep_freed_memory()
+    if lookahead:
+        share_gil_with_readers()
 
     from shardtool.runtime import DEFAULT_CACHE_POLICY, Engine, connect_cluster, load_plan  # loads numpy
     policy = check_cache_policy(cache_policy) or DEFAULT_CACHE_POLICY
@@ -111,7 +115,7 @@ def serve(
                 remote = connect_cluster(cluster, load_plan(plan_file, verified), timeout=remote_timeout)
             engine = Engine(source.directory, verified, budget=budget, max_batch=max_batch, max_queue=max_queue,
                             kv_cache=kv_bytes, max_context=max_context, readers=readers, remote=remote,
-                            fetch_missing=source.fetch_missing, cache_policy=policy)
+                            fetch_missing=source.fetch_missing, cache_policy=policy, lookahead=lookahead)
         except BaseException as e:
             if remote is not None:
                 remote.close()

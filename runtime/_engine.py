@@ -137,11 +137,13 @@ class Engine:
     def __init__(self, root: Path, manifest: VerifiedManifest, *, budget: int, max_batch: int = 16,
                  max_queue: int = 64, kv_cache: int | None = None, max_context: int | None = None,
                  readers: int = 2, tokenizer=None, remote: RemoteExperts | None = None,
-                 fetch_missing: Callable[[Entry], None] | None = None, cache_policy: str = DEFAULT_POLICY):
+                 fetch_missing: Callable[[Entry], None] | None = None, cache_policy: str = DEFAULT_POLICY,
+                 lookahead: bool = False):
         """`remote`: a cluster's nodes compute the routed experts (`shardtool node`); `root` then needs to hold
         only the trunk and the model's small files (the plan's coordinator_files). `fetch_missing`: the shard
         store's hook for a shard `root` does not hold (`--remote URL --cache-dir D`). `cache_policy`: the
-        store's eviction policy (`_cache_policy.POLICIES`)."""
+        store's eviction policy (`_cache_policy.POLICIES`). `lookahead`: predict each next layer's experts and
+        start loading them early (`VerifiedWeights`; not with `remote`)."""
         if max_batch < 1:
             raise UsageError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue < 0:
@@ -164,7 +166,8 @@ class Engine:
                                             max_batch=max_batch, kv_cache=kv_cache)
         self.store = ShardStore(self.root, budget_bytes=self.plan.shard_cache, readers=readers,
                                 fetch_missing=fetch_missing, policy=cache_policy)
-        self.weights = VerifiedWeights(self.store, manifest, self.config.num_layers, window=self.config.top_k)
+        self.weights = VerifiedWeights(self.store, manifest, self.config.num_layers, window=self.config.top_k,
+                                       lookahead=lookahead and remote is None)
         self.remote = remote
         self._weights = Float32Weights(self.config, self.weights, remote.fetch if remote is not None else None)
         self._rope = inv_freq(self.config.rope)
@@ -520,6 +523,11 @@ class Engine:
                 "step_seconds_total": s.step_seconds,
                 **(self._cluster_metrics() if self.remote is not None else {}),
             }
+
+    @property
+    def lookahead_stats(self):
+        """How well the lookahead predicted each next layer's experts (a `LookaheadStats`)."""
+        return self._weights.lookahead_stats
 
     def _cluster_metrics(self) -> dict[str, int | float]:
         c = self.remote.stats

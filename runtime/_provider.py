@@ -1,5 +1,6 @@
 """Weights for the forward pass, fetched from the verifying shard store by split-layout path
-(docs/shard-layout.md). Prefetches the next layer's trunk while the current layer computes."""
+(docs/shard-layout.md). Prefetches the next layer's trunk while the current layer computes, and with lookahead
+the experts the forward pass predicts for the next layer (`prefetch_experts`)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,26 @@ class VerifiedWeights:
 
     cache_float32 = False  # float32 copies of the trunk would sit outside the store's budget
 
-    def __init__(self, store: ShardStore, manifest: VerifiedManifest, num_layers: int, *, window: int = 8):
-        """`window`: expert loads started ahead of the one being computed (the plan sizes it: top-k)."""
+    def __init__(self, store: ShardStore, manifest: VerifiedManifest, num_layers: int, *, window: int = 8,
+                 lookahead: bool = False):
+        """`window`: expert loads started ahead of the one being computed (the plan sizes it: top-k).
+
+        `lookahead`: accept the forward pass's predicted experts (`prefetch_experts`). The shard cache must then hold
+        two layers' working sets (trunk + `window` experts each): the layer computing and the one predicted. In a
+        smaller cache the guesses would push out what the computing layer uses (thrashing), so lookahead stays off
+        (`lookahead` is then False). The store evicts least recently used first and a prefetch touches what it
+        finds cached, so in a cache that size the guesses for layer l+1 push out older layers' experts, never
+        layer l's trunk or experts. Each layer's prefetch is capped at half the shard cache, so a batch that
+        predicts many experts cannot flush the cache with guesses."""
         self.store = store
         self.entries = manifest.by_path()
         self.num_layers = num_layers
         self.window = max(1, window)
+        largest_expert = max((e.size for e in self.entries.values() if e.kind == "expert"), default=0)
+        largest_trunk = max((e.size for e in self.entries.values() if e.kind == "trunk"), default=0)
+        working_set = largest_trunk + self.window * largest_expert
+        self.lookahead = bool(lookahead) and largest_expert > 0 and store.budget >= 2 * working_set
+        self._prefetch_cap = (store.budget // 2 - largest_trunk) // largest_expert if largest_expert else 0
 
     def _entry(self, path: str) -> Entry:
         entry = self.entries.get(path)
@@ -43,6 +58,15 @@ class VerifiedWeights:
         if following is not None:
             self.store.prefetch([following])
         return arrays
+
+    def prefetch_experts(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """Start reading and verifying experts predicted for `layer`, most wanted first, through the same verifying
+        store (their bytes are checked before any use, as every shard's). Not listed ones are skipped here: the
+        layer reports them if it really routes to them."""
+        if not self.lookahead:
+            return
+        listed = [self.entries.get(expert_path(layer, e)) for e in expert_ids[:self._prefetch_cap]]
+        self.store.prefetch([entry for entry in listed if entry is not None])
 
     def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Mapping[str, np.ndarray]]:
         """The selected experts as they are verified, `window` loads ahead of the one being computed.

@@ -52,17 +52,18 @@ class Session:
 
     def __init__(self, root: Path, manifest: VerifiedManifest, *, budget: int, max_tokens: int, readers: int = 2,
                  tokenizer=None, remote: RemoteExperts | None = None, fetch_missing=None,
-                 cache_policy: str = DEFAULT_POLICY):
+                 cache_policy: str = DEFAULT_POLICY, lookahead: bool = False):
         """`remote`: the routed experts come from a cluster's nodes (the engine's `remote`); `fetch_missing`: the
         shard store's hook for shards the directory does not hold yet (the engine's); `cache_policy`: the shard
-        store's eviction policy."""
+        store's eviction policy; `lookahead`: the engine's."""
         self.root = Path(root)
         self.manifest = manifest
         self.remote = remote
         self.fetch_missing = fetch_missing
+        self.lookahead_requested = lookahead and remote is None
         self.engine = Engine(self.root, manifest, budget=budget, max_batch=1, max_queue=0, max_context=max_tokens,
                              readers=readers, tokenizer=tokenizer, remote=remote, fetch_missing=fetch_missing,
-                             cache_policy=cache_policy)
+                             cache_policy=cache_policy, lookahead=lookahead)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.plan = self.engine.plan
@@ -123,6 +124,13 @@ class Session:
         self._kv_cache_bytes = ticket.kv_bytes
         return report
 
+    def lookahead_summary(self) -> dict:
+        """On or off, where the prediction is made, its recall, and what its prefetches read and how many were used."""
+        s, on = self.store.stats, self.weights.lookahead
+        return {"requested": self.lookahead_requested, "enabled": on, "predicted_from": "the hidden state leaving layer L, for layer L+1" if on else None,
+                **self.engine.lookahead_stats.as_dict(),
+                "prefetched": s.prefetched.get("expert", 0), "prefetch_used": s.prefetch_used.get("expert", 0)}
+
     def summary(self) -> dict:
         r, s = self.report, self.store.stats
         decode_steps = max(r.new_tokens - 1, 0)
@@ -140,10 +148,13 @@ class Session:
                         "read_thread": s.read_seconds, "verify_thread": s.verify_seconds,
                         "read_thread_cpu": s.read_cpu_seconds, "verify_thread_cpu": s.verify_cpu_seconds,
                         "parse_thread": s.parse_seconds, "waiting_for_shards": s.wait_seconds,
+                        "waiting_for_experts": s.wait_by_kind.get("expert", 0.0),
                         "compute": max(wall - s.wait_seconds, 0.0)},
             "per_token_seconds": {
                 "read": s.read_seconds / max(r.new_tokens, 1), "verify": s.verify_seconds / max(r.new_tokens, 1),
-                "compute": max(wall - s.wait_seconds, 0.0) / max(r.new_tokens, 1)},
+                "compute": max(wall - s.wait_seconds, 0.0) / max(r.new_tokens, 1),
+                "waiting_for_shards": s.wait_seconds / max(r.new_tokens, 1)},
+            "lookahead": self.lookahead_summary(),
             "verify_share_of_time": s.verify_seconds / wall if wall else None,
             "bytes_read": s.bytes_read,
             "bytes_read_per_token": s.bytes_read / max(r.prompt_tokens + r.new_tokens, 1),
@@ -151,7 +162,8 @@ class Session:
             "contract_expert_bytes_per_token_cold": contract.get("expert_bytes_per_token_cold"),
             "cache": {"policy": self.store.policy, "hits": s.hits, "misses": s.misses, "evictions": s.evictions,
                       "peak_cached_bytes": s.peak_cached_bytes, "fetched_from_remote": s.fetched,
-                      "fetch_seconds": s.fetch_seconds},
+                      "fetch_seconds": s.fetch_seconds, "expert_requests": s.requests.get("expert", 0),
+                      "expert_hits": s.request_hits.get("expert", 0), "expert_hit_rate": s.hit_rate("expert")},
             "budget": self.plan.as_dict(),
             "kv_cache_bytes": self._kv_cache_bytes,
             "peak_rss_bytes": peak_rss_bytes(),

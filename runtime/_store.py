@@ -38,13 +38,32 @@ class StoreStats:
     verify_cpu_seconds: float = 0.0
     parse_seconds: float = 0.0
     wait_seconds: float = 0.0  # time the forward pass actually waited for shards
+    wait_by_kind: dict[str, float] = field(default_factory=dict)  # the same, by kind of shard
     fetched: int = 0  # shards fetched from a remote store first (--remote), then read and verified as any other
     fetch_seconds: float = 0.0
     peak_cached_bytes: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
+    # By kind (expert, trunk, ...): shards the forward pass asked for (`request`, `get`), and of those the ones
+    # served without starting a read (cached, or already loading: a prefetch that was not done yet counts here and
+    # its rest shows in wait_seconds).
+    requests: dict[str, int] = field(default_factory=dict)
+    request_hits: dict[str, int] = field(default_factory=dict)
+    # By kind: loads a `prefetch` started, and of those the ones the forward pass then asked for before they were
+    # evicted (the others were guessed wrong, or evicted unused).
+    prefetched: dict[str, int] = field(default_factory=dict)
+    prefetch_used: dict[str, int] = field(default_factory=dict)
+
+    def hit_rate(self, kind: str) -> float | None:
+        asked = self.requests.get(kind, 0)
+        return self.request_hits.get(kind, 0) / asked if asked else None
 
     def as_dict(self) -> dict:
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+        return {k: (round(v, 6) if isinstance(v, float) else dict(v) if isinstance(v, dict) else v)
+                for k, v in self.__dict__.items()}
+
+
+def _count(counts: dict[str, int], kind: str) -> None:
+    counts[kind] = counts.get(kind, 0) + 1
 
 
 def parse_shard(entry: Entry, data: np.ndarray | bytes) -> Arrays:
@@ -164,21 +183,33 @@ class ShardStore:
         return fut
 
     def prefetch(self, entries: Iterable[Entry]) -> None:
-        """Start loading shards in the background; errors surface when they are `get`."""
+        """Start loading shards in the background; errors surface when they are `get`. A shard already cached is
+        touched (its recency refreshed, not counted as a use), so what is about to be used stays."""
         with self._lock:
             for entry in entries:
+                misses = self.stats.misses
                 self._lookup(entry, use=False)
+                if self.stats.misses != misses:
+                    _count(self.stats.prefetched, entry.kind)
 
     def request(self, entries: list[Entry]) -> list[Callable[[], Arrays]]:
         """Start loading every shard now (reader pool) and return one waiter per shard: calling it blocks
         only until that shard is verified and parsed, so compute on one can overlap hashing of the next."""
         with self._lock:
-            misses = self.stats.misses
-            found = [self._lookup(entry) for entry in entries]
-            self.stats.hits += len(found) - (self.stats.misses - misses)
-        return [self._waiter(got) for got in found]
+            s, found = self.stats, []
+            for entry in entries:
+                misses = s.misses
+                prefetched = entry.path in self._unused  # loaded (or loading) for a prefetch, not evicted since
+                found.append(self._lookup(entry))
+                _count(s.requests, entry.kind)
+                if s.misses == misses:
+                    s.hits += 1
+                    _count(s.request_hits, entry.kind)
+                    if prefetched:
+                        _count(s.prefetch_used, entry.kind)
+        return [self._waiter(got, entry.kind) for got, entry in zip(found, entries)]
 
-    def _waiter(self, got: Arrays | Future) -> Callable[[], Arrays]:
+    def _waiter(self, got: Arrays | Future, kind: str) -> Callable[[], Arrays]:
         if not isinstance(got, Future):
             return lambda: got
 
@@ -187,8 +218,10 @@ class ShardStore:
             try:
                 return got.result()  # raises the load's error (digest mismatch, format) here
             finally:
+                waited = time.perf_counter() - t0
                 with self._lock:
-                    self.stats.wait_seconds += time.perf_counter() - t0
+                    self.stats.wait_seconds += waited
+                    self.stats.wait_by_kind[kind] = self.stats.wait_by_kind.get(kind, 0.0) + waited
         return wait
 
     def get_many(self, entries: list[Entry]) -> list[Arrays]:

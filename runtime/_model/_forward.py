@@ -17,8 +17,10 @@ from ._config import ModelConfig
 from ._dtypes import to_float32, weight_f32
 from ._llama4 import chunked_mask
 from ._gpt_oss import clamped_swiglu, expert_weights
-from ._layers import (ExpertFetch, ExpertOutputs, ExpertUnavailable, causal_mask, decoder_layer, expert_mlp, gqa_attention,
-                      linear, matmul_t, mla_attention, rms_norm)
+from ._layers import (ROUTER_TENSORS, ExpertFetch, ExpertOutputs, ExpertUnavailable, ObserveRoute, causal_mask,
+                      decoder_layer, expert_mlp, gqa_attention, linear, matmul_t, mla_attention, predict_experts,
+                      rms_norm)
+from ._lookahead import LookaheadStats
 from ._rope import cos_sin, inv_freq
 from ._weights import WeightProvider
 
@@ -85,11 +87,16 @@ def _canonical_trunk_name(name: str) -> str:
     return name
 
 
-def prepare_layer(cfg: ModelConfig, layer: int, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Trunk tensors of one layer as float32 under canonical names, each checked against its expected shape."""
+def prepare_layer(cfg: ModelConfig, layer: int, tensors: Mapping[str, np.ndarray], *,
+                  only: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    """Trunk tensors of one layer as float32 under canonical names, each checked against its expected shape;
+    with `only`, just those of them (the lookahead converts only the router's)."""
     by_name = {_canonical_trunk_name(n): n for n in tensors}
     required, optional = trunk_shapes(cfg, layer)
-    unknown = [n for n in by_name if n not in required and n not in optional
+    if only is not None:
+        required = {n: shape for n, shape in required.items() if n in only}
+        optional = {n: shape for n, shape in optional.items() if n in only}
+    unknown = [n for n in by_name if only is None and n not in required and n not in optional
                and not n.endswith("_scale_inv") and not n.endswith("rotary_emb.inv_freq")]
     if unknown:
         raise CheckpointFormatError(f"layer {layer}: unexpected tensors {sorted(unknown)} for a {cfg.model_type} "
@@ -138,13 +145,20 @@ class Float32Weights:
     """The model's view of the provider: float32 conversion, and the optional float32 trunk cache.
 
     `remote(layer)`, when given, computes the routed experts instead of the provider (a cluster's nodes); the
-    provider then serves only the trunk."""
+    provider then serves only the trunk.
+
+    Lookahead: when the provider has `prefetch_experts(layer, ids)` and its `lookahead` is true, `lookahead(l, x)`
+    applies layer l's router to a hidden state that has not reached layer l and hands the predicted experts to the
+    provider, which starts reading and verifying them while the layers before l still compute. The layer itself
+    routes on its real input: a wrong guess costs a read, never a different result."""
 
     def __init__(self, cfg: ModelConfig, provider: WeightProvider,
                  remote: Callable[[int], ExpertFetch] | None = None):
         self.cfg = cfg
         self.provider = provider
         self.remote = remote
+        self.lookahead_stats = LookaheadStats()
+        self._predicted: dict[int, np.ndarray] = {}  # layer -> [T, k] ids predicted for this step's rows
         self.keep = bool(getattr(provider, "cache_float32", False))
         self._layers: dict[int, dict[str, np.ndarray]] = {}
         self._embed: np.ndarray | None = None
@@ -198,6 +212,36 @@ class Float32Weights:
         if self.keep:
             self._layers[layer] = prepared
         return prepared
+
+    @property
+    def lookahead_on(self) -> bool:
+        return (self.remote is None and bool(getattr(self.provider, "lookahead", False))
+                and hasattr(self.provider, "prefetch_experts"))
+
+    def lookahead(self, layer: int, hidden: np.ndarray) -> None:
+        """# layer l, a hidden state [T, H] on its way to layer l -> its experts predicted and their loads started.
+        Nothing for a dense layer, past the last layer, or without a provider that prefetches."""
+        self._predicted.pop(layer, None)
+        if layer >= self.cfg.num_layers or not self.cfg.moe_layers[layer] or not self.lookahead_on:
+            return
+        router = prepare_layer(self.cfg, layer, self.provider.layer(layer), only=ROUTER_TENSORS)
+        predicted = predict_experts(hidden, router, self.cfg)  # [T, k]
+        self._predicted[layer] = predicted
+        ids, rows = np.unique(predicted, return_counts=True)
+        self.provider.prefetch_experts(layer, [int(e) for e in ids[np.argsort(-rows, kind="stable")]])
+
+    def observer(self, layer: int, observe: ObserveRoute | None) -> ObserveRoute | None:
+        """`observe` for layer `layer`'s routing, first scoring it against what the lookahead predicted."""
+        predicted = self._predicted.pop(layer, None)
+        if predicted is None:
+            return observe
+
+        def scored(idx: np.ndarray, scores: np.ndarray) -> None:
+            if len(predicted) == len(idx):  # (always, unless a failed step left a guess for other rows)
+                self.lookahead_stats.add(predicted, idx)
+            if observe is not None:
+                observe(idx, scores)
+        return scored
 
     def expert_fetch(self, layer: int) -> ExpertFetch:
         if self.remote is not None:
@@ -329,7 +373,9 @@ def forward_batch(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndar
                                       masks[_span], append_kv))
             return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
-        x = decoder_layer(x, weights.layer(layer), cfg, layer, attend, weights.expert_fetch(layer), observe)
+        x = decoder_layer(x, weights.layer(layer), cfg, layer, attend, weights.expert_fetch(layer),
+                          weights.observer(layer, observe))
+        weights.lookahead(layer + 1, x)  # layer + 1's experts start loading while its attention computes
     if traced:
         norm, _ = weights.head()
         for trace, lo, hi in traced:

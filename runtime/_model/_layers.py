@@ -235,6 +235,20 @@ def _route_deepseek(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, 
     return weights * np.float32(scaling), idx, choice
 
 
+# The router's tensors in a layer's trunk: what `route` reads, and all that `predict_experts` needs of a layer.
+ROUTER_TENSORS = ("post_attention_layernorm.weight", "mlp.gate.weight", "mlp.gate.bias", "mlp.gate.e_score_correction_bias")
+
+
+def predict_experts(hidden: np.ndarray, w: Weights, cfg: ModelConfig) -> np.ndarray:
+    """# a hidden state [T, H] that has not reached layer l yet, layer l's router tensors -> expert ids [T, k]
+
+    Lookahead (Eliseev & Mazur 2023, "Fast inference of Mixture-of-Experts language models with offloading"): the
+    residual stream changes little from one layer to the next, so layer l's router applied to the state entering
+    layer l (before its attention) mostly picks the experts it will pick after it. Only a guess for prefetching: the
+    layer routes on its real input."""
+    return route(rms_norm(hidden, w["post_attention_layernorm.weight"], cfg.rms_norm_eps), w, cfg)[1]
+
+
 class ExpertUnavailable(Exception):
     """An expert some rows of a step chose could not be had (its shard failed verification or does not fit the
     config). Carries the rows, so a batch can fail only the sequences that need that expert."""
@@ -271,8 +285,10 @@ def moe_experts(x: np.ndarray, weights: np.ndarray, groups: Mapping[int, tuple[n
 
 
 def route(x: np.ndarray, w: Weights, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """# [T, H] -> weights [T, k], expert ids [T, k], selection scores [T, E]: the layer's router on x, as the
-    config's family routes (its router bias, if any, added to the logits)."""
+    """# normed MLP input [T, H], the layer's weights -> weights [T, k], expert ids [T, k], selection scores [T, E]:
+    the layer's router on x, as the config's family routes (its router bias, if any, added to the logits).
+
+    The one place a layer's router is applied: the MoE layer routes with it, and the lookahead predicts with it."""
     logits = linear(x, w["mlp.gate.weight"], w.get("mlp.gate.bias"))  # [T, E]
     if cfg.router == "topk_softmax":
         return route_topk_softmax(logits, cfg.top_k)

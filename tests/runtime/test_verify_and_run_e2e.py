@@ -172,13 +172,14 @@ def test_json_report_has_the_documented_fields(built, tmp_path):
     for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "bytes_read_per_token", "peak_rss_bytes",
                 "decode_expert_bytes_per_token", "contract_expert_bytes_per_token_cold", "verify_share_of_time"):
         assert isinstance(s[key], (int, float)) and s[key] > 0, key
-    assert set(s["per_token_seconds"]) == {"read", "verify", "compute"}
+    assert set(s["per_token_seconds"]) == {"read", "verify", "compute", "waiting_for_shards"}
     assert {"read_thread", "verify_thread", "read_thread_cpu", "verify_thread_cpu"} <= set(s["seconds"])
     assert all(v >= 0 for v in s["per_token_seconds"].values())
     assert {"hits", "misses", "evictions"} <= set(s["cache"])
     # Big budget: every file the run touched was read exactly once.
     model_bytes = {p.relative_to(built.model).as_posix(): p.stat().st_size for p in built.model.rglob("*.safetensors")}
     used = len({k for k in built.first_use}) + sum(1 for p in model_bytes if p.startswith("trunk/"))
+    assert s["lookahead"]["enabled"] is False and s["lookahead"]["prefetched"] == 0  # off unless --lookahead
     assert s["cache"]["misses"] == used and s["cache"]["evictions"] == 0
     assert s["bytes_read"] <= sum(model_bytes.values())
     assert s["peak_rss_bytes"] < 1 << 30
