@@ -118,7 +118,7 @@ def test_provider_turns_lookahead_off_when_two_layers_do_not_fit(tmp_path):
 
 # --- parity on every family: lookahead changes what is read when, never a result --------------------------------
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "llama4")
 
 
 @pytest.fixture(scope="module")
