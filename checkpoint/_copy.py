@@ -78,25 +78,38 @@ def preallocate(fd: int, size: int) -> None:
 
 class HashQueue:
     """Hash steps of every file being written, run in submission order on one worker thread (or at once,
-    without an executor), at most DEPTH steps behind the writer. A step's failure is reported by the file
-    it belongs to (`HashingFileWriter.finish`), not by whichever file happens to wait for the queue."""
+    without an executor), at most DEPTH steps behind the writer.
+
+    A failed step makes every digest after it moot (the split cannot finish), so the queue keeps the first
+    failure and raises it from the next `submit`: the writer stops within DEPTH steps, whichever file the
+    step belonged to. The owner's digest future (`HashingFileWriter.finish`) fails with the same error."""
 
     DEPTH = 16  # steps of at most WINDOW bytes, all of them just written and still in the page cache
 
     def __init__(self, executor: Executor | None):
         self._executor = executor
         self._pending: deque[Future] = deque()
+        self.failure: BaseException | None = None  # the first step that failed, if any
+
+    def _settle(self, future: Future) -> None:
+        error = future.exception()  # waits
+        if error is not None and self.failure is None:
+            self.failure = error
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue a step; raises the first earlier failure instead (no more work once a digest is lost)."""
+        while self._pending and (self._pending[0].done() or len(self._pending) >= self.DEPTH):
+            self._settle(self._pending.popleft())
+        if self.failure is not None:
+            raise self.failure
         if self._executor is None:
             done: Future = Future()
             try:
                 done.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the result
                 done.set_exception(e)
+            self._pending.append(done)
             return done
-        while self._pending and (self._pending[0].done() or len(self._pending) >= self.DEPTH):
-            self._pending.popleft().exception()  # waits; the error itself is raised by the step's owner
         future = self._executor.submit(fn, *args)
         self._pending.append(future)
         return future
@@ -168,8 +181,8 @@ class HashingFileWriter:
 
     def finish(self) -> Future:
         """The future digest of everything written; the writer takes no more bytes. Returns once no step
-        still reads a caller's buffer (the next file may reuse it)."""
-        self._finished = True
+        still reads a caller's buffer (the next file may reuse it). Raises the queue's first failure instead,
+        like every step (then call `abandon`)."""
 
         def final() -> bytes:
             os.close(self._hash_fd)
@@ -177,6 +190,7 @@ class HashingFileWriter:
                 raise self._error
             return self._hash.digest()
         future = self._queue.submit(final)
+        self._finished = True
         if self._memory is not None:
             self._memory.exception()
         return future

@@ -4,9 +4,10 @@ Each shard's `shardtool.source` record says where its tensors came from. Pass 1 
 through the entry check and keeps only its header, to lay out the rebuilt files; pass 2 streams each shard
 again through the entry check (`VerifyingStream`, bounded buffers: a 2 GiB trunk file is never held whole),
 checks its header is the one verified in pass 1, and writes the tensor bytes at their place with pwrite into
-the rebuilt files' temp files. Those are renamed into place only after every shard's size and BLAKE3 matched:
-a shard that fails its check leaves no rebuilt file. Memory: one CHUNK buffer, plus, for a fused tensor, one
-expert's slice (its pieces are pasted back together before they are written).
+the rebuilt files' temp files. Side files (config, tokenizer, ...) are streamed through the same check into
+temp files of their own. All of them are renamed into place only after every shard's and side file's size
+and BLAKE3 matched: a file that fails its check leaves no rebuilt file. Memory: one CHUNK buffer, plus, for
+a fused tensor, one expert's slice (its pieces are pasted back together before they are written).
 """
 
 from __future__ import annotations
@@ -194,12 +195,12 @@ def join_checkpoint(out: Path, rebuilt: Path, manifest: Any, *,
     buffer = memoryview(bytearray(chunk))
     written = 0
     with contextlib.ExitStack() as stack:
-        fds = {}
+        fds: dict[str, tuple[int, str]] = {}   # rebuilt file name -> (temp file descriptor, path for errors)
         for fname, f in files.items():
             fh = stack.enter_context(atomic_writer(rebuilt / fname))
             fh.write(f.header)
             fh.flush()
-            fds[fname] = fh.fileno()
+            fds[fname] = (fh.fileno(), str(rebuilt / fname))
             written += len(f.header)
         for entry in shards:
             with VerifyingStream(out, entry) as stream:
@@ -218,22 +219,28 @@ def join_checkpoint(out: Path, rebuilt: Path, manifest: Any, *,
             _check_complete(files)
         except CheckpointFormatError as e:
             raise ShardFormatError(e.message, path=e.path or str(out)) from None
-    for entry in side:
-        target = rebuilt / entry.path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with VerifyingStream(out, entry) as stream, atomic_writer(target) as fh:
-            while stream.done < entry.size:
-                piece = buffer[:min(chunk, entry.size - stream.done)]
-                stream.readinto(piece)
-                fh.write(piece)
-            stream.finish()  # before the writer renames the file into place
-        written += entry.size
-        on_bytes(entry.size)
+        # Side files are checked before anything is renamed too: each is streamed into a temp file whose
+        # writer stays open on the stack, so a failed check discards every rebuilt file at once.
+        for entry in side:
+            target = rebuilt / entry.path
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise StorageError(f"cannot create directory: {e.strerror}", path=str(target.parent)) from e
+            fh = stack.enter_context(atomic_writer(target))  # one descriptor per side file until the end
+            with VerifyingStream(out, entry) as stream:
+                while stream.done < entry.size:
+                    piece = buffer[:min(chunk, entry.size - stream.done)]
+                    stream.readinto(piece)
+                    fh.write(piece)
+                stream.finish()
+            written += entry.size
+            on_bytes(entry.size)
     tensors = sum(len(f.tensors) for f in files.values())
     return JoinResult(rebuilt, len(files) + len(side), tensors, written, time.perf_counter() - started)
 
 
-def _pwrite(fd: int, data: memoryview | bytes, position: int, where: str) -> None:
+def _pwrite(fd: int, where: str, data: memoryview | bytes, position: int) -> None:
     view = memoryview(data).cast("B")
     try:
         while len(view):
@@ -243,7 +250,7 @@ def _pwrite(fd: int, data: memoryview | bytes, position: int, where: str) -> Non
         raise StorageError(f"write failed: {e.strerror}", path=where) from e
 
 
-def _place(path: str, stream: Any, header: bytes, files: dict[str, _File], fds: dict[str, int],
+def _place(path: str, stream: Any, header: bytes, files: dict[str, _File], fds: dict[str, tuple[int, str]],
            buffer: memoryview) -> int:
     """Read the shard's tensors from `stream` (positioned after its header), in data order, and write each at
     its place in the rebuilt file: plain tensors piece by piece through `buffer`, a fused expert's pieces
@@ -265,7 +272,7 @@ def _place(path: str, stream: Any, header: bytes, files: dict[str, _File], fds: 
             while done < t.nbytes:
                 piece = buffer[:min(len(buffer), t.nbytes - done)]
                 stream.readinto(piece)
-                _pwrite(fds[rec["file"]], piece, base + done, path)
+                _pwrite(*fds[rec["file"]], piece, base + done)
                 done += len(piece)
             target.done.add(0)
             written += t.nbytes
@@ -285,7 +292,8 @@ def _place(path: str, stream: Any, header: bytes, files: dict[str, _File], fds: 
         if not (cover == 1).all():
             raise CheckpointFormatError(f"shard covers expert {e} of {name!r} only partly", path=path)
         slice_bytes = target.nbytes // target.shape[0]
-        _pwrite(fds[fname], memoryview(s).cast("B"), len(files[fname].header) + target.offset + e * slice_bytes, path)
+        fd, where = fds[fname]
+        _pwrite(fd, where, memoryview(s).cast("B"), len(files[fname].header) + target.offset + e * slice_bytes)
         target.done.add(e)
         written += slice_bytes
     return written

@@ -206,10 +206,10 @@ def _write(dir_fd: int, name: str, where: str, out: OutputFile, mode: int, sourc
                         on_bytes(len(chunk))
             if w.pos != out.size:
                 raise CheckpointFormatError(f"wrote {w.pos} bytes, planned {out.size}", path=out.path)
+            return w.finish()
         except BaseException:
             w.abandon()
             raise
-        return w.finish()
 
 
 def _copy_run(w: HashingFileWriter, run: Run, sources: Sources, on_bytes: Callable[[int], None]) -> None:
@@ -305,15 +305,21 @@ def _prepare(od: OutDir, job: SplitJob, fsync: bool) -> None:
 
 
 def _write_all(od: OutDir, job: SplitJob, on_bytes: Callable[[int], None]) -> tuple[dict[str, bytes], int, int, int]:
-    """(digest per output path, files written, files reused, bytes written)."""
+    """(digest per output path, files written, files reused, bytes written).
+
+    A file is renamed into place before its last hash steps ran (they overlap the next file's copy). If a
+    hash step fails, the queue stops the copy at its next step, and every file whose digest was lost is
+    removed again: no file is left at its final name without a digest behind it."""
     sources = Sources(job.checkpoint)
     digests: dict[str, bytes] = {}
     hashing: dict[str, Future] = {}
     written = reused = bytes_written = 0
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtool-hash")
+    queue = HashQueue(executor)
+    current = ""  # the output being written
     try:
-        queue = HashQueue(executor)
         for o in job.outputs:
+            current = o.path
             dir_fd, name = od.locate(o.path)
             mode = job.modes[o.path]
             digest = existing_digest(dir_fd, name, o, mode, sources, on_bytes, executor)
@@ -325,15 +331,35 @@ def _write_all(od: OutDir, job: SplitJob, on_bytes: Callable[[int], None]) -> tu
                 reused += 1
                 digests[o.path] = digest
         for path, future in hashing.items():
-            try:
-                digests[path] = future.result()
-            except OSError as e:
-                raise StorageError(f"cannot hash the file just written: {e.strerror or e}",
-                                   path=str(od.path / path)) from e
+            digests[path] = future.result()
+    except BaseException:
+        executor.shutdown(wait=True)  # every step has run: each future below is settled
+        lost = _remove_unhashed(od, hashing)
+        failure = lost[1] if lost is not None else queue.failure
+        if isinstance(failure, OSError):  # name the file whose hash failed, not the one being copied then
+            where = lost[0] if lost is not None else current  # else: the file being written, already removed
+            raise StorageError(f"cannot hash the file just written: {failure.strerror or failure}",
+                               path=str(od.path / where)) from failure
+        raise
     finally:
         executor.shutdown(wait=True)
         sources.close()
     return digests, written, reused, bytes_written
+
+
+def _remove_unhashed(od: OutDir, hashing: Mapping[str, Future]) -> tuple[str, BaseException] | None:
+    """Remove every file renamed into place whose digest failed; returns the first (path, error)."""
+    first = None
+    for path, future in hashing.items():
+        error = None if future.cancelled() else future.exception()
+        if error is None:
+            continue
+        first = first or (path, error)
+        try:
+            od.unlink(path)
+        except StorageError:
+            pass  # the error being reported is the hash failure; a rerun compares this file anyway
+    return first
 
 
 def _entry(o: OutputFile, digest: bytes) -> Any:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,3 +191,83 @@ def test_installed_console_script(src: Path, tmp_path: Path) -> None:
     p = sh("split", _unsupported(tmp_path, src), tmp_path / "out2")
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.strip().count("\n") == 0 and "supported: mixtral" in p.stderr
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("tamper", ["flip", "append"])
+def test_join_with_a_bad_side_file_leaves_no_rebuilt_file(src: Path, tmp_path: Path, tamper: str) -> None:
+    """Side files are checked after the shards: a failed check there must still leave nothing that looks
+    like a rebuilt checkpoint (the model files are not renamed into place before it)."""
+    out, rebuilt = tmp_path / "out", tmp_path / "rebuilt"
+    assert run("split", src, out).code == 0
+    last = [e for e in load_manifest(out / "manifest.msgpack").entries if e.kind not in ("trunk", "expert")][-1]
+    path = out / last.path
+    data = bytearray(path.read_bytes())
+    if tamper == "flip":
+        data[len(data) // 2] ^= 0x01
+    else:
+        data += b" "
+    path.write_bytes(bytes(data))
+    r = run("join", out, rebuilt, "--insecure-no-verify")
+    assert_one_line_error(r, 1, "DigestMismatchError")
+    assert last.path in r.err
+    assert _files(rebuilt) == []
+
+
+def test_join_disk_full_names_the_rebuilt_file(src: Path, tmp_path: Path, monkeypatch) -> None:
+    import shardtool.checkpoint._join as join_module
+
+    out, rebuilt = tmp_path / "out", tmp_path / "rebuilt"
+    assert run("split", src, out).code == 0
+
+    class FullDisk:
+        @staticmethod
+        def pwrite(*args: object) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(os, name)
+
+    monkeypatch.setattr(join_module, "os", FullDisk())
+    r = run("join", out, rebuilt, "--insecure-no-verify")
+    assert_one_line_error(r, 3, "StorageError")
+    assert r.err.startswith(f"shardtool: error: {rebuilt}/") and ".safetensors: write failed" in r.err, r.err
+    assert _files(rebuilt) == []
+
+
+def test_split_stops_at_a_failed_hash_and_removes_the_unhashed_file(src: Path, tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    """A hash step fails (EIO reading back the file just written) after its file was renamed into place:
+    split stops within the hash queue's depth, exits 3 naming that file, and leaves it nowhere."""
+    import shardtool.checkpoint._copy as copy_module
+
+    real = copy_module._hash_file_window
+    calls: list[int] = []
+    failed: list[str] = []
+
+    def failing(hasher: object, fd: int, pos: int, length: int) -> None:
+        calls.append(fd)
+        if len(calls) != 1:
+            return real(hasher, fd, pos, length)
+        link = f"/proc/self/fd/{fd}"
+        temp = os.readlink(link)
+        for _ in range(500):  # wait (bounded) for the rename, so the digest is lost after it
+            if os.readlink(link) != temp:
+                break
+            time.sleep(0.01)
+        failed.append(os.readlink(link))
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(copy_module, "_hash_file_window", failing)
+    out = tmp_path / "out"
+    r = run("split", src, out)
+    assert_one_line_error(r, 3, "StorageError")
+    final = Path(failed[0])
+    assert final.is_relative_to(out) and not final.name.endswith(".tmp"), failed  # it was renamed into place
+    assert f"{final}: cannot hash the file just written: Input/output error" in r.err, r.err
+    assert not final.exists()
+    assert not (out / "manifest.msgpack").exists()
+    assert len(calls) <= 1 + copy_module.HashQueue.DEPTH, len(calls)  # stopped early, not after every file
