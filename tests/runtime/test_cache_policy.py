@@ -4,6 +4,7 @@ LFU-DA against a direct transcription of its definition on random sequences."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 
@@ -11,7 +12,7 @@ from shardtool.runtime import CACHE_POLICIES, DEFAULT_CACHE_POLICY
 from shardtool.runtime._cache_policy import LFU, CacheIndex, make_policy
 
 
-def simulate(policy: str, capacity: int, keys: str) -> list[str]:
+def simulate(policy: str, capacity: int, keys: Sequence[str]) -> list[str]:
     """A cache of `capacity` one-sized items over a sequence of uses; returns the victims in order."""
     p = make_policy(policy)
     cached: set[str] = set()
@@ -124,21 +125,8 @@ def test_lfu_da_matches_its_definition_on_random_sequences(seed):
     alphabet = [f"k{i}" for i in range(40)]
     keys = [rng.choice(alphabet[:rng.choice([5, 40])]) if rng.random() < 0.9 else rng.choice(alphabet)
             for _ in range(3000)]
-    expected = _lfu_da_by_definition(8, keys)
-    p = make_policy("lfu-da")
-    cached: set[str] = set()
-    victims = []
-    for key in keys:
-        if key in cached:
-            p.touch(key)
-            continue
-        if len(cached) >= 8:
-            v = p.victim()
-            cached.remove(v)
-            victims.append(v)
-        cached.add(key)
-        p.admit(key)
-    assert victims == expected and len(victims) > 100
+    victims = simulate("lfu-da", 8, keys)
+    assert victims == _lfu_da_by_definition(8, keys) and len(victims) > 100
 
 
 def test_victim_of_an_empty_cache_and_unknown_names_are_errors():

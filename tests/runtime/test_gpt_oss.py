@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import blake3
 import numpy as np
 import pytest
 
@@ -21,6 +20,7 @@ from shardtool.runtime._model._dtypes import FP4_E2M1, mxfp4_to_float32, quantiz
 from shardtool.runtime._model._gpt_oss import clamped_swiglu, expert_weights, route_topk_softmax, sink_softmax
 from shardtool.runtime._model._layers import attention
 
+from _republish import republish
 from examples import make_tiny_moe as mtm
 
 BIN = Path(sys.executable).parent
@@ -274,23 +274,6 @@ def signed(tmp_path_factory) -> Path:
     return work
 
 
-def _republish(work: Path, model: Path, rel: str, data: bytes) -> None:
-    """Replace `rel` and sign the manifest again: the publisher really shipped these bytes."""
-    from dataclasses import replace
-
-    from shardtool.keys import load_private_key
-    from shardtool.manifest import build_manifest, load_manifest, save_manifest
-
-    (model / rel).write_bytes(data)
-    current = load_manifest(model / "manifest.msgpack")
-    entries = [replace(e, size=len(data), digest=blake3.blake3(data).digest()) if e.path == rel else e
-               for e in current.entries]
-    new = build_manifest(entries, model_id=current.head.model_id, version=current.head.version,
-                         contract=current.head.contract)
-    save_manifest(model / "manifest.msgpack", new.with_envelope(new.envelope.signed_by(
-        load_private_key(work / "k.key", None))))
-
-
 def test_signed_expert_with_inconsistent_mxfp4_shapes_exits_1_with_one_line(signed, tmp_path):
     import shutil
 
@@ -307,7 +290,7 @@ def test_signed_expert_with_inconsistent_mxfp4_shapes_exits_1_with_one_line(sign
             t = load_file(model / rel)
             t["down_proj.weight_blocks"] = np.ascontiguousarray(t["down_proj.weight_blocks"][:, :, :8])
             save_file(t, tmp_path / "x.safetensors")
-            _republish(signed, model, rel, (tmp_path / "x.safetensors").read_bytes())
+            republish(model, rel, (tmp_path / "x.safetensors").read_bytes(), signed / "k.key")
     r = _cli(*run[:-1], tmp_path / "state-2", cwd=tmp_path)  # a re-signed version 1: a fresh rollback state
     assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()

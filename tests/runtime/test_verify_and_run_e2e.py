@@ -19,6 +19,8 @@ from shardtool.keys import load_private_key
 from shardtool.manifest import build_manifest, load_manifest, save_manifest
 from shardtool.runtime import DEFAULT_CACHE_POLICY, encode_prompt
 
+from _republish import republish
+
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "Hi"
@@ -185,12 +187,22 @@ def test_json_report_has_the_documented_fields(built, tmp_path):
     assert s["peak_rss_bytes"] < 1 << 30
 
 
-def test_budget_hint_is_enough_and_a_minimal_budget_evicts_yet_gives_the_same_tokens(built, tmp_path):
+def _budget_for_top_k_plus(built, extra: int) -> int:
+    """A --memory-budget whose shard cache holds top-k + `extra` of the model's largest expert or trunk shard (the
+    plan's KV cache and working memory for the prompt and NEW tokens besides)."""
     from shardtool.keys import load_public_key
     from shardtool.manifest import load_verified_manifest
     from shardtool.runtime._model import ModelConfig
     from shardtool.runtime._plan import plan_budget
 
+    verified = load_verified_manifest(built.model / "manifest.msgpack", [load_public_key(built.work / "a.pub")], 1)
+    cfg = ModelConfig.from_hf_config(json.loads((built.model / "config.json").read_text()))
+    plan = plan_budget(1 << 30, cfg, verified, 2 + NEW, 2)
+    largest = max(e.size for e in verified.entries if e.kind in ("expert", "trunk"))
+    return plan.kv_cache + plan.working + (cfg.top_k + extra) * largest
+
+
+def test_budget_hint_is_enough_and_a_minimal_budget_evicts_yet_gives_the_same_tokens(built, tmp_path):
     args = ("--prompt", PROMPT, "--max-new-tokens", NEW, "--print-ids", "-q")
     too_small = var(built, built.model, *args, "--memory-budget", "1MiB", state=tmp_path)
     assert too_small.code == 2
@@ -198,11 +210,7 @@ def test_budget_hint_is_enough_and_a_minimal_budget_evicts_yet_gives_the_same_to
     assert var(built, built.model, *args, "--memory-budget", f"{mib}MiB", state=tmp_path).code == 0
 
     # The smallest budget the plan accepts leaves the shard cache room for top-k + 1 shards only.
-    verified = load_verified_manifest(built.model / "manifest.msgpack", [load_public_key(built.work / "a.pub")], 1)
-    cfg = ModelConfig.from_hf_config(json.loads((built.model / "config.json").read_text()))
-    plan = plan_budget(1 << 30, cfg, verified, 2 + NEW, 2)
-    largest = max(e.size for e in verified.entries if e.kind in ("expert", "trunk"))
-    budget = plan.kv_cache + plan.working + (cfg.top_k + 1) * largest
+    budget = _budget_for_top_k_plus(built, 1)
     report = tmp_path / "report.json"
     r = var(built, built.model, *args, "--memory-budget", budget, "--json-report", report, state=tmp_path)
     assert r.code == 0, r.err
@@ -214,16 +222,7 @@ def test_budget_hint_is_enough_and_a_minimal_budget_evicts_yet_gives_the_same_to
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lfu-da"])
 def test_cache_policy_option_under_a_budget_that_evicts(built, tmp_path, policy):
-    from shardtool.keys import load_public_key
-    from shardtool.manifest import load_verified_manifest
-    from shardtool.runtime._model import ModelConfig
-    from shardtool.runtime._plan import plan_budget
-
-    verified = load_verified_manifest(built.model / "manifest.msgpack", [load_public_key(built.work / "a.pub")], 1)
-    cfg = ModelConfig.from_hf_config(json.loads((built.model / "config.json").read_text()))
-    plan = plan_budget(1 << 30, cfg, verified, 2 + NEW, 2)
-    largest = max(e.size for e in verified.entries if e.kind in ("expert", "trunk"))
-    budget = plan.kv_cache + plan.working + (cfg.top_k + 3) * largest
+    budget = _budget_for_top_k_plus(built, 3)
     report = tmp_path / "report.json"
     r = var(built, built.model, "--prompt", PROMPT, "--max-new-tokens", NEW, "--print-ids", "--memory-budget", budget,
             "--cache-policy", policy, "--json-report", report, state=tmp_path)
@@ -301,20 +300,6 @@ def test_verify_all_first_catches_an_expert_the_prompt_never_uses(built, copy):
     assert rel in one_error_line(eager)
 
 
-def _republish(built, model: Path, rel: str, data: bytes) -> None:
-    """Replace file `rel` and publish it properly: new size and digest in the manifest, signed again by `a`."""
-    from dataclasses import replace
-
-    (model / rel).write_bytes(data)
-    current = load_manifest(model / "manifest.msgpack")
-    entries = [replace(e, size=len(data), digest=blake3.blake3(data).digest()) if e.path == rel else e
-               for e in current.entries]
-    new = build_manifest(entries, model_id=current.head.model_id, version=current.head.version,
-                         contract=current.head.contract)
-    key = load_private_key(built.work / "a.key", None)
-    save_manifest(model / "manifest.msgpack", new.with_envelope(new.envelope.signed_by(key)))
-
-
 def _rename_gate(data: bytes) -> bytes:
     return data.replace(b'"gate_proj.weight"', b'"gate_proj.weighx"', 1)  # same length: offsets unchanged
 
@@ -336,7 +321,7 @@ def test_signed_but_unusable_model_is_refused_with_exit_1(built, copy, case):
     rel, rewrite, error, message = SIGNED_BUT_UNUSABLE[case]
     if rel is None:
         rel = expert_rel(*min(key for key, printed in built.first_use.items() if printed == 0))
-    _republish(built, copy, rel, rewrite((copy / rel).read_bytes()))
+    republish(copy, rel, rewrite((copy / rel).read_bytes()), built.work / "a.key")
     r = var(built, copy, "--prompt", PROMPT, "--max-new-tokens", 4)
     assert r.code == 1 and r.out == ""
     line = one_error_line(r)
