@@ -11,7 +11,7 @@ import pytest
 
 from shardtool.keys import generate
 from shardtool.manifest import Entry, build_manifest, verify_manifest
-from shardtool.manifest import _files
+from shardtool.manifest import _files, _workers
 from shardtool.manifest.audit import audit_directory
 
 
@@ -30,6 +30,7 @@ def _write(root, rel, data):
 
 
 def test_unreadable_file_is_a_finding(tmp_path, monkeypatch):
+    monkeypatch.setattr(_workers, "available", lambda: False)  # the read path; the mapped path: below
     entries = [_write(tmp_path, "a.bin", b"a" * 100), _write(tmp_path, "big.bin", os.urandom(5 << 20))]
     real_readv = os.readv
 
@@ -44,6 +45,7 @@ def test_unreadable_file_is_a_finding(tmp_path, monkeypatch):
 
 
 def test_file_changing_while_hashed_is_a_finding(tmp_path, monkeypatch):
+    monkeypatch.setattr(_workers, "available", lambda: False)  # the read path; the mapped path: below
     data = os.urandom(6 << 20)
     entries = [_write(tmp_path, "big.bin", data)]
     real_readv = os.readv
