@@ -138,3 +138,105 @@ def test_manifest_relpath_is_lexical_never_resolved(tmp_path):
     assert manifest_relpath(tmp_path, tmp_path / "meta" / "m.msgpack") == "meta/m.msgpack"
     assert manifest_relpath(tmp_path, tmp_path.parent / "m.msgpack") is None
     assert manifest_relpath(tmp_path, tmp_path) is None
+
+
+# --- the worker processes' path (manifest/_workers.py): mapped hashing, SIGBUS, the same answers -------------
+
+def _mapping_then(monkeypatch, act):
+    """Patch the mapping the audit workers hash from: `act(fd)` runs right after the file is mapped (the
+    workers are forked, so they inherit the patch)."""
+    real = _files.mmap.mmap
+
+    def mapped(fd, length, **kw):
+        m = real(fd, length, **kw)
+        act(fd)
+        return m
+
+    monkeypatch.setattr(_files.mmap, "mmap", mapped)
+
+
+def test_file_truncated_under_the_mapping_is_a_finding_not_a_crash(tmp_path, monkeypatch):
+    """A file shrinking while a worker hashes it from a mapping kills that worker with SIGBUS: the file is
+    reported unreadable, the other files of its batch are still checked, the audit finishes."""
+    entries = [_write(tmp_path, "d/a.bin", b"a" * 100), _write(tmp_path, "d/big.bin", os.urandom(3 << 20)),
+               _write(tmp_path, "d/c.bin", os.urandom(1 << 20))]
+    verified = _verified(entries)
+
+    def shrink(fd):
+        if os.fstat(fd).st_size == 3 << 20:
+            os.truncate(tmp_path / "d/big.bin", 4096)
+
+    _mapping_then(monkeypatch, shrink)
+    report = audit_directory(tmp_path, verified, workers=2)
+    assert [(f.path, f.finding) for f in report.findings] == [("d/big.bin", "unreadable")]
+    assert "SIGBUS" in report.findings[0].detail and "changed while it was being hashed" in report.findings[0].detail
+    assert report.files_checked == 3 and report.bytes_hashed == sum(e.size for e in entries)
+
+
+def test_file_growing_under_the_mapping_is_a_finding(tmp_path, monkeypatch):
+    entries = [_write(tmp_path, "big.bin", os.urandom(2 << 20))]
+    verified = _verified(entries)
+
+    def grow(fd):
+        with open(tmp_path / "big.bin", "ab") as fh:  # another writer appends mid-hash
+            fh.write(b"more")
+
+    _mapping_then(monkeypatch, grow)
+    report = audit_directory(tmp_path, verified)
+    assert [(f.path, f.finding) for f in report.findings] == [("big.bin", "unreadable")]
+    assert "changed while" in report.findings[0].detail
+
+
+def test_worker_processes_and_threads_find_the_same(tmp_path, monkeypatch):
+    """Many small files and a few mapped ones, with every per-file finding class: the workers' answer is the
+    thread pool's, finding for finding."""
+    entries = [_write(tmp_path, f"experts/layer-{i // 300:03d}/e{i}.bin", os.urandom(16 * 1024 if i % 50 else 600_000))
+               for i in range(1200)]
+    (tmp_path / "experts/layer-000/e7.bin").write_bytes(b"short")  # size
+    data = bytearray((tmp_path / "experts/layer-001/e350.bin").read_bytes())
+    data[5] ^= 1
+    (tmp_path / "experts/layer-001/e350.bin").write_bytes(bytes(data))  # digest, a mapped file
+    data = bytearray((tmp_path / "experts/layer-002/e601.bin").read_bytes())
+    data[-1] ^= 1
+    (tmp_path / "experts/layer-002/e601.bin").write_bytes(bytes(data))  # digest, a small file
+    os.unlink(tmp_path / "experts/layer-003/e999.bin")  # missing
+    os.symlink("e1000.bin", tmp_path / "experts/layer-003/e1001.bin.tmp")  # unlisted link
+    os.unlink(tmp_path / "experts/layer-003/e1002.bin")
+    os.symlink("e1000.bin", tmp_path / "experts/layer-003/e1002.bin")  # listed path that is a link
+    os.mkfifo(tmp_path / "experts/layer-003/e1003.bin.fifo")
+    (tmp_path / "experts/layer-003/extra.bin").write_bytes(b"x")  # unlisted
+    verified = _verified(entries)
+
+    def answer(report):
+        return [f.to_dict() for f in report.findings], report.files_checked, report.bytes_hashed
+
+    in_processes = answer(audit_directory(tmp_path, verified, workers=2))
+    monkeypatch.setattr(_workers, "available", lambda: False)
+    in_threads = answer(audit_directory(tmp_path, verified, workers=2))
+    assert in_processes == in_threads
+    assert sorted(f["finding"] for f in in_processes[0]) == [
+        "digest-mismatch", "digest-mismatch", "missing", "not-a-regular-file", "size-mismatch", "symlink",
+        "symlink", "unlisted"]
+
+
+def test_one_large_file_uses_worker_owned_blake3_threads_after_the_shared_pool_ran(tmp_path):
+    """BLAKE3's shared thread pool does not survive a fork (a forked hasher on it waits forever). Use the
+    shared pool here first, then audit one large file with two workers: it gets threads of its own."""
+    _files.digest_bytes(os.urandom(_files.PARALLEL_HASH_MIN * 2))  # starts the shared pool in this process
+    entries = [_write(tmp_path, "big.bin", os.urandom(9 << 20))]
+    report = audit_directory(tmp_path, _verified(entries), workers=2)
+    assert report.ok and report.files_checked == 1
+
+
+def test_an_error_on_our_side_in_a_worker_is_raised_not_a_finding(tmp_path, monkeypatch):
+    from shardtool.errors import StorageError
+
+    entries = [_write(tmp_path, "d/a.bin", b"a")]
+    verified = _verified(entries)
+
+    def out_of_descriptors(dir_fd, name, relpath):
+        raise StorageError("too many open files", path=relpath)
+
+    monkeypatch.setattr("shardtool.manifest.audit.open_file_at", out_of_descriptors)
+    with pytest.raises(StorageError, match="too many open files"):
+        audit_directory(tmp_path, verified)
