@@ -3,7 +3,9 @@
 Two data sets, warm page cache (plus a cold-cache round where the machine allows dropping caches):
   big    >= 2 GiB in 64 shard-sized files
   small  20,000 small files
-Prints medians and ratios against b3sum measured in the same run.
+Prints medians and ratios against b3sum measured in the same run, then the four audit / b3sum ratios
+(warm big, warm small, cold big, cold small). Thread counts: b3sum's default (all cores) against audit's
+default --workers (all cores); the summary names the count.
 Usage: python benchmarks/bench_audit.py [--gib 2] [--small 20000] [--repeats 5] [--workdir /tmp/shardtool-bench]
 """
 
@@ -88,12 +90,25 @@ def bench_set(name: str, root: Path, key_pub: Path, state: Path, repeats: int, c
                                bytes_total=total)}
     if cold:
         if drop_caches():
-            cold_series = compare({k: candidates[k] for k in ("b3sum", "shardtool audit")}, max(2, repeats // 2),
+            cold_series = compare({k: candidates[k] for k in ("b3sum", "shardtool audit")}, repeats,
                                   before_each=drop_caches)
             out["cold"] = print_table(f"{name}: cold cache", cold_series, "b3sum", bytes_total=total)
         else:
             print(f"\n## {name}: cold cache not measured (cannot write /proc/sys/vm/drop_caches here)")
     return out
+
+
+def print_summary(results: dict, repeats: int) -> None:
+    """The four figures the README quotes: audit's median over b3sum's median, each pair measured interleaved."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(f"\n## audit / b3sum (medians of {repeats} interleaved runs; both on all {cores} cores: b3sum's default "
+          f"threads, audit's default --workers)")
+    for cache in ("warm", "cold"):
+        for name in ("big", "small"):
+            table = results[name].get(cache)
+            figure = f"{table['shardtool audit']['ratio_vs_b3sum']:.2f}" if table else "not measured"
+            print(f"{cache:<5} {name:<6} {figure}")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -120,6 +135,7 @@ def main() -> None:
     state = work / "state"
     results = {"big": bench_set("big", work / "big", work / "bench.pub", state, args.repeats, not args.no_cold),
                "small": bench_set("small", work / "small", work / "bench.pub", state, args.repeats, not args.no_cold)}
+    print_summary(results, args.repeats)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
