@@ -19,7 +19,7 @@ import faulthandler
 import os
 import pickle
 import resource
-import select
+import selectors
 import signal
 import struct
 import traceback
@@ -106,6 +106,7 @@ def run_batches(tasks: list[list[int]], workers: int, run: Run, done: Callable[[
     run again by a fresh worker. A worker that dies otherwise, or raises, ends the audit with its error."""
     pending = deque(tasks)
     live: dict[int, _Worker] = {}
+    selector = selectors.DefaultSelector()
 
     def spawn() -> None:
         task_r, task_w = os.pipe()
@@ -122,10 +123,12 @@ def run_batches(tasks: list[list[int]], workers: int, run: Run, done: Callable[[
         os.close(result_w)
         worker = _Worker(pid, task_w, result_r)
         live[result_r] = worker
+        selector.register(result_r, selectors.EVENT_READ)
         worker.give(pending.popleft() if pending else None)
 
     def retire(worker: _Worker) -> int:
         del live[worker.result_r]
+        selector.unregister(worker.result_r)
         os.close(worker.task_w)
         os.close(worker.result_r)
         _, status = os.waitpid(worker.pid, 0)
@@ -135,8 +138,8 @@ def run_batches(tasks: list[list[int]], workers: int, run: Run, done: Callable[[
         for _ in range(min(workers, len(pending))):
             spawn()
         while live:
-            ready, _, _ = select.select(list(live), [], [])
-            for fd in ready:
+            for key, _ in selector.select():
+                fd = key.fd
                 worker = live[fd]
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
@@ -167,6 +170,7 @@ def run_batches(tasks: list[list[int]], workers: int, run: Run, done: Callable[[
             except ProcessLookupError:
                 pass
             retire(worker)
+        selector.close()
 
 
 def _ended(worker: _Worker, status: int, pending: deque, done, died_mapping) -> None:
