@@ -183,7 +183,8 @@ class FileDigest:
 
 def digest_fd(fd: int, buffer: bytearray | None = None, *, parallel: bool = True,
               expected_size: int | None = None, threads: int | None = None,
-              before_map: Callable[[], None] | None = None) -> FileDigest:
+              before_map: Callable[[], None] | None = None,
+              after_map: Callable[[], None] | None = None) -> FileDigest:
     """Hash an open file, for audits, where the bytes are not used afterwards.
 
     The size comes first: with `expected_size` (the signed size), a file of any other size is reported
@@ -199,7 +200,10 @@ def digest_fd(fd: int, buffer: bytearray | None = None, *, parallel: bool = True
     `before_map`: given only by audit's worker processes (`manifest/_workers.py`): a file of MAP_MIN
     bytes or more is then hashed from a read-only mapping, with no copy, after `before_map()` has named
     it to the supervisor. A file truncated while mapped raises SIGBUS, which kills the process: only a
-    supervised worker may map. Without `before_map` nothing is mapped: the file is read.
+    supervised worker may map. Without `before_map` nothing is mapped: the file is read. `after_map()`
+    follows once the mapping is gone (or was never made), so that a later death is not blamed on this file.
+    A file that shrank before it could be mapped (mmap refuses a length past the end) is reported changed;
+    a filesystem that cannot map at all is read instead.
     """
     before = os.fstat(fd)
     if expected_size is not None and before.st_size != expected_size:
@@ -207,12 +211,13 @@ def digest_fd(fd: int, buffer: bytearray | None = None, *, parallel: bool = True
     limit = before.st_size + 1
     if threads is None:
         threads = blake3.blake3.AUTO if parallel else 1
+    mapped_digest = None
     if before_map is not None and before.st_size >= MAP_MIN:
-        before_map()
-        with mmap.mmap(fd, before.st_size, prot=mmap.PROT_READ) as mapped:
-            mapped.madvise(mmap.MADV_SEQUENTIAL)  # a cold file: read ahead further
-            digest = blake3.blake3(mapped, max_threads=threads).digest()
-        total = before.st_size
+        mapped_digest = _digest_mapped(fd, before, threads, before_map, after_map)
+    if mapped_digest is not None:
+        if mapped_digest is _SHRANK:
+            return FileDigest(os.fstat(fd).st_size, b"", changed=True)
+        digest, total = mapped_digest, before.st_size
     elif before.st_size < CHUNK:
         data = os.read(fd, limit)
         return FileDigest(len(data), digest_bytes(data, threads), changed=len(data) != before.st_size)
@@ -231,6 +236,35 @@ def digest_fd(fd: int, buffer: bytearray | None = None, *, parallel: bool = True
     after = os.fstat(fd)
     changed = (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or total != before.st_size
     return FileDigest(total, digest, changed)
+
+
+_SHRANK = object()
+
+
+def _digest_mapped(fd: int, before: os.stat_result, threads: int, before_map: Callable[[], None],
+                   after_map: Callable[[], None] | None):
+    """The BLAKE3 of `before.st_size` bytes of `fd` hashed from a read-only mapping; `_SHRANK` when the file
+    no longer has them (or mmap refused them and the file changed); None when this filesystem cannot map
+    (the caller reads instead)."""
+    before_map()
+    try:
+        try:
+            mapped = mmap.mmap(fd, before.st_size, prot=mmap.PROT_READ)
+        except ValueError:  # "mmap length is greater than file size": it shrank after the fstat
+            return _SHRANK
+        except OSError:
+            now = os.fstat(fd)
+            if (now.st_size, now.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+                return _SHRANK
+            return None
+        with mapped:
+            if len(mapped) < before.st_size:
+                return _SHRANK
+            mapped.madvise(mmap.MADV_SEQUENTIAL)  # a cold file: read ahead further
+            return blake3.blake3(mapped, max_threads=threads).digest()
+    finally:
+        if after_map is not None:
+            after_map()
 
 
 def mismatch(entry: Entry, result: FileDigest) -> str | None:

@@ -96,11 +96,12 @@ def _open_finding(entry: Entry, err: ShardtoolError) -> Finding:
 
 def check_file(root: Path, entry: Entry, buffer: bytearray | None = None, *, dir_fd: int | None = None,
                parallel: bool = False, threads: int | None = None,
-               before_map: Callable[[], None] | None = None) -> Finding | None:
+               before_map: Callable[[], None] | None = None,
+               after_map: Callable[[], None] | None = None) -> Finding | None:
     """Hash one listed file and compare; return its finding or None when it matches.
 
     `dir_fd`: an already opened (link-free) parent directory, so a batch of files in one directory
-    costs one open each rather than one per path component. `threads`, `before_map`: as `digest_fd`'s
+    costs one open each rather than one per path component. `threads`, `before_map`, `after_map`: as `digest_fd`'s
     (given only in audit's supervised worker processes).
     """
     try:
@@ -112,7 +113,7 @@ def check_file(root: Path, entry: Entry, buffer: bytearray | None = None, *, dir
         return _open_finding(entry, e)
     try:
         result = digest_fd(fd, buffer, parallel=parallel, expected_size=entry.size, threads=threads,
-                           before_map=before_map)
+                           before_map=before_map, after_map=after_map)
     except OSError as e:
         return _from_entry(entry, "unreadable", f"read failed: {e.strerror}")
     finally:
@@ -234,9 +235,9 @@ def _batches(entries: list[Entry]) -> list[list[Entry]]:
 
 
 def _check_batch(root: Path, items: list[Entry], buf: bytearray, *, parallel: bool = False,
-                 threads: int | None = None, mapping: Callable[[int], None] | None = None) -> list[Finding]:
+                 threads: int | None = None, mapping: Callable[[int | None], None] | None = None) -> list[Finding]:
     """Check a batch of listed files from one directory (opened once); their findings. `mapping(k)`: in a
-    worker process, said before the k-th file is hashed from a mapping."""
+    worker process, said before the k-th file is hashed from a mapping; `mapping(None)`: once it is unmapped."""
     found: list[Finding] = []
     reldir = items[0].path.rpartition("/")[0]
     try:
@@ -246,8 +247,9 @@ def _check_batch(root: Path, items: list[Entry], buf: bytearray, *, parallel: bo
     try:
         for k, entry in enumerate(items):
             before_map = None if mapping is None else (lambda k=k: mapping(k))
+            after_map = None if mapping is None else (lambda: mapping(None))
             finding = check_file(root, entry, buf, dir_fd=dir_fd, parallel=parallel, threads=threads,
-                                 before_map=before_map)
+                                 before_map=before_map, after_map=after_map)
             if finding is not None:
                 found.append(finding)
     finally:
@@ -282,7 +284,7 @@ def _hash_in_processes(root: Path, entries: list[Entry], workers: int, progress,
     buf = bytearray(CHUNK)  # each worker's own copy (forked)
     found: list[Finding] = []
 
-    def run(indices: list[int], mapping: Callable[[int], None]) -> list[Finding]:
+    def run(indices: list[int], mapping: Callable[[int | None], None]) -> list[Finding]:
         return _check_batch(root, [entries[i] for i in indices], buf, threads=threads, mapping=mapping)
 
     def done(task: list[int], findings: list[Finding]) -> None:
