@@ -159,6 +159,9 @@ def run_app(app: typer.Typer, args: list[str] | None = None) -> None:
     Our errors carry their own exit code; typer's usage errors (unknown flag, bad value) exit 2. Any other
     exception is a bug: its traceback is printed and the exit code is EXIT_CRASH (70), never a fake verdict.
     """
+    from shardtool.cli import _params
+
+    _params.install()
     command = typer.main.get_command(app)
     name = app.info.name
     _ROLE.set("verifier")  # until a producer command starts (an earlier in-process call may have set it)

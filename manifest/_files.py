@@ -4,6 +4,7 @@ only bytes that were hashed and matched the manifest (no second read, no shared 
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 CHUNK = 4 * 1024 * 1024  # audit streaming buffer
 READ_CHUNK = 1024 * 1024  # verified reads: hash each MiB while it is still in cache
 PARALLEL_HASH_MIN = 4 * 1024 * 1024  # below this, BLAKE3's own threads cost more than they save
+MAP_MIN = 256 * 1024  # audit workers map files from this size on (below it one read costs less than a mapping)
 
 
 def size_mismatch(entry: Entry, found: int | str, where: str | None = None) -> DigestMismatchError:
@@ -39,8 +41,13 @@ def changed_while_read(entry: Entry, done: int | str, where: str | None = None) 
                                path=where or entry.path, expected=str(entry.size), actual=str(done))
 
 
-def digest_bytes(data: bytes | memoryview) -> bytes:
-    threads = blake3.blake3.AUTO if len(data) >= PARALLEL_HASH_MIN else 1
+def digest_bytes(data: bytes | memoryview, threads: int | None = None) -> bytes:
+    """BLAKE3 of `data`, with BLAKE3's own threads for large inputs: its shared pool, or `threads` of a
+    pool of the hasher's own."""
+    if len(data) < PARALLEL_HASH_MIN:
+        threads = 1
+    elif threads is None:
+        threads = blake3.blake3.AUTO
     return blake3.blake3(data, max_threads=threads).digest()
 
 
@@ -239,7 +246,9 @@ class FileDigest:
 
 
 def digest_fd(fd: int, buffer: bytearray | None = None, *, parallel: bool = True,
-              expected_size: int | None = None) -> FileDigest:
+              expected_size: int | None = None, threads: int | None = None,
+              before_map: Callable[[], None] | None = None,
+              after_map: Callable[[], None] | None = None) -> FileDigest:
     """Hash an open file, for audits, where the bytes are not used afterwards.
 
     The size comes first: with `expected_size` (the signed size), a file of any other size is reported
@@ -248,29 +257,78 @@ def digest_fd(fd: int, buffer: bytearray | None = None, *, parallel: bool = True
 
     Small files: one read. Large files: streamed through a reusable buffer into BLAKE3, with its own
     threads when `parallel` (callers hashing many files at once give each file one core instead).
-    No mmap: a file truncated while mapped raises SIGBUS, and an audit must survive files that change
-    under it.
+    `threads`: that many BLAKE3 threads in a pool of this hasher's own instead (a forked process must
+    not use the shared pool it inherited: its threads did not survive the fork, and BLAKE3 would wait
+    for them forever).
+
+    `before_map`: given only by audit's worker processes (`manifest/_workers.py`): a file of MAP_MIN
+    bytes or more is then hashed from a read-only mapping, with no copy, after `before_map()` has named
+    it to the supervisor. A file truncated while mapped raises SIGBUS, which kills the process: only a
+    supervised worker may map. Without `before_map` nothing is mapped: the file is read. `after_map()`
+    follows once the mapping is gone (or was never made), so that a later death is not blamed on this file.
+    A file that shrank before it could be mapped (mmap refuses a length past the end) is reported changed;
+    a filesystem that cannot map at all is read instead.
     """
     before = os.fstat(fd)
     if expected_size is not None and before.st_size != expected_size:
         return FileDigest(before.st_size, None, changed=False)
     limit = before.st_size + 1
-    if before.st_size < CHUNK:
+    if threads is None:
+        threads = blake3.blake3.AUTO if parallel else 1
+    mapped_digest = None
+    if before_map is not None and before.st_size >= MAP_MIN:
+        mapped_digest = _digest_mapped(fd, before, threads, before_map, after_map)
+    if mapped_digest is not None:
+        if mapped_digest is _SHRANK:
+            return FileDigest(os.fstat(fd).st_size, b"", changed=True)
+        digest, total = mapped_digest, before.st_size
+    elif before.st_size < CHUNK:
         data = os.read(fd, limit)
-        return FileDigest(len(data), digest_bytes(data), changed=len(data) != before.st_size)
-    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if parallel else 1)
-    buf = buffer if buffer is not None else bytearray(CHUNK)
-    view = memoryview(buf)
-    total = 0
-    while total < limit:
-        n = os.readv(fd, [view[:min(len(view), limit - total)]])
-        if n == 0:
-            break
-        hasher.update(view[:n])
-        total += n
+        return FileDigest(len(data), digest_bytes(data, threads), changed=len(data) != before.st_size)
+    else:
+        hasher = blake3.blake3(max_threads=threads)
+        buf = buffer if buffer is not None else bytearray(CHUNK)
+        view = memoryview(buf)
+        total = 0
+        while total < limit:
+            n = os.readv(fd, [view[:min(len(view), limit - total)]])
+            if n == 0:
+                break
+            hasher.update(view[:n])
+            total += n
+        digest = hasher.digest()
     after = os.fstat(fd)
     changed = (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or total != before.st_size
-    return FileDigest(total, hasher.digest(), changed)
+    return FileDigest(total, digest, changed)
+
+
+_SHRANK = object()
+
+
+def _digest_mapped(fd: int, before: os.stat_result, threads: int, before_map: Callable[[], None],
+                   after_map: Callable[[], None] | None):
+    """The BLAKE3 of `before.st_size` bytes of `fd` hashed from a read-only mapping; `_SHRANK` when the file
+    no longer has them (or mmap refused them and the file changed); None when this filesystem cannot map
+    (the caller reads instead)."""
+    before_map()
+    try:
+        try:
+            mapped = mmap.mmap(fd, before.st_size, prot=mmap.PROT_READ)
+        except ValueError:  # "mmap length is greater than file size": it shrank after the fstat
+            return _SHRANK
+        except OSError:
+            now = os.fstat(fd)
+            if (now.st_size, now.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+                return _SHRANK
+            return None
+        with mapped:
+            if len(mapped) < before.st_size:
+                return _SHRANK
+            mapped.madvise(mmap.MADV_SEQUENTIAL)  # a cold file: read ahead further
+            return blake3.blake3(mapped, max_threads=threads).digest()
+    finally:
+        if after_map is not None:
+            after_map()
 
 
 def mismatch(entry: Entry, result: FileDigest) -> str | None:

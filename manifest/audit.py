@@ -15,6 +15,7 @@ from shardtool.safeio import open_beneath, open_dir_beneath, open_file_at
 from shardtool.text import printable
 from shardtool.errors import MissingFileError, NotARegularFileError, ShardtoolError, VerificationError
 from shardtool.manifest._document import VerifiedManifest
+from shardtool.manifest import _workers
 from shardtool.manifest._files import CHUNK, FileDigest, digest_fd, mismatch
 from shardtool.manifest._paths import MAX_SEGMENTS
 from shardtool.manifest._records import Entry
@@ -94,11 +95,14 @@ def _open_finding(entry: Entry, err: ShardtoolError) -> Finding:
 
 
 def check_file(root: Path, entry: Entry, buffer: bytearray | None = None, *, dir_fd: int | None = None,
-               parallel: bool = False) -> Finding | None:
+               parallel: bool = False, threads: int | None = None,
+               before_map: Callable[[], None] | None = None,
+               after_map: Callable[[], None] | None = None) -> Finding | None:
     """Hash one listed file and compare; return its finding or None when it matches.
 
     `dir_fd`: an already opened (link-free) parent directory, so a batch of files in one directory
-    costs one open each rather than one per path component.
+    costs one open each rather than one per path component. `threads`, `before_map`, `after_map`: as `digest_fd`'s
+    (given only in audit's supervised worker processes).
     """
     try:
         if dir_fd is None:
@@ -108,7 +112,8 @@ def check_file(root: Path, entry: Entry, buffer: bytearray | None = None, *, dir
     except ShardtoolError as e:
         return _open_finding(entry, e)
     try:
-        result = digest_fd(fd, buffer, parallel=parallel, expected_size=entry.size)
+        result = digest_fd(fd, buffer, parallel=parallel, expected_size=entry.size, threads=threads,
+                           before_map=before_map, after_map=after_map)
     except OSError as e:
         return _from_entry(entry, "unreadable", f"read failed: {e.strerror}")
     finally:
@@ -229,38 +234,88 @@ def _batches(entries: list[Entry]) -> list[list[Entry]]:
     return out
 
 
+def _check_batch(root: Path, items: list[Entry], buf: bytearray, *, parallel: bool = False,
+                 threads: int | None = None, mapping: Callable[[int | None], None] | None = None) -> list[Finding]:
+    """Check a batch of listed files from one directory (opened once); their findings. `mapping(k)`: in a
+    worker process, said before the k-th file is hashed from a mapping; `mapping(None)`: once it is unmapped."""
+    found: list[Finding] = []
+    reldir = items[0].path.rpartition("/")[0]
+    try:
+        dir_fd = open_dir_beneath(root, reldir)
+    except ShardtoolError as e:
+        return [_open_finding(entry, e) for entry in items]
+    try:
+        for k, entry in enumerate(items):
+            before_map = None if mapping is None else (lambda k=k: mapping(k))
+            after_map = None if mapping is None else (lambda: mapping(None))
+            finding = check_file(root, entry, buf, dir_fd=dir_fd, parallel=parallel, threads=threads,
+                                 before_map=before_map, after_map=after_map)
+            if finding is not None:
+                found.append(finding)
+    finally:
+        os.close(dir_fd)
+    return found
+
+
 def _hash_all(root: Path, entries: list[Entry], workers: int | None, progress, report: AuditReport) -> list[Finding]:
-    """Hash in a thread pool: reads and BLAKE3 release the GIL, so threads keep disk and cores busy.
+    """Hash every entry: in forked worker processes where the system has fork (`_workers.py`: every core
+    runs the per-file Python, large files are hashed from mappings with no copy), else in a thread pool.
 
     Each task is a batch of files from one directory. With fewer large files than workers, each file
     also gets BLAKE3's own threads so that one huge shard still uses every core.
     """
     workers = workers or (os.cpu_count() or 2)
+    if not entries:
+        return []
+    if _workers.available():
+        return _hash_in_processes(root, entries, workers, progress, report)
+    return _hash_in_threads(root, entries, workers, progress, report)
+
+
+def _few_large(entries: list[Entry], workers: int) -> bool:
+    return sum(1 for e in entries if e.size >= CHUNK) < workers
+
+
+def _hash_in_processes(root: Path, entries: list[Entry], workers: int, progress, report: AuditReport
+                       ) -> list[Finding]:
+    threads = workers if _few_large(entries, workers) else 1
+    index = {id(e): i for i, e in enumerate(entries)}
+    tasks = [[index[id(e)] for e in batch] for batch in _batches(entries)]
+    buf = bytearray(CHUNK)  # each worker's own copy (forked)
+    found: list[Finding] = []
+
+    def run(indices: list[int], mapping: Callable[[int | None], None]) -> list[Finding]:
+        return _check_batch(root, [entries[i] for i in indices], buf, threads=threads, mapping=mapping)
+
+    def done(task: list[int], findings: list[Finding]) -> None:
+        found.extend(findings)
+        size = sum(entries[i].size for i in task)
+        report.files_checked += len(task)
+        report.bytes_hashed += size
+        if progress:
+            progress(size)
+
+    def died_mapping(i: int, detail: str) -> Finding:
+        return _from_entry(entries[i], "unreadable", detail)
+
+    _workers.run_batches(tasks, workers, run, done, died_mapping)
+    return found
+
+
+def _hash_in_threads(root: Path, entries: list[Entry], workers: int, progress, report: AuditReport
+                     ) -> list[Finding]:
+    """Hash in a thread pool: reads and BLAKE3 release the GIL, so threads keep disk and cores busy."""
     local = threading.local()
     lock = threading.Lock()
-    parallel = sum(1 for e in entries if e.size >= CHUNK) < workers
+    parallel = _few_large(entries, workers)
 
     def batch(items: list[Entry]) -> list[Finding]:
         buf = getattr(local, "buf", None)
         if buf is None:
             buf = local.buf = bytearray(CHUNK)
-        found: list[Finding] = []
-        reldir = items[0].path.rpartition("/")[0]
-        try:
-            dir_fd = open_dir_beneath(root, reldir)
-        except ShardtoolError as e:
-            found.extend(_open_finding(entry, e) for entry in items)
-            dir_fd = None
-        if dir_fd is not None:
-            try:
-                for entry in items:
-                    finding = check_file(root, entry, buf, dir_fd=dir_fd, parallel=parallel)
-                    if finding is not None:
-                        found.append(finding)
-                    if progress:
-                        progress(entry.size)
-            finally:
-                os.close(dir_fd)
+        found = _check_batch(root, items, buf, parallel=parallel)
+        if progress:
+            progress(sum(e.size for e in items))
         with lock:
             report.files_checked += len(items)
             report.bytes_hashed += sum(e.size for e in items)

@@ -145,3 +145,24 @@ def test_verify_shard_refuses_special_and_missing_files(cli, signed, tmp_path):
     assert r.code == 1 and "FIFO" in r.err  # refused, and never blocks on the open
     r = cli("verify-shard", tmp_path / "nothing", "--proof", "p.proof", "--trust", "a.pub")
     assert r.code == 2 and "not found" in r.err
+
+
+def test_many_workers_under_a_low_descriptor_limit(cli, tmp_path):
+    """`--workers 64` with `ulimit -n 40`: the audit runs with as many workers as the limit allows."""
+    import resource
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = tmp_path / "model"
+    for i in range(70):
+        (model / f"d{i:02d}").mkdir(parents=True)
+        (model / f"d{i:02d}/w.bin").write_bytes(os.urandom(2000))
+    cli.ok("keygen", "--out", "a", "--no-passphrase")
+    cli.ok("manifest", model, "--model-id", "acme/many")
+    cli.ok("sign", model, "--key", "a.key")
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    proc = subprocess.run([str(Path(sys.executable).parent / "shardtool"), "audit", str(model), "--trust", "a.pub", "--workers", "64", "-q"],
+                          cwd=cli.cwd, env=cli.env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (40, hard)))
+    assert proc.returncode == 0, proc.stderr
