@@ -26,9 +26,11 @@ class VerifiedWeights:
         `lookahead`: accept the forward pass's predicted experts (`prefetch_experts`). The shard cache must then hold
         two layers' working sets (trunk + `window` experts each): the layer computing and the one predicted. In a
         smaller cache the guesses would push out what the computing layer uses (thrashing), so lookahead stays off
-        (`lookahead` is then False). The store evicts least recently used first and a prefetch touches what it
-        finds cached, so in a cache that size the guesses for layer l+1 push out older layers' experts, never
-        layer l's trunk or experts. Each layer's prefetch is capped at half the shard cache, so a batch that
+        (`lookahead` is then False). Under the default policy (lru) the store evicts least recently used first and
+        a prefetch touches what it finds cached, so in a cache that size the guesses for layer l+1 push out older
+        layers' experts, never layer l's trunk or experts. Under lfu / lfu-da that ordering is not guaranteed: a
+        guess can evict one of layer l's experts used fewer times (the forward pass still holds the arrays it was
+        handed, so the result is the same; the expert is read again when next asked for). Each layer's prefetch is capped at half the shard cache, so a batch that
         predicts many experts cannot flush the cache with guesses."""
         self.store = store
         self.entries = manifest.by_path()
