@@ -119,7 +119,7 @@ def check_cache_policy(name: str | None) -> str | None:
     from shardtool.runtime import CACHE_POLICIES
 
     if name not in CACHE_POLICIES:
-        raise UsageError(f"--cache-policy must be one of {', '.join(CACHE_POLICIES)}, got {printable(name[:40])!r}")
+        raise UsageError(f"--cache-policy must be one of {', '.join(CACHE_POLICIES)}, got '{printable(name[:40])}'")
     return name
 LOOKAHEAD_HELP = ("Predict each next layer's experts with its router and start reading and verifying them while "
                   "the current layer computes (not with --cluster). Off by default: on 2 busy cores it did not "

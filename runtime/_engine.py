@@ -460,7 +460,7 @@ class Engine:
             return  # the next step boundary releases it
         if not np.isfinite(logits).all():
             self._fail([ticket], VerificationError(f"the signed weights give non-finite logits at new token "
-                                                   f"{ticket.generated}: they overflow float32"))
+                                                   f"{ticket.generated} (NaN or infinity in float32)"))
             return
         p = ticket.params
         token = sample_token(logits, temperature=p.temperature, top_p=p.top_p, rng=ticket.rng)

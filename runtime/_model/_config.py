@@ -177,6 +177,8 @@ def _rope(r: ConfigReader, dim: int, max_pos: int, interleave: bool = False) -> 
     if partial not in (None, 1, 1.0):
         raise CheckpointFormatError(f"config.json: partial_rotary_factor {partial!r} is not supported")
     theta = p.float("rope_theta", None) or r.float("rope_theta")
+    if not theta > 1.0:  # the frequencies are theta ** (-2i / d); YaRN divides by log(theta)
+        raise CheckpointFormatError(f"config.json: rope_theta must be above 1, got {theta}")
     if dim % 2:
         raise CheckpointFormatError(f"config.json: rotary dimension {dim} must be even")
     if kind == "default":
@@ -196,13 +198,16 @@ def _rope(r: ConfigReader, dim: int, max_pos: int, interleave: bool = False) -> 
     truncate = params.get("truncate", True)
     if not isinstance(truncate, bool):
         raise CheckpointFormatError(f"config.json: rope truncate must be true or false, got {truncate!r}")
+    mscale, mscale_all_dim = p.float("mscale", None, positive=False), p.float("mscale_all_dim", None, positive=False)
+    for name, value in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)):
+        if value is not None and value < 0:  # 0.1 * m * ln(factor) + 1 must stay >= 1: it divides and scales
+            raise CheckpointFormatError(f"config.json: rope {name} must be >= 0, got {value}")
     return RopeConfig(
         "yarn", theta, dim, factor=factor, interleave=interleave,
         original_max_position_embeddings=p.int("original_max_position_embeddings", max_pos or ConfigReader.REQUIRED),
         attention_factor=p.float("attention_factor", None),
         beta_fast=p.float("beta_fast", None) or 32.0, beta_slow=p.float("beta_slow", None) or 1.0,
-        mscale=p.float("mscale", None, positive=False), mscale_all_dim=p.float("mscale_all_dim", None, positive=False),
-        truncate=truncate,
+        mscale=mscale, mscale_all_dim=mscale_all_dim, truncate=truncate,
     )
 
 

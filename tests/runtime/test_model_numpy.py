@@ -201,6 +201,13 @@ BAD_CONFIGS = {
     "bad fp8 block size": {**CONFIGS["deepseek_v3"], "quantization_config": {"weight_block_size": [128]}},
     "yarn without original length": {**CONFIGS["deepseek_v3"], "max_position_embeddings": 0,
                                      "rope_scaling": {"type": "yarn", "factor": 2.0}},
+    # YaRN divides by log(rope_theta) and by its mscale (0.1 * m * ln(factor) + 1): both must stay away from zero
+    "rope_theta of 1 under yarn": {**CONFIGS["gpt_oss"], "rope_theta": 1.0},
+    "rope_theta below 1": {**CONFIGS["mixtral"], "rope_theta": 1e-300},
+    "yarn mscale_all_dim that zeroes its mscale": {
+        **CONFIGS["deepseek_v3"], "rope_scaling": {"type": "yarn", "factor": 2.718281828459045,
+                                                   "original_max_position_embeddings": 16, "mscale": 1.0,
+                                                   "mscale_all_dim": -10.0}},
 }
 
 
