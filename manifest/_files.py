@@ -80,6 +80,31 @@ class _Stopwatch:
             self.cpu += time.thread_time() - c
 
 
+def _open_signed_size(root: Path, entry: Entry) -> int:
+    """`entry` opened beneath `root` (the one safe-open), its size compared with the signed one before a byte is
+    read; the caller closes the descriptor."""
+    fd = open_beneath(Path(root), entry.path)
+    try:
+        size = os.fstat(fd).st_size
+    except OSError as e:
+        os.close(fd)
+        raise StorageError(f"cannot stat: {e.strerror}", path=entry.path) from e
+    if size != entry.size:
+        os.close(fd)
+        raise size_mismatch(entry, size)
+    return fd
+
+
+def _check_whole_read(entry: Entry, done: int, extra: int, hasher) -> None:
+    """The entry check after a read front to back: exactly the signed size (`extra`: a byte found past it), then
+    the signed BLAKE3."""
+    if done != entry.size or extra:
+        raise changed_while_read(entry, f"{done}{'+' if extra else ''}")
+    digest = hasher.digest()
+    if digest != entry.digest:
+        raise digest_mismatch(entry, digest)
+
+
 def _read_and_hash(fd: int, view: memoryview, size: int, read: Callable, update: Callable) -> tuple[int, int]:
     """The verified read's loop: fill `view` ([size] bytes) from `fd`, hashing each chunk as it lands.
     Returns (bytes read, bytes found past `size`: 0 or 1)."""
@@ -105,25 +130,18 @@ def read_verified_timed(root: Path, entry: Entry) -> VerifiedBytes:
     """
     import numpy as np  # here, not at module level: audits never need it, and it costs ~40 ms to import
 
-    opening = _Stopwatch(open_beneath)
-    fd = opening(Path(root), entry.path)
+    opening = _Stopwatch(_open_signed_size)
+    fd = opening(root, entry)
     hasher = blake3.blake3()
     reading, hashing = _Stopwatch(os.readv), _Stopwatch(hasher.update)
     try:
-        size = os.fstat(fd).st_size
-        if size != entry.size:
-            raise size_mismatch(entry, size)
         data = np.empty(entry.size, np.uint8)  # not zero-filled: every byte is overwritten by the read
         done, extra = _read_and_hash(fd, memoryview(data), entry.size, reading, hashing)
     except OSError as e:
         raise StorageError(f"read failed: {e.strerror}", path=entry.path) from e
     finally:
         os.close(fd)
-    if done != entry.size or extra:
-        raise changed_while_read(entry, f"{done}{'+' if extra else ''}")
-    digest = hasher.digest()
-    if digest != entry.digest:
-        raise digest_mismatch(entry, digest)
+    _check_whole_read(entry, done, extra, hasher)
     data.flags.writeable = False
     return VerifiedBytes(data, opening.wall + reading.wall, hashing.wall, opening.cpu + reading.cpu, hashing.cpu)
 
@@ -134,11 +152,8 @@ def read_verified_prefix(root: Path, entry: Entry, prefix_length: Callable[[byte
     first bytes: `prefix_length(first_8_bytes)` of them (clamped to the file). The prefix is returned only
     after the whole file matched, so a caller parses nothing it has not verified (join reads shard
     headers this way before it lays out the rebuilt files)."""
-    fd = open_beneath(Path(root), entry.path)
+    fd = _open_signed_size(root, entry)
     try:
-        size = os.fstat(fd).st_size
-        if size != entry.size:
-            raise size_mismatch(entry, size)
         view = memoryview(buffer if buffer is not None else bytearray(CHUNK))
         hasher = blake3.blake3()
         prefix = bytearray()
@@ -182,15 +197,7 @@ class VerifyingStream:
         self.entry = entry
         self.done = 0
         self._hash = blake3.blake3()
-        self._fd = open_beneath(Path(root), entry.path)
-        try:
-            size = os.fstat(self._fd).st_size
-        except OSError as e:
-            os.close(self._fd)
-            raise StorageError(f"cannot stat: {e.strerror}", path=entry.path) from e
-        if size != entry.size:
-            os.close(self._fd)
-            raise size_mismatch(entry, size)
+        self._fd = _open_signed_size(root, entry)
 
     def __enter__(self) -> "VerifyingStream":
         return self
@@ -225,11 +232,7 @@ class VerifyingStream:
             extra = len(os.read(self._fd, 1)) if self.done == self.entry.size else 0
         except OSError as e:
             raise StorageError(f"read failed: {e.strerror}", path=self.entry.path) from e
-        if self.done != self.entry.size or extra:
-            raise changed_while_read(self.entry, f"{self.done}{'+' if extra else ''}")
-        digest = self._hash.digest()
-        if digest != self.entry.digest:
-            raise digest_mismatch(self.entry, digest)
+        _check_whole_read(self.entry, self.done, extra, self._hash)
 
 
 def read_verified(root: Path, entry: Entry) -> "np.ndarray":

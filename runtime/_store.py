@@ -92,7 +92,6 @@ class ShardStore:
         self.budget = budget_bytes
         self.stats = StoreStats()
         self._fetch_missing = fetch_missing
-        self.policy = policy
         self._index = CacheIndex(policy, budget_bytes)  # which shards are cached, their bytes, the eviction order
         self._cache: dict[str, Arrays] = {}
         self._unused: set[str] = set()  # loaded (or loading) for a prefetch, not yet asked for by a request
@@ -102,6 +101,10 @@ class ShardStore:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def policy(self) -> str:
+        return self._index.policy
 
     @property
     def cached_bytes(self) -> int:
