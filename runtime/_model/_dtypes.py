@@ -12,7 +12,8 @@ from shardtool.errors import CheckpointFormatError
 from shardtool.families import MXFP4_GROUP
 
 FLOAT8 = np.dtype(ml_dtypes.float8_e4m3fn)
-COMPUTE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), FLOAT8)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+COMPUTE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BF16, FLOAT8)
 DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3 `quantization_config.weight_block_size`
 # MXFP4 (OCP Microscaling, as gpt-oss stores its experts): FP4 E2M1 values, two per byte, in groups of 32 that
 # share one E8M0 scale byte 2^(s - 127). The value of each 4-bit code (sign bit, then magnitude):

@@ -1,0 +1,170 @@
+"""A linear layer's weight as it is stored, and the product with it: the forward pass never expands a weight whole.
+
+`pack` reads one projection's stored tensors (float32/float16/bfloat16, DeepSeek's block-scaled FP8, gpt-oss's
+MXFP4, shardtool's block int8/int4 of `shardtool.blockquant`), checks their dtypes, shapes and scales, and returns a
+`Packed`; `matmul_t(x, w)` multiplies by it in the stored dtype. This module holds the numpy reference for each
+kind; native kernels, where present, replace it kind by kind and must agree with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardtool import blockquant
+from shardtool.errors import CheckpointFormatError
+
+from ._dtypes import BF16, DEFAULT_BLOCK, FLOAT8, MXFP4_GROUP, dequantize, mxfp4_to_float32
+
+KINDS = ("f32", "f16", "bf16", "fp8", "q8", "q4", "mxfp4")
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """# one weight [out, in] in its stored form
+
+    kind "f32"/"f16"/"bf16": data [out, in] in that dtype; "fp8": data float8_e4m3fn [out, in], scale float32
+    [ceil(out/b0), ceil(in/b1)], block (b0, b1); "q8": data int8 [out, in], scale float16 [out, in/32]; "q4": data
+    uint8 [out, in/2], scale float16 [out, in/32]; "mxfp4": data uint8 [out, in/32, 16], scale uint8 [out, in/32].
+    """
+    kind: str
+    shape: tuple[int, int]
+    data: np.ndarray
+    scale: np.ndarray | None = None
+    block: tuple[int, int] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (0 if self.scale is None else self.scale.nbytes)
+
+
+def pack(t: Mapping[str, np.ndarray], proj: str, shape: tuple[int, int], where: str, *,
+         fp8_block: tuple[int, int] = DEFAULT_BLOCK, mxfp4: bool = False) -> Packed:
+    """Projection `proj` (e.g. "gate_proj", "self_attn.q_proj") of tensors `t`, expected [out, in] = `shape`.
+
+    Exactly one stored form must be present: `<proj>.weight` (float, FP8 + `weight_scale_inv`, or int8 +
+    `weight_scale`), `<proj>.weight_q4` + `weight_scale`, or (when `mxfp4`) `weight_blocks` + `weight_scales`.
+    Anything else is a CheckpointFormatError naming `where` and the tensor."""
+    def missing(name: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"{where}: missing tensor {proj}.{name}")
+
+    out_f, in_f = shape
+    names = {s: t.get(f"{proj}.{s}") for s in ("weight", "weight_scale_inv", blockquant.SCALE_SUFFIX,
+                                               blockquant.Q4_SUFFIX, "weight_blocks", "weight_scales")}
+    forms = [s for s in ("weight", blockquant.Q4_SUFFIX, "weight_blocks") if names[s] is not None]
+    if len(forms) != 1:
+        if not forms:
+            raise missing("weight")
+        raise CheckpointFormatError(f"{where}: {proj} is stored in more than one form ({', '.join(forms)})")
+    form = forms[0]
+    if form == "weight_blocks":
+        return _pack_mxfp4(names["weight_blocks"], names["weight_scales"], proj, shape, where, mxfp4)
+    if form == blockquant.Q4_SUFFIX or names["weight"].dtype == np.int8:
+        return _pack_block(form, names[form], names[blockquant.SCALE_SUFFIX], proj, shape, where)
+    w = names["weight"]
+    if names[blockquant.SCALE_SUFFIX] is not None:
+        raise CheckpointFormatError(f"{where}: {proj}.weight_scale beside a {w.dtype} weight (int8 expected)")
+    if w.shape != shape:
+        raise CheckpointFormatError(f"{where}: {proj}.weight has shape {w.shape}, expected {shape}")
+    if w.dtype == FLOAT8:
+        s = names["weight_scale_inv"]
+        if s is None:
+            raise missing("weight_scale_inv")
+        b0, b1 = fp8_block
+        want = (-(-out_f // b0), -(-in_f // b1))
+        if s.shape != want:
+            raise CheckpointFormatError(f"{where}: {proj}.weight_scale_inv has shape {s.shape}, expected {want} "
+                                        f"for {shape} in {b0}x{b1} blocks")
+        scale = _finite_scale(s, f"{where}: {proj}.weight_scale_inv").astype(np.float32)
+        return Packed("fp8", shape, w, np.ascontiguousarray(scale), fp8_block)
+    if names["weight_scale_inv"] is not None:
+        raise CheckpointFormatError(f"{where}: {proj}.weight_scale_inv beside a {w.dtype} weight (float8 expected)")
+    kind = _FLOAT_KINDS.get(w.dtype)
+    if kind is None:
+        raise CheckpointFormatError(f"{where}: {proj}.weight has unsupported dtype {w.dtype}",
+                                    hint="expected float32, float16, bfloat16, float8_e4m3fn or int8")
+    return Packed(kind, shape, np.ascontiguousarray(w))
+
+
+_FLOAT_KINDS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", BF16: "bf16"}
+
+
+def _finite_scale(s: np.ndarray, what: str) -> np.ndarray:
+    if s.dtype not in (np.dtype(np.float32), np.dtype(np.float16), BF16):
+        raise CheckpointFormatError(f"{what} has dtype {s.dtype}, expected a float")
+    if not np.all(np.isfinite(s)):
+        raise CheckpointFormatError(f"{what}: a scale is NaN or infinite")
+    return s
+
+
+def _pack_block(form: str, data: np.ndarray, scale: np.ndarray | None, proj: str, shape: tuple[int, int],
+                where: str) -> Packed:
+    out_f, in_f = shape
+    q4 = form == blockquant.Q4_SUFFIX
+    if scale is None:
+        raise CheckpointFormatError(f"{where}: missing tensor {proj}.{blockquant.SCALE_SUFFIX} beside its "
+                                    f"{'int4' if q4 else 'int8'} weight")
+    if in_f % blockquant.QBLOCK:
+        raise CheckpointFormatError(f"{where}: {proj} has {in_f} inputs, not a multiple of the quantization block "
+                                    f"of {blockquant.QBLOCK}")
+    want_data = (out_f, in_f // 2) if q4 else (out_f, in_f)
+    want_dtype = np.dtype(np.uint8) if q4 else np.dtype(np.int8)
+    want_scale = (out_f, in_f // blockquant.QBLOCK)
+    if data.dtype != want_dtype or data.shape != want_data:
+        raise CheckpointFormatError(f"{where}: {proj}.{form} is {data.dtype} {data.shape}, expected {want_dtype} "
+                                    f"{want_data} for {shape}")
+    if scale.dtype != np.float16 or scale.shape != want_scale:
+        raise CheckpointFormatError(f"{where}: {proj}.{blockquant.SCALE_SUFFIX} is {scale.dtype} {scale.shape}, "
+                                    f"expected float16 {want_scale}")
+    _finite_scale(scale, f"{where}: {proj}.{blockquant.SCALE_SUFFIX}")
+    return Packed("q4" if q4 else "q8", shape, np.ascontiguousarray(data), np.ascontiguousarray(scale))
+
+
+def _pack_mxfp4(blocks: np.ndarray, scales: np.ndarray | None, proj: str, shape: tuple[int, int], where: str,
+                allowed: bool) -> Packed:
+    out_f, in_f = shape
+    if scales is None:
+        raise CheckpointFormatError(f"{where}: missing tensor {proj}.weight_scales beside {proj}.weight_blocks")
+    if not allowed:
+        raise CheckpointFormatError(f"{where}: {proj} is stored as MXFP4 blocks, but config.json declares no "
+                                    f"quantization_config with quant_method 'mxfp4'")
+    if in_f % MXFP4_GROUP:
+        raise CheckpointFormatError(f"{where}: {proj} has {in_f} inputs, not a multiple of the MXFP4 group of "
+                                    f"{MXFP4_GROUP}")
+    groups = in_f // MXFP4_GROUP
+    want_blocks, want_scales = (out_f, groups, MXFP4_GROUP // 2), (out_f, groups)
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape != want_blocks \
+            or scales.shape != want_scales:
+        raise CheckpointFormatError(f"{where}: MXFP4 {proj}.weight_blocks {blocks.dtype} {blocks.shape} / "
+                                    f"weight_scales {scales.dtype} {scales.shape}, expected uint8 {want_blocks} / "
+                                    f"{want_scales} for {shape}")
+    if np.any(scales == 0xFF):
+        raise CheckpointFormatError(f"{where}: {proj} has MXFP4 scale 0xFF (NaN)")
+    return Packed("mxfp4", shape, np.ascontiguousarray(blocks), np.ascontiguousarray(scales))
+
+
+def matmul_t(x: np.ndarray, w: Packed) -> np.ndarray:
+    """# [m, in] float32, Packed [out, in] -> [m, out] float32  (x @ W.T in the stored dtype)
+
+    Reference: expands the weight, then one BLAS product (one row goes through gemv)."""
+    f = w.data if w.kind == "f32" else to_float32(w)
+    if x.shape[0] == 1:
+        return (f @ x[0])[None, :]
+    return x @ f.T
+
+
+def to_float32(w: Packed) -> np.ndarray:
+    """# Packed [out, in] -> [out, in] float32: the reference expansion (tests; never per use on the decode path)"""
+    if w.kind in ("f32", "f16", "bf16"):
+        return np.ascontiguousarray(w.data, dtype=np.float32)
+    if w.kind == "fp8":
+        return dequantize(w.data, w.scale, w.block)
+    if w.kind == "q8":
+        return blockquant.dequantize_q8(w.data, w.scale)
+    if w.kind == "q4":
+        return blockquant.dequantize_q4(w.data, w.scale)
+    if w.kind == "mxfp4":
+        return mxfp4_to_float32(w.data, w.scale)
+    raise CheckpointFormatError(f"unknown packed weight kind {w.kind!r}")
