@@ -15,6 +15,8 @@ from ._activations import prefill_chunk
 from ._cache import KVCache
 from ._config import ModelConfig
 from ._dtypes import to_float32, weight_f32
+from ._packed import pack
+from ._packed import to_float32 as packed_to_float32
 from ._llama4 import chunked_mask
 from ._gpt_oss import clamped_swiglu, expert_weights
 from ._layers import (ROUTER_TENSORS, ExpertFetch, ExpertOutputs, ExpertUnavailable, ObserveRoute, causal_mask,
@@ -118,16 +120,9 @@ def prepare_layer(cfg: ModelConfig, layer: int, tensors: Mapping[str, np.ndarray
 def _expert_f32(cfg: ModelConfig, layer: int, expert: int,
                 t: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     i, h = cfg.moe_intermediate_size, cfg.hidden_size
-    out = []
-    for name, shape in (("gate_proj.weight", (i, h)), ("up_proj.weight", (i, h)), ("down_proj.weight", (h, i))):
-        if name not in t:
-            raise CheckpointFormatError(f"layer {layer} expert {expert}: missing tensor {name}")
-        a = weight_f32(t, name, cfg.fp8_block)
-        if a.shape != shape:
-            raise CheckpointFormatError(f"layer {layer} expert {expert}: {name} has shape {a.shape}, "
-                                        f"expected {shape}")
-        out.append(a)
-    return out[0], out[1], out[2]
+    where = f"layer {layer} expert {expert}"
+    return tuple(packed_to_float32(pack(t, name, shape, where, fp8_block=cfg.fp8_block))  # type: ignore[return-value]
+                 for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))))
 
 
 def run_expert(cfg: ModelConfig, layer: int, expert: int, t: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:

@@ -12,12 +12,14 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from shardtool import blockquant
 from shardtool.errors import CheckpointFormatError
 from shardtool.families import EXPERT_PROJ_ALIASES, FUSED, MXFP4_GROUP, PER_EXPERT
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
-_EXPERT_SUFFIXES = ("weight", "weight_scale_inv", "bias", "weight_blocks", "weight_scales")
+_EXPERT_SUFFIXES = ("weight", "weight_scale_inv", "bias", "weight_blocks", "weight_scales", blockquant.SCALE_SUFFIX,
+                    blockquant.Q4_SUFFIX)
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
