@@ -17,8 +17,6 @@ from shardtool.runtime._store import ShardStore
 class VerifiedWeights:
     """A `WeightProvider` whose every array comes from bytes verified against the signed manifest."""
 
-    cache_float32 = False  # float32 copies of the trunk would sit outside the store's budget
-
     def __init__(self, store: ShardStore, manifest: VerifiedManifest, num_layers: int, *, window: int = 8,
                  lookahead: bool = False):
         """`window`: expert loads started ahead of the one being computed (the plan sizes it: top-k).

@@ -20,6 +20,7 @@ import numpy as np
 from shardtool.errors import CheckpointFormatError, DigestMismatchError, MissingFileError, ShardFormatError
 from shardtool.manifest import Entry, read_verified_timed
 from shardtool.runtime._cache_policy import DEFAULT_POLICY, CacheIndex
+from shardtool.runtime._model._weights import Tensors
 
 Arrays = Mapping[str, np.ndarray]
 # Each chunk is hashed right after it is read, while it is still in the CPU cache: one pass over memory
@@ -66,15 +67,18 @@ def _count(counts: dict[str, int], kind: str) -> None:
     counts[kind] = counts.get(kind, 0) + 1
 
 
-def parse_shard(entry: Entry, data: np.ndarray | bytes) -> Arrays:
-    """Parse verified bytes. Malformed-but-signed shards fail cleanly as a verification error."""
+def parse_shard(entry: Entry, data: np.ndarray | bytes) -> Tensors:
+    """Parse verified bytes. Malformed-but-signed shards fail cleanly as a verification error.
+
+    One `Tensors` per load: the forward pass packs its weights once (views, no copies) and keeps them on it, so
+    they are dropped with the shard when it is evicted."""
     from shardtool.safetensors_format import parse_safetensors
 
     try:
         arrays, _ = parse_safetensors(data)
     except CheckpointFormatError as e:
         raise ShardFormatError(f"signed shard is not valid safetensors: {e.message}", path=entry.path) from None
-    return arrays
+    return Tensors(arrays)
 
 
 class ShardStore:

@@ -15,8 +15,7 @@ from ._activations import prefill_chunk
 from ._cache import KVCache
 from ._config import ModelConfig
 from ._dtypes import to_float32, weight_f32
-from ._packed import pack
-from ._packed import to_float32 as packed_to_float32
+from ._packed import Packed, pack
 from ._llama4 import chunked_mask
 from ._gpt_oss import clamped_swiglu, expert_weights
 from ._layers import (ROUTER_TENSORS, ExpertFetch, ExpertOutputs, ExpertUnavailable, ObserveRoute, causal_mask,
@@ -24,7 +23,7 @@ from ._layers import (ROUTER_TENSORS, ExpertFetch, ExpertOutputs, ExpertUnavaila
                       rms_norm)
 from ._lookahead import LookaheadStats
 from ._rope import cos_sin, inv_freq
-from ._weights import WeightProvider
+from ._weights import WeightProvider, derived
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -90,9 +89,10 @@ def _canonical_trunk_name(name: str) -> str:
 
 
 def prepare_layer(cfg: ModelConfig, layer: int, tensors: Mapping[str, np.ndarray], *,
-                  only: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-    """Trunk tensors of one layer as float32 under canonical names, each checked against its expected shape;
-    with `only`, just those of them (the lookahead converts only the router's)."""
+                  only: Sequence[str] | None = None) -> dict[str, Packed | np.ndarray]:
+    """Trunk tensors of one layer under canonical names, each checked against its expected shape: the weights
+    [out, in] as stored (`pack`: views, no copies), the vectors (norms, biases, sinks) as float32; with `only`,
+    just those of them (the lookahead's router)."""
     by_name = {_canonical_trunk_name(n): n for n in tensors}
     required, optional = trunk_shapes(cfg, layer)
     if only is not None:
@@ -103,41 +103,50 @@ def prepare_layer(cfg: ModelConfig, layer: int, tensors: Mapping[str, np.ndarray
     if unknown:
         raise CheckpointFormatError(f"layer {layer}: unexpected tensors {sorted(unknown)} for a {cfg.model_type} "
                                     f"layer", hint="the config.json does not describe these weights")
-    out = {}
+    canonical = {name: tensors[source] for name, source in by_name.items()}
+    out: dict[str, Packed | np.ndarray] = {}
     for name, shape in chain(required.items(), optional.items()):
-        source = by_name.get(name)
-        if source is None:
+        if name not in canonical:
             if name in required:
                 raise CheckpointFormatError(f"layer {layer}: missing tensor {name}")
             continue
-        array = weight_f32(tensors, source, cfg.fp8_block)
+        if len(shape) == 2:  # a weight [out, in]
+            out[name] = pack(canonical, name.removesuffix(".weight"), shape, f"layer {layer}",  # type: ignore[arg-type]
+                             fp8_block=cfg.fp8_block)
+            continue
+        array = weight_f32(canonical, name, cfg.fp8_block)
         if array.shape != shape:
             raise CheckpointFormatError(f"layer {layer}: {name} has shape {array.shape}, expected {shape}")
         out[name] = array
     return out
 
 
-def _expert_f32(cfg: ModelConfig, layer: int, expert: int,
-                t: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def expert_packed(cfg: ModelConfig, layer: int, expert: int,
+                  t: Mapping[str, np.ndarray]) -> tuple[Packed, Packed, Packed]:
+    """# an expert shard's tensors -> gate [I, H], up [I, H], down [H, I] as stored, checked; once per shard
+    (`derived`)."""
     i, h = cfg.moe_intermediate_size, cfg.hidden_size
     where = f"layer {layer} expert {expert}"
-    return tuple(packed_to_float32(pack(t, name, shape, where, fp8_block=cfg.fp8_block))  # type: ignore[return-value]
-                 for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))))
+    return derived(t, "expert", cfg, lambda t: tuple(  # type: ignore[return-value]
+        pack(t, name, shape, where, fp8_block=cfg.fp8_block)
+        for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i)))))
 
 
 def run_expert(cfg: ModelConfig, layer: int, expert: int, t: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
     """# the expert's stored tensors, x [m, H] float32 -> its unweighted output [m, H]: what the local forward pass
     and a cluster node both compute for an expert (the coordinator weights and sums them, `moe_experts`)."""
     if cfg.expert_act == "clamped_swiglu":  # gpt-oss: biased projections around the clamped SwiGLU
-        w = expert_weights(cfg, layer, expert, t)
+        w = derived(t, "expert", cfg, lambda t: expert_weights(cfg, layer, expert, t))
         hidden = clamped_swiglu(linear(x, w.gate, w.gate_bias), linear(x, w.up, w.up_bias), cfg.swiglu_alpha,
                                 cfg.swiglu_limit)
         return linear(hidden, w.down, w.down_bias)
-    return expert_mlp(x, *_expert_f32(cfg, layer, expert, t))
+    return expert_mlp(x, *expert_packed(cfg, layer, expert, t))
 
 
 class Float32Weights:
-    """The model's view of the provider: float32 conversion, and the optional float32 trunk cache.
+    """The model's view of the provider: each shard's tensors checked against the config and its weights packed as
+    stored, once per shard the provider hands out (`derived`); float32 is what the products return, never a
+    whole weight's copy.
 
     `remote(layer)`, when given, computes the routed experts instead of the provider (a cluster's nodes); the
     provider then serves only the trunk.
@@ -154,59 +163,44 @@ class Float32Weights:
         self.remote = remote
         self.lookahead_stats = LookaheadStats()
         self._predicted: dict[int, np.ndarray] = {}  # layer -> [T, k] ids predicted for this step's rows
-        self.keep = bool(getattr(provider, "cache_float32", False))
-        self._layers: dict[int, dict[str, np.ndarray]] = {}
-        self._embed: np.ndarray | None = None
-        self._head: tuple[np.ndarray, np.ndarray] | None = None
 
     def embed_rows(self, ids: np.ndarray) -> np.ndarray:  # [T] -> [T, H]
-        if self._embed is not None:
-            return self._embed[ids]
-        table = self._embed_table()
-        if self.keep:
-            self._embed = to_float32(table, "model.embed_tokens.weight")
-            return self._embed[ids]
-        return to_float32(table[ids], "model.embed_tokens.weight")  # convert only the rows used
+        table = derived(self.provider.embed(), "embed", self.cfg, self._embed_table)
+        return to_float32(table[ids], "model.embed_tokens.weight")  # only the rows used
 
-    def _embed_table(self) -> np.ndarray:
-        table = _unwrapped(self.provider.embed()).get("model.embed_tokens.weight")
+    def _embed_table(self, embed: Mapping[str, np.ndarray]) -> np.ndarray:  # -> [V, H] as stored
+        table = _unwrapped(embed).get("model.embed_tokens.weight")
         if table is None:
             raise CheckpointFormatError("missing tensor model.embed_tokens.weight")
         if table.shape != (self.cfg.vocab_size, self.cfg.hidden_size):
             raise CheckpointFormatError(f"model.embed_tokens.weight has shape {table.shape}, expected "
                                         f"{(self.cfg.vocab_size, self.cfg.hidden_size)}")
+        to_float32(table[:0], "model.embed_tokens.weight")  # its dtype checked
         return table
 
-    def head(self) -> tuple[np.ndarray, np.ndarray]:  # norm [H], lm_head [V, H]
-        if self._head is not None:
-            return self._head
-        t = _unwrapped(self.provider.head())
+    def head(self) -> tuple[np.ndarray, Packed]:  # norm [H] float32, lm_head [V, H] as stored
+        return derived(self.provider.head(), "head", self.cfg, self._head)
+
+    def _head(self, head: Mapping[str, np.ndarray]) -> tuple[np.ndarray, Packed]:
+        t = _unwrapped(head)
         if "model.norm.weight" not in t:
             raise CheckpointFormatError("missing tensor model.norm.weight")
         norm = weight_f32(t, "model.norm.weight")
         if norm.shape != (self.cfg.hidden_size,):
             raise CheckpointFormatError(f"model.norm.weight has shape {norm.shape}, expected "
                                         f"{(self.cfg.hidden_size,)}")
+        shape = (self.cfg.vocab_size, self.cfg.hidden_size)
         if self.cfg.tie_word_embeddings:
-            lm = self._embed if self._embed is not None else to_float32(self._embed_table(), "embed_tokens")
+            table = derived(self.provider.embed(), "embed", self.cfg, self._embed_table)
+            lm = pack({"embed_tokens.weight": table}, "embed_tokens", shape, "model")
         elif "lm_head.weight" in t:
-            lm = weight_f32(t, "lm_head.weight", self.cfg.fp8_block)
-            if lm.shape != (self.cfg.vocab_size, self.cfg.hidden_size):
-                raise CheckpointFormatError(f"lm_head.weight has shape {lm.shape}, expected "
-                                            f"{(self.cfg.vocab_size, self.cfg.hidden_size)}")
+            lm = pack(t, "lm_head", shape, "model", fp8_block=self.cfg.fp8_block)
         else:
             raise CheckpointFormatError("missing tensor lm_head.weight", hint="tie_word_embeddings is false")
-        if self.keep:
-            self._head = (norm, lm)
         return norm, lm
 
-    def layer(self, layer: int) -> dict[str, np.ndarray]:
-        if layer in self._layers:
-            return self._layers[layer]
-        prepared = prepare_layer(self.cfg, layer, self.provider.layer(layer))
-        if self.keep:
-            self._layers[layer] = prepared
-        return prepared
+    def layer(self, layer: int) -> dict[str, Packed | np.ndarray]:
+        return derived(self.provider.layer(layer), "trunk", self.cfg, lambda t: prepare_layer(self.cfg, layer, t))
 
     @property
     def lookahead_on(self) -> bool:
@@ -219,7 +213,8 @@ class Float32Weights:
         self._predicted.pop(layer, None)
         if layer >= self.cfg.num_layers or not self.cfg.moe_layers[layer] or not self.lookahead_on:
             return
-        router = prepare_layer(self.cfg, layer, self.provider.layer(layer), only=ROUTER_TENSORS)
+        router = derived(self.provider.layer(layer), "router", self.cfg,
+                         lambda t: prepare_layer(self.cfg, layer, t, only=ROUTER_TENSORS))
         predicted = predict_experts(hidden, router, self.cfg)  # [T, k]
         self._predicted[layer] = predicted
         ids, rows = np.unique(predicted, return_counts=True)
@@ -266,8 +261,8 @@ def _unwrapped(tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
 
 
 class _LocalExperts(Mapping):
-    """expert id -> a thunk that takes the expert from the provider, converts it to float32 and runs it on its
-    rows, only when the MoE loop reaches it: with a streaming provider, expert e computes while the next one is
+    """expert id -> a thunk that takes the expert from the provider and runs it on its rows (packed as stored,
+    `expert_packed`), only when the MoE loop reaches it: with a streaming provider, expert e computes while the next one is
     still being read and verified."""
 
     def __init__(self, cfg: ModelConfig, layer: int, got: Mapping[int, Mapping[str, np.ndarray]], x: np.ndarray,

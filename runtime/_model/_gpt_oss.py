@@ -14,7 +14,8 @@ import numpy as np
 from shardtool.errors import CheckpointFormatError
 
 from ._config import ModelConfig
-from ._dtypes import MXFP4_GROUP, mxfp4_to_float32, weight_f32
+from ._dtypes import MXFP4_GROUP, weight_f32
+from ._packed import Packed, pack
 
 
 def sink_softmax(scores: np.ndarray, sinks: np.ndarray) -> np.ndarray:
@@ -58,18 +59,19 @@ def clamped_swiglu(gate: np.ndarray, up: np.ndarray, alpha: float, limit: float)
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """One gpt-oss expert in float32, nn.Linear orientation: gate/up [I, H], down [H, I], biases [I], [I], [H]."""
+    """One gpt-oss expert, nn.Linear orientation: gate/up [I, H], down [H, I] as stored (`Packed`), biases [I], [I],
+    [H] float32."""
 
-    gate: np.ndarray
-    up: np.ndarray
-    down: np.ndarray
+    gate: Packed
+    up: Packed
+    down: Packed
     gate_bias: np.ndarray
     up_bias: np.ndarray
     down_bias: np.ndarray
 
 
 def expert_weights(cfg: ModelConfig, layer: int, expert: int, t: Mapping[str, np.ndarray]) -> ExpertWeights:
-    """An expert shard's tensors as float32, each checked against the config before it is converted.
+    """An expert shard's tensors, each checked against the config: matrices packed as stored, biases as float32.
 
     A projection is either `<proj>.weight` (F32/F16/BF16) or MXFP4 `<proj>.weight_blocks` [out, in/32, 16] +
     `<proj>.weight_scales` [out, in/32] (U8), the latter only when config.json declares quant_method mxfp4.
@@ -98,16 +100,13 @@ def expert_weights(cfg: ModelConfig, layer: int, expert: int, t: Mapping[str, np
 
 
 def _matrix(cfg: ModelConfig, where: str, t: Mapping[str, np.ndarray], proj: str,
-            shape: tuple[int, int]) -> np.ndarray:
+            shape: tuple[int, int]) -> Packed:
     out_f, in_f = shape
     blocks, scales = t.get(f"{proj}.weight_blocks"), t.get(f"{proj}.weight_scales")
     if f"{proj}.weight" in t:
         if blocks is not None or scales is not None:
             raise CheckpointFormatError(f"{where}: {proj} is stored both as a weight and as MXFP4 blocks")
-        a = weight_f32(t, f"{proj}.weight")
-        if a.shape != shape:
-            raise CheckpointFormatError(f"{where}: {proj}.weight has shape {a.shape}, expected {shape}")
-        return a
+        return pack(t, proj, shape, where)
     if blocks is None or scales is None:
         raise CheckpointFormatError(f"{where}: missing tensor {proj}.weight (or MXFP4 {proj}.weight_blocks and "
                                     f"{proj}.weight_scales)")
@@ -122,4 +121,4 @@ def _matrix(cfg: ModelConfig, where: str, t: Mapping[str, np.ndarray], proj: str
     if blocks.shape != want_blocks or scales.shape != want_scales:
         raise CheckpointFormatError(f"{where}: MXFP4 {proj}.weight_blocks {blocks.shape} / weight_scales "
                                     f"{scales.shape}, expected {want_blocks} / {want_scales} for {shape}")
-    return mxfp4_to_float32(blocks, scales, f"{where} {proj}")
+    return pack(t, proj, shape, where, mxfp4=True)

@@ -1,7 +1,8 @@
 """The numerical building blocks of the MoE decoders: pure functions on float32 arrays.
 
-Each mirrors the matching transformers v5 module (named in its docstring); weights come in as
-float32 arrays in `nn.Linear` orientation [out, in].
+Each mirrors the matching transformers v5 module (named in its docstring); a weight comes in `nn.Linear`
+orientation [out, in], either as it is stored (`_packed.Packed`, multiplied in its stored dtype) or as a float32
+array; vectors (norms, biases) as float32.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from shardtool.errors import ShardtoolError
 
 from . import _llama4
 from ._config import ModelConfig
+from . import _packed
 from ._gpt_oss import route_topk_softmax, sink_softmax
 from ._rope import apply_rope, apply_rope_interleave
 
-Weights = Mapping[str, np.ndarray]
+Weights = Mapping[str, "np.ndarray | _packed.Packed"]
 # A step's routed experts: x [T, H] and {expert: its token rows [t_e]} in ascending expert order ->
 # {expert: () -> its unweighted output expert_mlp(x[rows]) [t_e, H] float32}. A thunk may block until its expert
 # is verified (the local store streams them) or its node answered (a cluster); a ShardtoolError raised there
@@ -33,18 +35,20 @@ ObserveRoute = Callable[[np.ndarray, np.ndarray], None]
 MLA_NORM_EPS = 1e-6  # DeepseekV3RMSNorm default; q_a_layernorm / kv_a_layernorm do not get rms_norm_eps
 
 
-def matmul_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """# [m, in], [out, in] -> [m, out]  (x @ w.T)
+def matmul_t(x: np.ndarray, w: np.ndarray | _packed.Packed) -> np.ndarray:
+    """# [m, in], [out, in] -> [m, out]  (x @ w.T; a `Packed` weight in its stored dtype)
 
     One row (every decode step) goes through gemv: OpenBLAS runs a 1-row sgemm multi-threaded, which costs
     10-100x more than gemv on a small or busy machine.
     """
+    if type(w) is _packed.Packed:
+        return _packed.matmul_t(x, w)
     if x.shape[0] == 1:
         return (w @ x[0])[None, :]
     return x @ w.T
 
 
-def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+def linear(x: np.ndarray, w: np.ndarray | _packed.Packed, b: np.ndarray | None = None) -> np.ndarray:
     """# [m, in], [out, in], [out] -> [m, out]"""
     y = matmul_t(x, w)
     if b is not None:
@@ -74,7 +78,8 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
-def expert_mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+def expert_mlp(x: np.ndarray, gate: _packed.Packed | np.ndarray, up: _packed.Packed | np.ndarray,
+               down: _packed.Packed | np.ndarray) -> np.ndarray:
     """# [m, H], [I, H], [I, H], [H, I] -> [m, H]  (SwiGLU: down(silu(gate x) * up x))"""
     return matmul_t(silu(matmul_t(x, gate)) * matmul_t(x, up), down)
 
@@ -173,7 +178,7 @@ def mla_attention(x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray, 
     latents, k_rots = append_kv(latent, k_rot)  # [S, r], [S, dr]
     s = latents.shape[0]
 
-    w_kv = w["self_attn.kv_b_proj.weight"].reshape(nh, dn + dv, r)
+    w_kv = _dense(w["self_attn.kv_b_proj.weight"]).reshape(nh, dn + dv, r)
     q_latent = q[:, :, :dn].transpose(1, 0, 2) @ w_kv[:, :dn]  # [nh, T, dn] @ [nh, dn, r] -> [nh, T, r]
     scores = (q_latent.reshape(nh * t, r) @ latents.T
               + q_rot.transpose(1, 0, 2).reshape(nh * t, dr) @ k_rots.T).reshape(nh, t, s)
@@ -184,6 +189,12 @@ def mla_attention(x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray, 
     out = out_latent @ w_kv[:, dn:].transpose(0, 2, 1)  # [nh, T, r] @ [nh, r, dv] -> [nh, T, dv]
     out = out.transpose(1, 0, 2).reshape(t, nh * dv)
     return linear(out, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+
+
+def _dense(w: np.ndarray | _packed.Packed) -> np.ndarray:
+    """# [out, in] -> float32 [out, in]: MLA's kv_b_proj is split per head, not multiplied whole (a float32 weight
+    as it is; another dtype expanded for this use, the one weight the forward pass still expands)."""
+    return _packed.to_float32(w) if type(w) is _packed.Packed else w
 
 
 def _top_k(scores: np.ndarray, k: int) -> np.ndarray:

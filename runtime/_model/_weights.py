@@ -7,8 +7,8 @@ checkpoints; `DictWeightProvider` serves a flat Hugging Face state dict (tests, 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -21,6 +21,34 @@ EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 _EXPERT_SUFFIXES = ("weight", "weight_scale_inv", "bias", "weight_blocks", "weight_scales", blockquant.SCALE_SUFFIX,
                     blockquant.Q4_SUFFIX)
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_T = TypeVar("_T")
+
+
+class Tensors(dict):
+    """One shard's arrays by name, and what the forward pass derives from them once (`derived`): checked, packed
+    weights that are views of these arrays, so they live exactly as long as the shard (cached or in use) and add
+    no bytes beyond it."""
+
+    __slots__ = ("memo",)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.memo: dict[str, object] = {}
+
+
+def derived(arrays: Mapping[str, np.ndarray], key: str, owner: object,
+            make: Callable[[Mapping[str, np.ndarray]], _T]) -> _T:
+    """`make(arrays)`, computed once per `Tensors`, `key` and `owner` (the config it was checked against) and kept
+    beside them; recomputed each time for any other mapping (a provider that does not hand out `Tensors`)."""
+    memo = getattr(arrays, "memo", None)
+    if memo is None:
+        return make(arrays)
+    hit = memo.get(key)
+    if hit is not None and hit[0] is owner:
+        return hit[1]  # type: ignore[return-value]
+    value = make(arrays)
+    memo[key] = (owner, value)
+    return value
 
 
 @runtime_checkable
@@ -60,14 +88,12 @@ class DictWeightProvider:
     `mlp.experts.down_proj [E, H, I]`), and serves experts under the canonical names.
     """
 
-    def __init__(self, state: Mapping[str, np.ndarray], *, cache_float32: bool = False,
-                 fused_layout: str = "out_in"):
+    def __init__(self, state: Mapping[str, np.ndarray], *, fused_layout: str = "out_in"):
         """`fused_layout`: how fused [E, ...] expert tensors are laid out (the family table's `fused_layout`)."""
-        self.cache_float32 = cache_float32
-        self._embed: dict[str, np.ndarray] = {}
-        self._head: dict[str, np.ndarray] = {}
-        self._layers: dict[int, dict[str, np.ndarray]] = {}
-        self._experts: dict[int, dict[int, dict[str, np.ndarray]]] = {}
+        self._embed = Tensors()
+        self._head = Tensors()
+        self._layers: dict[int, Tensors] = {}
+        self._experts: dict[int, dict[int, Tensors]] = {}
         fused: dict[int, dict[str, np.ndarray]] = {}
         for name, array in state.items():
             if name == "model.embed_tokens.weight":
@@ -77,12 +103,12 @@ class DictWeightProvider:
             elif (m := PER_EXPERT.fullmatch(name)) and m["prefix"] == "model." and m["suffix"] in _EXPERT_SUFFIXES:
                 layer, expert, proj = int(m["layer"]), int(m["expert"]), m["proj"]
                 proj = EXPERT_PROJ_ALIASES.get(proj, proj)
-                self._experts.setdefault(layer, {}).setdefault(expert, {})[f"{proj}.{m['suffix']}"] = array
+                self._experts.setdefault(layer, {}).setdefault(expert, Tensors())[f"{proj}.{m['suffix']}"] = array
             elif (m := FUSED.fullmatch(name)) and m["prefix"] == "model.":
                 part = f"_{m['part']}" if m["part"] else ""
                 fused.setdefault(int(m["layer"]), {})[m["proj"] + part] = array
             elif m := _LAYER.fullmatch(name):
-                self._layers.setdefault(int(m[1]), {})[m[2]] = array
+                self._layers.setdefault(int(m[1]), Tensors())[m[2]] = array
             # Anything else (rotary buffers, vision towers) is not part of the decoder.
         for layer, parts in fused.items():
             self._experts[layer] = _unfuse(layer, parts, fused_layout)
@@ -106,7 +132,7 @@ class DictWeightProvider:
         return {e: have[e] for e in expert_ids}
 
 
-def _unfuse(layer: int, parts: Mapping[str, np.ndarray], layout: str) -> dict[int, dict[str, np.ndarray]]:
+def _unfuse(layer: int, parts: Mapping[str, np.ndarray], layout: str) -> dict[int, Tensors]:
     """# the fused [E, ...] tensors of one layer -> per expert, under the canonical names (views).
 
     "out_in": gate_up_proj [E, 2I, H] = cat(gate, up), down_proj [E, H, I]; "in_out": [E, H, 2I] and [E, I, H]
@@ -126,7 +152,7 @@ def _unfuse(layer: int, parts: Mapping[str, np.ndarray], layout: str) -> dict[in
                                     f"leading expert axis", hint=f"got {sorted((k, parts[k].shape) for k in parts)}")
     n = counts.pop()
     _check_fused_shapes(layer, parts, n, transposed)
-    experts: dict[int, dict[str, np.ndarray]] = {e: {} for e in range(n)}
+    experts: dict[int, Tensors] = {e: Tensors() for e in range(n)}
     for key, array in parts.items():
         proj, _, part = key.partition("_proj")
         suffix = {"": "weight", "_bias": "bias", "_blocks": "weight_blocks", "_scales": "weight_scales"}[part]

@@ -172,9 +172,9 @@ def test_step_bytes_bounds_the_measured_peak_of_a_forward_step(case):
             "num_key_value_heads": 8 if case in ("deepseek_v3", "kimi_k2") else 2}
     for changes in ({}, wide):
         cfg, state = make(case, **changes, max_position_embeddings=512)
-        model = Model(cfg, DictWeightProvider(state, cache_float32=True), max_tokens=200)
+        model = Model(cfg, DictWeightProvider(state), max_tokens=200)
         ids = [int(i) for i in np.random.default_rng(0).integers(0, cfg.vocab_size, 200)]
-        model.prefill(ids[:4])  # the float32 trunk cache and the KV buffers exist before measuring
+        model.prefill(ids[:4])  # the packed weights and the KV buffers exist before measuring
         for chunk in (200, 48, 7):
             _, peak = _peak_bytes(lambda: model.prefill(ids, last_only=True, chunk=chunk))
             assert peak <= step_bytes(cfg, chunk, len(ids)), (case, changes, chunk, peak)

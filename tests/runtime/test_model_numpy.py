@@ -94,11 +94,21 @@ def test_decode_with_cache_equals_full_forward(case):
 
 
 @pytest.mark.parametrize("case", sorted(CONFIGS))
-def test_float32_trunk_cache_gives_identical_logits(case):
+def test_weights_packed_once_give_identical_logits(case):
+    # Packed once per shard (kept on the provider's Tensors) or again at every use (plain dicts): the same logits.
+    class PlainDicts(DictWeightProvider):
+        def layer(self, layer):
+            return dict(super().layer(layer))
+
+        def experts(self, layer, expert_ids):
+            return {e: dict(t) for e, t in super().experts(layer, expert_ids).items()}
+
     cfg, state = make(case)
-    plain = Model(cfg, DictWeightProvider(state)).prefill(PROMPT)
-    cached = Model(cfg, DictWeightProvider(state, cache_float32=True))
+    plain = Model(cfg, PlainDicts(state)).prefill(PROMPT)
+    cached = Model(cfg, DictWeightProvider(state))
     cached.prefill(PROMPT)
+    provider = cached.provider
+    assert provider.layer(0).memo and any(t.memo for e in provider._experts.values() for t in e.values())
     np.testing.assert_array_equal(cached.prefill(PROMPT), plain)
 
 
