@@ -3,11 +3,14 @@
 `pack` reads one projection's stored tensors (float32/float16/bfloat16, DeepSeek's block-scaled FP8, gpt-oss's
 MXFP4, shardtool's block int8/int4 of `shardtool.blockquant`), checks their dtypes, shapes and scales, and returns a
 `Packed`; `matmul_t(x, w)` multiplies by it in the stored dtype. This module holds the numpy reference for each
-kind; native kernels, where present, replace it kind by kind and must agree with it.
+kind; the native kernels (the C extension `_kernels`, built by the project's install) replace it for every kind and
+must agree with it. Without the extension, or with the environment variable SHARDTOOL_KERNELS=0 when this module is
+imported, the reference runs. `set_threads(n)` sets how many threads one native product may use (default 1).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -19,6 +22,34 @@ from shardtool.errors import CheckpointFormatError
 from ._dtypes import BF16, DEFAULT_BLOCK, FLOAT8, MXFP4_GROUP, dequantize, mxfp4_to_float32
 
 KINDS = ("f32", "f16", "bf16", "fp8", "q8", "q4", "mxfp4")
+MAX_THREADS = 64  # the extension's cap
+
+
+def _load_kernels():
+    if os.environ.get("SHARDTOOL_KERNELS", "1") == "0":
+        return None
+    try:
+        from . import _kernels
+    except ImportError:  # not built (e.g. a source tree used without `make install`): the numpy reference runs
+        return None
+    return _kernels
+
+
+_native = _load_kernels()
+_threads = 1
+
+
+def kernels() -> str | None:
+    """The native kernels in use: their instruction set ("avx2" or "plain"), or None (the numpy reference)."""
+    return None if _native is None else _native.isa()
+
+
+def set_threads(n: int) -> None:
+    """Threads one native product may split its output rows over (1..MAX_THREADS); the reference ignores it."""
+    global _threads
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS:
+        raise ValueError(f"kernel threads must be an integer in 1..{MAX_THREADS}, got {n!r}")
+    _threads = n
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,10 +176,30 @@ def _pack_mxfp4(blocks: np.ndarray, scales: np.ndarray | None, proj: str, shape:
     return Packed("mxfp4", shape, np.ascontiguousarray(blocks), np.ascontiguousarray(scales))
 
 
+# The buffer each kind's data and scale are handed to the extension as (bf16 and fp8 have no buffer format).
+_RAW = {"bf16": np.uint16, "fp8": np.uint8}
+
+
 def matmul_t(x: np.ndarray, w: Packed) -> np.ndarray:
     """# [m, in] float32, Packed [out, in] -> [m, out] float32  (x @ W.T in the stored dtype)
 
-    Reference: expands the weight, then one BLAS product (one row goes through gemv)."""
+    Native when the extension is in use: each weight row is read once, in its stored dtype, on up to
+    `set_threads` threads; otherwise (and for empty shapes) `matmul_t_reference`."""
+    out_f, in_f = w.shape
+    m = x.shape[0]
+    if _native is None or not (m and out_f and in_f):
+        return matmul_t_reference(x, w)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    y = np.empty((m, out_f), np.float32)
+    raw = _RAW.get(w.kind)
+    b0, b1 = w.block or (0, 0)
+    _native.matmul(w.kind, x, w.data if raw is None else w.data.view(raw), w.scale, y, m, out_f, in_f, b0, b1,
+                   _threads)
+    return y
+
+
+def matmul_t_reference(x: np.ndarray, w: Packed) -> np.ndarray:
+    """The numpy reference of `matmul_t`: expands the weight, then one BLAS product (one row goes through gemv)."""
     f = w.data if w.kind == "f32" else to_float32(w)
     if x.shape[0] == 1:
         return (f @ x[0])[None, :]

@@ -1,0 +1,677 @@
+/* Native products with a weight in its stored dtype: y[m, out] = x[m, in] @ W.T, x and y float32.
+ *
+ * The weight is never expanded whole: one-row products (decode) stream each weight row once and multiply in
+ * registers; several rows of x (prefill) decode one weight row at a time into a per-thread float32 row and take
+ * every x row's product with it, so each weight row is read once per call. Kinds and layouts are those of
+ * runtime/_model/_packed.py (`Packed`), which is the only caller and keeps the numpy reference each kind must
+ * agree with.
+ *
+ * x86-64: AVX2+FMA+F16C kernels compiled with a per-function target attribute and chosen at run time
+ * (__builtin_cpu_supports), so the module builds and runs on any x86-64 or aarch64 with the plain C fallback.
+ * Threads: output rows are split across a small pool of pthreads (re-created after fork); the GIL is released
+ * while they compute. Every buffer is checked (C-contiguous, format, itemsize, exact byte length) before any
+ * read: a mismatch is a ValueError, never an out-of-bounds read.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_X86_KERNELS 1
+#include <immintrin.h>
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define HAVE_X86_KERNELS 0
+#endif
+
+#define QBLOCK 32
+#define MAX_THREADS 64
+
+enum kind { K_F32, K_F16, K_BF16, K_FP8, K_Q8, K_Q4, K_MXFP4, K_COUNT };
+static const char *const KIND_NAMES[K_COUNT] = {"f32", "f16", "bf16", "fp8", "q8", "q4", "mxfp4"};
+
+typedef struct {
+    int kind;
+    Py_ssize_t m, out, in, b0, b1;
+    const float *x;
+    const void *w;
+    const void *scale;
+    float *y;
+    int avx2;
+} job_t;
+
+/* ---------------------------------------------------------------- scalar conversions (the fallback's, and tails) */
+
+static float fp8_table[256]; /* float8_e4m3fn -> float32, NaN for 0x7F/0xFF */
+static float fp4_table[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static inline float bits_to_float(uint32_t b) {
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+    if (exp == 0x1F)
+        return bits_to_float(sign | 0x7F800000u | (mant << 13));
+    if (exp == 0) {
+        float v = ldexpf((float)mant, -24);
+        return sign ? -v : v;
+    }
+    return bits_to_float(sign | ((exp + 112) << 23) | (mant << 13));
+}
+
+static inline float bf16_to_float(uint16_t b) { return bits_to_float((uint32_t)b << 16); }
+
+/* E8M0 (MXFP4's scale byte): 2^(s - 127); s == 0 is 2^-127, a float32 subnormal; 0xFF (NaN) gives inf, and
+ * is refused before a weight is ever packed. */
+static inline float e8m0_to_float(uint8_t s) { return s ? bits_to_float((uint32_t)s << 23) : bits_to_float(0x00400000u); }
+
+static void init_tables(void) {
+    for (int b = 0; b < 256; b++) {
+        int exp = (b >> 3) & 0xF, mant = b & 7;
+        float v;
+        if ((b & 0x7F) == 0x7F)
+            v = NAN;
+        else if (exp == 0)
+            v = ldexpf((float)mant, -9);
+        else
+            v = ldexpf(1.0f + mant / 8.0f, exp - 7);
+        fp8_table[b] = (b & 0x80) ? -v : v;
+    }
+}
+
+/* ---------------------------------------------------------------- plain C: decode one weight row, dot products */
+
+static void decode_row(const job_t *j, Py_ssize_t r, float *dst) {
+    const Py_ssize_t n = j->in;
+    switch (j->kind) {
+    case K_F32:
+        memcpy(dst, (const float *)j->w + r * n, (size_t)n * 4);
+        break;
+    case K_F16: {
+        const uint16_t *w = (const uint16_t *)j->w + r * n;
+        for (Py_ssize_t i = 0; i < n; i++) dst[i] = half_to_float(w[i]);
+        break;
+    }
+    case K_BF16: {
+        const uint16_t *w = (const uint16_t *)j->w + r * n;
+        for (Py_ssize_t i = 0; i < n; i++) dst[i] = bf16_to_float(w[i]);
+        break;
+    }
+    case K_FP8: {
+        const uint8_t *w = (const uint8_t *)j->w + r * n;
+        const Py_ssize_t sc = (n + j->b1 - 1) / j->b1;
+        const float *s = (const float *)j->scale + (r / j->b0) * sc;
+        for (Py_ssize_t i = 0; i < n; i++) dst[i] = fp8_table[w[i]] * s[i / j->b1];
+        break;
+    }
+    case K_Q8: {
+        const int8_t *w = (const int8_t *)j->w + r * n;
+        const uint16_t *d = (const uint16_t *)j->scale + r * (n / QBLOCK);
+        for (Py_ssize_t i = 0; i < n; i++) dst[i] = (float)w[i] * half_to_float(d[i / QBLOCK]);
+        break;
+    }
+    case K_Q4: {
+        const uint8_t *w = (const uint8_t *)j->w + r * (n / 2);
+        const uint16_t *d = (const uint16_t *)j->scale + r * (n / QBLOCK);
+        for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
+            float s = half_to_float(d[b]);
+            for (int k = 0; k < QBLOCK / 2; k++) {
+                uint8_t v = w[b * (QBLOCK / 2) + k];
+                dst[b * QBLOCK + k] = (float)((int)(v & 0x0F) - 8) * s;
+                dst[b * QBLOCK + k + QBLOCK / 2] = (float)((int)(v >> 4) - 8) * s;
+            }
+        }
+        break;
+    }
+    case K_MXFP4: {
+        const uint8_t *w = (const uint8_t *)j->w + r * (n / 2);
+        const uint8_t *e = (const uint8_t *)j->scale + r * (n / QBLOCK);
+        for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
+            float s = e8m0_to_float(e[b]);
+            for (int k = 0; k < QBLOCK / 2; k++) {
+                uint8_t v = w[b * (QBLOCK / 2) + k];
+                dst[b * QBLOCK + 2 * k] = fp4_table[v & 0x0F] * s;
+                dst[b * QBLOCK + 2 * k + 1] = fp4_table[v >> 4] * s;
+            }
+        }
+        break;
+    }
+    }
+}
+
+static float dot_plain(const float *x, const float *w, Py_ssize_t n) {
+    float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+    Py_ssize_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        a0 += x[i] * w[i];
+        a1 += x[i + 1] * w[i + 1];
+        a2 += x[i + 2] * w[i + 2];
+        a3 += x[i + 3] * w[i + 3];
+    }
+    for (; i < n; i++) a0 += x[i] * w[i];
+    return (a0 + a1) + (a2 + a3);
+}
+
+/* ---------------------------------------------------------------- AVX2 + FMA + F16C */
+#if HAVE_X86_KERNELS
+
+TARGET_AVX2 static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+TARGET_AVX2 static float dot_f32_avx2(const float *x, const float *w, Py_ssize_t n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    Py_ssize_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
+    float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < n; i++) s += x[i] * w[i];
+    return s;
+}
+
+TARGET_AVX2 static inline __m256 load_bf16(const uint16_t *p) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+TARGET_AVX2 static inline __m256 load_f16(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+#define DOT16_BODY(LOAD)                                                                                           \
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps(); \
+    Py_ssize_t i = 0;                                                                                              \
+    for (; i + 32 <= n; i += 32) {                                                                                 \
+        a0 = _mm256_fmadd_ps(LOAD(w + i), _mm256_loadu_ps(x + i), a0);                                             \
+        a1 = _mm256_fmadd_ps(LOAD(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);                                     \
+        a2 = _mm256_fmadd_ps(LOAD(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);                                   \
+        a3 = _mm256_fmadd_ps(LOAD(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);                                   \
+    }                                                                                                              \
+    for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(LOAD(w + i), _mm256_loadu_ps(x + i), a0);                     \
+    float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+
+TARGET_AVX2 static float dot_bf16_avx2(const float *x, const uint16_t *w, Py_ssize_t n) {
+    DOT16_BODY(load_bf16)
+    for (; i < n; i++) s += x[i] * bf16_to_float(w[i]);
+    return s;
+}
+
+TARGET_AVX2 static float dot_f16_avx2(const float *x, const uint16_t *w, Py_ssize_t n) {
+    DOT16_BODY(load_f16)
+    for (; i < n; i++) s += x[i] * _cvtsh_ss(w[i]);
+    return s;
+}
+
+/* 8 float8_e4m3fn bytes -> 8 floats / 256: the 7 exponent+mantissa bits placed in a float16 are the value times
+ * 2^-8 (normal and subnormal alike: the biases differ by 8); NaN (0x7F/0xFF) is kept NaN. */
+TARGET_AVX2 static inline __m256 load_fp8_div256(const uint8_t *p) {
+    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i em = _mm_and_si128(b, _mm_set1_epi16(0x7F));
+    __m128i h = _mm_or_si128(_mm_slli_epi16(em, 7), _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+    h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(em, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7E00)));
+    return _mm256_cvtph_ps(h);
+}
+
+TARGET_AVX2 static float dot_fp8_avx2(const float *x, const uint8_t *w, const float *s, Py_ssize_t n,
+                                      Py_ssize_t b1) {
+    __m256 total = _mm256_setzero_ps();
+    float tail = 0.0f;
+    for (Py_ssize_t c0 = 0, cb = 0; c0 < n; c0 += b1, cb++) {
+        const Py_ssize_t c1 = c0 + b1 < n ? c0 + b1 : n;
+        __m256 p0 = _mm256_setzero_ps(), p1 = _mm256_setzero_ps();
+        Py_ssize_t i = c0;
+        for (; i + 16 <= c1; i += 16) {
+            p0 = _mm256_fmadd_ps(load_fp8_div256(w + i), _mm256_loadu_ps(x + i), p0);
+            p1 = _mm256_fmadd_ps(load_fp8_div256(w + i + 8), _mm256_loadu_ps(x + i + 8), p1);
+        }
+        for (; i + 8 <= c1; i += 8) p0 = _mm256_fmadd_ps(load_fp8_div256(w + i), _mm256_loadu_ps(x + i), p0);
+        total = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), _mm256_set1_ps(s[cb] * 256.0f), total);
+        float t = 0.0f;
+        for (; i < c1; i++) t += x[i] * fp8_table[w[i]];
+        tail += t * s[cb];
+    }
+    return hsum8(total) + tail;
+}
+
+TARGET_AVX2 static inline __m256 i8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+TARGET_AVX2 static float dot_q8_avx2(const float *x, const int8_t *w, const uint16_t *d, Py_ssize_t n) {
+    __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+    Py_ssize_t b = 0;
+    for (; b < n / QBLOCK; b++) {
+        const int8_t *wb = w + b * QBLOCK;
+        const float *xb = x + b * QBLOCK;
+        __m128i lo = _mm_loadu_si128((const __m128i *)wb), hi = _mm_loadu_si128((const __m128i *)(wb + 16));
+        __m256 p0 = _mm256_mul_ps(i8x8_to_ps(lo), _mm256_loadu_ps(xb));
+        __m256 p1 = _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(xb + 8));
+        p0 = _mm256_fmadd_ps(i8x8_to_ps(hi), _mm256_loadu_ps(xb + 16), p0);
+        p1 = _mm256_fmadd_ps(i8x8_to_ps(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(xb + 24), p1);
+        __m256 scale = _mm256_set1_ps(_cvtsh_ss(d[b]));
+        if (b & 1)
+            t1 = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), scale, t1);
+        else
+            t0 = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), scale, t0);
+    }
+    return hsum8(_mm256_add_ps(t0, t1));
+}
+
+TARGET_AVX2 static float dot_q4_avx2(const float *x, const uint8_t *w, const uint16_t *d, Py_ssize_t n) {
+    __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+    const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
+        const float *xb = x + b * QBLOCK;
+        __m128i v = _mm_loadu_si128((const __m128i *)(w + b * (QBLOCK / 2)));
+        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), eight);                     /* elements 0..15 */
+        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight);  /* elements 16..31 */
+        __m256 p0 = _mm256_mul_ps(i8x8_to_ps(lo), _mm256_loadu_ps(xb));
+        __m256 p1 = _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(xb + 8));
+        p0 = _mm256_fmadd_ps(i8x8_to_ps(hi), _mm256_loadu_ps(xb + 16), p0);
+        p1 = _mm256_fmadd_ps(i8x8_to_ps(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(xb + 24), p1);
+        __m256 scale = _mm256_set1_ps(_cvtsh_ss(d[b]));
+        if (b & 1)
+            t1 = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), scale, t1);
+        else
+            t0 = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), scale, t0);
+    }
+    return hsum8(_mm256_add_ps(t0, t1));
+}
+
+/* 8 FP4 E2M1 codes (one per byte of an __m128i's low 8 bytes) -> 8 floats: the magnitude from a permute of the
+ * 8-entry table (it reads the code's low 3 bits), the sign from bit 3. */
+TARGET_AVX2 static inline __m256 fp4x8_to_ps(__m128i codes, __m256 table) {
+    __m256i c = _mm256_cvtepu8_epi32(codes);
+    __m256 mag = _mm256_permutevar8x32_ps(table, c);
+    return _mm256_xor_ps(mag, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28)));
+}
+
+TARGET_AVX2 static float dot_mxfp4_avx2(const float *x, const uint8_t *w, const uint8_t *e, Py_ssize_t n) {
+    const __m256 table = _mm256_loadu_ps(fp4_table);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+    for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
+        const float *xb = x + b * QBLOCK;
+        __m128i v = _mm_loadu_si128((const __m128i *)(w + b * (QBLOCK / 2)));
+        __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+        __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi); /* elements 0..15, 16..31 */
+        __m256 p0 = _mm256_mul_ps(fp4x8_to_ps(c0, table), _mm256_loadu_ps(xb));
+        __m256 p1 = _mm256_mul_ps(fp4x8_to_ps(_mm_srli_si128(c0, 8), table), _mm256_loadu_ps(xb + 8));
+        p0 = _mm256_fmadd_ps(fp4x8_to_ps(c1, table), _mm256_loadu_ps(xb + 16), p0);
+        p1 = _mm256_fmadd_ps(fp4x8_to_ps(_mm_srli_si128(c1, 8), table), _mm256_loadu_ps(xb + 24), p1);
+        __m256 scale = _mm256_set1_ps(e8m0_to_float(e[b]));
+        if (b & 1)
+            t1 = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), scale, t1);
+        else
+            t0 = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), scale, t0);
+    }
+    return hsum8(_mm256_add_ps(t0, t1));
+}
+
+/* One weight row's product with one x row, in the stored dtype. */
+TARGET_AVX2 static float dot_row_avx2(const job_t *j, Py_ssize_t r, const float *x) {
+    const Py_ssize_t n = j->in;
+    switch (j->kind) {
+    case K_F32:
+        return dot_f32_avx2(x, (const float *)j->w + r * n, n);
+    case K_F16:
+        return dot_f16_avx2(x, (const uint16_t *)j->w + r * n, n);
+    case K_BF16:
+        return dot_bf16_avx2(x, (const uint16_t *)j->w + r * n, n);
+    case K_FP8:
+        return dot_fp8_avx2(x, (const uint8_t *)j->w + r * n,
+                            (const float *)j->scale + (r / j->b0) * ((n + j->b1 - 1) / j->b1), n, j->b1);
+    case K_Q8:
+        return dot_q8_avx2(x, (const int8_t *)j->w + r * n, (const uint16_t *)j->scale + r * (n / QBLOCK), n);
+    case K_Q4:
+        return dot_q4_avx2(x, (const uint8_t *)j->w + r * (n / 2), (const uint16_t *)j->scale + r * (n / QBLOCK), n);
+    default:
+        return dot_mxfp4_avx2(x, (const uint8_t *)j->w + r * (n / 2), (const uint8_t *)j->scale + r * (n / QBLOCK),
+                              n);
+    }
+}
+
+#endif /* HAVE_X86_KERNELS */
+
+/* Output rows [r0, r1) of the job. Returns -1 if a scratch row could not be allocated. */
+static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
+    const Py_ssize_t m = j->m, n = j->in, out = j->out;
+#if HAVE_X86_KERNELS
+    if (j->avx2 && m == 1) {
+        for (Py_ssize_t r = r0; r < r1; r++) j->y[r] = dot_row_avx2(j, r, j->x);
+        return 0;
+    }
+#endif
+    float *row = NULL;
+    if (j->kind != K_F32) {
+        row = (float *)malloc((size_t)n * sizeof(float));
+        if (!row) return -1;
+    }
+    for (Py_ssize_t r = r0; r < r1; r++) {
+        const float *wr = (const float *)j->w + r * n;
+        if (row) {
+            decode_row(j, r, row);
+            wr = row;
+        }
+        for (Py_ssize_t i = 0; i < m; i++) {
+#if HAVE_X86_KERNELS
+            if (j->avx2) {
+                j->y[i * out + r] = dot_f32_avx2(j->x + i * n, wr, n);
+                continue;
+            }
+#endif
+            j->y[i * out + r] = dot_plain(j->x + i * n, wr, n);
+        }
+    }
+    free(row);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- the thread pool */
+/* Workers wait for a new generation; worker k computes part k+1 of the job's rows, the caller part 0. One job at a
+ * time (`pool_busy`); a call that finds the pool busy computes alone on its own thread. After fork the workers do
+ * not exist in the child: the pool is rebuilt there on first use. */
+
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_go = PTHREAD_COND_INITIALIZER, pool_done = PTHREAD_COND_INITIALIZER;
+static int pool_workers, pool_busy, pool_pending, pool_parts, pool_failed;
+static pid_t pool_pid;
+static unsigned long pool_gen;
+static const job_t *pool_job;
+static unsigned long worker_seen[MAX_THREADS];
+
+static void part_bounds(const job_t *j, int parts, int k, Py_ssize_t *r0, Py_ssize_t *r1) {
+    Py_ssize_t per = j->out / parts, extra = j->out % parts;
+    *r0 = k * per + (k < extra ? k : extra);
+    *r1 = *r0 + per + (k < extra ? 1 : 0);
+}
+
+static void *worker_main(void *arg) {
+    const int k = (int)(intptr_t)arg;
+    pthread_mutex_lock(&pool_mu);
+    unsigned long seen = worker_seen[k];
+    for (;;) {
+        while (pool_gen == seen) pthread_cond_wait(&pool_go, &pool_mu);
+        seen = pool_gen;
+        const job_t *j = pool_job;
+        const int parts = pool_parts;
+        if (k + 1 >= parts) continue;
+        pthread_mutex_unlock(&pool_mu);
+        Py_ssize_t r0, r1;
+        part_bounds(j, parts, k + 1, &r0, &r1);
+        int rc = run_rows(j, r0, r1);
+        pthread_mutex_lock(&pool_mu);
+        if (rc) pool_failed = 1;
+        if (--pool_pending == 0) pthread_cond_signal(&pool_done);
+    }
+    return NULL;
+}
+
+/* Called with the GIL held (so never concurrently with itself). */
+static void pool_after_fork_check(void) {
+    pid_t pid = getpid();
+    if (pool_pid != pid) {
+        pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
+        pthread_cond_t c = PTHREAD_COND_INITIALIZER;
+        pool_mu = m;
+        pool_go = c;
+        pool_done = c;
+        pool_workers = pool_busy = pool_pending = pool_parts = pool_failed = 0;
+        pool_pid = pid;
+    }
+}
+
+/* Run the job on up to `threads` threads (GIL released by the caller). Returns 0, or -1 on allocation failure. */
+static int run_job(const job_t *j, int threads) {
+    int parts = threads;
+    if ((Py_ssize_t)parts > j->out) parts = (int)j->out;
+    if (parts <= 1) return run_rows(j, 0, j->out);
+    pthread_mutex_lock(&pool_mu);
+    if (pool_busy) {
+        pthread_mutex_unlock(&pool_mu);
+        return run_rows(j, 0, j->out);
+    }
+    while (pool_workers < parts - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        sigset_t all, old;
+        worker_seen[pool_workers] = pool_gen;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        int rc = pthread_create(&t, &attr, worker_main, (void *)(intptr_t)pool_workers);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        pthread_attr_destroy(&attr);
+        if (rc) break;
+        pool_workers++;
+    }
+    if (parts > pool_workers + 1) parts = pool_workers + 1;
+    if (parts <= 1) {
+        pthread_mutex_unlock(&pool_mu);
+        return run_rows(j, 0, j->out);
+    }
+    pool_busy = 1;
+    pool_job = j;
+    pool_parts = parts;
+    pool_pending = parts - 1;
+    pool_failed = 0;
+    pool_gen++;
+    pthread_cond_broadcast(&pool_go);
+    pthread_mutex_unlock(&pool_mu);
+
+    Py_ssize_t r0, r1;
+    part_bounds(j, parts, 0, &r0, &r1);
+    int rc = run_rows(j, r0, r1);
+
+    pthread_mutex_lock(&pool_mu);
+    while (pool_pending) pthread_cond_wait(&pool_done, &pool_mu);
+    if (pool_failed) rc = -1;
+    pool_busy = 0;
+    pthread_mutex_unlock(&pool_mu);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- argument checking */
+
+static int get_buffer(PyObject *obj, Py_buffer *view, const char *name, int writable) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: expected a C-contiguous%s buffer", name, writable ? " writable" : "");
+        return -1;
+    }
+    return 0;
+}
+
+/* The buffer's element format is exactly `want` (one struct character, native or little-endian standard size),
+ * its itemsize `itemsize`, and its length `count` items. */
+static int check_buffer(const Py_buffer *v, const char *name, char want, Py_ssize_t itemsize, Py_ssize_t count) {
+    const char *f = v->format ? v->format : "B";
+    if (f[0] == '@' || f[0] == '=' || (f[0] == '<' && PY_LITTLE_ENDIAN)) f++;
+    if (f[0] != want || f[1] != '\0' || v->itemsize != itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: expected format '%c' of %zd bytes, got '%s' of %zd bytes", name, want,
+                     itemsize, v->format ? v->format : "B", v->itemsize);
+        return -1;
+    }
+    if (count < 0 || v->len != count * itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %zd items, got %zd bytes", name, count, v->len);
+        return -1;
+    }
+    return 0;
+}
+
+static int kind_of(const char *s) {
+    for (int k = 0; k < K_COUNT; k++)
+        if (strcmp(s, KIND_NAMES[k]) == 0) return k;
+    return -1;
+}
+
+static int cpu_avx2 = 0;
+
+PyDoc_STRVAR(matmul_doc,
+             "matmul(kind, x, data, scale, y, m, out, in_, b0, b1, threads) -> None\n\n"
+             "y[m, out] = x[m, in_] @ W.T for W [out, in_] stored as `kind` (data, scale: see _packed.Packed; bf16 "
+             "data as uint16 and fp8 data as uint8 views; scale None for f32/f16/bf16), float32 x and y, on up to "
+             "`threads` threads with the GIL released. b0, b1: fp8's block (ignored otherwise). Every buffer must "
+             "be C-contiguous with the exact format and length: ValueError otherwise.");
+
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *kind_s;
+    PyObject *xo, *wo, *so, *yo;
+    Py_ssize_t m, out, in, b0, b1;
+    int threads;
+    if (!PyArg_ParseTuple(args, "sOOOOnnnnni:matmul", &kind_s, &xo, &wo, &so, &yo, &m, &out, &in, &b0, &b1,
+                          &threads))
+        return NULL;
+    int kind = kind_of(kind_s);
+    if (kind < 0) return PyErr_Format(PyExc_ValueError, "unknown weight kind %R", PyTuple_GET_ITEM(args, 0));
+    const Py_ssize_t cap = (Py_ssize_t)1 << 31;
+    if (m < 1 || out < 1 || in < 1 || m > cap || out > cap || in > cap)
+        return PyErr_Format(PyExc_ValueError, "shape m=%zd out=%zd in=%zd out of range", m, out, in);
+    if (threads < 1 || threads > MAX_THREADS)
+        return PyErr_Format(PyExc_ValueError, "threads=%d: expected 1..%d", threads, MAX_THREADS);
+    if ((kind == K_Q8 || kind == K_Q4 || kind == K_MXFP4) && in % QBLOCK)
+        return PyErr_Format(PyExc_ValueError, "%s: in_=%zd is not a multiple of %d", kind_s, in, QBLOCK);
+    if (kind == K_FP8 && (b0 < 1 || b1 < 1 || b0 > cap || b1 > cap))
+        return PyErr_Format(PyExc_ValueError, "fp8: block (%zd, %zd) out of range", b0, b1);
+    Py_ssize_t xn, yn, wn;
+    if (__builtin_mul_overflow(m, in, &xn) || __builtin_mul_overflow(m, out, &yn) ||
+        __builtin_mul_overflow(out, in, &wn) || xn > PY_SSIZE_T_MAX / 4 || yn > PY_SSIZE_T_MAX / 4 ||
+        wn > PY_SSIZE_T_MAX / 4)
+        return PyErr_Format(PyExc_ValueError, "shape m=%zd out=%zd in=%zd too large", m, out, in);
+
+    /* data and scale: format, itemsize and item counts per kind */
+    char wf = 'f', sf = 0;
+    Py_ssize_t wsize = 4, ssize = 0, wcount = wn, scount = 0;
+    switch (kind) {
+    case K_F32: break;
+    case K_F16: wf = 'e'; wsize = 2; break;
+    case K_BF16: wf = 'H'; wsize = 2; break;
+    case K_FP8:
+        wf = 'B'; wsize = 1; sf = 'f'; ssize = 4;
+        scount = ((out + b0 - 1) / b0) * ((in + b1 - 1) / b1);
+        break;
+    case K_Q8: wf = 'b'; wsize = 1; sf = 'e'; ssize = 2; scount = out * (in / QBLOCK); break;
+    case K_Q4: wf = 'B'; wsize = 1; wcount = wn / 2; sf = 'e'; ssize = 2; scount = out * (in / QBLOCK); break;
+    case K_MXFP4: wf = 'B'; wsize = 1; wcount = wn / 2; sf = 'B'; ssize = 1; scount = out * (in / QBLOCK); break;
+    }
+
+    Py_buffer xv, wv, sv, yv;
+    int have_x = 0, have_w = 0, have_s = 0, have_y = 0;
+    PyObject *result = NULL;
+    if (get_buffer(xo, &xv, "x", 0) < 0) goto done;
+    have_x = 1;
+    if (check_buffer(&xv, "x", 'f', 4, xn) < 0) goto done;
+    if (get_buffer(wo, &wv, "data", 0) < 0) goto done;
+    have_w = 1;
+    if (check_buffer(&wv, "data", wf, wsize, wcount) < 0) goto done;
+    if (sf) {
+        if (so == Py_None) {
+            PyErr_Format(PyExc_ValueError, "%s: a scale is required", kind_s);
+            goto done;
+        }
+        if (get_buffer(so, &sv, "scale", 0) < 0) goto done;
+        have_s = 1;
+        if (check_buffer(&sv, "scale", sf, ssize, scount) < 0) goto done;
+    } else if (so != Py_None) {
+        PyErr_Format(PyExc_ValueError, "%s: no scale expected", kind_s);
+        goto done;
+    }
+    if (get_buffer(yo, &yv, "y", 1) < 0) goto done;
+    have_y = 1;
+    if (check_buffer(&yv, "y", 'f', 4, yn) < 0) goto done;
+    {
+        /* y is written while x, data and scale are read: it must not overlap any of them */
+        const char *y0 = (const char *)yv.buf, *y1 = y0 + yv.len;
+        const Py_buffer *ins[3] = {&xv, &wv, have_s ? &sv : NULL};
+        for (int k = 0; k < 3; k++) {
+            if (!ins[k]) continue;
+            const char *a0 = (const char *)ins[k]->buf, *a1 = a0 + ins[k]->len;
+            if (a0 < y1 && y0 < a1) {
+                PyErr_SetString(PyExc_ValueError, "y overlaps an input");
+                goto done;
+            }
+        }
+    }
+
+    job_t j = {kind, m, out, in, b0, b1, (const float *)xv.buf, wv.buf, have_s ? sv.buf : NULL, (float *)yv.buf,
+               cpu_avx2};
+    int rc;
+    pool_after_fork_check();
+    Py_BEGIN_ALLOW_THREADS
+    rc = run_job(&j, threads);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    if (have_x) PyBuffer_Release(&xv);
+    if (have_w) PyBuffer_Release(&wv);
+    if (have_s) PyBuffer_Release(&sv);
+    if (have_y) PyBuffer_Release(&yv);
+    return result;
+}
+
+static PyObject *py_isa(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    return PyUnicode_FromString(cpu_avx2 ? "avx2" : "plain");
+}
+
+static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
+    (void)self;
+    int want = PyObject_IsTrue(arg);
+    if (want < 0) return NULL;
+#if HAVE_X86_KERNELS
+    cpu_avx2 = want && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+#else
+    cpu_avx2 = 0;
+#endif
+    return PyUnicode_FromString(cpu_avx2 ? "avx2" : "plain");
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", py_matmul, METH_VARARGS, matmul_doc},
+    {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use: 'avx2' or 'plain'."},
+    {"use_simd", py_set_isa, METH_O,
+     "use_simd(flag) -> isa: use the AVX2 kernels when the CPU has them (True, the default) or the plain C ones "
+     "(False; for tests)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
+                                    "Native x @ W.T with W in its stored dtype (see runtime/_model/_packed.py).", -1,
+                                    methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+    init_tables();
+    pool_pid = getpid();
+#if HAVE_X86_KERNELS
+    __builtin_cpu_init();
+    cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,12 @@
+"""The one thing pyproject.toml cannot declare stably: the C extension (setuptools' `ext-modules` table in
+pyproject.toml is still experimental and warns on every install). Everything else lives in pyproject.toml.
+
+`shardtool.runtime._model._kernels`: products with a weight in its stored dtype (runtime/_model/_packed.py falls
+back to numpy without it). The source picks its SIMD kernels at run time, so no -march flag: the build runs on any
+x86-64 or aarch64.
+"""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("shardtool.runtime._model._kernels", sources=["runtime/_model/_kernels.c"],
+                             extra_compile_args=["-O2", "-std=gnu11", "-pthread"], extra_link_args=["-pthread"])])
