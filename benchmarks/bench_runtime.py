@@ -317,9 +317,9 @@ def stream_one(work: Path, name: str, repeats: int, tokens: int, budget_mib: int
 
 
 def _session(model: str, pub: str, budget_mib: str, max_tokens: int):
-    from shardtool.cli._common import keep_freed_memory, set_blas_threads
+    from shardtool.cli._common import keep_freed_memory, set_compute_threads
 
-    set_blas_threads(0, 2)  # as verify-and-run does, before numpy loads
+    set_compute_threads(0, 2)  # as verify-and-run does, before numpy loads
     keep_freed_memory()
     from shardtool.keys import load_public_key
     from shardtool.manifest import load_verified_manifest

@@ -112,7 +112,7 @@ CACHE_POLICY_HELP = ("Which cached shard is evicted first: lru, lfu or lfu-da (L
 
 
 def check_cache_policy(name: str | None) -> str | None:
-    """--cache-policy: one of the runtime's policies (None: its default). Call after `set_blas_threads`: it
+    """--cache-policy: one of the runtime's policies (None: its default). Call after `set_compute_threads`: it
     loads the runtime, and so numpy; no file has been read yet."""
     if name is None:
         return None
@@ -199,19 +199,24 @@ def run_app(app: typer.Typer, args: list[str] | None = None) -> None:
 _BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 
 
-def set_blas_threads(threads: int, readers: int) -> None:
-    """Size OpenBLAS's pool before numpy loads it. Its threads spin and run in lock-step: on cores shared
-    with the reader pool or a busy machine, one descheduled thread stalls every matmul (streaming decode
-    measured 2-8x slower with 2 BLAS threads + 2 readers on 2 loaded cores), so by default they get only
-    the cores the readers leave free."""
-    if "numpy" in sys.modules:  # too late (in-process callers): the library already sized its pool
-        return
+def set_compute_threads(threads: int, readers: int) -> int:
+    """Give the forward pass `threads` compute threads (0: the cores the readers leave free, at least 1) and return
+    how many. Every weight product runs in the runtime's native kernels (`_packed.set_threads`), so OpenBLAS, which
+    is left only attention's small products, gets one thread: its pool spins and runs in lock-step, and on cores
+    shared with the reader pool or a busy machine one descheduled thread stalls every product (streaming decode
+    measured 2-8x slower with 2 BLAS threads + 2 readers on 2 loaded cores); kernel threads plus BLAS's would also
+    be more threads than cores. Without the kernels (SHARDTOOL_KERNELS=0) OpenBLAS gets the threads instead. Sized
+    before numpy loads; an OpenBLAS variable already in the environment is left as it is."""
     if threads == 0:
-        if any(v in os.environ for v in _BLAS_THREAD_VARS):
-            return
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = max(1, cores - readers)
-    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
+    native = os.environ.get("SHARDTOOL_KERNELS", "1") != "0"
+    if "numpy" not in sys.modules and not any(v in os.environ for v in _BLAS_THREAD_VARS):
+        os.environ["OPENBLAS_NUM_THREADS"] = "1" if native else str(threads)
+    from shardtool.runtime._model import _packed
+
+    _packed.set_threads(min(threads, _packed.MAX_THREADS))
+    return threads
 
 
 # Seconds a thread holding the GIL runs before a waiting one gets it (Python's default is 5 ms).

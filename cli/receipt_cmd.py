@@ -49,7 +49,7 @@ def verify_receipt(
                                               help="Seed of the sample (default: random)."),
     memory_budget: str = typer.Option("8GiB", "--memory-budget", help="Budget of the replay."),
     readers: int = typer.Option(2, "--readers", min=1, max=64, help="Reader/verifier threads."),
-    threads: int = typer.Option(0, "--threads", min=0, max=1024, help="Compute (BLAS) threads; 0: automatic."),
+    threads: int = typer.Option(0, "--threads", min=0, max=1024, help="Compute threads (the weight products'); 0: automatic."),
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Rollback state directory."),
     manifest_file: Optional[Path] = typer.Option(None, "--manifest", help="Manifest (default DIR/manifest.msgpack)."),
     stop_ids: Optional[str] = typer.Option(None, "--stop-ids", help="The stop token ids the request named, "
@@ -60,7 +60,7 @@ def verify_receipt(
     """Verify a run receipt: operator signature, the weights it names, then a teacher-forced replay of prompt
     and answer (tokens, routing, activation fingerprint) within documented tolerances."""
     from shardtool.cli._common import emit_json, load_trusted, manifest_path, model_dir, say
-    from shardtool.cli._common import keep_freed_memory, parse_size, set_blas_threads
+    from shardtool.cli._common import keep_freed_memory, parse_size, set_compute_threads
 
     budget = parse_size(memory_budget)
     if sample is not None and not (math.isfinite(sample) and 0 < sample <= 1):
@@ -75,7 +75,7 @@ def verify_receipt(
     operators = [_load_public(p) for p in operator]
     trusted = load_trusted(trust)
     directory = model_dir(directory)
-    set_blas_threads(threads, readers)
+    set_compute_threads(threads, readers)
     keep_freed_memory()
     from shardtool.manifest import load_trusted_manifest
 

@@ -11,7 +11,7 @@ from typing import List, Optional
 import typer
 
 from shardtool.cli._common import (CACHE_POLICY_HELP, LOOKAHEAD_HELP, check_cache_policy, check_cluster_options,
-                                   keep_freed_memory, parse_size, run_app, say, set_blas_threads,
+                                   keep_freed_memory, parse_size, run_app, say, set_compute_threads,
                                    share_gil_with_readers)
 from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP, check_source, open_source
 from shardtool.errors import UsageError
@@ -86,8 +86,8 @@ def verify_and_run(
     readers: int = typer.Option(2, "--readers", min=1, max=64, help="Reader/verifier threads."),
     cache_policy: Optional[str] = typer.Option(None, "--cache-policy", help=CACHE_POLICY_HELP),
     threads: int = typer.Option(0, "--threads", min=0, max=1024,
-                                help="Compute (BLAS) threads; 0: the cores the readers leave free, at least 1 "
-                                     "(an OPENBLAS_NUM_THREADS or OMP_NUM_THREADS setting is kept)."),
+                                help="Compute threads (the weight products'); 0: the cores the readers leave free, "
+                                     "at least 1 (an OPENBLAS_NUM_THREADS or OMP_NUM_THREADS setting is kept)."),
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Rollback state directory."),
     manifest_file: Optional[Path] = typer.Option(None, "--manifest", help="Manifest (default DIR/manifest.msgpack)."),
     expect_model: Optional[str] = typer.Option(
@@ -139,7 +139,7 @@ def verify_and_run(
     if receipt_key is not None:  # before any work: a wrong key or passphrase fails here, not after generating
         from shardtool.cli._common import load_operator_key
         operator_key = load_operator_key(receipt_key, receipt_passphrase_file)
-    set_blas_threads(threads, readers)
+    set_compute_threads(threads, readers)
     keep_freed_memory()
     if lookahead:
         share_gil_with_readers()

@@ -44,7 +44,7 @@ def serve(
     readers: int = typer.Option(2, "--readers", min=1, max=64, help="Reader/verifier threads."),
     cache_policy: Optional[str] = typer.Option(None, "--cache-policy", help=CACHE_POLICY_HELP),
     threads: int = typer.Option(0, "--threads", min=0, max=1024,
-                                help="Compute (BLAS) threads; 0: the cores the readers leave free, at least 1."),
+                                help="Compute threads (the weight products'); 0: the cores the readers leave free, at least 1."),
     read_timeout: float = typer.Option(30.0, "--read-timeout", min=0.1, max=3600.0,
                                        help="Seconds a client has to send a request's headers, and again its body."),
     max_body: str = typer.Option("1MiB", "--max-body", help="Largest request body (HTTP 413 past it)."),
@@ -72,7 +72,7 @@ def serve(
     server-sent events), GET /v1/models, /health, /metrics; with --receipt-key, a signed run receipt per
     completion and GET /v1/receipts/{id}."""
     from shardtool.cli._common import (check_cache_policy, check_cluster_options, keep_freed_memory, load_operator_key,
-                                       load_trusted, parse_size, say, set_blas_threads, share_gil_with_readers,
+                                       load_trusted, parse_size, say, set_compute_threads, share_gil_with_readers,
                                        unpinned_warning)
     from shardtool.cli._source import check_source, open_source
 
@@ -90,7 +90,7 @@ def serve(
     operator_key = None
     if receipt_key is not None:  # before any work: a wrong key or passphrase fails here, not at the first request
         operator_key = load_operator_key(receipt_key, receipt_passphrase_file)
-    set_blas_threads(threads, readers)
+    set_compute_threads(threads, readers)
     keep_freed_memory()
     if lookahead:
         share_gil_with_readers()
