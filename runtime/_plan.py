@@ -1,5 +1,6 @@
-"""How the memory budget is split: KV cache, working buffers (float32 copies, reads in flight, one forward
-step's activations), and what remains caches verified shards."""
+"""How the memory budget is split: KV cache, working buffers (reads in flight, one forward step's activations, the
+one weight still expanded per use), and what remains caches verified shards. Weights are multiplied as they are
+stored (`_model._packed`): the shard cache holds their stored bytes and nothing else."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from shardtool.errors import UsageError
 from shardtool.manifest import VerifiedManifest
 from shardtool.runtime._model import ModelConfig, bytes_per_token
 from shardtool.runtime._model._activations import step_bytes
-from shardtool.runtime._model._dtypes import F32_EXPANSION
+from shardtool.runtime._model import _packed
+from shardtool.runtime._model._forward import trunk_shapes
 
 # The least the budget keeps for one forward step's temporaries; more when the step's queries over the whole
 # sequence need more (`step_bytes`). A step takes as many rows as fit (`step_rows`, `prefill_chunk`).
@@ -22,7 +24,7 @@ MIB = 2**20
 class BudgetPlan:
     total: int
     kv_cache: int  # shared by every running sequence; each reserves prompt + max_new_tokens of it
-    working: int  # float32 copies and reads in flight, plus `activations`
+    working: int  # reads in flight and weights expanded for one use, plus `activations`
     activations: int
     shard_cache: int
 
@@ -44,11 +46,9 @@ def plan_budget(budget: int, cfg: ModelConfig, manifest: VerifiedManifest, max_t
     trunk = [e.size for e in manifest.entries if e.kind == "trunk"]
     largest_expert, largest_trunk = max(experts, default=0), max(trunk, default=0)
     k = max(cfg.top_k, 1)
-    # A shard's float32 copy is at most 4x its bytes (FP8), an MXFP4 expert's 8x (`F32_EXPANSION`); in-flight
-    # reads hold raw bytes. Experts are loaded at most k ahead of the one computing (`VerifiedWeights.window`),
-    # whatever the batch chose.
-    expert_f32 = F32_EXPANSION["mxfp4" if cfg.mxfp4 else "fp8"]
-    f32 = F32_EXPANSION["fp8"] * largest_trunk + expert_f32 * k * largest_expert
+    # In-flight reads hold raw bytes. Experts are loaded at most k ahead of the one computing
+    # (`VerifiedWeights.window`), whatever the batch chose.
+    f32 = expanded_bytes(cfg)
     inflight = readers * max(largest_expert, largest_trunk)
     activations = max(MIN_ACTIVATION_RESERVE, step_bytes(cfg, max_batch, max_tokens))
     working = f32 + inflight + activations
@@ -71,3 +71,22 @@ def plan_budget(budget: int, cfg: ModelConfig, manifest: VerifiedManifest, max_t
                               f"raise --memory-budget to at least {math.ceil((wanted + working + need) / MIB)}MiB, "
                               f"or lower --max-batch, --max-context or --kv-cache")
     return BudgetPlan(budget, kv_cache, working, activations, shard_cache)
+
+
+def expanded_bytes(cfg: ModelConfig) -> int:
+    """# bytes of float32 the forward pass makes of a weight for one use, at most (one at a time, freed after it)
+
+    With the native kernels every product reads its weight as stored; only MLA's kv_b_proj, split per head rather
+    than multiplied whole, is expanded (a float32 one is used as it is; counted anyway). Without them
+    (SHARDTOOL_KERNELS=0, or the extension not built) the numpy reference expands each weight it multiplies: the
+    largest one counts."""
+    if _packed.kernels() is None:
+        weights = [shape for layer in range(cfg.num_layers) for shape in trunk_shapes(cfg, layer)[0].values()
+                   if len(shape) == 2]
+        largest = max([cfg.vocab_size * cfg.hidden_size, cfg.moe_intermediate_size * cfg.hidden_size]
+                      + [a * b for a, b in weights])
+        return 4 * largest
+    if cfg.mla is None:
+        return 0
+    m = cfg.mla
+    return 4 * cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank

@@ -21,9 +21,6 @@ FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -
                     np.float32)
 MXFP4_NAN_SCALE = 0xFF  # E8M0's NaN encoding
 _MXFP4_CHUNK = 1 << 16  # bytes of blocks per table look-up (its int64 indices and numpy's buffer: < 2 MiB)
-# float32 bytes per stored byte, at most: 4 (FP8, one byte per weight); MXFP4 128 per 17 (32 weights in 16 bytes
-# and one scale byte) = 7.53, under 8 (the decoding's look-ups take a fixed 2 MiB at most)
-F32_EXPANSION = {"fp8": 4, "mxfp4": 8}
 
 
 def to_float32(a: np.ndarray, name: str = "") -> np.ndarray:
