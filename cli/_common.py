@@ -213,9 +213,10 @@ def set_compute_threads(threads: int, readers: int) -> int:
     native = os.environ.get("SHARDTOOL_KERNELS", "1") != "0"
     if "numpy" not in sys.modules and not any(v in os.environ for v in _BLAS_THREAD_VARS):
         os.environ["OPENBLAS_NUM_THREADS"] = "1" if native else str(threads)
-    from shardtool.runtime._model import _packed
+    from shardtool.runtime import MAX_KERNEL_THREADS, set_kernel_threads
 
-    _packed.set_threads(min(threads, _packed.MAX_THREADS))
+    threads = min(threads, MAX_KERNEL_THREADS)
+    set_kernel_threads(threads)
     return threads
 
 

@@ -58,7 +58,7 @@ def linear(x: np.ndarray, w: np.ndarray | _packed.Packed, b: np.ndarray | None =
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """# [..., d], [d] -> [..., d]  (T5/Llama RMSNorm: weight * x * rsqrt(mean(x^2) + eps))"""
-    variance = np.mean(x * x, axis=-1, keepdims=True)
+    variance = np.add.reduce(x * x, axis=-1, keepdims=True) / x.shape[-1]  # np.mean's sum and division, less overhead
     return w * (x * (1.0 / np.sqrt(variance + np.float32(eps))))
 
 
@@ -197,6 +197,11 @@ def _dense(w: np.ndarray | _packed.Packed) -> np.ndarray:
     return _packed.to_float32(w) if type(w) is _packed.Packed else w
 
 
+def picked(scores: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """# [T, n], [T, k] indices -> [T, k]: scores[t, idx[t, j]] (np.take_along_axis's values, less overhead)"""
+    return scores[np.arange(len(idx))[:, None], idx]
+
+
 def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
     """# [T, n] -> [T, k] indices of the k largest (order unspecified, as torch.topk(sorted=False))."""
     return np.argpartition(-scores, k - 1, axis=-1)[:, :k]
@@ -211,7 +216,7 @@ def _route_softmax_topk(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tup
     """# -> weights [T, k], expert ids [T, k], selection scores [T, E] (the probabilities)"""
     probs = softmax(logits)
     idx = _top_k(probs, k)
-    weights = np.take_along_axis(probs, idx, axis=-1)
+    weights = picked(probs, idx)
     if norm_topk_prob:
         weights = weights / np.sum(weights, axis=-1, keepdims=True)
     return weights, idx, probs
@@ -240,7 +245,7 @@ def _route_deepseek(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, 
     np.put_along_axis(group_mask, groups, True, axis=-1)
     choice = np.where(np.repeat(group_mask, e // n_group, axis=-1), choice, -np.inf)
     idx = _top_k(choice, k)
-    weights = np.take_along_axis(scores, idx, axis=-1)
+    weights = picked(scores, idx)
     if norm_topk_prob:
         weights = weights / (np.sum(weights, axis=-1, keepdims=True) + np.float32(1e-20))
     return weights * np.float32(scaling), idx, choice
@@ -271,11 +276,18 @@ class ExpertUnavailable(Exception):
 
 def expert_groups(idx: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """# [T, k] expert ids -> {expert: (token rows [t_e], slots [t_e])} in ascending expert order."""
+    if idx.shape[0] == 1:  # a decode step of one sequence: its k distinct experts, each on row 0
+        row = idx[0].tolist()
+        return {e: (_ROW0, np.array([row.index(e)])) for e in sorted(row)}
     groups = {}
     for e in np.unique(idx):
         tokens, slots = np.nonzero(idx == e)
         groups[int(e)] = (tokens, slots)
     return groups
+
+
+_ROW0 = np.zeros(1, np.intp)
+_ROW0.flags.writeable = False
 
 
 def moe_experts(x: np.ndarray, weights: np.ndarray, groups: Mapping[int, tuple[np.ndarray, np.ndarray]],

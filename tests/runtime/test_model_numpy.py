@@ -114,7 +114,8 @@ def test_weights_packed_once_give_identical_logits(case):
 
 @pytest.mark.parametrize("kind", ["bfloat16", "float16", "float8"])
 def test_stored_dtype_equals_float32_of_the_same_values(kind):
-    # Compute is float32 either way: the low-precision provider must give exactly the logits of its values.
+    # Products accumulate in float32 whatever the stored dtype: the low-precision provider must give the logits of
+    # its values (exactly for bf16/f16; the FP8 product scales each block's partial sum, a different rounding).
     cfg, state = make("deepseek_v3", quantization_config={"weight_block_size": [8, 8]})
     stored, exact = {}, {}
     for name, a in state.items():
@@ -128,7 +129,11 @@ def test_stored_dtype_equals_float32_of_the_same_values(kind):
             stored[name] = exact[name] = a
     assert sum(a.dtype != np.float32 for a in stored.values()) > 10
     got = Model(cfg, DictWeightProvider(stored)).prefill(PROMPT)
-    np.testing.assert_array_equal(got, Model(cfg, DictWeightProvider(exact)).prefill(PROMPT))
+    want = Model(cfg, DictWeightProvider(exact)).prefill(PROMPT)
+    if kind == "float8":
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    else:
+        np.testing.assert_array_equal(got, want)
 
 
 def test_fused_state_dict_equals_per_expert_checkpoint():
