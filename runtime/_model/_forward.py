@@ -163,6 +163,7 @@ class Float32Weights:
         self.remote = remote
         self.lookahead_stats = LookaheadStats()
         self._predicted: dict[int, np.ndarray] = {}  # layer -> [T, k] ids predicted for this step's rows
+        self._lm_shape = (cfg.vocab_size, cfg.hidden_size)
 
     def embed_rows(self, ids: np.ndarray) -> np.ndarray:  # [T] -> [T, H]
         table = derived(self.provider.embed(), "embed", self.cfg, self._embed_table)
@@ -179,9 +180,13 @@ class Float32Weights:
         return table
 
     def head(self) -> tuple[np.ndarray, Packed]:  # norm [H] float32, lm_head [V, H] as stored
-        return derived(self.provider.head(), "head", self.cfg, self._head)
+        norm, lm = derived(self.provider.head(), "head", self.cfg, self._head)
+        if lm is None:  # tied: the embedding table, packed once and kept with it (its shard, not the head's)
+            lm = derived(self.provider.embed(), "tied_head", self.cfg, lambda t: pack(
+                {"embed_tokens.weight": self._embed_table(t)}, "embed_tokens", self._lm_shape, "model"))
+        return norm, lm
 
-    def _head(self, head: Mapping[str, np.ndarray]) -> tuple[np.ndarray, Packed]:
+    def _head(self, head: Mapping[str, np.ndarray]) -> tuple[np.ndarray, Packed | None]:  # None: tied
         t = _unwrapped(head)
         if "model.norm.weight" not in t:
             raise CheckpointFormatError("missing tensor model.norm.weight")
@@ -189,15 +194,11 @@ class Float32Weights:
         if norm.shape != (self.cfg.hidden_size,):
             raise CheckpointFormatError(f"model.norm.weight has shape {norm.shape}, expected "
                                         f"{(self.cfg.hidden_size,)}")
-        shape = (self.cfg.vocab_size, self.cfg.hidden_size)
         if self.cfg.tie_word_embeddings:
-            table = derived(self.provider.embed(), "embed", self.cfg, self._embed_table)
-            lm = pack({"embed_tokens.weight": table}, "embed_tokens", shape, "model")
-        elif "lm_head.weight" in t:
-            lm = pack(t, "lm_head", shape, "model", fp8_block=self.cfg.fp8_block)
-        else:
+            return norm, None
+        if "lm_head.weight" not in t:
             raise CheckpointFormatError("missing tensor lm_head.weight", hint="tie_word_embeddings is false")
-        return norm, lm
+        return norm, pack(t, "lm_head", self._lm_shape, "model", fp8_block=self.cfg.fp8_block)
 
     def layer(self, layer: int) -> dict[str, Packed | np.ndarray]:
         return derived(self.provider.layer(layer), "trunk", self.cfg, lambda t: prepare_layer(self.cfg, layer, t))
