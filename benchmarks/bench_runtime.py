@@ -1,6 +1,7 @@
 """verify-and-run benchmarks, each against a reference measured in the same run (medians, interleaved runs):
   (a) memory: expert shards >= 4x the memory budget; peak RSS must stay <= budget + 150 MiB
-  (b) decode tokens/s versus transformers on the CPU, same model and prompt, 1 thread and default threads
+  (b) decode tokens/s versus transformers on the CPU, same model and prompt, 1 thread and default threads; and
+      versus the runtime's own numpy reference (SHARDTOOL_KERNELS=0) in the same run
   (c) streaming with a budget that forces expert misses: read+verify throughput on misses versus b3sum over
       the same expert files (the store's N reader threads against `b3sum --num-threads N`, wall clock), and
       the share of token time verification costs
@@ -33,13 +34,16 @@ PROMPT = [5, 17, 300, 42, 9, 100, 7, 250]
 MIB = 2**20
 RSS_SLACK_MIB = 150
 
-# make_tiny_moe.py knobs. The speed models are f32: transformers computes in the stored dtype, the runtime in
-# float32, so only f32 compares like with like. The streaming models come in f32 (verification against the
-# cheapest possible compute) and bf16 (what Mixtral/Qwen checkpoints ship; compute converts to float32).
+# make_tiny_moe.py knobs. The speed models: transformers runs them in float32 (its CPU bf16 matmuls are not what an
+# operator would choose), the runtime multiplies each weight in its stored dtype and accumulates in float32, so f32
+# compares like with like and small-bf16 shows what a bf16 checkpoint gains over its f32 twin. The streaming models
+# come in f32 (verification against the cheapest possible compute) and bf16 (what Mixtral/Qwen checkpoints ship).
 MODELS = {
     "tiny": dict(layers=2, experts=4, hidden=64, moe_intermediate=40, heads=4, kv_heads=2, vocab=512, dtype="f32"),
     "small": dict(layers=4, experts=8, hidden=512, moe_intermediate=1024, heads=8, kv_heads=2, vocab=1024,
                   dtype="f32"),
+    "small-bf16": dict(layers=4, experts=8, hidden=512, moe_intermediate=1024, heads=8, kv_heads=2, vocab=1024,
+                       dtype="bf16"),
     # 8 layers x 24 experts x 6.3 MB = 1.2 GB of experts: > 4x a 256 MiB budget.
     "stream": dict(layers=8, experts=24, hidden=512, moe_intermediate=1024, heads=8, kv_heads=2, vocab=1024,
                    dtype="f32"),
@@ -200,28 +204,36 @@ def part_b(work: Path, repeats: int, tokens: int, models: list[str]) -> dict:
         model = build(work, name)
         ck = work / name / "ck"
         cores = str(len(os.sched_getaffinity(0)))
-        # ours by default: the cores its 2 reader threads leave free (verify-and-run --threads 0)
-        settings = {"1 thread": ({"OPENBLAS_NUM_THREADS": "1"}, 1), "default threads": ({}, 0),
-                    f"{cores} threads": ({"OPENBLAS_NUM_THREADS": cores}, int(cores))}
-        results: dict[str, dict[str, list]] = {s: {"ours": [], "transformers": []} for s in settings}
+        # ours by default: the cores its 2 reader threads leave free (verify-and-run --threads 0). "numpy": the same
+        # run without the native kernels (SHARDTOOL_KERNELS=0: each weight expanded to float32 for one BLAS product)
+        settings = {"1 thread": ({"OPENBLAS_NUM_THREADS": "1"}, 1, ("--threads", "1")), "default threads": ({}, 0, ()),
+                    f"{cores} threads": ({"OPENBLAS_NUM_THREADS": cores}, int(cores), ("--threads", cores))}
+        results: dict[str, dict[str, list]] = {s: {"ours": [], "numpy": [], "transformers": []} for s in settings}
         ours_ids, hf_ids = None, None
         for _ in range(repeats):
-            for setting, (env, torch_threads) in settings.items():
-                _, rep = verify_and_run(work, model, "8GiB", tokens, env=env)
+            for setting, (env, torch_threads, threads) in settings.items():
+                _, rep = verify_and_run(work, model, "8GiB", tokens, env=env, extra=threads)
                 results[setting]["ours"].append(rep["decode_tokens_per_s"])
                 ours_ids = rep["generated_ids"]
+                _, rep = verify_and_run(work, model, "8GiB", tokens, env={**env, "SHARDTOOL_KERNELS": "0"},
+                                        extra=threads)
+                results[setting]["numpy"].append(rep["decode_tokens_per_s"])
                 hf = in_subprocess("hf", ck, tokens, torch_threads, env=env)
                 results[setting]["transformers"].append(hf["decode_tokens_per_s"])
                 hf_ids = hf["generated_ids"]
         print(f"\n## (b) decode tokens/s vs transformers: {name} model ({MODELS[name]}), {len(PROMPT)}-token prompt, "
               f"{tokens} new tokens; same greedy tokens: {ours_ids == hf_ids}")
-        print(f"{'threads':<16} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6}   runs (ours | hf)")
+        print(f"{'threads':<16} {'ours tok/s':>11} {'numpy':>6} {'hf tok/s':>9} {'ratio':>6} {'/numpy':>6}   "
+              f"runs (ours | numpy | hf)")
         out[name] = {"same_tokens": ours_ids == hf_ids}
         for setting, r in results.items():
             ratio = median(r["ours"]) / median(r["transformers"])
-            print(f"{setting:<16} {median(r['ours']):11.1f} {median(r['transformers']):9.1f} {ratio:6.2f}   "
-                  f"{fmt(r['ours'], '.1f')} | {fmt(r['transformers'], '.1f')}")
-            out[name][setting] = {"ours": median(r["ours"]), "transformers": median(r["transformers"]), "ratio": ratio}
+            gain = median(r["ours"]) / median(r["numpy"])
+            print(f"{setting:<16} {median(r['ours']):11.1f} {median(r['numpy']):6.1f} {median(r['transformers']):9.1f} "
+                  f"{ratio:6.2f} {gain:6.2f}   {fmt(r['ours'], '.1f')} | {fmt(r['numpy'], '.1f')} | "
+                  f"{fmt(r['transformers'], '.1f')}")
+            out[name][setting] = {"ours": median(r["ours"]), "numpy": median(r["numpy"]),
+                                  "transformers": median(r["transformers"]), "ratio": ratio, "vs_numpy": gain}
     return out
 
 
