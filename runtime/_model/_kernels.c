@@ -15,6 +15,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <signal.h>
@@ -33,6 +34,7 @@
 
 #define QBLOCK 32
 #define MAX_THREADS 64
+#define GIL_WORK 16384 /* weights + inputs below which a product runs on one thread, keeping the GIL */
 
 enum kind { K_F32, K_F16, K_BF16, K_FP8, K_Q8, K_Q4, K_MXFP4, K_COUNT };
 static const char *const KIND_NAMES[K_COUNT] = {"f32", "f16", "bf16", "fp8", "q8", "q4", "mxfp4"};
@@ -45,6 +47,10 @@ typedef struct {
     const void *scale;
     float *y;
     int avx2;
+    /* one-row products with the integer kinds (q8, q4, mxfp4) on AVX2: x as int16 with a power-of-two scale per
+     * block of 32 (exact integer products; |x - xq * xs| <= 2^-15 * the block's largest |x|), else NULL */
+    const int16_t *xq;
+    const float *xs;
 } job_t;
 
 /* ---------------------------------------------------------------- scalar conversions (the fallback's, and tails) */
@@ -326,6 +332,100 @@ TARGET_AVX2 static float dot_mxfp4_avx2(const float *x, const uint8_t *w, const 
     return hsum8(_mm256_add_ps(t0, t1));
 }
 
+/* x [n] -> int16 [n] and a power-of-two scale per block of 32: xq = rint(x * 2^k), k the largest with the block's
+ * largest |x| * 2^k < 2^15 (clamped to +-32767), xs = 2^-k. Returns -1 (x not finite) if the float kernels must
+ * run instead. */
+static int quantize_x16(const float *x, Py_ssize_t n, int16_t *xq, float *xs) {
+    for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
+        const float *xb = x + b * QBLOCK;
+        float amax = 0.0f;
+        for (int i = 0; i < QBLOCK; i++) {
+            const float a = fabsf(xb[i]);
+            if (!(a <= FLT_MAX)) return -1; /* inf or NaN (which fmaxf would skip) */
+            amax = a > amax ? a : amax;
+        }
+        if (amax == 0.0f) {
+            memset(xq + b * QBLOCK, 0, QBLOCK * sizeof(int16_t));
+            xs[b] = 0.0f;
+            continue;
+        }
+        int e;
+        frexpf(amax, &e); /* amax < 2^e */
+        const int k = 15 - e;
+        for (int i = 0; i < QBLOCK; i++) {
+            float q = rintf(ldexpf(xb[i], k));
+            xq[b * QBLOCK + i] = (int16_t)(q > 32767.0f ? 32767 : q < -32767.0f ? -32767 : q);
+        }
+        xs[b] = ldexpf(1.0f, -k);
+    }
+    return 0;
+}
+
+/* Block b: the int32 sums of 32 int8 weights (as 2 x 16 int16 in w0, w1) times x's int16, scaled. */
+#define INT16_BLOCK(blk, w0, w1, scale, acc)                                                              \
+    do {                                                                                                   \
+        const __m256i xa = _mm256_loadu_si256((const __m256i *)(xq + (blk) * QBLOCK));                     \
+        const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + (blk) * QBLOCK + 16));                \
+        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(w0, xa), _mm256_madd_epi16(w1, xb));       \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(scale), acc);                        \
+    } while (0)
+
+TARGET_AVX2 static float dot_q8_x16(const int16_t *xq, const float *xs, const int8_t *w, const uint16_t *d,
+                                    Py_ssize_t n) {
+    __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+    Py_ssize_t b = 0;
+    for (; b + 2 <= n / QBLOCK; b += 2) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + b * QBLOCK));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + b * QBLOCK + QBLOCK));
+        INT16_BLOCK(b, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v0)),
+                    _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v0, 1)), _cvtsh_ss(d[b]) * xs[b], t0);
+        INT16_BLOCK(b + 1, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v1)),
+                    _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v1, 1)), _cvtsh_ss(d[b + 1]) * xs[b + 1], t1);
+    }
+    for (; b < n / QBLOCK; b++) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + b * QBLOCK));
+        INT16_BLOCK(b, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v0)),
+                    _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v0, 1)), _cvtsh_ss(d[b]) * xs[b], t0);
+    }
+    return hsum8(_mm256_add_ps(t0, t1));
+}
+
+TARGET_AVX2 static float dot_q4_x16(const int16_t *xq, const float *xs, const uint8_t *w, const uint16_t *d,
+                                    Py_ssize_t n) {
+    __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+    const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(w + b * (QBLOCK / 2)));
+        const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), eight);                    /* elements 0..15 */
+        const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight); /* elements 16..31 */
+        if (b & 1)
+            INT16_BLOCK(b, _mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi), _cvtsh_ss(d[b]) * xs[b], t1);
+        else
+            INT16_BLOCK(b, _mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi), _cvtsh_ss(d[b]) * xs[b], t0);
+    }
+    return hsum8(_mm256_add_ps(t0, t1));
+}
+
+/* MXFP4: each E2M1 code's value times 2 is a small integer (table look-up with pshufb); the scale halves it. */
+TARGET_AVX2 static float dot_mxfp4_x16(const int16_t *xq, const float *xs, const uint8_t *w, const uint8_t *e,
+                                       Py_ssize_t n) {
+    __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(w + b * (QBLOCK / 2)));
+        const __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(v, mask));
+        const __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+        const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi); /* elements 0..15, 16..31 */
+        const float scale = e8m0_to_float(e[b]) * 0.5f * xs[b];
+        if (b & 1)
+            INT16_BLOCK(b, _mm256_cvtepi8_epi16(c0), _mm256_cvtepi8_epi16(c1), scale, t1);
+        else
+            INT16_BLOCK(b, _mm256_cvtepi8_epi16(c0), _mm256_cvtepi8_epi16(c1), scale, t0);
+    }
+    return hsum8(_mm256_add_ps(t0, t1));
+}
+
 /* One weight row's product with one x row, in the stored dtype. */
 TARGET_AVX2 static float dot_row_avx2(const job_t *j, Py_ssize_t r, const float *x) {
     const Py_ssize_t n = j->in;
@@ -340,10 +440,19 @@ TARGET_AVX2 static float dot_row_avx2(const job_t *j, Py_ssize_t r, const float 
         return dot_fp8_avx2(x, (const uint8_t *)j->w + r * n,
                             (const float *)j->scale + (r / j->b0) * ((n + j->b1 - 1) / j->b1), n, j->b1);
     case K_Q8:
+        if (j->xq)
+            return dot_q8_x16(j->xq, j->xs, (const int8_t *)j->w + r * n,
+                              (const uint16_t *)j->scale + r * (n / QBLOCK), n);
         return dot_q8_avx2(x, (const int8_t *)j->w + r * n, (const uint16_t *)j->scale + r * (n / QBLOCK), n);
     case K_Q4:
+        if (j->xq)
+            return dot_q4_x16(j->xq, j->xs, (const uint8_t *)j->w + r * (n / 2),
+                              (const uint16_t *)j->scale + r * (n / QBLOCK), n);
         return dot_q4_avx2(x, (const uint8_t *)j->w + r * (n / 2), (const uint16_t *)j->scale + r * (n / QBLOCK), n);
     default:
+        if (j->xq)
+            return dot_mxfp4_x16(j->xq, j->xs, (const uint8_t *)j->w + r * (n / 2),
+                                 (const uint8_t *)j->scale + r * (n / QBLOCK), n);
         return dot_mxfp4_avx2(x, (const uint8_t *)j->w + r * (n / 2), (const uint8_t *)j->scale + r * (n / QBLOCK),
                               n);
     }
@@ -440,7 +549,34 @@ static void pool_after_fork_check(void) {
 }
 
 /* Run the job on up to `threads` threads (GIL released by the caller). Returns 0, or -1 on allocation failure. */
-static int run_job(const job_t *j, int threads) {
+static int run_job_rows(const job_t *j, int threads);
+
+static int run_job(job_t *j, int threads) {
+#if HAVE_X86_KERNELS
+    if (j->avx2 && j->m == 1 && (j->kind == K_Q8 || j->kind == K_Q4 || j->kind == K_MXFP4)) {
+        int16_t *xq = (int16_t *)malloc((size_t)j->in * sizeof(int16_t));
+        float *xs = (float *)malloc((size_t)(j->in / QBLOCK) * sizeof(float));
+        if (!xq || !xs) {
+            free(xq);
+            free(xs);
+            return -1;
+        }
+        if (quantize_x16(j->x, j->in, xq, xs) == 0) {
+            j->xq = xq;
+            j->xs = xs;
+        }
+        int rc = run_job_rows(j, threads);
+        j->xq = NULL;
+        j->xs = NULL;
+        free(xq);
+        free(xs);
+        return rc;
+    }
+#endif
+    return run_job_rows(j, threads);
+}
+
+static int run_job_rows(const job_t *j, int threads) {
     int parts = threads;
     if ((Py_ssize_t)parts > j->out) parts = (int)j->out;
     if (parts <= 1) return run_rows(j, 0, j->out);
@@ -615,12 +751,17 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     }
 
     job_t j = {kind, m, out, in, b0, b1, (const float *)xv.buf, wv.buf, have_s ? sv.buf : NULL, (float *)yv.buf,
-               cpu_avx2};
+               cpu_avx2, NULL, NULL};
     int rc;
     pool_after_fork_check();
-    Py_BEGIN_ALLOW_THREADS
-    rc = run_job(&j, threads);
-    Py_END_ALLOW_THREADS
+    if (xn + wn < GIL_WORK) {
+        /* too small to be worth giving the GIL away (taking it back can wait for another thread's switch) */
+        rc = run_job(&j, 1);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        rc = run_job(&j, threads);
+        Py_END_ALLOW_THREADS
+    }
     if (rc) {
         PyErr_NoMemory();
         goto done;

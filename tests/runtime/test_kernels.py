@@ -49,12 +49,17 @@ def make(kind: str, out: int, inp: int, rng: np.random.Generator, block=(128, 12
 
 def check(x: np.ndarray, w: Packed) -> np.ndarray:
     """The kernel's product equals x @ W.T in float64 (W expanded by the reference) within float32 accumulation
-    error: |error| <= in * 2^-23 * (|x| @ |W|.T), elementwise. A wrong element or scale is off by O(|product|)."""
+    error: |error| <= in * 2^-23 * (|x| @ |W|.T), elementwise; for the block kinds (q8, q4, mxfp4), whose one-row
+    AVX2 kernels take x as int16 with a power-of-two scale per block of 32, also 2^-15 * the block's largest |x|
+    per weight. A wrong element or scale is off by O(|product|)."""
     f = _packed.to_float32(w).astype(np.float64)
     x64 = x.astype(np.float64)
     y = _packed.matmul_t(x, w)
     assert y.dtype == np.float32 and y.shape == (x.shape[0], w.shape[0])
     bound = w.shape[1] * 2.0 ** -23 * (np.abs(x64) @ np.abs(f).T) + 1e-30
+    if w.kind in ("q8", "q4", "mxfp4"):
+        peaks = np.repeat(np.abs(x64).reshape(x.shape[0], -1, blockquant.QBLOCK).max(axis=-1), blockquant.QBLOCK, -1)
+        bound += 2.0 ** -15 * (peaks @ np.abs(f).T)
     err = np.abs(y - x64 @ f.T)
     assert np.all(err <= bound), f"{w.kind}: worst error {float((err / bound).max()):.3g} x the bound"
     return y
@@ -82,6 +87,21 @@ def test_fp8_ragged_blocks(isa, block):
         for m in (1, 3):
             x = rng.standard_normal((m, 300)).astype(np.float32)
             check(x, make("fp8", 37, 300, rng, block))
+
+
+@pytest.mark.parametrize("kind", ["q8", "q4", "mxfp4"])
+def test_block_kinds_with_a_non_finite_input(isa, kind):
+    """x with inf/NaN cannot be scaled to int16: the float kernels run and inf/NaN propagate as in the reference."""
+    rng = np.random.default_rng(11)
+    w = make(kind, 9, 64, rng)
+    for bad in (np.inf, np.nan):
+        x = rng.standard_normal((1, 64)).astype(np.float32)
+        x[0, 40] = bad
+        with np.errstate(invalid="ignore"):
+            want = _packed.to_float32(w).astype(np.float64) @ x[0].astype(np.float64)
+        got = _packed.matmul_t(x, w)[0]
+        assert not np.isfinite(want).any()
+        np.testing.assert_array_equal(got, want.astype(np.float32))  # the same infinities, NaN where NaN
 
 
 def one_hot_rows(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
