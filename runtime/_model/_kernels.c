@@ -34,6 +34,7 @@
 
 #define QBLOCK 32
 #define MAX_THREADS 64
+#define MIN_CHUNK_ROWS 16 /* rows of one thread's piece of a product, at least */
 #define GIL_WORK 16384 /* weights + inputs below which a product runs on one thread, keeping the GIL */
 
 enum kind { K_F32, K_F16, K_BF16, K_FP8, K_Q8, K_Q4, K_MXFP4, K_COUNT };
@@ -495,22 +496,33 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
 }
 
 /* ---------------------------------------------------------------- the thread pool */
-/* Workers wait for a new generation; worker k computes part k+1 of the job's rows, the caller part 0. One job at a
- * time (`pool_busy`); a call that finds the pool busy computes alone on its own thread. After fork the workers do
- * not exist in the child: the pool is rebuilt there on first use. */
+/* The job's output rows are cut into chunks that the caller and the workers it woke take in turn (an atomic
+ * counter), so a worker the OS has not scheduled yet costs nothing: the caller takes its chunks and waits only for
+ * chunks already taken. A worker joins a job under the mutex only while that job is still running (`pool_busy`
+ * and its generation), and the caller returns only when every chunk is done and no joined worker is left, so no
+ * worker touches a job after its call returned. One job at a time; a call that finds the pool busy computes alone
+ * on its own thread. After fork the workers do not exist in the child: the pool is rebuilt there on first use. */
 
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_go = PTHREAD_COND_INITIALIZER, pool_done = PTHREAD_COND_INITIALIZER;
-static int pool_workers, pool_busy, pool_pending, pool_parts, pool_failed;
+static int pool_workers, pool_busy, pool_active, pool_failed, pool_wanted;
 static pid_t pool_pid;
 static unsigned long pool_gen;
 static const job_t *pool_job;
+static Py_ssize_t pool_chunks, pool_chunk_rows;
+static Py_ssize_t pool_next, pool_finished; /* atomics */
 static unsigned long worker_seen[MAX_THREADS];
 
-static void part_bounds(const job_t *j, int parts, int k, Py_ssize_t *r0, Py_ssize_t *r1) {
-    Py_ssize_t per = j->out / parts, extra = j->out % parts;
-    *r0 = k * per + (k < extra ? k : extra);
-    *r1 = *r0 + per + (k < extra ? 1 : 0);
+/* Take and compute chunks until none is left; returns -1 if one failed (allocation). */
+static int take_chunks(const job_t *j, Py_ssize_t chunks, Py_ssize_t rows) {
+    int rc = 0;
+    for (;;) {
+        Py_ssize_t c = __atomic_fetch_add(&pool_next, 1, __ATOMIC_RELAXED);
+        if (c >= chunks) return rc;
+        Py_ssize_t r0 = c * rows, r1 = r0 + rows < j->out ? r0 + rows : j->out;
+        if (run_rows(j, r0, r1)) rc = -1;
+        __atomic_fetch_add(&pool_finished, 1, __ATOMIC_RELEASE);
+    }
 }
 
 static void *worker_main(void *arg) {
@@ -520,16 +532,15 @@ static void *worker_main(void *arg) {
     for (;;) {
         while (pool_gen == seen) pthread_cond_wait(&pool_go, &pool_mu);
         seen = pool_gen;
+        if (!pool_busy || k >= pool_wanted) continue; /* that job is over, or wants fewer threads */
         const job_t *j = pool_job;
-        const int parts = pool_parts;
-        if (k + 1 >= parts) continue;
+        const Py_ssize_t chunks = pool_chunks, rows = pool_chunk_rows;
+        pool_active++;
         pthread_mutex_unlock(&pool_mu);
-        Py_ssize_t r0, r1;
-        part_bounds(j, parts, k + 1, &r0, &r1);
-        int rc = run_rows(j, r0, r1);
+        int rc = take_chunks(j, chunks, rows);
         pthread_mutex_lock(&pool_mu);
         if (rc) pool_failed = 1;
-        if (--pool_pending == 0) pthread_cond_signal(&pool_done);
+        if (--pool_active == 0) pthread_cond_signal(&pool_done);
     }
     return NULL;
 }
@@ -543,12 +554,11 @@ static void pool_after_fork_check(void) {
         pool_mu = m;
         pool_go = c;
         pool_done = c;
-        pool_workers = pool_busy = pool_pending = pool_parts = pool_failed = 0;
+        pool_workers = pool_busy = pool_active = pool_failed = pool_wanted = 0;
         pool_pid = pid;
     }
 }
 
-/* Run the job on up to `threads` threads (GIL released by the caller). Returns 0, or -1 on allocation failure. */
 static int run_job_rows(const job_t *j, int threads);
 
 static int run_job(job_t *j, int threads) {
@@ -577,53 +587,58 @@ static int run_job(job_t *j, int threads) {
 }
 
 static int run_job_rows(const job_t *j, int threads) {
-    int parts = threads;
-    if ((Py_ssize_t)parts > j->out) parts = (int)j->out;
-    if (parts <= 1) return run_rows(j, 0, j->out);
-    pthread_mutex_lock(&pool_mu);
-    if (pool_busy) {
+    if (threads > 1 && j->out >= 2 * MIN_CHUNK_ROWS) {
+        pthread_mutex_lock(&pool_mu);
+        if (pool_busy) {
+            pthread_mutex_unlock(&pool_mu);
+            return run_rows(j, 0, j->out);
+        }
+        while (pool_workers < threads - 1) {
+            pthread_t t;
+            pthread_attr_t attr;
+            sigset_t all, old;
+            worker_seen[pool_workers] = pool_gen;
+            pthread_attr_init(&attr);
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            sigfillset(&all);
+            pthread_sigmask(SIG_SETMASK, &all, &old);
+            int rc = pthread_create(&t, &attr, worker_main, (void *)(intptr_t)pool_workers);
+            pthread_sigmask(SIG_SETMASK, &old, NULL);
+            pthread_attr_destroy(&attr);
+            if (rc) break;
+            pool_workers++;
+        }
+        if (pool_workers == 0) {
+            pthread_mutex_unlock(&pool_mu);
+            return run_rows(j, 0, j->out);
+        }
+        /* about 4 chunks a thread, at least MIN_CHUNK_ROWS rows each */
+        Py_ssize_t rows = (j->out + 4 * threads - 1) / (4 * threads);
+        if (rows < MIN_CHUNK_ROWS) rows = MIN_CHUNK_ROWS;
+        const Py_ssize_t chunks = (j->out + rows - 1) / rows;
+        pool_busy = 1;
+        pool_job = j;
+        pool_chunks = chunks;
+        pool_chunk_rows = rows;
+        pool_wanted = threads - 1;
+        pool_failed = 0;
+        __atomic_store_n(&pool_next, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&pool_finished, 0, __ATOMIC_RELAXED);
+        pool_gen++;
+        pthread_cond_broadcast(&pool_go);
         pthread_mutex_unlock(&pool_mu);
-        return run_rows(j, 0, j->out);
-    }
-    while (pool_workers < parts - 1) {
-        pthread_t t;
-        pthread_attr_t attr;
-        sigset_t all, old;
-        worker_seen[pool_workers] = pool_gen;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        sigfillset(&all);
-        pthread_sigmask(SIG_SETMASK, &all, &old);
-        int rc = pthread_create(&t, &attr, worker_main, (void *)(intptr_t)pool_workers);
-        pthread_sigmask(SIG_SETMASK, &old, NULL);
-        pthread_attr_destroy(&attr);
-        if (rc) break;
-        pool_workers++;
-    }
-    if (parts > pool_workers + 1) parts = pool_workers + 1;
-    if (parts <= 1) {
+
+        int rc = take_chunks(j, chunks, rows);
+
+        pthread_mutex_lock(&pool_mu);
+        while (pool_active || __atomic_load_n(&pool_finished, __ATOMIC_ACQUIRE) < chunks)
+            pthread_cond_wait(&pool_done, &pool_mu);
+        if (pool_failed) rc = -1;
+        pool_busy = 0;
         pthread_mutex_unlock(&pool_mu);
-        return run_rows(j, 0, j->out);
+        return rc;
     }
-    pool_busy = 1;
-    pool_job = j;
-    pool_parts = parts;
-    pool_pending = parts - 1;
-    pool_failed = 0;
-    pool_gen++;
-    pthread_cond_broadcast(&pool_go);
-    pthread_mutex_unlock(&pool_mu);
-
-    Py_ssize_t r0, r1;
-    part_bounds(j, parts, 0, &r0, &r1);
-    int rc = run_rows(j, r0, r1);
-
-    pthread_mutex_lock(&pool_mu);
-    while (pool_pending) pthread_cond_wait(&pool_done, &pool_mu);
-    if (pool_failed) rc = -1;
-    pool_busy = 0;
-    pthread_mutex_unlock(&pool_mu);
-    return rc;
+    return run_rows(j, 0, j->out);
 }
 
 /* ---------------------------------------------------------------- argument checking */
