@@ -7,7 +7,8 @@ hidden 1024 / moe-intermediate 2048: gate/up [inter, hidden], down [hidden, inte
 Weights rotate through copies totalling >= --pool-mib so each product streams its weight from memory, as decode does
 (one use of each expert per token), not from cache. Threads 1 and 2: each count runs in its own process with
 OPENBLAS_NUM_THREADS set to it. Per round, kernel and numpy alternate; medians of --rounds rounds; ratio = numpy
-time / kernel time (> 1: the kernel is faster), GB/s = stored bytes of the weight (data + scales) per second.
+time / kernel time (> 1: the kernel is faster), GB/s = stored bytes of the weight (data + scales) per second; at
+1 thread also the ratio of the calling thread's CPU times (both run there), steadier on a shared machine.
 Also the Python cost of one `matmul_t` call on a tiny weight (what a decode step pays per product besides the math).
 
 Usage: python benchmarks/bench_kernels.py [--rounds 5] [--pool-mib 96] [--threads 1,2] [--kinds f32,bf16,...]
@@ -68,10 +69,15 @@ def _copies(p, count: int):
 
 
 def _time_per_call(fn, items, x) -> float:
-    start = time.perf_counter()
+    return _times_per_call(fn, items, x)[0]
+
+
+def _times_per_call(fn, items, x) -> tuple[float, float]:
+    """Wall seconds and this thread's CPU seconds per call."""
+    start, cpu = time.perf_counter(), time.thread_time()
     for item in items:
         fn(x, item)
-    return (time.perf_counter() - start) / len(items)
+    return (time.perf_counter() - start) / len(items), (time.thread_time() - cpu) / len(items)
 
 
 def child(args) -> None:
@@ -95,12 +101,13 @@ def child(args) -> None:
             kernel_t, numpy_t = [], []
             _time_per_call(_packed.matmul_t, ws[:2], x)  # warm-up
             for _ in range(args.rounds):
-                kernel_t.append(_time_per_call(_packed.matmul_t, ws, x))
-                numpy_t.append(_time_per_call(lambda v, w: w @ v[0], ref, x))
-            k, n = statistics.median(kernel_t), statistics.median(numpy_t)
+                kernel_t.append(_times_per_call(_packed.matmul_t, ws, x))
+                numpy_t.append(_times_per_call(lambda v, w: w @ v[0], ref, x))
+            k, n = (statistics.median(t[0] for t in kernel_t), statistics.median(t[0] for t in numpy_t))
+            kc, nc = (statistics.median(t[1] for t in kernel_t), statistics.median(t[1] for t in numpy_t))
             print(json.dumps(dict(threads=args.threads_one, shape=shape_name, kind=kind, kernel_us=k * 1e6,
                                   numpy_us=n * 1e6, ratio=n / k, gbs=p.nbytes / k / 1e9,
-                                  numpy_gbs=f32.nbytes / n / 1e9)), flush=True)
+                                  numpy_gbs=f32.nbytes / n / 1e9, cpu_ratio=nc / kc)), flush=True)
             del ws
     tiny = _packed_weight("f32", 8, 32, rng)
     xt = np.ones((1, 32), np.float32)
@@ -133,14 +140,17 @@ def main() -> None:
         rows += [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     print(f"decode-shaped products x[1, in] @ W.T, medians of {args.rounds} interleaved rounds, weights streamed "
           f"from a {args.pool_mib} MiB pool")
+    print("ratio = numpy wall / kernel wall; cpu ratio (1 thread only, where both run on the calling thread) = the "
+          "same with this thread's CPU time, which a busy machine's scheduling does not inflate")
     print(f"{'thr':>3} {'shape (out x in)':<28} {'kind':<6} {'kernel us':>10} {'numpy f32 us':>13} "
-          f"{'ratio':>6} {'GB/s':>6} {'numpy GB/s':>10}")
+          f"{'ratio':>6} {'GB/s':>6} {'numpy GB/s':>10} {'cpu ratio':>9}")
     for r in rows:
         if "call_us" in r:
             continue
         out, inp = SHAPES[r["shape"]]
         print(f"{r['threads']:>3} {r['shape'] + f' ({out}x{inp})':<28} {r['kind']:<6} {r['kernel_us']:>10.1f} "
-              f"{r['numpy_us']:>13.1f} {r['ratio']:>6.2f} {r['gbs']:>6.1f} {r['numpy_gbs']:>10.1f}")
+              f"{r['numpy_us']:>13.1f} {r['ratio']:>6.2f} {r['gbs']:>6.1f} {r['numpy_gbs']:>10.1f} "
+              f"{r['cpu_ratio'] if r['threads'] == 1 else float('nan'):>9.2f}")
     for r in rows:
         if "call_us" in r:
             print(f"threads {r['threads']}: one matmul_t call on an [8, 32] f32 weight: {r['call_us']:.2f} us")

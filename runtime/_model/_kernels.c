@@ -229,6 +229,43 @@ TARGET_AVX2 static float dot_f16_avx2(const float *x, const uint16_t *w, Py_ssiz
     return s;
 }
 
+/* Four consecutive weight rows (stride n) against one x: x is loaded once for four rows, four streams run. */
+#define DOT4_BODY(T, LOAD, SCALAR)                                                                                \
+    const T *w0 = w, *w1 = w + n, *w2 = w + 2 * n, *w3 = w + 3 * n;                                                \
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps(); \
+    Py_ssize_t i = 0;                                                                                              \
+    for (; i + 8 <= n; i += 8) {                                                                                   \
+        const __m256 xv = _mm256_loadu_ps(x + i);                                                                  \
+        a0 = _mm256_fmadd_ps(LOAD(w0 + i), xv, a0);                                                                \
+        a1 = _mm256_fmadd_ps(LOAD(w1 + i), xv, a1);                                                                \
+        a2 = _mm256_fmadd_ps(LOAD(w2 + i), xv, a2);                                                                \
+        a3 = _mm256_fmadd_ps(LOAD(w3 + i), xv, a3);                                                                \
+    }                                                                                                              \
+    float s0 = hsum8(a0), s1 = hsum8(a1), s2 = hsum8(a2), s3 = hsum8(a3);                                          \
+    for (; i < n; i++) {                                                                                           \
+        s0 += x[i] * SCALAR(w0[i]);                                                                                \
+        s1 += x[i] * SCALAR(w1[i]);                                                                                \
+        s2 += x[i] * SCALAR(w2[i]);                                                                                \
+        s3 += x[i] * SCALAR(w3[i]);                                                                                \
+    }                                                                                                              \
+    y[0] = s0;                                                                                                     \
+    y[1] = s1;                                                                                                     \
+    y[2] = s2;                                                                                                     \
+    y[3] = s3;
+
+#define F32_SCALAR(v) (v)
+TARGET_AVX2 static void dot4_f32_avx2(const float *x, const float *w, Py_ssize_t n, float *y) {
+    DOT4_BODY(float, _mm256_loadu_ps, F32_SCALAR)
+}
+
+TARGET_AVX2 static void dot4_bf16_avx2(const float *x, const uint16_t *w, Py_ssize_t n, float *y) {
+    DOT4_BODY(uint16_t, load_bf16, bf16_to_float)
+}
+
+TARGET_AVX2 static void dot4_f16_avx2(const float *x, const uint16_t *w, Py_ssize_t n, float *y) {
+    DOT4_BODY(uint16_t, load_f16, _cvtsh_ss)
+}
+
 /* 8 float8_e4m3fn bytes -> 8 floats / 256: the 7 exponent+mantissa bits placed in a float16 are the value times
  * 2^-8 (normal and subnormal alike: the biases differ by 8); NaN (0x7F/0xFF) is kept NaN. */
 TARGET_AVX2 static inline __m256 load_fp8_div256(const uint8_t *p) {
@@ -333,29 +370,49 @@ TARGET_AVX2 static float dot_mxfp4_avx2(const float *x, const uint8_t *w, const 
     return hsum8(_mm256_add_ps(t0, t1));
 }
 
-/* x [n] -> int16 [n] and a power-of-two scale per block of 32: xq = rint(x * 2^k), k the largest with the block's
- * largest |x| * 2^k < 2^15 (clamped to +-32767), xs = 2^-k. Returns -1 (x not finite) if the float kernels must
+/* x [n] -> int16 [n] and a power-of-two scale per block of 32: xq = round(x * 2^k), k the largest with the block's
+ * largest |x| * 2^k < 2^15 (saturated to +-32767), xs = 2^-k. Returns -1 (x not finite) if the float kernels must
  * run instead. */
-static int quantize_x16(const float *x, Py_ssize_t n, int16_t *xq, float *xs) {
+TARGET_AVX2 static int quantize_x16(const float *x, Py_ssize_t n, int16_t *xq, float *xs) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(FLT_MAX);
     for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
         const float *xb = x + b * QBLOCK;
-        float amax = 0.0f;
-        for (int i = 0; i < QBLOCK; i++) {
-            const float a = fabsf(xb[i]);
-            if (!(a <= FLT_MAX)) return -1; /* inf or NaN (which fmaxf would skip) */
-            amax = a > amax ? a : amax;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        int finite = 0xFF;
+        for (int c = 0; c < 4; c++) {
+            v[c] = _mm256_loadu_ps(xb + 8 * c);
+            const __m256 a = _mm256_andnot_ps(sign, v[c]);
+            finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, big, _CMP_LE_OQ)); /* false for inf and NaN */
+            amax = _mm256_max_ps(amax, a);
         }
-        if (amax == 0.0f) {
+        if (finite != 0xFF) return -1;
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float top = _mm_cvtss_f32(m4);
+        if (top == 0.0f) {
             memset(xq + b * QBLOCK, 0, QBLOCK * sizeof(int16_t));
             xs[b] = 0.0f;
             continue;
         }
         int e;
-        frexpf(amax, &e); /* amax < 2^e */
+        frexpf(top, &e); /* top < 2^e */
         const int k = 15 - e;
-        for (int i = 0; i < QBLOCK; i++) {
-            float q = rintf(ldexpf(xb[i], k));
-            xq[b * QBLOCK + i] = (int16_t)(q > 32767.0f ? 32767 : q < -32767.0f ? -32767 : q);
+        if (k > 126 || k < -126) { /* 2^k or 2^-k is not a normal float: the exact, slow way */
+            for (int i = 0; i < QBLOCK; i++) {
+                float q = rintf(ldexpf(xb[i], k));
+                xq[b * QBLOCK + i] = (int16_t)(q > 32767.0f ? 32767 : q < -32767.0f ? -32767 : q);
+            }
+            xs[b] = ldexpf(1.0f, -k);
+            continue;
+        }
+        const __m256 up = _mm256_set1_ps(ldexpf(1.0f, k)); /* exact: a power of two */
+        for (int c = 0; c < 4; c += 2) {
+            /* round to nearest even (the default rounding), then pack with saturation (32768 -> 32767) */
+            const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], up));
+            const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[c + 1], up));
+            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+            _mm256_storeu_si256((__m256i *)(xq + b * QBLOCK + 8 * c), packed);
         }
         xs[b] = ldexpf(1.0f, -k);
     }
@@ -466,7 +523,14 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
     const Py_ssize_t m = j->m, n = j->in, out = j->out;
 #if HAVE_X86_KERNELS
     if (j->avx2 && m == 1) {
-        for (Py_ssize_t r = r0; r < r1; r++) j->y[r] = dot_row_avx2(j, r, j->x);
+        Py_ssize_t r = r0;
+        if (j->kind == K_F32)
+            for (; r + 4 <= r1; r += 4) dot4_f32_avx2(j->x, (const float *)j->w + r * n, n, j->y + r);
+        else if (j->kind == K_BF16)
+            for (; r + 4 <= r1; r += 4) dot4_bf16_avx2(j->x, (const uint16_t *)j->w + r * n, n, j->y + r);
+        else if (j->kind == K_F16)
+            for (; r + 4 <= r1; r += 4) dot4_f16_avx2(j->x, (const uint16_t *)j->w + r * n, n, j->y + r);
+        for (; r < r1; r++) j->y[r] = dot_row_avx2(j, r, j->x);
         return 0;
     }
 #endif

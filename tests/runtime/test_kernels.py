@@ -104,6 +104,24 @@ def test_block_kinds_with_a_non_finite_input(isa, kind):
         np.testing.assert_array_equal(got, want.astype(np.float32))  # the same infinities, NaN where NaN
 
 
+@pytest.mark.parametrize("kind", ["q8", "q4", "mxfp4"])
+def test_block_kinds_at_the_edges_of_the_int16_input(isa, kind):
+    """Blocks of x whose peak rounds up to 2^15 (saturated), all-zero blocks, huge and tiny blocks."""
+    rng = np.random.default_rng(12)
+    w = make(kind, 20, 192, rng)
+    x = rng.standard_normal((1, 192)).astype(np.float32)
+    x[0, 0] = np.nextafter(np.float32(1), np.float32(0))  # the largest float below 1: * 2^15 rounds to 32768
+    x[0, 1:32] = rng.uniform(-1, 1, 31)
+    x[0, 32:64] = 0
+    x[0, 64:96] *= np.float32(1e30)
+    x[0, 96:128] = -x[0, 0]
+    check(x, w)
+    x[0, :] = rng.standard_normal(192).astype(np.float32) * np.float32(1e-36)  # 2^-k below the normal floats
+    y = _packed.matmul_t(x, w)[0].astype(np.float64)
+    want = _packed.to_float32(w).astype(np.float64) @ x[0].astype(np.float64)
+    assert np.all(np.abs(y - want) <= 1e-3 * np.abs(_packed.to_float32(w)).astype(np.float64) @ np.abs(x[0]))
+
+
 def one_hot_rows(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows [v, 0, ..., 0] (16 inputs, so the SIMD path reads them) and x = e0: y[r] is exactly element v."""
     rows = np.zeros((data.size, 16), data.dtype)
