@@ -120,13 +120,19 @@ static void decode_row(const job_t *j, Py_ssize_t r, float *dst) {
         const uint8_t *w = (const uint8_t *)j->w + r * n;
         const Py_ssize_t sc = (n + j->b1 - 1) / j->b1;
         const float *s = (const float *)j->scale + (r / j->b0) * sc;
-        for (Py_ssize_t i = 0; i < n; i++) dst[i] = fp8_table[w[i]] * s[i / j->b1];
+        for (Py_ssize_t c0 = 0, cb = 0; c0 < n; c0 += j->b1, cb++) {
+            const Py_ssize_t c1 = c0 + j->b1 < n ? c0 + j->b1 : n;
+            for (Py_ssize_t i = c0; i < c1; i++) dst[i] = fp8_table[w[i]] * s[cb];
+        }
         break;
     }
     case K_Q8: {
         const int8_t *w = (const int8_t *)j->w + r * n;
         const uint16_t *d = (const uint16_t *)j->scale + r * (n / QBLOCK);
-        for (Py_ssize_t i = 0; i < n; i++) dst[i] = (float)w[i] * half_to_float(d[i / QBLOCK]);
+        for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
+            const float scale = half_to_float(d[b]);
+            for (int k = 0; k < QBLOCK; k++) dst[b * QBLOCK + k] = (float)w[b * QBLOCK + k] * scale;
+        }
         break;
     }
     case K_Q4: {
@@ -264,6 +270,37 @@ TARGET_AVX2 static void dot4_bf16_avx2(const float *x, const uint16_t *w, Py_ssi
 
 TARGET_AVX2 static void dot4_f16_avx2(const float *x, const uint16_t *w, Py_ssize_t n, float *y) {
     DOT4_BODY(uint16_t, load_f16, _cvtsh_ss)
+}
+
+/* Four float32 weight rows (stride n) against two x rows: 8 products share each load (prefill, m > 1). */
+TARGET_AVX2 static void dot4x2_f32_avx2(const float *xa, const float *xb, const float *w, Py_ssize_t n, float *ya,
+                                        float *yb) {
+    const float *w0 = w, *w1 = w + n, *w2 = w + 2 * n, *w3 = w + 3 * n;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 va = _mm256_loadu_ps(xa + i), vb = _mm256_loadu_ps(xb + i);
+        const __m256 v0 = _mm256_loadu_ps(w0 + i), v1 = _mm256_loadu_ps(w1 + i);
+        a0 = _mm256_fmadd_ps(v0, va, a0);
+        b0 = _mm256_fmadd_ps(v0, vb, b0);
+        a1 = _mm256_fmadd_ps(v1, va, a1);
+        b1 = _mm256_fmadd_ps(v1, vb, b1);
+        const __m256 v2 = _mm256_loadu_ps(w2 + i), v3 = _mm256_loadu_ps(w3 + i);
+        a2 = _mm256_fmadd_ps(v2, va, a2);
+        b2 = _mm256_fmadd_ps(v2, vb, b2);
+        a3 = _mm256_fmadd_ps(v3, va, a3);
+        b3 = _mm256_fmadd_ps(v3, vb, b3);
+    }
+    float sa[4] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)};
+    float sb[4] = {hsum8(b0), hsum8(b1), hsum8(b2), hsum8(b3)};
+    for (; i < n; i++)
+        for (int k = 0; k < 4; k++) {
+            sa[k] += xa[i] * w[k * n + i];
+            sb[k] += xb[i] * w[k * n + i];
+        }
+    memcpy(ya, sa, sizeof sa);
+    memcpy(yb, sb, sizeof sb);
 }
 
 /* 8 float8_e4m3fn bytes -> 8 floats / 256: the 7 exponent+mantissa bits placed in a float16 are the value times
@@ -536,10 +573,26 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
 #endif
     float *row = NULL;
     if (j->kind != K_F32) {
-        row = (float *)malloc((size_t)n * sizeof(float));
+        row = (float *)malloc((size_t)n * 4 * sizeof(float));
         if (!row) return -1;
     }
-    for (Py_ssize_t r = r0; r < r1; r++) {
+    Py_ssize_t r = r0;
+#if HAVE_X86_KERNELS
+    /* several x rows: four weight rows at a time (decoded to float32 unless stored so), two x rows per pass */
+    if (j->avx2)
+        for (; r + 4 <= r1; r += 4) {
+            const float *w4 = (const float *)j->w + r * n;
+            if (row) {
+                for (int k = 0; k < 4; k++) decode_row(j, r + k, row + k * n);
+                w4 = row;
+            }
+            Py_ssize_t i = 0;
+            for (; i + 2 <= m; i += 2)
+                dot4x2_f32_avx2(j->x + i * n, j->x + (i + 1) * n, w4, n, j->y + i * out + r, j->y + (i + 1) * out + r);
+            for (; i < m; i++) dot4_f32_avx2(j->x + i * n, w4, n, j->y + i * out + r);
+        }
+#endif
+    for (; r < r1; r++) {
         const float *wr = (const float *)j->w + r * n;
         if (row) {
             decode_row(j, r, row);
