@@ -15,6 +15,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <signal.h>
@@ -33,6 +34,8 @@
 
 #define QBLOCK 32
 #define MAX_THREADS 64
+#define MIN_CHUNK_ROWS 16 /* rows of one thread's piece of a product, at least */
+#define GIL_WORK 16384 /* weights + inputs below which a product runs on one thread, keeping the GIL */
 
 enum kind { K_F32, K_F16, K_BF16, K_FP8, K_Q8, K_Q4, K_MXFP4, K_COUNT };
 static const char *const KIND_NAMES[K_COUNT] = {"f32", "f16", "bf16", "fp8", "q8", "q4", "mxfp4"};
@@ -45,6 +48,10 @@ typedef struct {
     const void *scale;
     float *y;
     int avx2;
+    /* one-row products with the integer kinds (q8, q4, mxfp4) on AVX2: x as int16 with a power-of-two scale per
+     * block of 32 (exact integer products; |x - xq * xs| <= 2^-15 * the block's largest |x|), else NULL */
+    const int16_t *xq;
+    const float *xs;
 } job_t;
 
 /* ---------------------------------------------------------------- scalar conversions (the fallback's, and tails) */
@@ -113,13 +120,19 @@ static void decode_row(const job_t *j, Py_ssize_t r, float *dst) {
         const uint8_t *w = (const uint8_t *)j->w + r * n;
         const Py_ssize_t sc = (n + j->b1 - 1) / j->b1;
         const float *s = (const float *)j->scale + (r / j->b0) * sc;
-        for (Py_ssize_t i = 0; i < n; i++) dst[i] = fp8_table[w[i]] * s[i / j->b1];
+        for (Py_ssize_t c0 = 0, cb = 0; c0 < n; c0 += j->b1, cb++) {
+            const Py_ssize_t c1 = c0 + j->b1 < n ? c0 + j->b1 : n;
+            for (Py_ssize_t i = c0; i < c1; i++) dst[i] = fp8_table[w[i]] * s[cb];
+        }
         break;
     }
     case K_Q8: {
         const int8_t *w = (const int8_t *)j->w + r * n;
         const uint16_t *d = (const uint16_t *)j->scale + r * (n / QBLOCK);
-        for (Py_ssize_t i = 0; i < n; i++) dst[i] = (float)w[i] * half_to_float(d[i / QBLOCK]);
+        for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
+            const float scale = half_to_float(d[b]);
+            for (int k = 0; k < QBLOCK; k++) dst[b * QBLOCK + k] = (float)w[b * QBLOCK + k] * scale;
+        }
         break;
     }
     case K_Q4: {
@@ -220,6 +233,74 @@ TARGET_AVX2 static float dot_f16_avx2(const float *x, const uint16_t *w, Py_ssiz
     DOT16_BODY(load_f16)
     for (; i < n; i++) s += x[i] * _cvtsh_ss(w[i]);
     return s;
+}
+
+/* Four consecutive weight rows (stride n) against one x: x is loaded once for four rows, four streams run. */
+#define DOT4_BODY(T, LOAD, SCALAR)                                                                                \
+    const T *w0 = w, *w1 = w + n, *w2 = w + 2 * n, *w3 = w + 3 * n;                                                \
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps(); \
+    Py_ssize_t i = 0;                                                                                              \
+    for (; i + 8 <= n; i += 8) {                                                                                   \
+        const __m256 xv = _mm256_loadu_ps(x + i);                                                                  \
+        a0 = _mm256_fmadd_ps(LOAD(w0 + i), xv, a0);                                                                \
+        a1 = _mm256_fmadd_ps(LOAD(w1 + i), xv, a1);                                                                \
+        a2 = _mm256_fmadd_ps(LOAD(w2 + i), xv, a2);                                                                \
+        a3 = _mm256_fmadd_ps(LOAD(w3 + i), xv, a3);                                                                \
+    }                                                                                                              \
+    float s0 = hsum8(a0), s1 = hsum8(a1), s2 = hsum8(a2), s3 = hsum8(a3);                                          \
+    for (; i < n; i++) {                                                                                           \
+        s0 += x[i] * SCALAR(w0[i]);                                                                                \
+        s1 += x[i] * SCALAR(w1[i]);                                                                                \
+        s2 += x[i] * SCALAR(w2[i]);                                                                                \
+        s3 += x[i] * SCALAR(w3[i]);                                                                                \
+    }                                                                                                              \
+    y[0] = s0;                                                                                                     \
+    y[1] = s1;                                                                                                     \
+    y[2] = s2;                                                                                                     \
+    y[3] = s3;
+
+#define F32_SCALAR(v) (v)
+TARGET_AVX2 static void dot4_f32_avx2(const float *x, const float *w, Py_ssize_t n, float *y) {
+    DOT4_BODY(float, _mm256_loadu_ps, F32_SCALAR)
+}
+
+TARGET_AVX2 static void dot4_bf16_avx2(const float *x, const uint16_t *w, Py_ssize_t n, float *y) {
+    DOT4_BODY(uint16_t, load_bf16, bf16_to_float)
+}
+
+TARGET_AVX2 static void dot4_f16_avx2(const float *x, const uint16_t *w, Py_ssize_t n, float *y) {
+    DOT4_BODY(uint16_t, load_f16, _cvtsh_ss)
+}
+
+/* Four float32 weight rows (stride n) against two x rows: 8 products share each load (prefill, m > 1). */
+TARGET_AVX2 static void dot4x2_f32_avx2(const float *xa, const float *xb, const float *w, Py_ssize_t n, float *ya,
+                                        float *yb) {
+    const float *w0 = w, *w1 = w + n, *w2 = w + 2 * n, *w3 = w + 3 * n;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 va = _mm256_loadu_ps(xa + i), vb = _mm256_loadu_ps(xb + i);
+        const __m256 v0 = _mm256_loadu_ps(w0 + i), v1 = _mm256_loadu_ps(w1 + i);
+        a0 = _mm256_fmadd_ps(v0, va, a0);
+        b0 = _mm256_fmadd_ps(v0, vb, b0);
+        a1 = _mm256_fmadd_ps(v1, va, a1);
+        b1 = _mm256_fmadd_ps(v1, vb, b1);
+        const __m256 v2 = _mm256_loadu_ps(w2 + i), v3 = _mm256_loadu_ps(w3 + i);
+        a2 = _mm256_fmadd_ps(v2, va, a2);
+        b2 = _mm256_fmadd_ps(v2, vb, b2);
+        a3 = _mm256_fmadd_ps(v3, va, a3);
+        b3 = _mm256_fmadd_ps(v3, vb, b3);
+    }
+    float sa[4] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)};
+    float sb[4] = {hsum8(b0), hsum8(b1), hsum8(b2), hsum8(b3)};
+    for (; i < n; i++)
+        for (int k = 0; k < 4; k++) {
+            sa[k] += xa[i] * w[k * n + i];
+            sb[k] += xb[i] * w[k * n + i];
+        }
+    memcpy(ya, sa, sizeof sa);
+    memcpy(yb, sb, sizeof sb);
 }
 
 /* 8 float8_e4m3fn bytes -> 8 floats / 256: the 7 exponent+mantissa bits placed in a float16 are the value times
@@ -326,6 +407,120 @@ TARGET_AVX2 static float dot_mxfp4_avx2(const float *x, const uint8_t *w, const 
     return hsum8(_mm256_add_ps(t0, t1));
 }
 
+/* x [n] -> int16 [n] and a power-of-two scale per block of 32: xq = round(x * 2^k), k the largest with the block's
+ * largest |x| * 2^k < 2^15 (saturated to +-32767), xs = 2^-k. Returns -1 (x not finite) if the float kernels must
+ * run instead. */
+TARGET_AVX2 static int quantize_x16(const float *x, Py_ssize_t n, int16_t *xq, float *xs) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(FLT_MAX);
+    for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
+        const float *xb = x + b * QBLOCK;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        int finite = 0xFF;
+        for (int c = 0; c < 4; c++) {
+            v[c] = _mm256_loadu_ps(xb + 8 * c);
+            const __m256 a = _mm256_andnot_ps(sign, v[c]);
+            finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, big, _CMP_LE_OQ)); /* false for inf and NaN */
+            amax = _mm256_max_ps(amax, a);
+        }
+        if (finite != 0xFF) return -1;
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float top = _mm_cvtss_f32(m4);
+        if (top == 0.0f) {
+            memset(xq + b * QBLOCK, 0, QBLOCK * sizeof(int16_t));
+            xs[b] = 0.0f;
+            continue;
+        }
+        int e;
+        frexpf(top, &e); /* top < 2^e */
+        const int k = 15 - e;
+        if (k > 126 || k < -126) { /* 2^k or 2^-k is not a normal float: the exact, slow way */
+            for (int i = 0; i < QBLOCK; i++) {
+                float q = rintf(ldexpf(xb[i], k));
+                xq[b * QBLOCK + i] = (int16_t)(q > 32767.0f ? 32767 : q < -32767.0f ? -32767 : q);
+            }
+            xs[b] = ldexpf(1.0f, -k);
+            continue;
+        }
+        const __m256 up = _mm256_set1_ps(ldexpf(1.0f, k)); /* exact: a power of two */
+        for (int c = 0; c < 4; c += 2) {
+            /* round to nearest even (the default rounding), then pack with saturation (32768 -> 32767) */
+            const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], up));
+            const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[c + 1], up));
+            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+            _mm256_storeu_si256((__m256i *)(xq + b * QBLOCK + 8 * c), packed);
+        }
+        xs[b] = ldexpf(1.0f, -k);
+    }
+    return 0;
+}
+
+/* Block b: the int32 sums of 32 int8 weights (as 2 x 16 int16 in w0, w1) times x's int16, scaled. */
+#define INT16_BLOCK(blk, w0, w1, scale, acc)                                                              \
+    do {                                                                                                   \
+        const __m256i xa = _mm256_loadu_si256((const __m256i *)(xq + (blk) * QBLOCK));                     \
+        const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + (blk) * QBLOCK + 16));                \
+        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(w0, xa), _mm256_madd_epi16(w1, xb));       \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(scale), acc);                        \
+    } while (0)
+
+TARGET_AVX2 static float dot_q8_x16(const int16_t *xq, const float *xs, const int8_t *w, const uint16_t *d,
+                                    Py_ssize_t n) {
+    __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+    Py_ssize_t b = 0;
+    for (; b + 2 <= n / QBLOCK; b += 2) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + b * QBLOCK));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + b * QBLOCK + QBLOCK));
+        INT16_BLOCK(b, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v0)),
+                    _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v0, 1)), _cvtsh_ss(d[b]) * xs[b], t0);
+        INT16_BLOCK(b + 1, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v1)),
+                    _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v1, 1)), _cvtsh_ss(d[b + 1]) * xs[b + 1], t1);
+    }
+    for (; b < n / QBLOCK; b++) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + b * QBLOCK));
+        INT16_BLOCK(b, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v0)),
+                    _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v0, 1)), _cvtsh_ss(d[b]) * xs[b], t0);
+    }
+    return hsum8(_mm256_add_ps(t0, t1));
+}
+
+TARGET_AVX2 static float dot_q4_x16(const int16_t *xq, const float *xs, const uint8_t *w, const uint16_t *d,
+                                    Py_ssize_t n) {
+    __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+    const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(w + b * (QBLOCK / 2)));
+        const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), eight);                    /* elements 0..15 */
+        const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight); /* elements 16..31 */
+        if (b & 1)
+            INT16_BLOCK(b, _mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi), _cvtsh_ss(d[b]) * xs[b], t1);
+        else
+            INT16_BLOCK(b, _mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi), _cvtsh_ss(d[b]) * xs[b], t0);
+    }
+    return hsum8(_mm256_add_ps(t0, t1));
+}
+
+/* MXFP4: each E2M1 code's value times 2 is a small integer (table look-up with pshufb); the scale halves it. */
+TARGET_AVX2 static float dot_mxfp4_x16(const int16_t *xq, const float *xs, const uint8_t *w, const uint8_t *e,
+                                       Py_ssize_t n) {
+    __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(w + b * (QBLOCK / 2)));
+        const __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(v, mask));
+        const __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+        const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi); /* elements 0..15, 16..31 */
+        const float scale = e8m0_to_float(e[b]) * 0.5f * xs[b];
+        if (b & 1)
+            INT16_BLOCK(b, _mm256_cvtepi8_epi16(c0), _mm256_cvtepi8_epi16(c1), scale, t1);
+        else
+            INT16_BLOCK(b, _mm256_cvtepi8_epi16(c0), _mm256_cvtepi8_epi16(c1), scale, t0);
+    }
+    return hsum8(_mm256_add_ps(t0, t1));
+}
+
 /* One weight row's product with one x row, in the stored dtype. */
 TARGET_AVX2 static float dot_row_avx2(const job_t *j, Py_ssize_t r, const float *x) {
     const Py_ssize_t n = j->in;
@@ -340,10 +535,19 @@ TARGET_AVX2 static float dot_row_avx2(const job_t *j, Py_ssize_t r, const float 
         return dot_fp8_avx2(x, (const uint8_t *)j->w + r * n,
                             (const float *)j->scale + (r / j->b0) * ((n + j->b1 - 1) / j->b1), n, j->b1);
     case K_Q8:
+        if (j->xq)
+            return dot_q8_x16(j->xq, j->xs, (const int8_t *)j->w + r * n,
+                              (const uint16_t *)j->scale + r * (n / QBLOCK), n);
         return dot_q8_avx2(x, (const int8_t *)j->w + r * n, (const uint16_t *)j->scale + r * (n / QBLOCK), n);
     case K_Q4:
+        if (j->xq)
+            return dot_q4_x16(j->xq, j->xs, (const uint8_t *)j->w + r * (n / 2),
+                              (const uint16_t *)j->scale + r * (n / QBLOCK), n);
         return dot_q4_avx2(x, (const uint8_t *)j->w + r * (n / 2), (const uint16_t *)j->scale + r * (n / QBLOCK), n);
     default:
+        if (j->xq)
+            return dot_mxfp4_x16(j->xq, j->xs, (const uint8_t *)j->w + r * (n / 2),
+                                 (const uint8_t *)j->scale + r * (n / QBLOCK), n);
         return dot_mxfp4_avx2(x, (const uint8_t *)j->w + r * (n / 2), (const uint8_t *)j->scale + r * (n / QBLOCK),
                               n);
     }
@@ -356,16 +560,39 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
     const Py_ssize_t m = j->m, n = j->in, out = j->out;
 #if HAVE_X86_KERNELS
     if (j->avx2 && m == 1) {
-        for (Py_ssize_t r = r0; r < r1; r++) j->y[r] = dot_row_avx2(j, r, j->x);
+        Py_ssize_t r = r0;
+        if (j->kind == K_F32)
+            for (; r + 4 <= r1; r += 4) dot4_f32_avx2(j->x, (const float *)j->w + r * n, n, j->y + r);
+        else if (j->kind == K_BF16)
+            for (; r + 4 <= r1; r += 4) dot4_bf16_avx2(j->x, (const uint16_t *)j->w + r * n, n, j->y + r);
+        else if (j->kind == K_F16)
+            for (; r + 4 <= r1; r += 4) dot4_f16_avx2(j->x, (const uint16_t *)j->w + r * n, n, j->y + r);
+        for (; r < r1; r++) j->y[r] = dot_row_avx2(j, r, j->x);
         return 0;
     }
 #endif
     float *row = NULL;
     if (j->kind != K_F32) {
-        row = (float *)malloc((size_t)n * sizeof(float));
+        row = (float *)malloc((size_t)n * 4 * sizeof(float));
         if (!row) return -1;
     }
-    for (Py_ssize_t r = r0; r < r1; r++) {
+    Py_ssize_t r = r0;
+#if HAVE_X86_KERNELS
+    /* several x rows: four weight rows at a time (decoded to float32 unless stored so), two x rows per pass */
+    if (j->avx2)
+        for (; r + 4 <= r1; r += 4) {
+            const float *w4 = (const float *)j->w + r * n;
+            if (row) {
+                for (int k = 0; k < 4; k++) decode_row(j, r + k, row + k * n);
+                w4 = row;
+            }
+            Py_ssize_t i = 0;
+            for (; i + 2 <= m; i += 2)
+                dot4x2_f32_avx2(j->x + i * n, j->x + (i + 1) * n, w4, n, j->y + i * out + r, j->y + (i + 1) * out + r);
+            for (; i < m; i++) dot4_f32_avx2(j->x + i * n, w4, n, j->y + i * out + r);
+        }
+#endif
+    for (; r < r1; r++) {
         const float *wr = (const float *)j->w + r * n;
         if (row) {
             decode_row(j, r, row);
@@ -386,22 +613,33 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
 }
 
 /* ---------------------------------------------------------------- the thread pool */
-/* Workers wait for a new generation; worker k computes part k+1 of the job's rows, the caller part 0. One job at a
- * time (`pool_busy`); a call that finds the pool busy computes alone on its own thread. After fork the workers do
- * not exist in the child: the pool is rebuilt there on first use. */
+/* The job's output rows are cut into chunks that the caller and the workers it woke take in turn (an atomic
+ * counter), so a worker the OS has not scheduled yet costs nothing: the caller takes its chunks and waits only for
+ * chunks already taken. A worker joins a job under the mutex only while that job is still running (`pool_busy`
+ * and its generation), and the caller returns only when every chunk is done and no joined worker is left, so no
+ * worker touches a job after its call returned. One job at a time; a call that finds the pool busy computes alone
+ * on its own thread. After fork the workers do not exist in the child: the pool is rebuilt there on first use. */
 
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_go = PTHREAD_COND_INITIALIZER, pool_done = PTHREAD_COND_INITIALIZER;
-static int pool_workers, pool_busy, pool_pending, pool_parts, pool_failed;
+static int pool_workers, pool_busy, pool_active, pool_failed, pool_wanted;
 static pid_t pool_pid;
 static unsigned long pool_gen;
 static const job_t *pool_job;
+static Py_ssize_t pool_chunks, pool_chunk_rows;
+static Py_ssize_t pool_next, pool_finished; /* atomics */
 static unsigned long worker_seen[MAX_THREADS];
 
-static void part_bounds(const job_t *j, int parts, int k, Py_ssize_t *r0, Py_ssize_t *r1) {
-    Py_ssize_t per = j->out / parts, extra = j->out % parts;
-    *r0 = k * per + (k < extra ? k : extra);
-    *r1 = *r0 + per + (k < extra ? 1 : 0);
+/* Take and compute chunks until none is left; returns -1 if one failed (allocation). */
+static int take_chunks(const job_t *j, Py_ssize_t chunks, Py_ssize_t rows) {
+    int rc = 0;
+    for (;;) {
+        Py_ssize_t c = __atomic_fetch_add(&pool_next, 1, __ATOMIC_RELAXED);
+        if (c >= chunks) return rc;
+        Py_ssize_t r0 = c * rows, r1 = r0 + rows < j->out ? r0 + rows : j->out;
+        if (run_rows(j, r0, r1)) rc = -1;
+        __atomic_fetch_add(&pool_finished, 1, __ATOMIC_RELEASE);
+    }
 }
 
 static void *worker_main(void *arg) {
@@ -411,16 +649,15 @@ static void *worker_main(void *arg) {
     for (;;) {
         while (pool_gen == seen) pthread_cond_wait(&pool_go, &pool_mu);
         seen = pool_gen;
+        if (!pool_busy || k >= pool_wanted) continue; /* that job is over, or wants fewer threads */
         const job_t *j = pool_job;
-        const int parts = pool_parts;
-        if (k + 1 >= parts) continue;
+        const Py_ssize_t chunks = pool_chunks, rows = pool_chunk_rows;
+        pool_active++;
         pthread_mutex_unlock(&pool_mu);
-        Py_ssize_t r0, r1;
-        part_bounds(j, parts, k + 1, &r0, &r1);
-        int rc = run_rows(j, r0, r1);
+        int rc = take_chunks(j, chunks, rows);
         pthread_mutex_lock(&pool_mu);
         if (rc) pool_failed = 1;
-        if (--pool_pending == 0) pthread_cond_signal(&pool_done);
+        if (--pool_active == 0) pthread_cond_signal(&pool_done);
     }
     return NULL;
 }
@@ -434,60 +671,91 @@ static void pool_after_fork_check(void) {
         pool_mu = m;
         pool_go = c;
         pool_done = c;
-        pool_workers = pool_busy = pool_pending = pool_parts = pool_failed = 0;
+        pool_workers = pool_busy = pool_active = pool_failed = pool_wanted = 0;
         pool_pid = pid;
     }
 }
 
-/* Run the job on up to `threads` threads (GIL released by the caller). Returns 0, or -1 on allocation failure. */
-static int run_job(const job_t *j, int threads) {
-    int parts = threads;
-    if ((Py_ssize_t)parts > j->out) parts = (int)j->out;
-    if (parts <= 1) return run_rows(j, 0, j->out);
-    pthread_mutex_lock(&pool_mu);
-    if (pool_busy) {
-        pthread_mutex_unlock(&pool_mu);
-        return run_rows(j, 0, j->out);
-    }
-    while (pool_workers < parts - 1) {
-        pthread_t t;
-        pthread_attr_t attr;
-        sigset_t all, old;
-        worker_seen[pool_workers] = pool_gen;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        sigfillset(&all);
-        pthread_sigmask(SIG_SETMASK, &all, &old);
-        int rc = pthread_create(&t, &attr, worker_main, (void *)(intptr_t)pool_workers);
-        pthread_sigmask(SIG_SETMASK, &old, NULL);
-        pthread_attr_destroy(&attr);
-        if (rc) break;
-        pool_workers++;
-    }
-    if (parts > pool_workers + 1) parts = pool_workers + 1;
-    if (parts <= 1) {
-        pthread_mutex_unlock(&pool_mu);
-        return run_rows(j, 0, j->out);
-    }
-    pool_busy = 1;
-    pool_job = j;
-    pool_parts = parts;
-    pool_pending = parts - 1;
-    pool_failed = 0;
-    pool_gen++;
-    pthread_cond_broadcast(&pool_go);
-    pthread_mutex_unlock(&pool_mu);
+static int run_job_rows(const job_t *j, int threads);
 
-    Py_ssize_t r0, r1;
-    part_bounds(j, parts, 0, &r0, &r1);
-    int rc = run_rows(j, r0, r1);
+static int run_job(job_t *j, int threads) {
+#if HAVE_X86_KERNELS
+    if (j->avx2 && j->m == 1 && (j->kind == K_Q8 || j->kind == K_Q4 || j->kind == K_MXFP4)) {
+        int16_t *xq = (int16_t *)malloc((size_t)j->in * sizeof(int16_t));
+        float *xs = (float *)malloc((size_t)(j->in / QBLOCK) * sizeof(float));
+        if (!xq || !xs) {
+            free(xq);
+            free(xs);
+            return -1;
+        }
+        if (quantize_x16(j->x, j->in, xq, xs) == 0) {
+            j->xq = xq;
+            j->xs = xs;
+        }
+        int rc = run_job_rows(j, threads);
+        j->xq = NULL;
+        j->xs = NULL;
+        free(xq);
+        free(xs);
+        return rc;
+    }
+#endif
+    return run_job_rows(j, threads);
+}
 
-    pthread_mutex_lock(&pool_mu);
-    while (pool_pending) pthread_cond_wait(&pool_done, &pool_mu);
-    if (pool_failed) rc = -1;
-    pool_busy = 0;
-    pthread_mutex_unlock(&pool_mu);
-    return rc;
+static int run_job_rows(const job_t *j, int threads) {
+    if (threads > 1 && j->out >= 2 * MIN_CHUNK_ROWS) {
+        pthread_mutex_lock(&pool_mu);
+        if (pool_busy) {
+            pthread_mutex_unlock(&pool_mu);
+            return run_rows(j, 0, j->out);
+        }
+        while (pool_workers < threads - 1) {
+            pthread_t t;
+            pthread_attr_t attr;
+            sigset_t all, old;
+            worker_seen[pool_workers] = pool_gen;
+            pthread_attr_init(&attr);
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            sigfillset(&all);
+            pthread_sigmask(SIG_SETMASK, &all, &old);
+            int rc = pthread_create(&t, &attr, worker_main, (void *)(intptr_t)pool_workers);
+            pthread_sigmask(SIG_SETMASK, &old, NULL);
+            pthread_attr_destroy(&attr);
+            if (rc) break;
+            pool_workers++;
+        }
+        if (pool_workers == 0) {
+            pthread_mutex_unlock(&pool_mu);
+            return run_rows(j, 0, j->out);
+        }
+        /* about 4 chunks a thread, at least MIN_CHUNK_ROWS rows each */
+        Py_ssize_t rows = (j->out + 4 * threads - 1) / (4 * threads);
+        if (rows < MIN_CHUNK_ROWS) rows = MIN_CHUNK_ROWS;
+        const Py_ssize_t chunks = (j->out + rows - 1) / rows;
+        pool_busy = 1;
+        pool_job = j;
+        pool_chunks = chunks;
+        pool_chunk_rows = rows;
+        pool_wanted = threads - 1;
+        pool_failed = 0;
+        __atomic_store_n(&pool_next, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&pool_finished, 0, __ATOMIC_RELAXED);
+        pool_gen++;
+        pthread_cond_broadcast(&pool_go);
+        pthread_mutex_unlock(&pool_mu);
+
+        int rc = take_chunks(j, chunks, rows);
+
+        pthread_mutex_lock(&pool_mu);
+        while (pool_active || __atomic_load_n(&pool_finished, __ATOMIC_ACQUIRE) < chunks)
+            pthread_cond_wait(&pool_done, &pool_mu);
+        if (pool_failed) rc = -1;
+        pool_busy = 0;
+        pthread_mutex_unlock(&pool_mu);
+        return rc;
+    }
+    return run_rows(j, 0, j->out);
 }
 
 /* ---------------------------------------------------------------- argument checking */
@@ -615,12 +883,17 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     }
 
     job_t j = {kind, m, out, in, b0, b1, (const float *)xv.buf, wv.buf, have_s ? sv.buf : NULL, (float *)yv.buf,
-               cpu_avx2};
+               cpu_avx2, NULL, NULL};
     int rc;
     pool_after_fork_check();
-    Py_BEGIN_ALLOW_THREADS
-    rc = run_job(&j, threads);
-    Py_END_ALLOW_THREADS
+    if (xn + wn < GIL_WORK) {
+        /* too small to be worth giving the GIL away (taking it back can wait for another thread's switch) */
+        rc = run_job(&j, 1);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        rc = run_job(&j, threads);
+        Py_END_ALLOW_THREADS
+    }
     if (rc) {
         PyErr_NoMemory();
         goto done;

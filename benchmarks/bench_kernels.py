@@ -1,0 +1,160 @@
+"""The native kernels behind `_packed.matmul_t` against numpy's float32 product (OpenBLAS gemv), decode-shaped.
+
+For each stored kind and each projection shape of issue 16's two models (hidden 512 / moe-intermediate 1024 and
+hidden 1024 / moe-intermediate 2048: gate/up [inter, hidden], down [hidden, inter]), one row x [1, in] times W.T:
+  kernel  `_packed.matmul_t(x, packed)` with the weight in its stored dtype, `set_threads(t)`
+  numpy   `w_f32 @ x[0]`, the same shape in float32 (the reference path's product once a weight is float32)
+Weights rotate through copies totalling >= --pool-mib so each product streams its weight from memory, as decode does
+(one use of each expert per token), not from cache. Threads 1 and 2: each count runs in its own process with
+OPENBLAS_NUM_THREADS set to it. Per round, kernel and numpy alternate; medians of --rounds rounds; ratio = numpy
+time / kernel time (> 1: the kernel is faster), GB/s = stored bytes of the weight (data + scales) per second; at
+1 thread also the ratio of the calling thread's CPU times (both run there), steadier on a shared machine.
+Also the Python cost of one `matmul_t` call on a tiny weight (what a decode step pays per product besides the math).
+
+Usage: python benchmarks/bench_kernels.py [--rounds 5] [--pool-mib 96] [--threads 1,2] [--kinds f32,bf16,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {  # (out, in)
+    "512/1024 gate,up": (1024, 512),
+    "512/1024 down": (512, 1024),
+    "1024/2048 gate,up": (2048, 1024),
+    "1024/2048 down": (1024, 2048),
+}
+
+
+def _packed_weight(kind: str, out: int, inp: int, rng):
+    import numpy as np
+
+    from shardtool import blockquant
+    from shardtool.runtime._model import _dtypes
+    from shardtool.runtime._model._packed import Packed
+
+    w = rng.standard_normal((out, inp)).astype(np.float32)
+    if kind == "f32":
+        return Packed(kind, (out, inp), w)
+    if kind == "f16":
+        return Packed(kind, (out, inp), w.astype(np.float16))
+    if kind == "bf16":
+        return Packed(kind, (out, inp), w.astype(_dtypes.BF16))
+    if kind == "fp8":
+        q, s = _dtypes.quantize_fp8(w)
+        return Packed(kind, (out, inp), q, s, _dtypes.DEFAULT_BLOCK)
+    if kind == "q8":
+        return Packed(kind, (out, inp), *blockquant.quantize_q8(w))
+    if kind == "q4":
+        return Packed(kind, (out, inp), *blockquant.quantize_q4(w))
+    return Packed(kind, (out, inp), *_dtypes.quantize_mxfp4(w))
+
+
+def _copies(p, count: int):
+    """`count` copies of a Packed weight in distinct memory (the contents do not matter to the time)."""
+    import numpy as np
+
+    from shardtool.runtime._model._packed import Packed
+
+    return [Packed(p.kind, p.shape, np.array(p.data), None if p.scale is None else np.array(p.scale), p.block)
+            for _ in range(count)]
+
+
+def _time_per_call(fn, items, x) -> float:
+    return _times_per_call(fn, items, x)[0]
+
+
+def _times_per_call(fn, items, x) -> tuple[float, float]:
+    """Wall seconds and this thread's CPU seconds per call."""
+    start, cpu = time.perf_counter(), time.thread_time()
+    for item in items:
+        fn(x, item)
+    return (time.perf_counter() - start) / len(items), (time.thread_time() - cpu) / len(items)
+
+
+def child(args) -> None:
+    """One thread count (OPENBLAS_NUM_THREADS already set): print one JSON line per (kind, shape)."""
+    import numpy as np
+
+    from shardtool.runtime._model import _packed
+
+    if _packed.kernels() is None:
+        sys.exit("bench_kernels: the _kernels extension is not built (run `make install`)")
+    _packed.set_threads(args.threads_one)
+    rng = np.random.default_rng(0)
+    pool = args.pool_mib * 2**20
+    for shape_name, (out, inp) in SHAPES.items():
+        f32 = rng.standard_normal((out, inp)).astype(np.float32)
+        ref = [np.array(f32) for _ in range(max(2, -(-pool // f32.nbytes)))]
+        x = rng.standard_normal((1, inp)).astype(np.float32)
+        for kind in args.kinds:
+            p = _packed_weight(kind, out, inp, rng)
+            ws = _copies(p, max(2, -(-pool // p.nbytes)))
+            kernel_t, numpy_t = [], []
+            _time_per_call(_packed.matmul_t, ws[:2], x)  # warm-up
+            for _ in range(args.rounds):
+                kernel_t.append(_times_per_call(_packed.matmul_t, ws, x))
+                numpy_t.append(_times_per_call(lambda v, w: w @ v[0], ref, x))
+            k, n = (statistics.median(t[0] for t in kernel_t), statistics.median(t[0] for t in numpy_t))
+            kc, nc = (statistics.median(t[1] for t in kernel_t), statistics.median(t[1] for t in numpy_t))
+            print(json.dumps(dict(threads=args.threads_one, shape=shape_name, kind=kind, kernel_us=k * 1e6,
+                                  numpy_us=n * 1e6, ratio=n / k, gbs=p.nbytes / k / 1e9,
+                                  numpy_gbs=f32.nbytes / n / 1e9, cpu_ratio=nc / kc)), flush=True)
+            del ws
+    tiny = _packed_weight("f32", 8, 32, rng)
+    xt = np.ones((1, 32), np.float32)
+    calls = []
+    for _ in range(args.rounds):
+        calls.append(_time_per_call(_packed.matmul_t, [tiny] * 20000, xt))
+    print(json.dumps(dict(threads=args.threads_one, call_us=statistics.median(calls) * 1e6)), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--pool-mib", type=int, default=96)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--kinds", default="f32,f16,bf16,fp8,q8,q4,mxfp4")
+    ap.add_argument("--threads-one", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.kinds = args.kinds.split(",")
+    if args.threads_one:
+        child(args)
+        return
+    rows = []
+    for t in (int(v) for v in args.threads.split(",")):
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": str(t), "OMP_NUM_THREADS": str(t)}
+        argv = [sys.executable, __file__, "--threads-one", str(t), "--rounds", str(args.rounds), "--pool-mib",
+                str(args.pool_mib), "--kinds", ",".join(args.kinds)]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=REPO)
+        if done.returncode:
+            sys.exit(f"bench_kernels: threads={t} failed: {done.stderr.strip()[-2000:]}")
+        rows += [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    print(f"decode-shaped products x[1, in] @ W.T, medians of {args.rounds} interleaved rounds, weights streamed "
+          f"from a {args.pool_mib} MiB pool")
+    print("ratio = numpy wall / kernel wall; cpu ratio (1 thread only, where both run on the calling thread) = the "
+          "same with this thread's CPU time, which a busy machine's scheduling does not inflate")
+    print(f"{'thr':>3} {'shape (out x in)':<28} {'kind':<6} {'kernel us':>10} {'numpy f32 us':>13} "
+          f"{'ratio':>6} {'GB/s':>6} {'numpy GB/s':>10} {'cpu ratio':>9}")
+    for r in rows:
+        if "call_us" in r:
+            continue
+        out, inp = SHAPES[r["shape"]]
+        print(f"{r['threads']:>3} {r['shape'] + f' ({out}x{inp})':<28} {r['kind']:<6} {r['kernel_us']:>10.1f} "
+              f"{r['numpy_us']:>13.1f} {r['ratio']:>6.2f} {r['gbs']:>6.1f} {r['numpy_gbs']:>10.1f} "
+              f"{r['cpu_ratio'] if r['threads'] == 1 else float('nan'):>9.2f}")
+    for r in rows:
+        if "call_us" in r:
+            print(f"threads {r['threads']}: one matmul_t call on an [8, 32] f32 weight: {r['call_us']:.2f} us")
+
+
+if __name__ == "__main__":
+    main()
