@@ -33,6 +33,11 @@ def split(
     fsync: bool = typer.Option(True, "--fsync/--no-fsync",
                                help="Flush all shards to disk (one syncfs) before writing the manifest, so a "
                                     "manifest on disk implies its shards are (--no-fsync: faster, not power-safe)."),
+    quantize: Optional[str] = typer.Option(
+        None, "--quantize", metavar="int8|int4",
+        help="Write every float routed-expert projection block-quantized (int8: 8.5 bits per weight, int4: 4.5; "
+             "a float16 scale per 32 weights; docs/shard-layout.md). Trunk, routers and shared experts are kept "
+             "as stored, and so are experts already stored FP8 or MXFP4. Such a split cannot be joined back."),
     json_out: bool = typer.Option(False, "--json", help="Print one summary document on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -42,7 +47,7 @@ def split(
 
     # Refusals (links out of the checkpoint or into OUT, layer numbers beyond the format, bad options) all
     # happen before the first byte is written; names from disk are escaped before they reach the terminal.
-    job = prepare_split(checkpoint, expert_pattern=expert_pattern)
+    job = prepare_split(checkpoint, expert_pattern=expert_pattern, quantize=quantize)
     model_id = model_id or default_model_id(job)
     with Progress(job.total_bytes, "split", enabled=not quiet) as progress:
         result = run_split(job, out, model_id=model_id, version=version,
@@ -54,6 +59,8 @@ def split(
     if result.stale:
         say(f"note: {len(result.stale)} file(s) under {printable(str(out))} are not part of this split (not in the "
             f"manifest), e.g. {printable(result.stale[0])}")
+    for line in result.quantized.lines() if result.quantized is not None else []:
+        say(line)
     gbps = result.bytes_total / result.seconds / 1e9 if result.seconds else 0.0
     say(f"split {result.family} checkpoint into {printable(str(out))}: {result.files_written} file(s) written, "
         f"{result.files_reused} reused, {result.bytes_total / 1e9:.3f} GB in {result.seconds:.1f} s "
