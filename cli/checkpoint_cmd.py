@@ -126,6 +126,9 @@ def inspect(
     config: Optional[Path] = typer.Option(None, "--config", help="config.json alone (no weights needed)."),
     bits_per_weight: Optional[float] = typer.Option(None, "--bits-per-weight", min=0.001, max=64.0,
                                                     help="With --config: storage bits per weight (16 = BF16)."),
+    quantize: Optional[str] = typer.Option(
+        None, "--quantize", metavar="int8|int4",
+        help="With --config: routed experts as `split --quantize` writes them (8.5 / 4.5 bits per weight)."),
     disk_gbps: float = typer.Option(2.0, "--disk-gbps", min=0.001, max=1e6, help="Disk read bandwidth in GB/s."),
     context: Optional[int] = typer.Option(None, "--context", min=0, max=1 << 40,
                                           help="Context length for the memory floor."),
@@ -143,11 +146,17 @@ def inspect(
         cfg = load_json(config)
         if not isinstance(cfg, dict):
             raise UsageError("config must be a JSON object", path=str(config))
-        contract = contract_from_config(cfg, bits_per_weight, context_tokens=context or DEFAULT_CONTEXT_TOKENS)
-        source: dict[str, Any] = {"config": str(config), "bits_per_weight": bits_per_weight}
+        if quantize not in (None, "int8", "int4"):
+            raise UsageError(f"--quantize must be int8 or int4, got {quantize!r:.40}")
+        contract = contract_from_config(cfg, bits_per_weight, context_tokens=context or DEFAULT_CONTEXT_TOKENS,
+                                        expert_quantize=quantize)
+        source: dict[str, Any] = {"config": str(config), "bits_per_weight": bits_per_weight,
+                                  "quantize": quantize}
     else:
         if bits_per_weight is not None:
             raise UsageError("--bits-per-weight applies to --config only; a split has measured sizes")
+        if quantize is not None:
+            raise UsageError("--quantize applies to --config only; a split's shards say what they hold")
         contract, source = _contract_of(out)
     est = estimate(contract, disk_gbps=disk_gbps, context_tokens=context)
     if json_out:
