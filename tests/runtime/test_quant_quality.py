@@ -1,0 +1,26 @@
+"""Floors for the quality of `split --quantize` (benchmarks/bench_quant_quality.py measures every family): on tiny
+generated models, teacher-forced over 128 tokens of the float model's greedy continuation, int8 must agree on the
+top-1 token at least as often as llama.cpp's Q8_0 did on the same kind of near-flat random model (113/128), and
+int4 must stay within a looser floor. The logit error is relative to each position's max |logit|."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import bench_quant_quality as bench
+
+Q8_0_AGREEMENT = 113  # of 128, teacher-forced (issue 16)
+FLOORS = {"int8": (Q8_0_AGREEMENT, 0.03), "int4": (80, 0.2)}  # method -> (min agreement, max mean relative error)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "llama4"])
+def test_quantized_model_agrees_with_the_float_model(tmp_path, family):
+    results = bench.measure(family, bench.SIZES["tiny"], tmp_path, tokens=128)
+    assert [q.method for q in results] == ["int8", "int4"]
+    for q in results:
+        agree, mean_err = FLOORS[q.method]
+        assert q.agree is not None, q.note
+        assert q.agree >= agree and q.mean_rel_err <= mean_err, q.row()
+        assert 0 < q.mean_rel_err <= q.max_rel_err  # quantized: never bit-identical to the float model
+    int8, int4 = results
+    assert int8.mean_rel_err < int4.mean_rel_err
