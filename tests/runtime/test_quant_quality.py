@@ -19,7 +19,7 @@ def test_quantized_model_agrees_with_the_float_model(tmp_path, family):
     assert [q.method for q in results] == ["int8", "int4"]
     for q in results:
         agree, mean_err = FLOORS[q.method]
-        assert q.agree is not None, q.note
+        assert q.agree is not None and q.note == "", q.row()  # measured through the runtime, not simulated
         assert q.agree >= agree and q.mean_rel_err <= mean_err, q.row()
         assert 0 < q.mean_rel_err <= q.max_rel_err  # quantized: never bit-identical to the float model
     int8, int4 = results
