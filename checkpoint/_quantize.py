@@ -134,7 +134,8 @@ def quantize(p: Piece, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     from shardtool import blockquant
 
     method = p.quant[0] if p.quant else ""
-    q, d = (blockquant.quantize_q8 if method == blockquant.Q8 else blockquant.quantize_q4)(w)
+    with np.errstate(over="ignore", invalid="ignore"):  # a scale beyond float16 is refused below, not warned
+        q, d = (blockquant.quantize_q8 if method == blockquant.Q8 else blockquant.quantize_q4)(w)
     if not np.all(np.isfinite(d)):
         raise CheckpointFormatError(f"cannot quantize {p.source.name!r}: a block's scale is not finite in "
                                     "float16 (a NaN/inf weight, or a weight beyond float16's range)")

@@ -160,3 +160,27 @@ def test_inspect_quantize_needs_config(make_tiny, tmp_path):
     split(make_tiny("mixtral", **KNOBS), tmp_path / "out", "--quantize", "int8")
     r = cli("inspect", tmp_path / "out", "--quantize", "int8", cwd=tmp_path)
     assert r.returncode == 2 and "--config" in r.stderr
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan, 1e6])  # 1e6 / 127 still fits float16; 1e6 / -8 does not for int4
+def test_split_refuses_a_weight_whose_scale_is_not_finite(make_tiny, tmp_path, bad):
+    from safetensors.numpy import load_file, save_file
+
+    src = make_tiny("mixtral", dtype="f32", **KNOBS)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    for f in src.iterdir():
+        (ck / f.name).write_bytes(f.read_bytes())
+    (weights,) = ck.glob("*.safetensors")
+    t = load_file(weights)
+    name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    t[name][5, 7] = bad
+    save_file(t, weights, metadata={"format": "pt"})
+    method = "int4" if bad == 1e6 else "int8"
+    r = cli("split", ck, tmp_path / "out", "-q", "--quantize", method, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and name in lines[0] and "not finite" in lines[0], r.stderr
+    assert not (tmp_path / "out" / "manifest.msgpack").exists()
+    if bad == 1e6:  # int8 takes it
+        split(ck, tmp_path / "out8", "--quantize", "int8")
