@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import VENV_BIN, make_mixtral_without_eos, Sample, run_command  # noqa: E402
+from _harness import command_env, VENV_BIN, make_mixtral_without_eos, Sample, run_command  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 300, 42, 9, 100, 7, 250]
@@ -101,7 +101,7 @@ def in_subprocess(mode: str, *args, env: dict | None = None) -> dict:
     """Run one of this file's `--_run` helpers in a fresh process and return the JSON it writes."""
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-runtime-{os.getpid()}.json"
     proc = subprocess.run([sys.executable, __file__, "--_run", mode, str(out), *map(str, args)], capture_output=True,
-                          text=True, env={**os.environ, **(env or {})})
+                          text=True, env=command_env(env))
     if proc.returncode != 0:
         raise RuntimeError(f"bench_runtime --_run {mode} exited {proc.returncode}: {proc.stderr[-3000:]}")
     try:

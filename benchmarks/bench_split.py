@@ -126,7 +126,9 @@ def timed(cmd: list[str], *, shell_sync: bool = False) -> tuple[float, int, floa
     use_time = TIME.exists()
     full = [str(TIME), "-f", "%M %U %S", *cmd] if use_time else cmd
     start = time.perf_counter()
-    proc = subprocess.Popen(full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # Without PYTHONDONTWRITEBYTECODE: split runs from cached bytecode, as an installed tool does.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    proc = subprocess.Popen(full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
     if shell_sync:
         os.sync()

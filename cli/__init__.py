@@ -2,33 +2,69 @@
 
 Human text goes to stderr, `--json` prints one document on stdout. Only our own error base class is
 caught at the top; a programming bug stays a traceback rather than a fake "verification failed".
+
+A run imports only the module of the command it names: `shardtool audit ...` never loads the serve,
+receipt or remote commands (each costs imports and typer's work on its signature at every start). With no
+command, an unknown one or a top-level option (`--help`), every command is registered, so the help lists
+them all and click answers an unknown name as before. `app` is that whole app.
 """
 
 from __future__ import annotations
 
-import typer
+import importlib
+from typing import Any
 
-from shardtool.cli import _common
-from shardtool.cli import (keys_cmd, manifest_cmd, checkpoint_cmd, node_cmd, plan_cmd, receipt_cmd, remote_cmd,
-                           serve_cmd)
+# command -> the module that registers it, in the order `--help` lists the commands.
+_MODULES = ("keys_cmd", "manifest_cmd", "checkpoint_cmd", "serve_cmd", "receipt_cmd", "plan_cmd", "node_cmd",
+            "remote_cmd")
+COMMANDS = {
+    "keygen": "keys_cmd",
+    "manifest": "manifest_cmd", "sign": "manifest_cmd", "audit": "manifest_cmd", "prove": "manifest_cmd",
+    "verify-shard": "manifest_cmd",
+    "split": "checkpoint_cmd", "join": "checkpoint_cmd", "inspect": "checkpoint_cmd",
+    "serve": "serve_cmd",
+    "verify-receipt": "receipt_cmd",
+    "plan": "plan_cmd",
+    "node": "node_cmd",
+    "pull": "remote_cmd", "push": "remote_cmd",
+}
 
-app = typer.Typer(
-    name="shardtool",
-    help="Signed weight supply chain for Mixture-of-Experts models.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-keys_cmd.register(app)
-manifest_cmd.register(app)
-checkpoint_cmd.register(app)
-serve_cmd.register(app)
-receipt_cmd.register(app)
-plan_cmd.register(app)
-node_cmd.register(app)
-remote_cmd.register(app)
+
+def build_app(modules: tuple[str, ...] = _MODULES) -> Any:
+    """A typer app with the commands of `modules` registered (all of them by default)."""
+    import typer
+
+    app = typer.Typer(
+        name="shardtool",
+        help="Signed weight supply chain for Mixture-of-Experts models.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+    )
+    for name in modules:
+        importlib.import_module(f"shardtool.cli.{name}").register(app)
+    return app
+
+
+_whole_app: Any = None
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":  # the whole app, built at first use (tests drive it with typer's CliRunner)
+        global _whole_app
+        if _whole_app is None:
+            _whole_app = build_app()
+        return _whole_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(args: list[str] | None = None) -> None:
     """`args`: the command line without the program name (default: sys.argv[1:])."""
-    _common.run_app(app, args)
+    import sys
+
+    from shardtool.cli import _common
+
+    argv = list(sys.argv[1:] if args is None else args)
+    module = COMMANDS.get(argv[0]) if argv else None
+    _common.run_app(build_app((module,)) if module is not None else __getattr__("app"), argv,
+                    group=True)

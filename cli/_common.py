@@ -153,8 +153,9 @@ def emit_json(document: Any) -> None:
     sys.stdout.flush()
 
 
-def run_app(app: typer.Typer, args: list[str] | None = None) -> None:
-    """Run a typer app: every error is one line on stderr and a distinct exit code.
+def run_app(app: typer.Typer, args: list[str] | None = None, *, group: bool = False) -> None:
+    """Run a typer app: every error is one line on stderr and a distinct exit code. `group`: run it as a
+    group of commands even when only one is registered (typer would make a lone command the program).
 
     Our errors carry their own exit code; typer's usage errors (unknown flag, bad value) exit 2. Any other
     exception is a bug: its traceback is printed and the exit code is EXIT_CRASH (70), never a fake verdict.
@@ -162,7 +163,7 @@ def run_app(app: typer.Typer, args: list[str] | None = None) -> None:
     from shardtool.cli import _params
 
     _params.install()
-    command = typer.main.get_command(app)
+    command = typer.main.get_group(app) if group else typer.main.get_command(app)
     name = app.info.name
     _ROLE.set("verifier")  # until a producer command starts (an earlier in-process call may have set it)
     try:

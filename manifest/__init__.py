@@ -3,52 +3,35 @@
 Trust logic (`_canonical`, `_records`, `_merkle`, `_envelope`, `_document`) takes bytes and keys, never
 paths; `_io`, `_files`, `_scan`, `_state` and `audit` are the I/O around it. Where a shard is verified:
 `shardtool.manifest._files.read_verified`.
+
+The names below are loaded from their module at first use (PEP 562), so a command imports only the
+modules it needs (audit never loads the receipt format).
 """
 
-from shardtool.manifest._document import (
-    FORMAT,
-    MAX_MANIFEST_BYTES,
-    Manifest,
-    VerifiedManifest,
-    build_manifest,
-    check_freshness,
-    check_model_id,
-    decode_manifest,
-    describe_head,
-    entry_bytes,
-    verify_manifest,
-)
-from shardtool.manifest._envelope import PAYLOAD_TYPE, Envelope, Signature, pae, verify_envelope
-from shardtool.manifest._files import (
-    VerifiedBytes,
-    VerifyingStream,
-    open_file_matches,
-    read_verified,
-    read_verified_prefix,
-    read_verified_timed,
-    verify_entry,
-    verify_file,
-)
-from shardtool.manifest._paths import check_relpath
-from shardtool.manifest._io import (
-    MANIFEST_NAME,
-    default_manifest_path,
-    hash_directory,
-    load_manifest,
-    load_trusted_manifest,
-    load_trusted_proof,
-    load_verified_manifest,
-    manifest_relpath,
-    read_manifest_bytes,
-    save_manifest,
-    trust_manifest_bytes,
-)
-from shardtool.manifest._receipt import (MAX_RECEIPT_BYTES, MAX_TRACE_BYTES, RECEIPT_FORMAT, RECEIPT_PAYLOAD_TYPE,
-                                        Receipt, decode_trace, encode_trace, open_receipt, routing_leaves, routing_root,
-                                        sign_receipt, valid_receipt_id)
-from shardtool.manifest._proof import ProvenEntry, build_proof, verify_proof
-from shardtool.manifest._records import KINDS, MAX_ENTRIES, MAX_EXPERT, MAX_LAYER, Entry, Head, check_model_id_form
-from shardtool.manifest._state import check_and_record, default_state_dir
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "_document": ("FORMAT", "MAX_MANIFEST_BYTES", "Manifest", "VerifiedManifest", "build_manifest",
+        "check_freshness", "check_model_id", "decode_manifest", "describe_head", "entry_bytes",
+        "verify_manifest"),
+    "_envelope": ("PAYLOAD_TYPE", "Envelope", "Signature", "pae", "verify_envelope"),
+    "_files": ("VerifiedBytes", "VerifyingStream", "open_file_matches", "read_verified", "read_verified_prefix",
+        "read_verified_timed", "verify_entry", "verify_file"),
+    "_paths": ("check_relpath",),
+    "_io": ("MANIFEST_NAME", "default_manifest_path", "hash_directory", "load_manifest", "load_trusted_manifest",
+        "load_trusted_proof", "load_verified_manifest", "manifest_relpath", "read_manifest_bytes",
+        "save_manifest", "trust_manifest_bytes"),
+    "_receipt": ("MAX_RECEIPT_BYTES", "MAX_TRACE_BYTES", "RECEIPT_FORMAT", "RECEIPT_PAYLOAD_TYPE", "Receipt",
+        "decode_trace", "encode_trace", "open_receipt", "routing_leaves", "routing_root", "sign_receipt",
+        "valid_receipt_id"),
+    "_proof": ("ProvenEntry", "build_proof", "verify_proof"),
+    "_records": ("KINDS", "MAX_ENTRIES", "MAX_EXPERT", "MAX_LAYER", "Entry", "Head", "check_model_id_form"),
+    "_state": ("check_and_record", "default_state_dir"),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = [
     "MAX_ENTRIES", "MAX_MANIFEST_BYTES", "MAX_EXPERT", "MAX_LAYER", "VerifiedBytes", "VerifyingStream", "open_file_matches", "check_relpath", "read_verified_timed",
@@ -61,3 +44,16 @@ __all__ = [
     "open_receipt", "routing_leaves", "routing_root", "sign_receipt", "valid_receipt_id",
     "load_verified_manifest", "pae", "read_verified", "read_verified_prefix", "save_manifest", "trust_manifest_bytes", "verify_envelope", "verify_manifest",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

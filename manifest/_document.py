@@ -55,10 +55,12 @@ def _path_key(entry: Entry) -> bytes:
 
 
 def _check_order(entries: Sequence[Entry]) -> None:
-    for prev, cur in zip(entries, entries[1:]):
-        if _path_key(prev) == _path_key(cur):
-            raise ManifestFormatError(f"duplicate path {cur.path!r}")
-        if _path_key(prev) > _path_key(cur):
+    keys = [_path_key(e) for e in entries]  # encoded once each, not twice per comparison
+    for i in range(1, len(keys)):
+        if keys[i - 1] >= keys[i]:
+            prev, cur = entries[i - 1], entries[i]
+            if keys[i - 1] == keys[i]:
+                raise ManifestFormatError(f"duplicate path {cur.path!r}")
             raise ManifestFormatError(f"entries are not sorted by path ({prev.path!r} before {cur.path!r})")
 
 

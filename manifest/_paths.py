@@ -11,6 +11,11 @@ MAX_PATH_BYTES = 1024
 MAX_SEGMENTS = 32
 # Unicode category Cc: C0, DEL and C1 (0x80-0x9F: U+009B is a terminal CSI); none belongs in a file name.
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+# The common form, checked in one match: ASCII segments of letters, digits, `.`, `_`, `-` that do not start with `.`
+# (so none is `.` or `..`), none empty, at most MAX_SEGMENTS of them. Such a path passes every check below (ASCII is
+# NFC and holds no control character); any other path goes through them one by one.
+_PLAIN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(?:/[A-Za-z0-9_-][A-Za-z0-9._-]*){0,%d}" % (MAX_SEGMENTS - 1),
+                    re.ASCII)
 
 
 def check_relpath(path: object) -> str:
@@ -22,6 +27,8 @@ def check_relpath(path: object) -> str:
     """
     if not isinstance(path, str):
         raise ManifestFormatError(f"path must be a string, got {type(path).__name__}")
+    if len(path) <= MAX_PATH_BYTES and _PLAIN.fullmatch(path):
+        return path
     if not path:
         raise ManifestFormatError("path is empty")
     try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -305,6 +304,8 @@ def _hash_in_processes(root: Path, entries: list[Entry], workers: int, progress,
 def _hash_in_threads(root: Path, entries: list[Entry], workers: int, progress, report: AuditReport
                      ) -> list[Finding]:
     """Hash in a thread pool: reads and BLAKE3 release the GIL, so threads keep disk and cores busy."""
+    from concurrent.futures import ThreadPoolExecutor  # here: only where there is no fork (it loads logging too)
+
     local = threading.local()
     lock = threading.Lock()
     parallel = _few_large(entries, workers)

@@ -8,6 +8,7 @@ exactly, as the reference Rust implementation requires.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -39,20 +40,26 @@ DTYPE_SIZES: Mapping[str, int] = MappingProxyType({
 
 def numpy_dtype(dtype: str) -> np.dtype:
     """The little-endian numpy dtype for a safetensors dtype name (ml_dtypes for BF16 and FP8)."""
+    table = _dtype_table()
+    if dtype not in table:
+        raise CheckpointFormatError(f"unsupported dtype {dtype!r}")
+    return table[dtype]
+
+
+@functools.cache
+def _dtype_table() -> Mapping[str, np.dtype]:
+    """Built once (numpy and ml_dtypes are imported at first use): every shard the runtime loads asks for it."""
     import ml_dtypes
     import numpy as np
 
-    table = {
+    return MappingProxyType({
         "BOOL": np.dtype(np.bool_), "U8": np.dtype("u1"), "I8": np.dtype("i1"),
         "U16": np.dtype("<u2"), "I16": np.dtype("<i2"), "F16": np.dtype("<f2"),
         "U32": np.dtype("<u4"), "I32": np.dtype("<i4"), "F32": np.dtype("<f4"),
         "U64": np.dtype("<u8"), "I64": np.dtype("<i8"), "F64": np.dtype("<f8"),
         "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
         "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
-    }
-    if dtype not in table:
-        raise CheckpointFormatError(f"unsupported dtype {dtype!r}")
-    return table[dtype]
+    })
 
 
 @dataclass(frozen=True)

@@ -244,6 +244,20 @@ def test_public_key_that_is_not_ed25519_spki_is_refused(tmp_path, data, raises_e
         load_public_key(path)
 
 
+@pytest.mark.parametrize("form", ["as-written", "no-final-newline", "crlf", "wrapped-at-32", "blank-line-after"])
+def test_public_key_forms_read_alike_by_the_short_path_and_the_pem_loader(tmp_path, form):
+    """keygen's own file is read without cryptography's PEM loader; every other layout goes through the loader.
+    Both give the same key."""
+    key = generate().public
+    pem = key.to_pem()
+    body = pem.split(b"\n")[1]
+    data = {"as-written": pem, "no-final-newline": pem.rstrip(b"\n"), "crlf": pem.replace(b"\n", b"\r\n"),
+            "wrapped-at-32": pem.replace(body, body[:32] + b"\n" + body[32:]),
+            "blank-line-after": pem + b"\n"}[form]
+    assert public_key_from_pem(data) == key
+    assert load_public_key(_write(tmp_path / "x.pub", data, 0o644)) == key
+
+
 @pytest.mark.parametrize("loader", [lambda p: load_public_key(p), lambda p: load_private_key(p, None)],
                          ids=["public", "private"])
 def test_missing_key_file_is_a_key_file_error(tmp_path, loader, raises_exactly):

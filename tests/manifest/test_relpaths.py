@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from shardtool.errors import ManifestFormatError
 from shardtool.manifest import decode_manifest, verify_manifest
@@ -102,3 +104,34 @@ def test_the_forged_document_is_otherwise_valid(forge, raw_entry, ed25519_keys, 
     # Control for the test above: the same document with a good path verifies.
     data = forge([raw_entry(path="ok.bin")], signers=[ed25519_keys[0]])
     assert [e.path for e in verify_manifest(data, [ed25519_keys[0].public], 1, now=now).entries] == ["ok.bin"]
+
+
+@settings(max_examples=400, deadline=None)
+@example("/".join(["a"] * MAX_SEGMENTS))
+@example("/".join(["a"] * (MAX_SEGMENTS + 1)))
+@example("a" * MAX_PATH_BYTES)
+@example("a" * (MAX_PATH_BYTES + 1))
+@example("a/b/.hidden")
+@given(st.text(alphabet="ab9_-./\\\x00\x7f\x9fé", min_size=0, max_size=80))
+def test_the_one_match_for_plain_paths_agrees_with_the_full_checks(path):
+    """check_relpath accepts the common form in one regular-expression match; every other path goes through the
+    checks one by one. Both must give the same verdict on any path."""
+    import re
+
+    from shardtool.manifest import _paths
+
+    def verdict() -> str | None:
+        try:
+            _paths.check_relpath(path)
+        except ManifestFormatError as e:
+            return e.message
+        return None
+
+    quick = verdict()
+    original = _paths._PLAIN
+    _paths._PLAIN = re.compile(r"(?!)")  # matches nothing: only the full checks run
+    try:
+        full = verdict()
+    finally:
+        _paths._PLAIN = original
+    assert (quick is None) == (full is None), (path, quick, full)
