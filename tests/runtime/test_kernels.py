@@ -179,6 +179,15 @@ def test_environment_variable_forces_the_reference():
         assert done.stdout.strip() == want
 
 
+def misaligned(a: np.ndarray) -> np.ndarray:
+    """A writable copy of `a` starting one byte past an aligned address (a safetensors view may start anywhere)."""
+    buf = np.zeros(a.nbytes + 16, np.uint8)
+    start = (-buf.ctypes.data) % 16 + 1
+    v = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    v[...] = a
+    return v
+
+
 def call(**change):
     """One valid q8 product through the extension, with `change` substituted."""
     rng = np.random.default_rng(1)
@@ -213,10 +222,50 @@ def test_a_valid_call_works():
     (dict(m=0), "out of range"),
     (dict(out=-1), "out of range"),
     (dict(out=2 ** 40), "out of range"),
+    (dict(out=-2 ** 70), "out=-1180591620717411303424 out of range"),
+    (dict(m=2 ** 70), "m=1180591620717411303424 out of range"),
+    (dict(threads=2 ** 40), "threads=1099511627776"),
+    (dict(threads=2 ** 100), "threads=1267650600228229401496703205376 out of range"),
+    (dict(b0=2 ** 64), "b0=18446744073709551616 out of range"),
+    (dict(x=misaligned(np.ones((2, 64), np.float32))), "x: address not aligned to its 4-byte items"),
+    (dict(scale=misaligned(np.ones((4, 2), np.float16))), "scale: address not aligned to its 2-byte items"),
+    (dict(y=misaligned(np.empty((2, 4), np.float32))), "y: address not aligned to its 4-byte items"),
 ])
-def test_hostile_buffers_are_refused(change, message):
-    with pytest.raises(ValueError, match=message):
+def test_hostile_buffers_are_refused(change, message, raises_exactly):
+    with raises_exactly(ValueError, match=message):
         call(**change)
+
+
+def test_integer_arguments_of_another_type_are_a_type_error():
+    for change in (dict(threads=1.0), dict(m="2"), dict(b0=None)):
+        with pytest.raises(TypeError, match="expected an int"):
+            call(**change)
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16"])
+def test_a_misaligned_weight_is_refused(kind):
+    w = misaligned(make(kind, 4, 64, np.random.default_rng(2)).data)
+    raw = w.view(np.uint16) if kind == "bf16" else w
+    with pytest.raises(ValueError, match=f"data: address not aligned to its {w.itemsize}-byte items"):
+        _kernels.matmul(kind, np.ones((1, 64), np.float32), raw, None, np.empty((1, 4), np.float32), 1, 4, 64, 0, 0,
+                        1)
+
+
+@pytest.mark.parametrize("kind, dtype", [("f32", np.float32), ("f16", np.float16), ("bf16", np.uint16),
+                                         ("fp8", np.uint8)])
+def test_nonfinite_scan_checks_its_buffer(kind, dtype, raises_exactly):
+    a = np.zeros(64, dtype)
+    assert _kernels.nonfinite(kind, a) == -1
+    assert _kernels.nonfinite(kind, a[:0]) == -1
+    with raises_exactly(ValueError, match="data: expected format"):
+        _kernels.nonfinite(kind, np.zeros(64, np.int64))
+    with raises_exactly(ValueError, match="data: expected a C-contiguous"):
+        _kernels.nonfinite(kind, np.zeros(128, dtype)[::2])
+    if a.itemsize > 1:
+        with raises_exactly(ValueError, match="data: address not aligned"):
+            _kernels.nonfinite(kind, misaligned(a))
+    with raises_exactly(ValueError, match="is not f32, f16, bf16 or fp8"):
+        _kernels.nonfinite("q8", a)
 
 
 def test_hostile_buffers_of_other_kinds():
