@@ -852,8 +852,8 @@ static int check_buffer(const Py_buffer *v, const char *name, char want, Py_ssiz
     return 0;
 }
 
-/* An int argument as a Py_ssize_t: TypeError if not an int, ValueError beyond +-PY_SSIZE_T_MAX/2 (every caller's range is
- * far smaller and checked after), never OverflowError. */
+/* An int argument as a Py_ssize_t: TypeError if not an int, ValueError beyond +-PY_SSIZE_T_MAX/2 (every caller's
+ * range is far smaller and checked after), never OverflowError. */
 static int get_int(PyObject *o, const char *name, Py_ssize_t *v) {
     if (!PyLong_Check(o)) {
         PyErr_Format(PyExc_TypeError, "%s: expected an int, got %.80s", name, Py_TYPE(o)->tp_name);
