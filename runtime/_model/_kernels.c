@@ -408,8 +408,10 @@ TARGET_AVX2 static float dot_mxfp4_avx2(const float *x, const uint8_t *w, const 
 }
 
 /* x [n] -> int16 [n] and a power-of-two scale per block of 32: xq = round(x * 2^k), k the largest with the block's
- * largest |x| * 2^k < 2^15 (saturated to +-32767), xs = 2^-k. Returns -1 (x not finite) if the float kernels must
- * run instead. */
+ * largest |x| * 2^k < 2^15 (saturated to +-32767), xs = 2^-k. Returns -1 (x not finite, or a block's largest |x| at
+ * least 2^18) if the float kernels must run instead: with xs <= 2^3 a block's scale times xs stays finite (MXFP4's
+ * largest accepted scale 2^125 * 0.5 * 2^3 = 2^127, float16's 65504 * 2^3), so a block of zero weights gives 0 as in
+ * the reference, never 0 * inf = NaN. */
 TARGET_AVX2 static int quantize_x16(const float *x, Py_ssize_t n, int16_t *xq, float *xs) {
     const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(FLT_MAX);
     for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
@@ -427,6 +429,7 @@ TARGET_AVX2 static int quantize_x16(const float *x, Py_ssize_t n, int16_t *xq, f
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
         const float top = _mm_cvtss_f32(m4);
+        if (top >= 262144.0f) return -1;
         if (top == 0.0f) {
             memset(xq + b * QBLOCK, 0, QBLOCK * sizeof(int16_t));
             xs[b] = 0.0f;

@@ -122,6 +122,29 @@ def test_block_kinds_at_the_edges_of_the_int16_input(isa, kind):
     assert np.all(np.abs(y - want) <= 1e-3 * np.abs(_packed.to_float32(w)).astype(np.float64) @ np.abs(x[0]))
 
 
+def test_block_kinds_at_the_largest_accepted_scales_with_a_huge_input(isa):
+    """A block of zero weights under the largest scale `pack` accepts (MXFP4 0xFC, float16 65504) and x huge there:
+    the reference gives that block 0; scaling x to int16 must not make the block's scale infinite (0 * inf = NaN)."""
+    rng = np.random.default_rng(13)
+    for kind, peak in [("mxfp4", 2.0 ** 20), ("q8", 2.0 ** 126), ("q4", 2.0 ** 126)]:
+        w = make(kind, 4, 64, rng)
+        if kind == "mxfp4":
+            data, scale = w.data.copy(), w.scale.copy()
+            data[:, 0] = 0
+            scale[:, 0] = 0xFC
+        else:
+            data, scale = w.data.copy(), w.scale.copy()
+            data[:, :16 if kind == "q4" else 32] = 0x88 if kind == "q4" else 0  # q4: code 8 is zero
+            scale[:, 0] = 65504
+        w = Packed(kind, w.shape, data, scale)
+        x = rng.standard_normal((1, 64)).astype(np.float32)
+        x[0, :32] = rng.uniform(-1, 1, 32) * peak
+        want = _packed.to_float32(w).astype(np.float64) @ x[0].astype(np.float64)
+        got = _packed.matmul_t(x, w)[0]
+        assert np.all(np.isfinite(want)) and np.all(np.isfinite(got)), (kind, got)
+        check(x, w)
+
+
 def one_hot_rows(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows [v, 0, ..., 0] (16 inputs, so the SIMD path reads them) and x = e0: y[r] is exactly element v."""
     rows = np.zeros((data.size, 16), data.dtype)
