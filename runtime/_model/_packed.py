@@ -1,9 +1,10 @@
 """A linear layer's weight as it is stored, and the product with it: the forward pass never expands a weight whole.
 
 `pack` reads one projection's stored tensors (float32/float16/bfloat16, DeepSeek's block-scaled FP8, gpt-oss's
-MXFP4, shardtool's block int8/int4 of `shardtool.blockquant`), checks their dtypes, shapes and scales, and returns a
-`Packed`; `matmul_t(x, w)` multiplies by it in the stored dtype. This module holds the numpy reference for each
-kind; the native kernels (the C extension `_kernels`, built by the project's install) replace it for every kind and
+MXFP4, shardtool's block int8/int4 of `shardtool.blockquant`), checks their dtypes, shapes and scales (and that
+every weight is finite and no product of a weight by its scale overflows float32), and returns a `Packed`;
+`matmul_t(x, w)` multiplies by it in the stored dtype. This module holds the numpy reference for each kind; the
+native kernels (the C extension `_kernels`, built by the project's install) replace it for every kind and
 must agree with it. Without the extension, or with the environment variable SHARDTOOL_KERNELS=0 when this module is
 imported, the reference runs. `set_threads(n)` sets how many threads one native product may use (default 1).
 """
@@ -76,8 +77,10 @@ def pack(t: Mapping[str, np.ndarray], proj: str, shape: tuple[int, int], where: 
     """Projection `proj` (e.g. "gate_proj", "self_attn.q_proj") of tensors `t`, expected [out, in] = `shape`.
 
     Exactly one stored form must be present: `<proj>.weight` (float, FP8 + `weight_scale_inv`, or int8 +
-    `weight_scale`), `<proj>.weight_q4` + `weight_scale`, or (when `mxfp4`) `weight_blocks` + `weight_scales`.
-    Anything else is a CheckpointFormatError naming `where` and the tensor."""
+    `weight_scale`), `<proj>.weight_q4` + `weight_scale`, or (when `mxfp4`) `weight_blocks` + `weight_scales`, and
+    no tensor of another form. Anything else (a NaN or infinite weight or scale, a scale whose products overflow) is
+    a CheckpointFormatError naming `where` and the tensor. The data is returned aligned and C-contiguous (copied once
+    if it was not: a view into a safetensors file may start at any byte)."""
     def missing(name: str) -> CheckpointFormatError:
         return CheckpointFormatError(f"{where}: missing tensor {proj}.{name}")
 
