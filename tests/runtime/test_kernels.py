@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from shardtool import blockquant
-from shardtool.runtime._model import _dtypes, _kernels, _packed
+from shardtool.runtime._model import _dtypes, _packed
+
+_kernels = pytest.importorskip("shardtool.runtime._model._kernels", reason="the extension is not built (optional)")
 from shardtool.runtime._model._packed import Packed
 
 SIMD = ["plain"] + (["avx2"] if _kernels.use_simd(True) == "avx2" else [])
