@@ -1,9 +1,10 @@
 """A linear layer's weight as it is stored, and the product with it: the forward pass never expands a weight whole.
 
 `pack` reads one projection's stored tensors (float32/float16/bfloat16, DeepSeek's block-scaled FP8, gpt-oss's
-MXFP4, shardtool's block int8/int4 of `shardtool.blockquant`), checks their dtypes, shapes and scales, and returns a
-`Packed`; `matmul_t(x, w)` multiplies by it in the stored dtype. This module holds the numpy reference for each
-kind; the native kernels (the C extension `_kernels`, built by the project's install) replace it for every kind and
+MXFP4, shardtool's block int8/int4 of `shardtool.blockquant`), checks their dtypes, shapes and scales (and that
+every weight is finite and no product of a weight by its scale overflows float32), and returns a `Packed`;
+`matmul_t(x, w)` multiplies by it in the stored dtype. This module holds the numpy reference for each kind; the
+native kernels (the C extension `_kernels`, built by the project's install) replace it for every kind and
 must agree with it. Without the extension, or with the environment variable SHARDTOOL_KERNELS=0 when this module is
 imported, the reference runs. `set_threads(n)` sets how many threads one native product may use (default 1).
 """
@@ -76,50 +77,109 @@ def pack(t: Mapping[str, np.ndarray], proj: str, shape: tuple[int, int], where: 
     """Projection `proj` (e.g. "gate_proj", "self_attn.q_proj") of tensors `t`, expected [out, in] = `shape`.
 
     Exactly one stored form must be present: `<proj>.weight` (float, FP8 + `weight_scale_inv`, or int8 +
-    `weight_scale`), `<proj>.weight_q4` + `weight_scale`, or (when `mxfp4`) `weight_blocks` + `weight_scales`.
-    Anything else is a CheckpointFormatError naming `where` and the tensor."""
+    `weight_scale`), `<proj>.weight_q4` + `weight_scale`, or (when `mxfp4`) `weight_blocks` + `weight_scales`, and
+    no tensor of another form. Anything else (a NaN or infinite weight or scale, a scale whose products overflow) is
+    a CheckpointFormatError naming `where` and the tensor. The data is returned aligned and C-contiguous (copied once
+    if it was not: a view into a safetensors file may start at any byte)."""
     def missing(name: str) -> CheckpointFormatError:
         return CheckpointFormatError(f"{where}: missing tensor {proj}.{name}")
 
     out_f, in_f = shape
-    names = {s: t.get(f"{proj}.{s}") for s in ("weight", "weight_scale_inv", blockquant.SCALE_SUFFIX,
-                                               blockquant.Q4_SUFFIX, "weight_blocks", "weight_scales")}
+    names = {s: t.get(f"{proj}.{s}") for s in _SUFFIXES}
     forms = [s for s in ("weight", blockquant.Q4_SUFFIX, "weight_blocks") if names[s] is not None]
     if len(forms) != 1:
         if not forms:
             raise missing("weight")
         raise CheckpointFormatError(f"{where}: {proj} is stored in more than one form ({', '.join(forms)})")
     form = forms[0]
+    w = names[form]
     if form == "weight_blocks":
-        return _pack_mxfp4(names["weight_blocks"], names["weight_scales"], proj, shape, where, mxfp4)
-    if form == blockquant.Q4_SUFFIX or names["weight"].dtype == np.int8:
-        return _pack_block(form, names[form], names[blockquant.SCALE_SUFFIX], proj, shape, where)
-    w = names["weight"]
-    if names[blockquant.SCALE_SUFFIX] is not None:
-        raise CheckpointFormatError(f"{where}: {proj}.weight_scale beside a {w.dtype} weight (int8 expected)")
+        uses = ("weight_blocks", "weight_scales")
+    elif form == blockquant.Q4_SUFFIX or w.dtype == np.int8:
+        uses = (form, blockquant.SCALE_SUFFIX)
+    elif w.dtype == FLOAT8:
+        uses = ("weight", "weight_scale_inv")
+    else:
+        uses = ("weight",)
+    stray = [s for s in _SUFFIXES if s not in uses and names[s] is not None]
+    if stray:  # a tensor of another stored form: the checkpoint is not what its writer meant
+        raise CheckpointFormatError(f"{where}: {proj}.{stray[0]} beside {proj}.{form} of dtype {w.dtype} (that "
+                                    f"form has {' and '.join(f'{proj}.{s}' for s in uses)} only)")
+    if form == "weight_blocks":
+        return _pack_mxfp4(w, names["weight_scales"], proj, shape, where, mxfp4)
+    if form == blockquant.Q4_SUFFIX or w.dtype == np.int8:
+        return _pack_block(form, w, names[blockquant.SCALE_SUFFIX], proj, shape, where)
     if w.shape != shape:
         raise CheckpointFormatError(f"{where}: {proj}.weight has shape {w.shape}, expected {shape}")
     if w.dtype == FLOAT8:
         s = names["weight_scale_inv"]
         if s is None:
             raise missing("weight_scale_inv")
+        if not (isinstance(fp8_block, tuple) and len(fp8_block) == 2
+                and all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b >= 1 for b in fp8_block)):
+            raise CheckpointFormatError(f"{where}: {proj}: FP8 block {fp8_block!r} is not two integers >= 1")
         b0, b1 = fp8_block
         want = (-(-out_f // b0), -(-in_f // b1))
         if s.shape != want:
             raise CheckpointFormatError(f"{where}: {proj}.weight_scale_inv has shape {s.shape}, expected {want} "
                                         f"for {shape} in {b0}x{b1} blocks")
-        scale = _finite_scale(s, f"{where}: {proj}.weight_scale_inv").astype(np.float32)
-        return Packed("fp8", shape, w, np.ascontiguousarray(scale), fp8_block)
-    if names["weight_scale_inv"] is not None:
-        raise CheckpointFormatError(f"{where}: {proj}.weight_scale_inv beside a {w.dtype} weight (float8 expected)")
+        what = f"{where}: {proj}.weight_scale_inv"
+        scale = _finite_scale(s, what).astype(np.float32)
+        if np.abs(scale).max(initial=0) > FP8_SCALE_MAX:
+            raise CheckpointFormatError(f"{what}: a scale above {float(FP8_SCALE_MAX):.6g} (448 times it, the "
+                                        f"largest float8 weight, overflows float32)")
+        data = _aligned(w)
+        _refuse_nonfinite(data, "fp8", f"{where}: {proj}.weight")
+        return Packed("fp8", shape, data, _aligned(scale), fp8_block)
     kind = _FLOAT_KINDS.get(w.dtype)
     if kind is None:
         raise CheckpointFormatError(f"{where}: {proj}.weight has unsupported dtype {w.dtype}",
                                     hint="expected float32, float16, bfloat16, float8_e4m3fn or int8")
-    return Packed(kind, shape, np.ascontiguousarray(w))
+    data = _aligned(w)
+    _refuse_nonfinite(data, kind, f"{where}: {proj}.weight")
+    return Packed(kind, shape, data)
 
 
+# every tensor suffix of a stored form: a projection holds those of its one form and no other
+_SUFFIXES = ("weight", "weight_scale_inv", blockquant.SCALE_SUFFIX, blockquant.Q4_SUFFIX, "weight_blocks",
+             "weight_scales")
 _FLOAT_KINDS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", BF16: "bf16"}
+# the largest FP8 block scale whose product with the largest float8_e4m3fn value (448) is a finite float32
+FP8_SCALE_MAX = np.float32(np.finfo(np.float32).max) / np.float32(448)  # 7.595588e35 (448 times it rounds to FLT_MAX)
+MXFP4_SCALE_MAX = 0xFC  # 2^(0xFC - 127) = 2^125: times 6 (the largest E2M1 value) is finite; 2^126 * 6 is not
+
+
+def _aligned(a: np.ndarray) -> np.ndarray:
+    """`a` C-contiguous and aligned to its items (the extension refuses anything else; a view into a safetensors
+    file may start at any byte): no copy when it already is."""
+    return np.require(a, requirements=["C", "A"])
+
+
+# per kind: the raw integer view and the mask whose bits all set mean inf or NaN (float8_e4m3fn: 0x7F/0xFF, NaN)
+_NONFINITE = {"f32": (np.uint32, 0x7F800000), "f16": (np.uint16, 0x7C00), "bf16": (np.uint16, 0x7F80),
+              "fp8": (np.uint8, 0x7F)}
+_SCAN_CHUNK = 1 << 20  # elements per numpy pass of the fallback scan (bounded temporaries)
+
+
+def _first_nonfinite(a: np.ndarray, kind: str) -> int:
+    """The C-order index of the first inf/NaN element of the C-contiguous aligned `a` stored as `kind`, or -1."""
+    flat = a.reshape(-1)
+    if _native is not None:
+        return _native.nonfinite(kind, flat if kind not in _RAW else flat.view(_RAW[kind]))
+    raw, mask = _NONFINITE[kind]
+    v, m = flat.view(raw), raw(mask)
+    for c in range(0, v.size, _SCAN_CHUNK):
+        hits = np.flatnonzero((v[c:c + _SCAN_CHUNK] & m) == m)
+        if hits.size:
+            return c + int(hits[0])
+    return -1
+
+
+def _refuse_nonfinite(a: np.ndarray, kind: str, what: str) -> None:
+    at = _first_nonfinite(a, kind)
+    if at >= 0:
+        index = tuple(int(i) for i in np.unravel_index(at, a.shape))
+        raise CheckpointFormatError(f"{what}: a NaN or infinite value at {list(index)}")
 
 
 def _finite_scale(s: np.ndarray, what: str) -> np.ndarray:
@@ -150,7 +210,7 @@ def _pack_block(form: str, data: np.ndarray, scale: np.ndarray | None, proj: str
         raise CheckpointFormatError(f"{where}: {proj}.{blockquant.SCALE_SUFFIX} is {scale.dtype} {scale.shape}, "
                                     f"expected float16 {want_scale}")
     _finite_scale(scale, f"{where}: {proj}.{blockquant.SCALE_SUFFIX}")
-    return Packed("q4" if q4 else "q8", shape, np.ascontiguousarray(data), np.ascontiguousarray(scale))
+    return Packed("q4" if q4 else "q8", shape, _aligned(data), _aligned(scale))
 
 
 def _pack_mxfp4(blocks: np.ndarray, scales: np.ndarray | None, proj: str, shape: tuple[int, int], where: str,
@@ -171,9 +231,12 @@ def _pack_mxfp4(blocks: np.ndarray, scales: np.ndarray | None, proj: str, shape:
         raise CheckpointFormatError(f"{where}: MXFP4 {proj}.weight_blocks {blocks.dtype} {blocks.shape} / "
                                     f"weight_scales {scales.dtype} {scales.shape}, expected uint8 {want_blocks} / "
                                     f"{want_scales} for {shape}")
-    if np.any(scales == 0xFF):
-        raise CheckpointFormatError(f"{where}: {proj} has MXFP4 scale 0xFF (NaN)")
-    return Packed("mxfp4", shape, np.ascontiguousarray(blocks), np.ascontiguousarray(scales))
+    top = int(scales.max(initial=0))
+    if top > MXFP4_SCALE_MAX:
+        raise CheckpointFormatError(f"{where}: {proj}.weight_scales has MXFP4 scale {top:#04x} "
+                                    f"({'NaN' if top == 0xFF else 'its weights overflow float32'}; at most "
+                                    f"{MXFP4_SCALE_MAX:#04x})")
+    return Packed("mxfp4", shape, _aligned(blocks), _aligned(scales))
 
 
 # The buffer each kind's data and scale are handed to the extension as (bf16 and fp8 have no buffer format).
@@ -189,7 +252,7 @@ def matmul_t(x: np.ndarray, w: Packed) -> np.ndarray:
     m = x.shape[0]
     if _native is None or not (m and out_f and in_f):
         return matmul_t_reference(x, w)
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = np.require(x, np.float32, ["C", "A"])
     y = np.empty((m, out_f), np.float32)
     raw = _RAW.get(w.kind)
     b0, b1 = w.block or (0, 0)

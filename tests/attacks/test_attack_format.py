@@ -156,6 +156,18 @@ def _transpose(header, body):
     header[name]["shape"] = header[name]["shape"][::-1]
 
 
+def _nan_weight(path) -> None:
+    """Element [1, 2] of the expert's gate_proj.weight made NaN (the bytes then signed by the publisher)."""
+    data = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    spec = header[next(k for k in header if k.endswith("gate_proj.weight"))]
+    nan = {"F32": b"\x00\x00\xc0\x7f", "BF16": b"\xc0\x7f", "F16": b"\x00\x7e"}[spec["dtype"]]
+    at = 8 + n + spec["data_offsets"][0] + (spec["shape"][1] + 2) * len(nan)
+    data[at:at + len(nan)] = nan
+    path.write_bytes(bytes(data))
+
+
 def _shard_case(rewrite, message, rel=EXPERT):
     # The bytes are exactly what the publisher signed, so audit (a byte-level check) passes; the runtime parses
     # them and must refuse cleanly.
@@ -222,6 +234,8 @@ CASES = {
     "signed-shard-zero-size-huge-shape": _shard_case(_zero_size_huge_shape, "invalid shape"),
     "signed-shard-missing-tensor": _shard_case(_rename_tensor, "missing tensor gate_proj.weight"),
     "signed-shard-wrong-shape": _shard_case(_transpose, "gate_proj.weight has shape (32, 16), expected (16, 32)"),
+    "signed-shard-nan-weight": Attack(_signed_file(EXPERT, _nan_weight), kit.CLEAN,
+                                      refused(SHARD, "gate_proj.weight: a NaN or infinite value at [1, 2]")),
     "signed-config-json-not-json": Attack(_signed_file("config.json", lambda p: p.write_bytes(b"{nope")), kit.CLEAN,
                                           refused("VerificationError", "signed config.json is not valid JSON")),
     "signed-config-json-not-an-object": Attack(_signed_file("config.json", lambda p: p.write_bytes(b"[1, 2]")),

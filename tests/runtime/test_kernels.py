@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from shardtool import blockquant
-from shardtool.runtime._model import _dtypes, _kernels, _packed
+from shardtool.runtime._model import _dtypes, _packed
+
+_kernels = pytest.importorskip("shardtool.runtime._model._kernels", reason="the extension is not built (optional)")
 from shardtool.runtime._model._packed import Packed
 
 SIMD = ["plain"] + (["avx2"] if _kernels.use_simd(True) == "avx2" else [])
@@ -122,6 +124,29 @@ def test_block_kinds_at_the_edges_of_the_int16_input(isa, kind):
     assert np.all(np.abs(y - want) <= 1e-3 * np.abs(_packed.to_float32(w)).astype(np.float64) @ np.abs(x[0]))
 
 
+def test_block_kinds_at_the_largest_accepted_scales_with_a_huge_input(isa):
+    """A block of zero weights under the largest scale `pack` accepts (MXFP4 0xFC, float16 65504) and x huge there:
+    the reference gives that block 0; scaling x to int16 must not make the block's scale infinite (0 * inf = NaN)."""
+    rng = np.random.default_rng(13)
+    for kind, peak in [("mxfp4", 2.0 ** 20), ("q8", 2.0 ** 126), ("q4", 2.0 ** 126)]:
+        w = make(kind, 4, 64, rng)
+        if kind == "mxfp4":
+            data, scale = w.data.copy(), w.scale.copy()
+            data[:, 0] = 0
+            scale[:, 0] = 0xFC
+        else:
+            data, scale = w.data.copy(), w.scale.copy()
+            data[:, :16 if kind == "q4" else 32] = 0x88 if kind == "q4" else 0  # q4: code 8 is zero
+            scale[:, 0] = 65504
+        w = Packed(kind, w.shape, data, scale)
+        x = rng.standard_normal((1, 64)).astype(np.float32)
+        x[0, :32] = rng.uniform(-1, 1, 32) * peak
+        want = _packed.to_float32(w).astype(np.float64) @ x[0].astype(np.float64)
+        got = _packed.matmul_t(x, w)[0]
+        assert np.all(np.isfinite(want)) and np.all(np.isfinite(got)), (kind, got)
+        check(x, w)
+
+
 def one_hot_rows(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows [v, 0, ..., 0] (16 inputs, so the SIMD path reads them) and x = e0: y[r] is exactly element v."""
     rows = np.zeros((data.size, 16), data.dtype)
@@ -179,6 +204,15 @@ def test_environment_variable_forces_the_reference():
         assert done.stdout.strip() == want
 
 
+def misaligned(a: np.ndarray) -> np.ndarray:
+    """A writable copy of `a` starting one byte past an aligned address (a safetensors view may start anywhere)."""
+    buf = np.zeros(a.nbytes + 16, np.uint8)
+    start = (-buf.ctypes.data) % 16 + 1
+    v = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    v[...] = a
+    return v
+
+
 def call(**change):
     """One valid q8 product through the extension, with `change` substituted."""
     rng = np.random.default_rng(1)
@@ -213,10 +247,50 @@ def test_a_valid_call_works():
     (dict(m=0), "out of range"),
     (dict(out=-1), "out of range"),
     (dict(out=2 ** 40), "out of range"),
+    (dict(out=-2 ** 70), "out=-1180591620717411303424 out of range"),
+    (dict(m=2 ** 70), "m=1180591620717411303424 out of range"),
+    (dict(threads=2 ** 40), "threads=1099511627776"),
+    (dict(threads=2 ** 100), "threads=1267650600228229401496703205376 out of range"),
+    (dict(b0=2 ** 64), "b0=18446744073709551616 out of range"),
+    (dict(x=misaligned(np.ones((2, 64), np.float32))), "x: address not aligned to its 4-byte items"),
+    (dict(scale=misaligned(np.ones((4, 2), np.float16))), "scale: address not aligned to its 2-byte items"),
+    (dict(y=misaligned(np.empty((2, 4), np.float32))), "y: address not aligned to its 4-byte items"),
 ])
-def test_hostile_buffers_are_refused(change, message):
-    with pytest.raises(ValueError, match=message):
+def test_hostile_buffers_are_refused(change, message, raises_exactly):
+    with raises_exactly(ValueError, match=message):
         call(**change)
+
+
+def test_integer_arguments_of_another_type_are_a_type_error():
+    for change in (dict(threads=1.0), dict(m="2"), dict(b0=None)):
+        with pytest.raises(TypeError, match="expected an int"):
+            call(**change)
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16"])
+def test_a_misaligned_weight_is_refused(kind):
+    w = misaligned(make(kind, 4, 64, np.random.default_rng(2)).data)
+    raw = w.view(np.uint16) if kind == "bf16" else w
+    with pytest.raises(ValueError, match=f"data: address not aligned to its {w.itemsize}-byte items"):
+        _kernels.matmul(kind, np.ones((1, 64), np.float32), raw, None, np.empty((1, 4), np.float32), 1, 4, 64, 0, 0,
+                        1)
+
+
+@pytest.mark.parametrize("kind, dtype", [("f32", np.float32), ("f16", np.float16), ("bf16", np.uint16),
+                                         ("fp8", np.uint8)])
+def test_nonfinite_scan_checks_its_buffer(kind, dtype, raises_exactly):
+    a = np.zeros(64, dtype)
+    assert _kernels.nonfinite(kind, a) == -1
+    assert _kernels.nonfinite(kind, a[:0]) == -1
+    with raises_exactly(ValueError, match="data: expected format"):
+        _kernels.nonfinite(kind, np.zeros(64, np.int64))
+    with raises_exactly(ValueError, match="data: expected a C-contiguous"):
+        _kernels.nonfinite(kind, np.zeros(128, dtype)[::2])
+    if a.itemsize > 1:
+        with raises_exactly(ValueError, match="data: address not aligned"):
+            _kernels.nonfinite(kind, misaligned(a))
+    with raises_exactly(ValueError, match="is not f32, f16, bf16 or fp8"):
+        _kernels.nonfinite("q8", a)
 
 
 def test_hostile_buffers_of_other_kinds():
