@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shardtool import blockquant
 from shardtool.errors import CheckpointFormatError
 
 from ._config import ModelConfig
-from ._dtypes import MXFP4_GROUP, weight_f32
+from ._dtypes import weight_f32
 from ._packed import Packed, pack
 
 
@@ -73,13 +74,15 @@ class ExpertWeights:
 def expert_weights(cfg: ModelConfig, layer: int, expert: int, t: Mapping[str, np.ndarray]) -> ExpertWeights:
     """An expert shard's tensors, each checked against the config: matrices packed as stored, biases as float32.
 
-    A projection is either `<proj>.weight` (F32/F16/BF16) or MXFP4 `<proj>.weight_blocks` [out, in/32, 16] +
-    `<proj>.weight_scales` [out, in/32] (U8), the latter only when config.json declares quant_method mxfp4.
+    A projection is `<proj>.weight` (F32/F16/BF16), shardtool's block int8/int4 (`shardtool.blockquant`), or MXFP4
+    `<proj>.weight_blocks` [out, in/32, 16] + `<proj>.weight_scales` [out, in/32] (U8), the latter only when
+    config.json declares quant_method mxfp4.
     """
     i, h = cfg.moe_intermediate_size, cfg.hidden_size
     where = f"layer {layer} expert {expert}"
     known = {f"{p}.{s}" for p in ("gate_proj", "up_proj", "down_proj")
-             for s in ("weight", "weight_blocks", "weight_scales", "bias")}
+             for s in ("weight", "weight_blocks", "weight_scales", "bias", blockquant.SCALE_SUFFIX,
+                       blockquant.Q4_SUFFIX)}
     unknown = sorted(set(t) - known)
     if unknown:
         raise CheckpointFormatError(f"{where}: unexpected tensors {unknown[:4]} for a {cfg.model_type} expert")
@@ -101,24 +104,6 @@ def expert_weights(cfg: ModelConfig, layer: int, expert: int, t: Mapping[str, np
 
 def _matrix(cfg: ModelConfig, where: str, t: Mapping[str, np.ndarray], proj: str,
             shape: tuple[int, int]) -> Packed:
-    out_f, in_f = shape
-    blocks, scales = t.get(f"{proj}.weight_blocks"), t.get(f"{proj}.weight_scales")
-    if f"{proj}.weight" in t:
-        if blocks is not None or scales is not None:
-            raise CheckpointFormatError(f"{where}: {proj} is stored both as a weight and as MXFP4 blocks")
-        return pack(t, proj, shape, where)
-    if blocks is None or scales is None:
-        raise CheckpointFormatError(f"{where}: missing tensor {proj}.weight (or MXFP4 {proj}.weight_blocks and "
-                                    f"{proj}.weight_scales)")
-    if not cfg.mxfp4:
-        raise CheckpointFormatError(f"{where}: {proj} is stored as MXFP4 blocks, but config.json declares no "
-                                    f"quantization_config with quant_method 'mxfp4'")
-    if in_f % MXFP4_GROUP:
-        raise CheckpointFormatError(f"{where}: {proj} has {in_f} inputs, not a multiple of the MXFP4 group of "
-                                    f"{MXFP4_GROUP}")
-    groups = in_f // MXFP4_GROUP
-    want_blocks, want_scales = (out_f, groups, MXFP4_GROUP // 2), (out_f, groups)
-    if blocks.shape != want_blocks or scales.shape != want_scales:
-        raise CheckpointFormatError(f"{where}: MXFP4 {proj}.weight_blocks {blocks.shape} / weight_scales "
-                                    f"{scales.shape}, expected {want_blocks} / {want_scales} for {shape}")
-    return pack(t, proj, shape, where, mxfp4=True)
+    """One projection in whichever stored form `pack` accepts (float, shardtool's int8/int4, or MXFP4 when
+    config.json declares it), checked there."""
+    return pack(t, proj, shape, where, mxfp4=cfg.mxfp4)

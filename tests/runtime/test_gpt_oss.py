@@ -206,17 +206,17 @@ MXFP4_CFG = {**BASE, "quantization_config": {"quant_method": "mxfp4"}}
 BAD_SHARDS = {  # name: (config, change to a well-formed MXFP4 expert, message)
     "blocks of the wrong width": (MXFP4_CFG, lambda t: t.update({"gate_proj.weight_blocks":
                                                                   t["gate_proj.weight_blocks"][:, :1]}),
-                                  "expected (32, 2, 16) / (32, 2)"),
+                                  "expected uint8 (32, 2, 16) / (32, 2)"),
     "scales of the wrong shape": (MXFP4_CFG, lambda t: t.update({"down_proj.weight_scales":
                                                                   t["down_proj.weight_scales"][:8]}),
-                                  "weight_scales (8, 1)"),
+                                  "weight_scales uint8 (8, 1)"),
     "transposed blocks": (MXFP4_CFG, lambda t: t.update({"up_proj.weight_blocks": np.zeros((64, 1, 16), np.uint8),
                                                          "up_proj.weight_scales": np.zeros((64, 1), np.uint8)}),
-                          "expected (32, 2, 16)"),
+                          "expected uint8 (32, 2, 16)"),
     "blocks without scales": (MXFP4_CFG, lambda t: t.pop("up_proj.weight_scales"), "missing tensor up_proj"),
     "MXFP4 the config does not declare": (BASE, lambda t: None, "declares no quantization_config"),
     "weight beside blocks": (MXFP4_CFG, lambda t: t.update({"gate_proj.weight": np.zeros((32, 64), np.float32)}),
-                             "both as a weight and as MXFP4"),
+                             "more than one form (weight, weight_blocks)"),
     "missing bias": (MXFP4_CFG, lambda t: t.pop("down_proj.bias"), "missing tensor down_proj.bias"),
     "bias of the wrong size": (MXFP4_CFG, lambda t: t.update({"up_proj.bias": np.zeros(64, np.float32)}),
                                "up_proj.bias has shape (64,)"),

@@ -19,9 +19,7 @@ NEW = 8
 # hidden 64 and expert width 160 are multiples of the quantization block (32)
 KNOBS = ["--moe-intermediate", "160", "--dtype", "bf16"]
 FAMILIES = ["mixtral", "qwen3_moe", "deepseek_v3", "olmoe", "qwen2_moe", "llama4",
-            pytest.param("gpt_oss", marks=pytest.mark.xfail(
-                strict=True, reason="the runtime's gpt-oss experts (runtime/_model/_gpt_oss.py expert_weights) do "
-                                    "not go through _packed.pack yet: block-quantized experts are refused"))]
+            "gpt_oss"]
 
 
 def cli(program: str, *args, cwd: Path) -> subprocess.CompletedProcess:
