@@ -24,10 +24,12 @@ of the converter's table; everything else is the unmodified converter. Writing t
 `tokenizer.ggml.pre` afterwards would also work but would bypass the converter's own check.
 
 Decode only, for both runtimes (neither counts load, verification of the manifest, or prefill):
-- verify-and-run: its --json-report's `decode_tokens_per_s` = (new tokens - 1) / the wall seconds of the forward
-  steps that fed generated tokens (the prompt's steps are prefill; the first new token comes from prefill). The
-  page cache is warm (every model is run before the timed rounds); the shards verify-and-run reads and verifies
-  during those decode steps are counted in them: the table says how many bytes per token that was.
+- verify-and-run ("shardtool X" rows): its --json-report's `decode_tokens_per_s` = (new tokens - 1) / the wall
+  seconds of the forward steps that fed generated tokens (the prompt's steps are prefill; the first new token
+  comes from prefill). The page cache is warm (every model runs once before the timed rounds), but an expert first
+  routed to after the prompt is read and verified inside a decode step: the rows say how many MiB per token.
+- "shardtool X cached" rows: the same Session verify-and-run builds, in a process of our own, with every expert
+  read and verified into its cache before generating: the decode steps are compute only (0 MiB read).
 - llama.cpp: after loading, one throw-away generation (graphs allocated), then the KV cache is cleared and
   llama.cpp's own performance counters reset; the prompt is evaluated in one batch, then 127 single-token
   llama_decode calls; tok/s = n_eval / t_eval from llama_perf_context (the time inside llama_decode).
@@ -168,7 +170,7 @@ def _llama(gguf: str, threads: str, tokens: str, f32_kv: str, out: str) -> None:
     llama_cpp.llama_perf_context_reset(ctx)
     ids = generate(n)
     perf = llama_cpp.llama_perf_context(ctx)
-    del llm
+    llm.close()
     Path(out).write_text(json.dumps({
         "decode_tokens_per_s": perf.n_eval / (perf.t_eval_ms / 1e3) if perf.t_eval_ms else None,
         "n_eval": perf.n_eval, "prefill_ms": perf.t_p_eval_ms, "generated_ids": ids,
@@ -243,6 +245,43 @@ def run_shardtool(work: Path, model: Path, threads: int, tokens: int) -> dict:
             "expert_bytes_per_token": rep.get("decode_expert_bytes_per_token") or 0}
 
 
+def _cached(model: str, pub: str, threads: str, tokens: str, out: str) -> None:
+    """Repo venv: verify-and-run's Session in-process, every expert read and verified into its cache first, so
+    that the decode steps timed are compute only (verify-and-run's own figure includes first-use reads)."""
+    from shardtool.cli._common import keep_freed_memory, set_blas_threads
+
+    set_blas_threads(int(threads), int(threads))  # as verify-and-run --threads N --readers N does
+    keep_freed_memory()
+    from shardtool.keys import load_public_key
+    from shardtool.manifest import load_verified_manifest
+    from shardtool.runtime import Session
+
+    verified = load_verified_manifest(Path(model) / "manifest.msgpack", [load_public_key(Path(pub))], 1)
+    session = Session(Path(model), verified, budget=8 << 30, max_tokens=len(PROMPT) + int(tokens),
+                      readers=int(threads))
+    try:
+        session.store.get_many([e for e in verified.entries if e.kind == "expert"])
+        report = session.generate(PROMPT, int(tokens), temperature=0.0, top_p=1.0, seed=None, on_token=lambda t: None)
+    finally:
+        session.close()
+    Path(out).write_text(json.dumps({"decode_tokens_per_s": (report.new_tokens - 1) / report.decode_seconds,
+                                     "generated_ids": report.generated,
+                                     "decode_expert_bytes": report.decode_expert_bytes}))
+
+
+def run_cached(work: Path, model: Path, threads: int, tokens: int) -> dict:
+    out = work / "cached.json"
+    out.unlink(missing_ok=True)
+    proc = subprocess.run([sys.executable, __file__, "--_run", "cached", str(model), str(work / "bench.pub"),
+                           str(threads), str(tokens), str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_llamacpp: cached decode of {model} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    rep = json.loads(out.read_text())
+    return {"tok_s": rep["decode_tokens_per_s"], "ids": rep["generated_ids"],
+            "expert_bytes_per_token": rep["decode_expert_bytes"] / max(tokens - 1, 1)}
+
+
 def run_llama(work: Path, gguf: Path, threads: int, tokens: int) -> dict:
     out = work / "llama.json"
     out.unlink(missing_ok=True)
@@ -260,58 +299,63 @@ def agreement(a: list[int], b: list[int]) -> str:
 
 def bench_model(work: Path, name: str, paths: dict[str, Path], quants: list[str], threads: list[int], repeats: int,
                 tokens: int) -> dict:
-    candidates = {f"llama.cpp {t}": ("llama", paths[f"gguf-{t}"]) for t in GGUF_TYPES}
-    candidates.update({f"shardtool {v}": ("shardtool", paths[v]) for v in ["float", *quants]})
-    for label, (kind, path) in candidates.items():  # page cache warm; every model loads once before timing
-        (run_llama if kind == "llama" else run_shardtool)(work, path, threads[0], 2)
+    variants = ["float", *quants]
+    candidates = {f"llama.cpp {t}": (run_llama, paths[f"gguf-{t}"]) for t in GGUF_TYPES}
+    candidates.update({f"shardtool {v}": (run_shardtool, paths[v]) for v in variants})
+    candidates.update({f"shardtool {v} cached": (run_cached, paths[v]) for v in variants})
+    for run, path in candidates.values():  # page cache warm, and every model loads once before the timed rounds
+        run(work, path, threads[0], 2)
     runs: dict[tuple[str, int], list[dict]] = {(c, t): [] for c in candidates for t in threads}
     for r in range(repeats):
         for t in threads:
-            for label, (kind, path) in candidates.items():
-                got = (run_llama if kind == "llama" else run_shardtool)(work, path, t, tokens)
-                runs[(label, t)].append(got)
+            for label, (run, path) in candidates.items():
+                runs[(label, t)].append(run(work, path, t, tokens))
         say(f"[{name}] round {r + 1}/{repeats} done")
     med = {k: median([x["tok_s"] for x in v]) for k, v in runs.items()}
     ids = {label: runs[(label, threads[0])][-1]["ids"] for label in candidates}
-    for label in candidates:  # greedy decoding of the same model must give the same tokens run after run
-        for t in threads:
-            if any(x["ids"] != ids[label] for x in runs[(label, t)]):
-                say(f"note: {label} gave different tokens in different runs/thread counts")
+    for label in candidates:  # greedy decoding of the same weights gives the same tokens run after run
+        if any(x["ids"] != ids[label] for t in threads for x in runs[(label, t)]):
+            say(f"note: {label} gave different tokens in different runs or thread counts")
     knobs = MODELS[name]
+    thr = " / ".join(str(t) for t in threads)
     say(f"\n## {name} model: {knobs['layers']} layers x {knobs['experts']} experts, hidden {knobs['hidden']}, "
         f"moe-intermediate {knobs['moe_intermediate']}, {knobs['dtype']}; {len(PROMPT)}-token prompt, {tokens} greedy "
-        f"tokens; decode tok/s, medians of {repeats} interleaved runs")
-    thr = " / ".join(str(t) for t in threads)
-    say(f"{'runtime, weights':<22} {'tok/s (' + thr + ' thr)':>24}   runs")
+        f"tokens; decode tok/s at {thr} threads, medians of {repeats} interleaved runs")
+    say("(shardtool X: verify-and-run's report, first-use expert reads included; X cached: the same Session with "
+        "every expert verified into its cache first)")
+    say(f"{'runtime, weights':<24} {'tok/s':>15}   runs")
     for label in candidates:
         cells = " / ".join(f"{med[(label, t)]:.1f}" for t in threads)
         detail = " | ".join(" ".join(f"{x['tok_s']:.0f}" for x in runs[(label, t)]) for t in threads)
-        extra = ""
         if label.startswith("shardtool"):
             b = median([x["expert_bytes_per_token"] for t in threads for x in runs[(label, t)]])
-            extra = f"   (expert bytes read+verified per decode token: {b / 2**20:.2f} MiB)"
-        say(f"{label:<22} {cells:>24}   {detail}{extra}")
-    say(f"\n{'shardtool / llama.cpp':<26} {'ratio (' + thr + ' thr)':>22}   same greedy tokens")
+            detail += f"   (expert MiB read+verified per decode token: {b / 2**20:.2f})"
+        say(f"{label:<24} {cells:>15}   {detail}")
+    say(f"\n{'shardtool / llama.cpp':<18} {'ratio':>13} {'ratio cached':>14}   same greedy tokens (of {tokens})")
     pairs = {}
     for ours, ref in PAIRS:
         a, b = f"shardtool {ours}", f"llama.cpp {ref}"
         if a not in candidates:
-            say(f"{ours + ' / ' + ref:<26} {'skipped':>22}   (split has no --quantize {ours} on this branch)")
+            say(f"{ours + ' / ' + ref:<18} {'skipped':>13}   (this shardtool's split has no --quantize {ours})")
             continue
-        ratios = [med[(a, t)] / med[(b, t)] for t in threads]
+        ratio = [med[(a, t)] / med[(b, t)] for t in threads]
+        cached = [med[(a + ' cached', t)] / med[(b, t)] for t in threads]
         agree = agreement(ids[a], ids[b])
-        say(f"{ours + ' / ' + ref:<26} {' / '.join(f'{x:.2f}' for x in ratios):>22}   {agree}")
-        pairs[f"{ours}/{ref}"] = {"ratios": dict(zip(map(str, threads), ratios)), "agreement": agree}
+        say(f"{ours + ' / ' + ref:<18} {' / '.join(f'{x:.2f}' for x in ratio):>13} "
+            f"{' / '.join(f'{x:.2f}' for x in cached):>14}   {agree}")
+        pairs[f"{ours}/{ref}"] = {"ratio": dict(zip(map(str, threads), ratio)),
+                                  "ratio_cached": dict(zip(map(str, threads), cached)), "agreement": agree}
     for q in quants:
-        say(f"shardtool {q} vs shardtool float: same greedy tokens {agreement(ids[f'shardtool {q}'], ids['shardtool float'])}")
+        agree = agreement(ids[f"shardtool {q}"], ids["shardtool float"])
+        say(f"shardtool {q} vs shardtool float: same greedy tokens {agree}")
     return {"tok_s": {f"{k[0]} @{k[1]}": v for k, v in med.items()}, "pairs": pairs, "knobs": knobs,
-            "llama_cpp_system_info": runs[(next(iter(candidates)), threads[0])][0].get("system_info")}
+            "ids": ids, "llama_cpp_system_info": runs[("llama.cpp F32", threads[0])][0].get("system_info")}
 
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--_run":
         mode, *rest = sys.argv[2:]
-        {"convert": _convert, "quantize": _quantize, "llama": _llama}[mode](*rest)
+        {"convert": _convert, "quantize": _quantize, "llama": _llama, "cached": _cached}[mode](*rest)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
