@@ -148,9 +148,12 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
 
 
 def contract_from_config(config: Mapping[str, Any], bits_per_weight: float, *,
-                         context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> dict[str, int]:
+                         context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+                         expert_quantize: str | None = None) -> dict[str, int]:
     """The contract a split of this model would carry if every weight took `bits_per_weight` bits, except the
-    experts a config.json declares MXFP4 (gpt-oss), which take what they take: 4.25 bits per weight."""
+    experts a config.json declares MXFP4 (gpt-oss), which take what they take: 4.25 bits per weight. With
+    `expert_quantize` ("int8", "int4": `split --quantize`), the other routed experts' projections take their
+    block format's real bytes (8.5 or 4.5 bits per weight, `shardtool.blockquant`); their biases stay at B bits."""
     if not bits_per_weight > 0:
         raise CheckpointFormatError(f"bits per weight must be > 0, got {bits_per_weight}")
     s = model_shape(config)
@@ -160,12 +163,32 @@ def contract_from_config(config: Mapping[str, Any], bits_per_weight: float, *,
 
     resident = size(s.params_embed + s.params_head + sum(s.params_layers))
     per_expert = size(s.params_expert - s.params_expert_mxfp4) + s.bytes_expert_mxfp4
+    if expert_quantize is not None and not s.params_expert_mxfp4:
+        per_expert = _quantized_expert_bytes(config, expert_quantize, bits_per_weight)
     routed_total = len(s.moe_layers) * s.experts_per_layer * per_expert
     trunk = resident + size(s.params_mtp)
     return _assemble(
         shape=s, total=trunk + routed_total, trunk=trunk, resident=resident, expert_total=routed_total,
         per_expert=per_expert, layer_expert_max={i: per_expert for i in s.moe_layers},
         params_total=s.params_total, params_active=s.params_active, context_tokens=context_tokens)
+
+
+def _quantized_expert_bytes(config: Mapping[str, Any], method: str, bits_per_weight: float) -> int:
+    """One routed expert under `split --quantize`: gate/up [I, H] and down [H, I] in the block format, biases
+    (gpt-oss) at `bits_per_weight`. Refuses widths the split would refuse."""
+    from shardtool import blockquant
+
+    if method not in (blockquant.Q8, blockquant.Q4):
+        raise CheckpointFormatError(f"unknown expert quantization {method!r:.40}, expected int8 or int4")
+    family = BY_NAME[detect_family(config)]
+    r = config_reader(config)
+    h, i = _int(r, "hidden_size"), _int(r, family.expert_size_key)
+    if h % blockquant.QBLOCK or i % blockquant.QBLOCK:
+        raise CheckpointFormatError(f"hidden_size {h} and {family.expert_size_key} {i} must be multiples of "
+                                    f"{blockquant.QBLOCK} to quantize the experts")
+    biases = 2 * i + h if family.expert_bias else 0
+    return (2 * blockquant.quantized_bytes(method, i, h) + blockquant.quantized_bytes(method, h, i)
+            + round(biases * bits_per_weight / 8))
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from shardtool.atomic import atomic_writer
 from shardtool.checkpoint._plan import Cut, paste, uint_view
 from shardtool.checkpoint._writer import TensorSpec, encode_header
 from shardtool.safetensors_format import DTYPE_SIZES, MAX_HEADER_BYTES, parse_header
-from shardtool.checkpoint._split import SOURCE_FORMAT, SOURCE_KEY
+from shardtool.checkpoint._split import QUANTIZED_KEY, SOURCE_FORMAT, SOURCE_KEY
 from shardtool.errors import (CheckpointFormatError, DigestMismatchError, ShardFormatError, StorageError,
                               UsageError)
 
@@ -106,6 +106,12 @@ def _records(header: bytes, file_size: int, where: str) -> tuple[Any, dict[str, 
         raise CheckpointFormatError(f"{SOURCE_KEY} has an unknown form", path=where)
     if set(doc["tensors"]) != {t.name for t in parsed.tensors}:
         raise CheckpointFormatError(f"{SOURCE_KEY} does not describe exactly the shard's tensors", path=where)
+    quantized = doc.get(QUANTIZED_KEY) or next((r.get(QUANTIZED_KEY) for r in doc["tensors"].values()
+                                                 if isinstance(r, dict) and r.get(QUANTIZED_KEY)), None)
+    if quantized is not None:
+        raise UsageError(f"this split's routed experts were quantized ({str(quantized)[:16]}) by "
+                         "`split --quantize`: the float checkpoint cannot be rebuilt from it", path=where,
+                         hint="join a split made without --quantize; a quantized split is run, not joined")
     return parsed, doc
 
 

@@ -76,6 +76,9 @@ class Piece:
     file: str                    # source file, relative to the checkpoint directory
     expert: int | None = None    # fused pieces: index along the source's leading axis
     cut: Cut | None = None
+    # split --quantize: (method, part) when this tensor is computed from the float source tensor rather than
+    # copied: part "data" (`weight` I8 / `weight_q4` U8) or "scale" (`weight_scale` F16); see _quantize.py
+    quant: tuple[str, str] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -84,6 +87,8 @@ class Piece:
     def byte_range(self) -> tuple[int, int] | None:
         """(absolute offset, length) in the source file when the bytes are one run, else None."""
         src = self.source
+        if self.quant is not None:
+            return None
         if self.cut is None:
             return src.start, src.nbytes
         if not self.cut.contiguous:

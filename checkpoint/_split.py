@@ -32,6 +32,7 @@ from shardtool.checkpoint._contract import DEFAULT_CONTEXT_TOKENS, SplitSizes, c
 from shardtool.checkpoint._families import decoder_layers, plan_split
 from shardtool.outdir import OutDir
 from shardtool.checkpoint._plan import OutputFile, Piece, ShardPlan
+from shardtool.checkpoint._quantize import QuantizeReport, check_method, quantize_plans
 from shardtool.checkpoint._reuse import existing_digest
 from shardtool.checkpoint._writer import TensorSpec, encode_header
 from shardtool.checkpoint._source import Checkpoint, open_checkpoint
@@ -40,6 +41,7 @@ from shardtool.errors import CheckpointFormatError, ManifestFormatError, Storage
 
 SOURCE_KEY = "shardtool.source"
 SOURCE_FORMAT = 1
+QUANTIZED_KEY = "quantized"  # in a shard's source record: the --quantize method its expert projections went through
 MANIFEST_NAME = "manifest.msgpack"
 MAX_SOURCE_METADATA_BYTES = 64 * 1024  # a source file's __metadata__ is copied into every shard made from it
 MAX_OUTPUT_MODE = 0o644  # an output file's mode: this, narrowed by the modes of the files it is made from
@@ -53,6 +55,7 @@ class SplitJob:
     family: str
     outputs: tuple[OutputFile, ...]
     modes: Mapping[str, int]          # output path -> permission bits it is written with
+    quantized: QuantizeReport | None = None  # --quantize: what was done to the routed experts
 
     @property
     def total_bytes(self) -> int:
@@ -74,6 +77,7 @@ class SplitResult:
     model_id: str
     version: int
     why_skipped: Mapping[str, str]    # skipped name -> reason (a directory, a FIFO, another weight format, ...)
+    quantized: QuantizeReport | None = None
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -84,6 +88,9 @@ class SplitResult:
             "gb_per_second": round(self.bytes_total / self.seconds / 1e9, 3) if self.seconds else None,
             "manifest": str(self.out / MANIFEST_NAME), "contract": dict(self.contract),
             "skipped": list(self.skipped), "stale": list(self.stale),
+            "quantize": self.quantized.method if self.quantized else None,
+            "quantized_projections": self.quantized.projections if self.quantized else 0,
+            "kept_as_stored": dict(self.quantized.kept) if self.quantized else {},
         }
 
 
@@ -91,14 +98,20 @@ def _source_record(plan: ShardPlan, ckpt: Checkpoint) -> str:
     """The `shardtool.source` metadata: enough for `join` to put every byte back where it came from."""
     tensors: dict[str, Any] = {}
     files: dict[str, Any] = {}
+    quantized = None
     for p in plan.pieces:
         header = ckpt.headers[p.file]
         rec: dict[str, Any] = {"name": p.source.name, "file": p.file, "offset": p.source.start - header.data_start}
         if p.cut is not None:
             rec.update(expert=p.expert, shape=list(p.source.shape), cut=p.cut.to_json())
+        if p.quant is not None:  # computed from the source tensor, not its bytes: join cannot put it back
+            quantized = p.quant[0]
+            rec.update(quantized=p.quant[0], dtype=p.source.dtype)
         tensors[p.name] = rec
         files[p.file] = dict(header.metadata) if header.metadata is not None else None
     doc = {"format": SOURCE_FORMAT, "files": files, "tensors": tensors}
+    if quantized is not None:
+        doc[QUANTIZED_KEY] = quantized
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -129,12 +142,17 @@ def default_model_id(job: SplitJob) -> str:
                      "name)", path=str(job.checkpoint.root), hint="pass --model-id ORG/NAME")
 
 
-def prepare_split(src: Path, *, expert_pattern: str | None = None) -> SplitJob:
-    """Read and validate the checkpoint's headers and decide every output file; reads no tensor bytes."""
+def prepare_split(src: Path, *, expert_pattern: str | None = None, quantize: str | None = None) -> SplitJob:
+    """Read and validate the checkpoint's headers and decide every output file; reads no tensor bytes.
+    `quantize` ("int8", "int4"): routed-expert projections are written block-quantized (`_quantize.py`)."""
     from shardtool.layout import classify
 
+    check_method(quantize)
     ckpt = open_checkpoint(Path(src))
     family, plans = plan_split(ckpt.config, ckpt.tensors, expert_pattern=expert_pattern)
+    report = None
+    if quantize is not None:
+        plans, report = quantize_plans(plans, quantize)
     check_config(ckpt.config)
     for name, header in ckpt.headers.items():
         size = len(json.dumps(dict(header.metadata or {}), ensure_ascii=False).encode("utf-8", "surrogatepass"))
@@ -154,7 +172,7 @@ def prepare_split(src: Path, *, expert_pattern: str | None = None) -> SplitJob:
         kind, _, _ = classify(name)
         outputs.append(OutputFile(name, kind, None, None, b"", (), name, ckpt.items[name].size))
     _check_entries(outputs)
-    return SplitJob(ckpt, family, tuple(outputs), {o.path: _output_mode(o, ckpt) for o in outputs})
+    return SplitJob(ckpt, family, tuple(outputs), {o.path: _output_mode(o, ckpt) for o in outputs}, report)
 
 
 def _output_mode(out: OutputFile, ckpt: Checkpoint) -> int:
@@ -231,11 +249,12 @@ def _copy_run(w: HashingFileWriter, run: Run, sources: Sources, on_bytes: Callab
 
 
 def _params(p: Piece) -> int:
-    """Parameters a tensor holds: quantisation scales are not weights; MXFP4 packs two per byte."""
+    """Parameters a tensor holds: quantisation scales are not weights; MXFP4 and int4 pack two per byte."""
     if p.name.endswith(_SCALE_SUFFIXES):
         return 0
     numel = math.prod(p.shape)
-    return numel * 2 if p.name.endswith("_blocks") and p.dtype == "U8" else numel
+    packed = p.name.endswith("_blocks") or p.quant is not None  # MXFP4 blocks; int4 `weight_q4`
+    return numel * 2 if packed and p.dtype == "U8" else numel
 
 
 def _sizes(job: SplitJob, sizes: Mapping[str, int]) -> SplitSizes:
@@ -288,7 +307,7 @@ def run_split(job: SplitJob, out: Path, *, model_id: str, version: int = 1, expi
     ckpt = job.checkpoint
     return SplitResult(out, job.family, written, reused, bytes_written, job.total_bytes,
                        time.perf_counter() - started, contract, ckpt.skipped, stale, model_id, version,
-                       {name: ckpt.why_skipped[name] for name in ckpt.skipped})
+                       {name: ckpt.why_skipped[name] for name in ckpt.skipped}, job.quantized)
 
 
 def _prepare(od: OutDir, job: SplitJob, fsync: bool) -> None:
@@ -394,7 +413,7 @@ def _check_manifest(job: SplitJob, model_id: str, version: int, expires_in_days:
 
 def split_checkpoint(src: Path, out: Path, *, model_id: str, version: int = 1, expires_in_days: int = 365,
                      expert_pattern: str | None = None, on_bytes: Callable[[int], None] | None = None,
-                     now: int | None = None, fsync: bool = False) -> SplitResult:
-    job = prepare_split(Path(src), expert_pattern=expert_pattern)
+                     now: int | None = None, fsync: bool = False, quantize: str | None = None) -> SplitResult:
+    job = prepare_split(Path(src), expert_pattern=expert_pattern, quantize=quantize)
     return run_split(job, Path(out), model_id=model_id, version=version, expires_in_days=expires_in_days,
                      on_bytes=on_bytes, now=now, fsync=fsync)

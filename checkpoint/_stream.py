@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from shardtool.checkpoint._plan import OutputFile, cut
+from shardtool.checkpoint._quantize import DATA, quantize, source_float32
 from shardtool.checkpoint._source import Checkpoint
 from shardtool.errors import CheckpointFormatError, StorageError
 
@@ -81,12 +82,22 @@ class Run:
 
 
 def segments(out: OutputFile, sources: Sources) -> Iterator[Run | memoryview | bytes]:
-    """The bytes of `out` in order: source runs, or bytes computed in memory (header, cut fused slices)."""
+    """The bytes of `out` in order: source runs, or bytes computed in memory (header, cut fused slices, quantized
+    projections: one projection's float32 copy and its quantized form at a time)."""
     if out.copy_from is not None:
         yield Run(out.copy_from, 0, out.size)
         return
     yield out.header
+    quantized: tuple[tuple, tuple] | None = None  # the last projection quantized: its data and scale pieces
     for p in out.pieces:
+        if p.quant is not None:
+            key = (p.file, p.source.start, p.expert, p.cut)
+            if quantized is None or quantized[0] != key:
+                raw = sources.read(p.file, *(p.slice_range() if p.cut is not None else (p.source.start,
+                                                                                        p.source.nbytes)))
+                quantized = key, quantize(p, source_float32(p, raw))
+            yield memoryview(quantized[1][0 if p.quant[1] == DATA else 1]).cast("B")
+            continue
         run = p.byte_range()
         if run is not None:
             yield Run(p.file, *run)

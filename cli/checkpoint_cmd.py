@@ -33,6 +33,11 @@ def split(
     fsync: bool = typer.Option(True, "--fsync/--no-fsync",
                                help="Flush all shards to disk (one syncfs) before writing the manifest, so a "
                                     "manifest on disk implies its shards are (--no-fsync: faster, not power-safe)."),
+    quantize: Optional[str] = typer.Option(
+        None, "--quantize", metavar="int8|int4",
+        help="Write every float routed-expert projection block-quantized (int8: 8.5 bits per weight, int4: 4.5; "
+             "a float16 scale per 32 weights; docs/shard-layout.md). Trunk, routers and shared experts are kept "
+             "as stored, and so are experts already stored FP8 or MXFP4. Such a split cannot be joined back."),
     json_out: bool = typer.Option(False, "--json", help="Print one summary document on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -42,7 +47,7 @@ def split(
 
     # Refusals (links out of the checkpoint or into OUT, layer numbers beyond the format, bad options) all
     # happen before the first byte is written; names from disk are escaped before they reach the terminal.
-    job = prepare_split(checkpoint, expert_pattern=expert_pattern)
+    job = prepare_split(checkpoint, expert_pattern=expert_pattern, quantize=quantize)
     model_id = model_id or default_model_id(job)
     with Progress(job.total_bytes, "split", enabled=not quiet) as progress:
         result = run_split(job, out, model_id=model_id, version=version,
@@ -54,6 +59,8 @@ def split(
     if result.stale:
         say(f"note: {len(result.stale)} file(s) under {printable(str(out))} are not part of this split (not in the "
             f"manifest), e.g. {printable(result.stale[0])}")
+    for line in result.quantized.lines() if result.quantized is not None else []:
+        say(line)
     gbps = result.bytes_total / result.seconds / 1e9 if result.seconds else 0.0
     say(f"split {result.family} checkpoint into {printable(str(out))}: {result.files_written} file(s) written, "
         f"{result.files_reused} reused, {result.bytes_total / 1e9:.3f} GB in {result.seconds:.1f} s "
@@ -119,6 +126,9 @@ def inspect(
     config: Optional[Path] = typer.Option(None, "--config", help="config.json alone (no weights needed)."),
     bits_per_weight: Optional[float] = typer.Option(None, "--bits-per-weight", min=0.001, max=64.0,
                                                     help="With --config: storage bits per weight (16 = BF16)."),
+    quantize: Optional[str] = typer.Option(
+        None, "--quantize", metavar="int8|int4",
+        help="With --config: routed experts as `split --quantize` writes them (8.5 / 4.5 bits per weight)."),
     disk_gbps: float = typer.Option(2.0, "--disk-gbps", min=0.001, max=1e6, help="Disk read bandwidth in GB/s."),
     context: Optional[int] = typer.Option(None, "--context", min=0, max=1 << 40,
                                           help="Context length for the memory floor."),
@@ -136,11 +146,17 @@ def inspect(
         cfg = load_json(config)
         if not isinstance(cfg, dict):
             raise UsageError("config must be a JSON object", path=str(config))
-        contract = contract_from_config(cfg, bits_per_weight, context_tokens=context or DEFAULT_CONTEXT_TOKENS)
-        source: dict[str, Any] = {"config": str(config), "bits_per_weight": bits_per_weight}
+        if quantize not in (None, "int8", "int4"):
+            raise UsageError(f"--quantize must be int8 or int4, got {quantize!r:.40}")
+        contract = contract_from_config(cfg, bits_per_weight, context_tokens=context or DEFAULT_CONTEXT_TOKENS,
+                                        expert_quantize=quantize)
+        source: dict[str, Any] = {"config": str(config), "bits_per_weight": bits_per_weight,
+                                  "quantize": quantize}
     else:
         if bits_per_weight is not None:
             raise UsageError("--bits-per-weight applies to --config only; a split has measured sizes")
+        if quantize is not None:
+            raise UsageError("--quantize applies to --config only; a split's shards say what they hold")
         contract, source = _contract_of(out)
     est = estimate(contract, disk_gbps=disk_gbps, context_tokens=context)
     if json_out:

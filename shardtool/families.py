@@ -124,6 +124,8 @@ TEXT_MODEL_WRAPPER = "language_model."
 # HF tensor names of routed experts, every family's original layout. Per expert (Mixtral's w1/w3/w2 are
 # gate/up/down):
 EXPERT_PROJ_ALIASES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# A routed expert's projections under their canonical names in an expert shard ([out, in] each).
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 PER_EXPERT = re.compile(
     r"(?P<prefix>(?:[A-Za-z0-9_]+\.)*?)layers\.(?P<layer>\d+)\.(?:block_sparse_moe|mlp|feed_forward)\.experts\."
     r"(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.(?P<suffix>[A-Za-z0-9_.]+)")

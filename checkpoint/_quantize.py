@@ -1,0 +1,141 @@
+"""`split --quantize int8|int4`: which expert tensors are quantized, and the bytes of each quantized tensor.
+
+The format is `shardtool.blockquant`'s (its one home); this module decides, while planning, which routed-expert
+projections become `<proj>.weight` I8 (or `<proj>.weight_q4` U8) + `<proj>.weight_scale` F16, and computes their
+bytes from the float source tensor while streaming, one projection at a time. Only the float (F32/F16/BF16)
+`gate_proj`/`up_proj`/`down_proj` weights of routed experts are quantized; trunk tensors, routers, shared
+experts and expert biases stay as stored, and experts already stored FP8 (block-scaled) or MXFP4 are kept as
+stored: the runtime executes those formats natively.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+from shardtool.checkpoint._plan import Piece, ShardPlan, cut
+from shardtool.errors import CheckpointFormatError, UsageError
+from shardtool.families import EXPERT_PROJECTIONS
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# blockquant's Q8, Q4 (a unit test holds them equal): blockquant imports numpy, which a plain split never loads
+METHODS = ("int8", "int4")
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+DATA, SCALE = "data", "scale"
+_KEPT = {"F8_E4M3": "FP8 block-scaled", "F8_E5M2": "FP8"}  # stored dtype of a kept weight -> what to call it
+
+
+@dataclass(frozen=True)
+class QuantizeReport:
+    """What `--quantize` did to the routed experts, for split's output."""
+
+    method: str
+    projections: int                 # expert projections quantized (over all experts)
+    kept: Mapping[str, int]          # already-quantized projections kept as stored, by format ("MXFP4", ...)
+
+    def lines(self) -> list[str]:
+        from shardtool import blockquant
+
+        bits = blockquant.BITS_PER_WEIGHT[self.method]
+        out = [f"quantized {self.projections} routed-expert projection(s) to block {self.method} "
+               f"({bits:g} bits per weight, float16 scale per {blockquant.QBLOCK} weights); trunk, routers and "
+               f"shared experts kept as stored"] if self.projections else []
+        out += [f"note: {n} routed-expert projection(s) already stored {fmt} kept as stored (the runtime executes "
+                f"them natively)" for fmt, n in sorted(self.kept.items())]
+        return out
+
+
+def check_method(method: str | None) -> None:
+    if method is not None and method not in METHODS:
+        raise UsageError(f"--quantize must be one of {', '.join(METHODS)}, got {method!r:.40}")
+
+
+def _projection(name: str) -> str | None:
+    """The projection of a canonical expert tensor name `<proj>.weight`, else None."""
+    proj, _, suffix = name.partition(".")
+    return proj if suffix == "weight" and proj in EXPERT_PROJECTIONS else None
+
+
+def quantize_plans(plans: Sequence[ShardPlan], method: str) -> tuple[list[ShardPlan], QuantizeReport]:
+    """The plans with every float routed-expert projection replaced by its quantized data + scale pieces.
+
+    Refuses (CheckpointFormatError, before anything is written) a projection that is not 2-D or whose input
+    width is not a multiple of the block."""
+    check_method(method)
+    out: list[ShardPlan] = []
+    done = 0
+    kept: Counter[str] = Counter()
+    for plan in plans:
+        if plan.kind != "expert":
+            out.append(plan)
+            continue
+        pieces: list[Piece] = []
+        for p in plan.pieces:
+            proj = _projection(p.name)
+            if proj is None:
+                if p.name.endswith(".weight_blocks"):
+                    kept["MXFP4"] += 1
+                pieces.append(p)
+                continue
+            if p.dtype not in FLOAT_DTYPES:
+                kept[_KEPT.get(p.dtype, p.dtype)] += 1
+                pieces.append(p)
+                continue
+            pieces += _quantized_pieces(plan, p, proj, method)
+            done += 1
+        out.append(replace(plan, pieces=tuple(pieces)))
+    return out, QuantizeReport(method, done, dict(kept))
+
+
+def _quantized_pieces(plan: ShardPlan, p: Piece, proj: str, method: str) -> list[Piece]:
+    from shardtool import blockquant
+
+    if len(p.shape) != 2:
+        raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {p.source.name!r} has shape "
+                                    f"{list(p.shape)}, expected a 2-D [out, in] projection to quantize")
+    rows, cols = p.shape
+    if cols % blockquant.QBLOCK:
+        raise CheckpointFormatError(f"cannot quantize {p.source.name!r} (layer {plan.layer} expert {plan.expert} "
+                                    f"{p.name}): its input width {cols} is not a multiple of the block of "
+                                    f"{blockquant.QBLOCK}", hint="split it without --quantize")
+    if method == blockquant.Q8:
+        data = replace(p, name=f"{proj}.weight", dtype="I8", shape=(rows, cols), quant=(method, DATA))
+    else:
+        data = replace(p, name=f"{proj}.{blockquant.Q4_SUFFIX}", dtype="U8", shape=(rows, cols // 2),
+                       quant=(method, DATA))
+    scale = replace(p, name=f"{proj}.{blockquant.SCALE_SUFFIX}", dtype="F16",
+                    shape=(rows, cols // blockquant.QBLOCK), quant=(method, SCALE))
+    return [data, scale]
+
+
+def source_float32(p: Piece, raw: bytes | memoryview) -> np.ndarray:
+    """# the piece's canonical source tensor as float32 [out, in], from the source tensor's bytes (or, for a fused
+    piece, the bytes of its expert's slice)"""
+    import numpy as np
+
+    from shardtool.safetensors_format import numpy_dtype
+
+    dtype = numpy_dtype(p.source.dtype)
+    if p.cut is None:
+        a = np.frombuffer(raw, dtype=dtype).reshape(p.source.shape)
+    else:
+        a = cut(raw, p.source.dtype, p.source.shape[1:], p.cut).view(dtype)
+    return a.astype(np.float32)
+
+
+def quantize(p: Piece, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """# [out, in] float32 -> (data, scale) in the piece's method; refuses a weight whose scales are not finite
+    (a non-finite source weight, or a block too large for a float16 scale)"""
+    import numpy as np
+
+    from shardtool import blockquant
+
+    method = p.quant[0] if p.quant else ""
+    q, d = (blockquant.quantize_q8 if method == blockquant.Q8 else blockquant.quantize_q4)(w)
+    if not np.all(np.isfinite(d)):
+        raise CheckpointFormatError(f"cannot quantize {p.source.name!r}: a block's scale is not finite in "
+                                    "float16 (a NaN/inf weight, or a weight beyond float16's range)")
+    return q, d

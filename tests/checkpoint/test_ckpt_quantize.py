@@ -1,0 +1,162 @@
+"""`shardtool split --quantize int8|int4` through the installed CLI: every float routed-expert projection is written
+in shardtool.blockquant's format (checked against the reference quantizer applied to the plain split's canonical
+tensors), everything else is the plain split's bytes, widths that do not fit are refused before anything is
+written, FP8/MXFP4 experts are kept as stored, join refuses, reruns reuse, the contract counts the real bytes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardtool import blockquant
+from shardtool.checkpoint._quantize import METHODS
+from shardtool.manifest import load_manifest
+from shardtool.safetensors_format import numpy_dtype
+
+BIN = Path(sys.executable).parent
+KNOBS = dict(moe_intermediate=160)  # hidden 64, expert width 160: both multiples of 32, all widths distinct
+
+
+def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "shardtool"), *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          timeout=300, stdin=subprocess.DEVNULL)
+
+
+def split(ck: Path, out: Path, *extra) -> subprocess.CompletedProcess:
+    r = cli("split", ck, out, "-q", "--model-id", "acme/q", *extra, cwd=out.parent)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def shard(path: Path) -> dict[str, np.ndarray]:
+    import safetensors
+
+    return {name: np.frombuffer(t["data"], numpy_dtype(t["dtype"])).reshape(t["shape"])
+            for name, t in safetensors.deserialize(path.read_bytes())}
+
+
+def digests(out: Path) -> dict[str, bytes]:
+    return {e.path: e.digest for e in load_manifest(out / "manifest.msgpack").entries}
+
+
+def test_methods_are_blockquants():
+    assert METHODS == (blockquant.Q8, blockquant.Q4)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "llama4", "gpt_oss", "qwen2_moe"])
+def test_quantized_split_is_blockquant_of_the_plain_splits_experts(make_tiny, tmp_path, family):
+    """Per-expert (mixtral), fused [E, H, 2I] (llama4), fused interleaved with expert biases (gpt_oss), a shared
+    expert in the trunk (qwen2_moe): both methods, against the reference quantizer."""
+    ck = make_tiny(family, **KNOBS)
+    split(ck, tmp_path / "float")
+    plain = digests(tmp_path / "float")
+    for method in METHODS:
+        out = tmp_path / method
+        r = split(ck, out, "--quantize", method)
+        assert "quantized" in r.stderr and f"block {method}" in r.stderr
+        got = digests(out)
+        assert set(got) == set(plain)
+        experts = sorted(p for p in got if p.startswith("experts/"))
+        assert experts
+        for path in got:
+            if not path.startswith("experts/"):
+                assert got[path] == plain[path], f"{path} changed under --quantize {method}"
+        for path in experts:
+            want, have = shard(tmp_path / "float" / path), shard(out / path)
+            expected = {}
+            for name, w in want.items():
+                proj, _, suffix = name.partition(".")
+                if suffix != "weight":
+                    expected[name] = w  # expert biases stay as stored
+                    continue
+                q, d = (blockquant.quantize_q8 if method == "int8" else blockquant.quantize_q4)(w.astype(np.float32))
+                expected[f"{proj}.weight" if method == "int8" else f"{proj}.weight_q4"] = q
+                expected[f"{proj}.weight_scale"] = d
+            assert set(have) == set(expected), path
+            for name, value in expected.items():
+                assert have[name].dtype == value.dtype and have[name].shape == value.shape, (path, name)
+                assert have[name].tobytes() == value.tobytes(), (path, name)
+
+
+def test_quantized_split_rerun_reuses_every_shard(make_tiny, tmp_path):
+    ck = make_tiny("mixtral", **KNOBS)
+    split(ck, tmp_path / "out", "--quantize", "int4")
+    r = cli("split", ck, tmp_path / "out", "-q", "--json", "--model-id", "acme/q", "--quantize", "int4", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["files_written"] == 0 and doc["files_reused"] == doc["files"]
+    assert doc["quantize"] == "int4" and doc["quantized_projections"] == 2 * 4 * 3
+    # the same directory without --quantize: every expert shard differs and is rewritten
+    r = cli("split", ck, tmp_path / "out", "-q", "--json", "--model-id", "acme/q", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["files_written"] == 2 * 4
+
+
+def test_split_refuses_a_width_not_a_multiple_of_the_block_before_writing(make_tiny, tmp_path):
+    ck = make_tiny("mixtral", moe_intermediate=40)  # down_proj [64, 40]
+    r = cli("split", ck, tmp_path / "out", "-q", "--quantize", "int8", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "experts.0.w2.weight" in lines[0] and "40" in lines[0] and "32" in lines[0], r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("method", ["int9", "INT8", ""])
+def test_split_refuses_an_unknown_method(make_tiny, tmp_path, method):
+    r = cli("split", make_tiny("mixtral", **KNOBS), tmp_path / "out", "-q", "--quantize", method, cwd=tmp_path)
+    assert r.returncode == 2 and "--quantize" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family, knobs, kept", [("deepseek_v3", {"fp8": True}, "FP8 block-scaled"),
+                                                 ("gpt_oss", {"mxfp4": True}, "MXFP4")])
+def test_fp8_and_mxfp4_experts_are_kept_as_stored(make_tiny, tmp_path, family, knobs, kept):
+    ck = make_tiny(family, **KNOBS, **knobs)
+    split(ck, tmp_path / "plain")
+    r = split(ck, tmp_path / "q", "--quantize", "int8")
+    assert f"already stored {kept} kept as stored" in r.stderr and "quantized 0" not in r.stderr
+    assert digests(tmp_path / "q") == digests(tmp_path / "plain")
+
+
+def test_join_refuses_a_quantized_split(make_tiny, tmp_path):
+    ck = make_tiny("mixtral", **KNOBS)
+    split(ck, tmp_path / "out", "--quantize", "int8")
+    r = cli("join", tmp_path / "out", tmp_path / "rebuilt", "--insecure-no-verify", "-q", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "quantized (int8)" in lines[0] and "cannot be rebuilt" in lines[0], r.stderr
+    rebuilt = tmp_path / "rebuilt"
+    assert not rebuilt.exists() or not any(p.suffix == ".safetensors" for p in rebuilt.iterdir())
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("method", METHODS)
+def test_contract_counts_the_real_bytes_per_weight(make_tiny, tmp_path, family, method):
+    ck = make_tiny(family, **KNOBS)
+    split(ck, tmp_path / "plain")
+    split(ck, tmp_path / "q", "--quantize", method)
+    measured = json.loads(cli("inspect", tmp_path / "q", "--json", cwd=tmp_path).stdout)["contract"]
+    plain = json.loads(cli("inspect", tmp_path / "plain", "--json", cwd=tmp_path).stdout)["contract"]
+    r = cli("inspect", "--config", ck / "config.json", "--bits-per-weight", "16", "--quantize", method, "--json",
+            cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    predicted = json.loads(r.stdout)["contract"]
+    h, i = 64, 160
+    bits = {"int8": 8.5, "int4": 4.5}[method]
+    data = round(3 * h * i * bits / 8) + (2 * (2 * i + h) if family == "gpt_oss" else 0)  # + BF16 expert biases
+    assert predicted["bytes_per_expert"] == data
+    assert data < measured["bytes_per_expert"] < data + 4096  # the file: its safetensors header on top
+    assert measured["params_total"] == plain["params_total"] == predicted["params_total"]
+    assert measured["trunk_bytes"] == plain["trunk_bytes"]
+    assert measured["expert_bytes_total"] < plain["expert_bytes_total"]
+
+
+def test_inspect_quantize_needs_config(make_tiny, tmp_path):
+    split(make_tiny("mixtral", **KNOBS), tmp_path / "out", "--quantize", "int8")
+    r = cli("inspect", tmp_path / "out", "--quantize", "int8", cwd=tmp_path)
+    assert r.returncode == 2 and "--config" in r.stderr
