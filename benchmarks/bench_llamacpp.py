@@ -197,36 +197,54 @@ def has_quantize() -> bool:
 
 
 def build(work: Path, name: str, sdist: Path, quants: list[str]) -> dict[str, Path]:
-    """Checkpoint, GGUFs and signed splits of model `name`, made once and reused (a marker names the knobs)."""
+    """Checkpoint, GGUFs and signed splits of model `name`. Each is made once, under a temporary name renamed when
+    complete, and reused while the knobs (kept in a marker) stay the same."""
     sys.path.insert(0, str(HERE))
     from _harness import make_mixtral_without_eos
 
     base = work / name
-    marker = base / "built.json"
-    want = {"knobs": MODELS[name], "llama_cpp": LLAMA_CPP_VERSION, "quants": quants}
+    marker = base / "knobs.json"
+    want = {"knobs": MODELS[name], "llama_cpp": LLAMA_CPP_VERSION}
+    if not (marker.exists() and json.loads(marker.read_text()) == want):
+        shutil.rmtree(base, ignore_errors=True)
+        base.mkdir(parents=True)
+        marker.write_text(json.dumps(want))
     paths = {f"gguf-{t}": base / f"model-{t}.gguf" for t in GGUF_TYPES}
     paths.update({"float": base / "split-float", **{q: base / f"split-{q}" for q in quants}})
-    if marker.exists() and json.loads(marker.read_text()) == want:
-        return paths
-    shutil.rmtree(base, ignore_errors=True)
     ck = base / "ck"
-    say(f"[{name}] generating the checkpoint ({MODELS[name]})")
-    make_mixtral_without_eos(ck, MODELS[name])
+    if all(p.exists() for p in paths.values()):
+        shutil.rmtree(ck, ignore_errors=True)
+        return paths
+    if not ck.exists():
+        say(f"[{name}] generating the checkpoint ({MODELS[name]})")
+        shutil.rmtree(base / "ck.tmp", ignore_errors=True)
+        make_mixtral_without_eos(base / "ck.tmp", MODELS[name])
+        (base / "ck.tmp").rename(ck)
     for t in GGUF_TYPES:
+        out = paths[f"gguf-{t}"]
+        if out.exists():
+            continue
         say(f"[{name}] llama.cpp {t} GGUF")
+        tmp = out.with_name(out.name + ".tmp")
         if t == "Q4_0":
-            _in_bench_venv("quantize", str(paths["gguf-F32"]), str(paths[f"gguf-{t}"]), t)
+            _in_bench_venv("quantize", str(paths["gguf-F32"]), str(tmp), t)
         else:
-            _in_bench_venv("convert", str(sdist), str(ck), t.lower(), str(paths[f"gguf-{t}"]))
+            _in_bench_venv("convert", str(sdist), str(ck), t.lower(), str(tmp))
+        tmp.rename(out)
     for variant in ["float", *quants]:
+        out = paths[variant]
+        if out.exists():
+            continue
         say(f"[{name}] shardtool split{'' if variant == 'float' else ' --quantize ' + variant} + sign")
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
         extra = [] if variant == "float" else ["--quantize", variant]
-        subprocess.run([shardtool_bin("shardtool"), "split", "-q", str(ck), str(paths[variant]), "--model-id",
+        subprocess.run([shardtool_bin("shardtool"), "split", "-q", str(ck), str(tmp), "--model-id",
                         f"bench/{name}-{variant}", *extra], check=True, capture_output=True)
-        subprocess.run([shardtool_bin("shardtool"), "sign", str(paths[variant]), "--key", str(work / "bench.key")],
+        subprocess.run([shardtool_bin("shardtool"), "sign", str(tmp), "--key", str(work / "bench.key")],
                        check=True, capture_output=True)
+        tmp.rename(out)
     shutil.rmtree(ck)
-    marker.write_text(json.dumps(want))
     return paths
 
 
@@ -248,10 +266,11 @@ def run_shardtool(work: Path, model: Path, threads: int, tokens: int) -> dict:
 def _cached(model: str, pub: str, threads: str, tokens: str, out: str) -> None:
     """Repo venv: verify-and-run's Session in-process, every expert read and verified into its cache first, so
     that the decode steps timed are compute only (verify-and-run's own figure includes first-use reads)."""
-    from shardtool.cli._common import keep_freed_memory, set_blas_threads
+    from shardtool.cli import _common
 
-    set_blas_threads(int(threads), int(threads))  # as verify-and-run --threads N --readers N does
-    keep_freed_memory()
+    # What verify-and-run --threads N --readers N does before numpy loads (the helper's name differs by version).
+    (getattr(_common, "set_compute_threads", None) or _common.set_blas_threads)(int(threads), int(threads))
+    _common.keep_freed_memory()
     from shardtool.keys import load_public_key
     from shardtool.manifest import load_verified_manifest
     from shardtool.runtime import Session
