@@ -46,6 +46,7 @@ import ast
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -317,11 +318,13 @@ def agreement(a: list[int], b: list[int]) -> str:
 
 
 def bench_model(work: Path, name: str, paths: dict[str, Path], quants: list[str], threads: list[int], repeats: int,
-                tokens: int) -> dict:
+                tokens: int, formats: list[str], modes: list[str]) -> dict:
     variants = ["float", *quants]
-    candidates = {f"llama.cpp {t}": (run_llama, paths[f"gguf-{t}"]) for t in GGUF_TYPES}
-    candidates.update({f"shardtool {v}": (run_shardtool, paths[v]) for v in variants})
-    candidates.update({f"shardtool {v} cached": (run_cached, paths[v]) for v in variants})
+    candidates = {f"llama.cpp {t}": (run_llama, paths[f"gguf-{t}"]) for t in formats}
+    if "report" in modes:
+        candidates.update({f"shardtool {v}": (run_shardtool, paths[v]) for v in variants})
+    if "cached" in modes:
+        candidates.update({f"shardtool {v} cached": (run_cached, paths[v]) for v in variants})
     for run, path in candidates.values():  # page cache warm, and every model loads once before the timed rounds
         run(work, path, threads[0], 2)
     runs: dict[tuple[str, int], list[dict]] = {(c, t): [] for c in candidates for t in threads}
@@ -354,21 +357,27 @@ def bench_model(work: Path, name: str, paths: dict[str, Path], quants: list[str]
     pairs = {}
     for ours, ref in PAIRS:
         a, b = f"shardtool {ours}", f"llama.cpp {ref}"
-        if a not in candidates:
+        if ours not in variants:
             say(f"{ours + ' / ' + ref:<18} {'skipped':>13}   (this shardtool's split has no --quantize {ours})")
             continue
-        ratio = [med[(a, t)] / med[(b, t)] for t in threads]
-        cached = [med[(a + ' cached', t)] / med[(b, t)] for t in threads]
-        agree = agreement(ids[a], ids[b])
+        if b not in candidates:
+            continue
+
+        def ratios(label: str) -> list[float]:
+            return [med[(label, t)] / med[(b, t)] if label in candidates else float("nan") for t in threads]
+
+        ratio, cached = ratios(a), ratios(a + " cached")
+        agree = agreement(ids.get(a) or ids[a + " cached"], ids[b])
         say(f"{ours + ' / ' + ref:<18} {' / '.join(f'{x:.2f}' for x in ratio):>13} "
             f"{' / '.join(f'{x:.2f}' for x in cached):>14}   {agree}")
         pairs[f"{ours}/{ref}"] = {"ratio": dict(zip(map(str, threads), ratio)),
                                   "ratio_cached": dict(zip(map(str, threads), cached)), "agreement": agree}
     for q in quants:
-        agree = agreement(ids[f"shardtool {q}"], ids["shardtool float"])
+        mode = "" if "report" in modes else " cached"
+        agree = agreement(ids[f"shardtool {q}{mode}"], ids[f"shardtool float{mode}"])
         say(f"shardtool {q} vs shardtool float: same greedy tokens {agree}")
     return {"tok_s": {f"{k[0]} @{k[1]}": v for k, v in med.items()}, "pairs": pairs, "knobs": knobs,
-            "ids": ids, "llama_cpp_system_info": runs[("llama.cpp F32", threads[0])][0].get("system_info")}
+            "ids": ids, "llama_cpp_system_info": runs[(f"llama.cpp {formats[0]}", threads[0])][0].get("system_info")}
 
 
 def main() -> int:
@@ -380,6 +389,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts for both runtimes")
+    ap.add_argument("--formats", default=",".join(GGUF_TYPES), help="llama.cpp GGUF formats to run")
+    ap.add_argument("--modes", default="report,cached",
+                    help="shardtool rows: report (verify-and-run's own figure), cached (experts cached first)")
     ap.add_argument("--big", action="store_true", help="also the 829 M-parameter bf16 model (~1.7 GB, slow)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/shardtool-bench-llamacpp"))
     ap.add_argument("--json", type=Path)
@@ -388,10 +400,14 @@ def main() -> int:
         threads = [int(t) for t in args.threads.split(",")]
     except ValueError:
         threads = []
-    if not threads or min(threads) < 1 or args.repeats < 1 or args.tokens < 2:
-        print("bench_llamacpp: --threads wants positive integers like 1,2; --repeats >= 1; --tokens >= 2",
-              file=sys.stderr)
+    formats, modes = args.formats.split(","), args.modes.split(",")
+    if (not threads or min(threads) < 1 or args.repeats < 1 or args.tokens < 2 or not formats
+            or not set(formats) <= set(GGUF_TYPES) or not modes or not set(modes) <= {"report", "cached"}):
+        print(f"bench_llamacpp: --threads wants positive integers like 1,2; --repeats >= 1; --tokens >= 2; --formats "
+              f"some of {','.join(GGUF_TYPES)}; --modes some of report,cached", file=sys.stderr)
         return 2
+    # SIGTERM unwinds like Ctrl-C, so that subprocess.run ends the child it is waiting for: none is left behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not (STAMP.exists() and BENCH_PYTHON.exists() and SDIST.exists()):
         print(f"bench_llamacpp: {BENCH_VENV} has no llama.cpp (llama-cpp-python {LLAMA_CPP_VERSION} and its sdist): "
               "run make bench-llamacpp", file=sys.stderr)
@@ -412,7 +428,7 @@ def main() -> int:
     results = {}
     for name in ["small", *(["big"] if args.big else [])]:
         paths = build(work, name, sdist_dir, quants)
-        results[name] = bench_model(work, name, paths, quants, threads, args.repeats, args.tokens)
+        results[name] = bench_model(work, name, paths, quants, threads, args.repeats, args.tokens, formats, modes)
     say(f"\nllama.cpp: {results['small']['llama_cpp_system_info']}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
