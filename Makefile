@@ -48,7 +48,7 @@ LLAMA_SDIST  := .venv-bench/sdist/llama_cpp_python-$(LLAMA_CPP).tar.gz
 .venv-bench/.llama-cpp-$(LLAMA_CPP):
 	test -x .venv-bench/bin/python || $(PYTHON) -m venv .venv-bench
 	.venv-bench/bin/pip download -q --no-binary :all: --no-deps -d .venv-bench/sdist llama-cpp-python==$(LLAMA_CPP)
-	CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF" .venv-bench/bin/pip install -q --no-binary llama-cpp-python $(LLAMA_SDIST)
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" .venv-bench/bin/pip install -q --no-binary llama-cpp-python $(LLAMA_SDIST)
 	.venv-bench/bin/pip install -q $(ORACLE) sentencepiece pyyaml tqdm requests
 	touch $@
 
