@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 # torch 2.13.0 is a local CPU wheel on our machines; any other torch spec downloads gigabytes.
 ORACLE := torch==2.13.0 transformers
 
-.PHONY: install oracle test test-fast demo bench fuzz clean
+.PHONY: install oracle test test-fast demo bench bench-llamacpp fuzz clean
 
 # setup.py and the C source: an edit rebuilds the kernels extension in place (pip install -e).
 $(VENV)/.installed: pyproject.toml setup.py runtime/_model/_kernels.c
@@ -40,6 +40,21 @@ demo: install
 bench: install oracle .venv-bench/bin/model_signing
 	command -v b3sum >/dev/null || (apt-get install -y b3sum >/dev/null 2>&1 || echo "make: b3sum unavailable")
 	MODEL_SIGNING_BIN=$(CURDIR)/.venv-bench/bin/model_signing $(PY) benchmarks/run_all.py
+
+# llama.cpp, the compute reference (not part of `make test` or `make bench`): llama-cpp-python built from its PyPI
+# sdist for this CPU, into .venv-bench, once. The sdist is kept: its vendored convert_hf_to_gguf.py and gguf-py turn
+# the generated checkpoints into GGUFs (the converter needs torch and transformers).
+LLAMA_CPP    := 0.3.36
+LLAMA_SDIST  := .venv-bench/sdist/llama_cpp_python-$(LLAMA_CPP).tar.gz
+.venv-bench/.llama-cpp-$(LLAMA_CPP):
+	test -x .venv-bench/bin/python || $(PYTHON) -m venv .venv-bench
+	.venv-bench/bin/pip download -q --no-binary :all: --no-deps -d .venv-bench/sdist llama-cpp-python==$(LLAMA_CPP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" .venv-bench/bin/pip install -q --no-binary llama-cpp-python $(LLAMA_SDIST)
+	.venv-bench/bin/pip install -q $(ORACLE) sentencepiece pyyaml tqdm requests
+	touch $@
+
+bench-llamacpp: install .venv-bench/.llama-cpp-$(LLAMA_CPP)
+	$(PY) benchmarks/bench_llamacpp.py
 
 fuzz: install
 	$(PY) -m pytest -q tests/fuzz --hypothesis-profile=long
