@@ -214,10 +214,13 @@ def set_compute_threads(threads: int, readers: int) -> int:
     native = os.environ.get("SHARDTOOL_KERNELS", "1") != "0"
     if "numpy" not in sys.modules and not any(v in os.environ for v in _BLAS_THREAD_VARS):
         os.environ["OPENBLAS_NUM_THREADS"] = "1" if native else str(threads)
-    from shardtool.runtime import MAX_KERNEL_THREADS, set_kernel_threads
+    from shardtool.runtime import MAX_KERNEL_THREADS, native_kernels, set_kernel_threads
 
     threads = min(threads, MAX_KERNEL_THREADS)
     set_kernel_threads(threads)
+    if native and native_kernels() is None:  # not built (no C compiler at install): numpy multiplies, slower
+        say(f"warning: shardtool's native kernels are not built; weights are multiplied by numpy on "
+            f"{os.environ.get('OPENBLAS_NUM_THREADS', 'its own')} BLAS thread(s) (reinstall with a C compiler)")
     return threads
 
 

@@ -10,7 +10,8 @@ from shardtool.runtime._cluster import ClusterStats, RemoteExperts, connect_clus
 from shardtool.runtime._cluster_node import NodeService, NodeSetup, leave_cluster, node_alive, prepare_node, serve_node
 from shardtool.runtime._cluster_plan import (MAX_PLAN_BYTES, NODE_NAME_PATTERN, ClusterPlan, NodePlan, check_plan,
                                              decode_plan, encode_plan, make_plan, node_memory_floor, summarize, node_files, NODE_CONFIG)
-from shardtool.runtime._model._packed import MAX_THREADS as MAX_KERNEL_THREADS, set_threads as set_kernel_threads
+from shardtool.runtime._model._packed import MAX_THREADS as MAX_KERNEL_THREADS, kernels as native_kernels
+from shardtool.runtime._model._packed import set_threads as set_kernel_threads
 from shardtool.runtime._engine import (Engine, ErrorEvent, Event, FinishEvent, SamplingParams, Ticket,
                                        TokenEvent)
 from shardtool.runtime._plan import BudgetPlan, plan_budget
@@ -26,4 +27,4 @@ __all__ = ["CACHE_POLICIES", "DEFAULT_CACHE_POLICY", "node_files", "NODE_CONFIG"
            "Ticket", "TokenEvent", "plan_budget", "ShardStore", "StoreStats", "VerifiedWeights", "encode_prompt",
            "load_tokenizer", "verified_config", "RunRecord", "SignedReceipt", "make_receipt", "Tolerances", "check_request", "check_weights", "replay_engine", "replay_receipt",
            "ClusterStats", "RemoteExperts", "connect_cluster", "load_plan", "NodeService", "NodeSetup", "leave_cluster", "node_alive",
-           "prepare_node", "serve_node", "set_kernel_threads", "MAX_KERNEL_THREADS"]
+           "prepare_node", "serve_node", "set_kernel_threads", "MAX_KERNEL_THREADS", "native_kernels"]
