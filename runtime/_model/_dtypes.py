@@ -117,6 +117,13 @@ def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), (exponent + 127).astype(np.uint8)
 
 
+def finite(array: np.ndarray, what: str) -> np.ndarray:
+    """A small float32 vector (norm weights, biases), refused by name when a value is NaN or infinite."""
+    if not np.isfinite(array).all():
+        raise CheckpointFormatError(f"{what}: a NaN or infinite value")
+    return array
+
+
 def weight_f32(tensors: Mapping[str, np.ndarray], name: str, block: tuple[int, int] = DEFAULT_BLOCK) -> np.ndarray:
     """Tensor `name` as float32, dequantizing FP8 with its `<name>_scale_inv` sibling (`x.weight_scale_inv`)."""
     a = tensors[name]

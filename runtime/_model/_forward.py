@@ -14,7 +14,7 @@ from shardtool.families import MOE_MODULE_ALIASES, TEXT_MODEL_WRAPPER
 from ._activations import prefill_chunk
 from ._cache import KVCache
 from ._config import ModelConfig
-from ._dtypes import to_float32, weight_f32
+from ._dtypes import finite, to_float32, weight_f32
 from ._packed import Packed, pack
 from ._llama4 import chunked_mask
 from ._gpt_oss import clamped_swiglu, expert_weights
@@ -117,7 +117,7 @@ def prepare_layer(cfg: ModelConfig, layer: int, tensors: Mapping[str, np.ndarray
         array = weight_f32(canonical, name, cfg.fp8_block)
         if array.shape != shape:
             raise CheckpointFormatError(f"layer {layer}: {name} has shape {array.shape}, expected {shape}")
-        out[name] = array
+        out[name] = finite(array, f"layer {layer}: {name}")
     return out
 
 
@@ -176,7 +176,8 @@ class Float32Weights:
         if table.shape != (self.cfg.vocab_size, self.cfg.hidden_size):
             raise CheckpointFormatError(f"model.embed_tokens.weight has shape {table.shape}, expected "
                                         f"{(self.cfg.vocab_size, self.cfg.hidden_size)}")
-        to_float32(table[:0], "model.embed_tokens.weight")  # its dtype checked
+        # its dtype checked and every value finite, once per load of its shard (rows are converted as they are used)
+        pack({"embed_tokens.weight": table}, "embed_tokens", self._lm_shape, "model")
         return table
 
     def head(self) -> tuple[np.ndarray, Packed]:  # norm [H] float32, lm_head [V, H] as stored
@@ -190,7 +191,7 @@ class Float32Weights:
         t = _unwrapped(head)
         if "model.norm.weight" not in t:
             raise CheckpointFormatError("missing tensor model.norm.weight")
-        norm = weight_f32(t, "model.norm.weight")
+        norm = finite(weight_f32(t, "model.norm.weight"), "model.norm.weight")
         if norm.shape != (self.cfg.hidden_size,):
             raise CheckpointFormatError(f"model.norm.weight has shape {norm.shape}, expected "
                                         f"{(self.cfg.hidden_size,)}")

@@ -15,7 +15,7 @@ from shardtool import blockquant
 from shardtool.errors import CheckpointFormatError
 
 from ._config import ModelConfig
-from ._dtypes import weight_f32
+from ._dtypes import finite, weight_f32
 from ._packed import Packed, pack
 
 
@@ -95,7 +95,7 @@ def expert_weights(cfg: ModelConfig, layer: int, expert: int, t: Mapping[str, np
                 raise CheckpointFormatError(f"{where}: missing tensor {name}")
             biases.append(np.zeros(size, np.float32))
             continue
-        b = weight_f32(t, name)
+        b = finite(weight_f32(t, name), f"{where}: {name}")
         if b.shape != (size,):
             raise CheckpointFormatError(f"{where}: {name} has shape {b.shape}, expected {(size,)}")
         biases.append(b)

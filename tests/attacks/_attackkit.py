@@ -37,6 +37,7 @@ MODEL_KNOBS = dict(layers=2, experts=2, experts_per_tok=2, hidden=32, moe_interm
 EXPERT = "experts/layer-000/expert-0001.safetensors"
 EXPERT_L1 = "experts/layer-001/expert-0001.safetensors"
 TRUNK = "trunk/layer-001.safetensors"
+EMBED = "trunk/embed.safetensors"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -156,16 +156,22 @@ def _transpose(header, body):
     header[name]["shape"] = header[name]["shape"][::-1]
 
 
-def _nan_weight(path) -> None:
-    """Element [1, 2] of the expert's gate_proj.weight made NaN (the bytes then signed by the publisher)."""
-    data = bytearray(path.read_bytes())
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
-    spec = header[next(k for k in header if k.endswith("gate_proj.weight"))]
-    nan = {"F32": b"\x00\x00\xc0\x7f", "BF16": b"\xc0\x7f", "F16": b"\x00\x7e"}[spec["dtype"]]
-    at = 8 + n + spec["data_offsets"][0] + (spec["shape"][1] + 2) * len(nan)
-    data[at:at + len(nan)] = nan
-    path.write_bytes(bytes(data))
+def _nan_at(suffix: str, flat: int):
+    """Element `flat` (row-major) of the file's tensor named `...suffix` made NaN (the bytes then signed by the
+    publisher)."""
+    def rewrite(path) -> None:
+        data = bytearray(path.read_bytes())
+        (n,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + n])
+        spec = header[next(k for k in header if k.endswith(suffix))]
+        nan = {"F32": b"\x00\x00\xc0\x7f", "BF16": b"\xc0\x7f", "F16": b"\x00\x7e"}[spec["dtype"]]
+        at = 8 + n + spec["data_offsets"][0] + flat * len(nan)
+        data[at:at + len(nan)] = nan
+        path.write_bytes(bytes(data))
+    return rewrite
+
+
+_nan_weight = _nan_at("gate_proj.weight", kit.MODEL_KNOBS["hidden"] + 2)  # [1, 2] of gate_proj [I, H]
 
 
 def _shard_case(rewrite, message, rel=EXPERT):
@@ -236,6 +242,11 @@ CASES = {
     "signed-shard-wrong-shape": _shard_case(_transpose, "gate_proj.weight has shape (32, 16), expected (16, 32)"),
     "signed-shard-nan-weight": Attack(_signed_file(EXPERT, _nan_weight), kit.CLEAN,
                                       refused(SHARD, "gate_proj.weight: a NaN or infinite value at [1, 2]")),
+    "signed-shard-nan-norm-weight": Attack(_signed_file(kit.TRUNK, _nan_at("post_attention_layernorm.weight", 3)),
+                                           kit.CLEAN, refused(SHARD, "layer 1: post_attention_layernorm.weight: a "
+                                                                     "NaN or infinite value")),
+    "signed-shard-nan-embedding": Attack(_signed_file(kit.EMBED, _nan_at("embed_tokens.weight", 5)), kit.CLEAN,
+                                         refused(SHARD, "embed_tokens.weight: a NaN or infinite value at [0, 5]")),
     "signed-config-json-not-json": Attack(_signed_file("config.json", lambda p: p.write_bytes(b"{nope")), kit.CLEAN,
                                           refused("VerificationError", "signed config.json is not valid JSON")),
     "signed-config-json-not-an-object": Attack(_signed_file("config.json", lambda p: p.write_bytes(b"[1, 2]")),
