@@ -37,25 +37,9 @@ SHAPES = {  # (out, in)
 def _packed_weight(kind: str, out: int, inp: int, rng):
     import numpy as np
 
-    from shardtool import blockquant
-    from shardtool.runtime._model import _dtypes
-    from shardtool.runtime._model._packed import Packed
+    from shardtool.runtime._model import _packed
 
-    w = rng.standard_normal((out, inp)).astype(np.float32)
-    if kind == "f32":
-        return Packed(kind, (out, inp), w)
-    if kind == "f16":
-        return Packed(kind, (out, inp), w.astype(np.float16))
-    if kind == "bf16":
-        return Packed(kind, (out, inp), w.astype(_dtypes.BF16))
-    if kind == "fp8":
-        q, s = _dtypes.quantize_fp8(w)
-        return Packed(kind, (out, inp), q, s, _dtypes.DEFAULT_BLOCK)
-    if kind == "q8":
-        return Packed(kind, (out, inp), *blockquant.quantize_q8(w))
-    if kind == "q4":
-        return Packed(kind, (out, inp), *blockquant.quantize_q4(w))
-    return Packed(kind, (out, inp), *_dtypes.quantize_mxfp4(w))
+    return _packed.from_float(rng.standard_normal((out, inp)).astype(np.float32), kind)
 
 
 def _copies(p, count: int):

@@ -20,7 +20,8 @@ import numpy as np
 from shardtool import blockquant
 from shardtool.errors import CheckpointFormatError
 
-from ._dtypes import BF16, DEFAULT_BLOCK, FLOAT8, MXFP4_GROUP, dequantize, mxfp4_to_float32
+from ._dtypes import (BF16, DEFAULT_BLOCK, FLOAT8, MXFP4_GROUP, dequantize, mxfp4_to_float32, quantize_fp8,
+                      quantize_mxfp4)
 
 KINDS = ("f32", "f16", "bf16", "fp8", "q8", "q4", "mxfp4")
 MAX_THREADS = 64  # the extension's cap
@@ -282,3 +283,19 @@ def to_float32(w: Packed) -> np.ndarray:
     if w.kind == "mxfp4":
         return mxfp4_to_float32(w.data, w.scale)
     raise CheckpointFormatError(f"unknown packed weight kind {w.kind!r}")
+
+
+def from_float(w: np.ndarray, kind: str, block: tuple[int, int] = DEFAULT_BLOCK) -> Packed:
+    """# [out, in] float -> that weight stored as `kind` (the formats' own quantizers): for tests and benchmarks."""
+    shape = (w.shape[0], w.shape[1])
+    if kind in ("f32", "f16", "bf16"):
+        return Packed(kind, shape, np.ascontiguousarray(w, {"f32": np.float32, "f16": np.float16, "bf16": BF16}[kind]))
+    if kind == "fp8":
+        q, s = quantize_fp8(w, block)
+        return Packed(kind, shape, q, s, block)
+    if kind in ("q8", "q4"):
+        return Packed(kind, shape, *(blockquant.quantize_q8 if kind == "q8" else blockquant.quantize_q4)(w))
+    if kind == "mxfp4":
+        return Packed(kind, shape, *quantize_mxfp4(w))
+    raise ValueError(f"unknown packed weight kind {kind!r}")
+

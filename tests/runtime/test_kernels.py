@@ -32,21 +32,7 @@ def isa(request):
 
 def make(kind: str, out: int, inp: int, rng: np.random.Generator, block=(128, 128)) -> Packed:
     w = rng.standard_normal((out, inp)).astype(np.float32)
-    if kind == "f32":
-        return Packed(kind, (out, inp), w)
-    if kind == "f16":
-        return Packed(kind, (out, inp), w.astype(np.float16))
-    if kind == "bf16":
-        return Packed(kind, (out, inp), w.astype(_dtypes.BF16))
-    if kind == "fp8":
-        q, s = _dtypes.quantize_fp8(w * 3, block)
-        return Packed(kind, (out, inp), q, s, block)
-    if kind == "q8":
-        return Packed(kind, (out, inp), *blockquant.quantize_q8(w))
-    if kind == "q4":
-        return Packed(kind, (out, inp), *blockquant.quantize_q4(w))
-    q, s = _dtypes.quantize_mxfp4(w)
-    return Packed(kind, (out, inp), q, s)
+    return _packed.from_float(w * 3 if kind == "fp8" else w, kind, block)
 
 
 def check(x: np.ndarray, w: Packed) -> np.ndarray:
