@@ -524,6 +524,99 @@ TARGET_AVX2 static float dot_mxfp4_x16(const int16_t *xq, const float *xs, const
     return hsum8(_mm256_add_ps(t0, t1));
 }
 
+/* Four q8 or q4 weight rows against one int16 x row (a decode step): each x block is loaded once for the four
+   rows, and the block scales d * xs are formed eight blocks at a time. Each row's sum is the one dot_q8_x16 /
+   dot_q4_x16 forms (even blocks into t0, odd into t1, then hsum8(t0 + t1)), so the results are bit-identical. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void unpack_q8(const void *w, Py_ssize_t b, __m256i *lo, __m256i *hi) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)((const int8_t *)w + b * QBLOCK));
+    *lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));      /* elements 0..15 */
+    *hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)); /* elements 16..31 */
+}
+
+TARGET_AVX2 static inline __attribute__((always_inline)) void unpack_q4(const void *w, Py_ssize_t b, __m256i *lo, __m256i *hi) {
+    const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    const __m128i v = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + b * (QBLOCK / 2)));
+    *lo = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_and_si128(v, mask), eight));                    /* 0..15 */
+    *hi = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight)); /* 16..31 */
+}
+
+/* sc[i] = d[b + i] * xs[b + i] for the blocks [b, min(b + 8, nb)). */
+TARGET_AVX2 static inline __attribute__((always_inline)) void block_scales(const uint16_t *d, const float *xs, Py_ssize_t b, Py_ssize_t nb,
+                                            float *sc) {
+    if (b + 8 <= nb) {
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
+        _mm256_storeu_ps(sc, _mm256_mul_ps(dv, _mm256_loadu_ps(xs + b)));
+        return;
+    }
+    for (Py_ssize_t i = 0; b + i < nb; i++) sc[i] = _cvtsh_ss(d[b + i]) * xs[b + i];
+}
+
+/* Row k's block b (x's int16 halves xa, xb) into its accumulator acc, scaled by sc[k][b % 8]. */
+#define X16_ROW_BLOCK(UNPACK, k, acc)                                                                    \
+    do {                                                                                                 \
+        __m256i lo, hi;                                                                                  \
+        UNPACK(w##k, b, &lo, &hi);                                                                       \
+        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(lo, xa), _mm256_madd_epi16(hi, xb));      \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(&sc[k][b & 7]), acc);         \
+    } while (0)
+
+/* Block b of the four rows into the accumulators a0..a3. */
+#define X16_BLOCK(UNPACK, a0, a1, a2, a3)                                                                \
+    do {                                                                                                 \
+        if ((b & 7) == 0) {                                                                              \
+            block_scales(d0, xs, b, nb, sc[0]);                                                          \
+            block_scales(d1, xs, b, nb, sc[1]);                                                          \
+            block_scales(d2, xs, b, nb, sc[2]);                                                          \
+            block_scales(d3, xs, b, nb, sc[3]);                                                          \
+        }                                                                                                \
+        const __m256i xa = _mm256_loadu_si256((const __m256i *)(xq + b * QBLOCK));                       \
+        const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + b * QBLOCK + 16));                  \
+        X16_ROW_BLOCK(UNPACK, 0, a0);                                                                    \
+        X16_ROW_BLOCK(UNPACK, 1, a1);                                                                    \
+        X16_ROW_BLOCK(UNPACK, 2, a2);                                                                    \
+        X16_ROW_BLOCK(UNPACK, 3, a3);                                                                    \
+    } while (0)
+
+/* w0..w3, d0..d3: four rows' weights and float16 block scales; nb = n / QBLOCK blocks; y[0..4) the products. */
+#define DOT4_X16(NAME, UNPACK)                                                                           \
+    TARGET_AVX2 static void NAME(const int16_t *xq, const float *xs, const void *w0, const void *w1,    \
+                                 const void *w2, const void *w3, const uint16_t *d0, const uint16_t *d1, \
+                                 const uint16_t *d2, const uint16_t *d3, Py_ssize_t nb, float *y) {      \
+        __m256 e0 = _mm256_setzero_ps(), e1 = _mm256_setzero_ps(), e2 = _mm256_setzero_ps();            \
+        __m256 e3 = _mm256_setzero_ps(), o0 = _mm256_setzero_ps(), o1 = _mm256_setzero_ps();            \
+        __m256 o2 = _mm256_setzero_ps(), o3 = _mm256_setzero_ps();                                       \
+        float sc[4][8];                                                                                  \
+        Py_ssize_t b = 0;                                                                                \
+        while (b + 2 <= nb) {                                                                            \
+            X16_BLOCK(UNPACK, e0, e1, e2, e3); /* even blocks */                                         \
+            b++;                                                                                         \
+            X16_BLOCK(UNPACK, o0, o1, o2, o3); /* odd blocks */                                          \
+            b++;                                                                                         \
+        }                                                                                                \
+        if (b < nb) X16_BLOCK(UNPACK, e0, e1, e2, e3);                                                   \
+        y[0] = hsum8(_mm256_add_ps(e0, o0));                                                             \
+        y[1] = hsum8(_mm256_add_ps(e1, o1));                                                             \
+        y[2] = hsum8(_mm256_add_ps(e2, o2));                                                             \
+        y[3] = hsum8(_mm256_add_ps(e3, o3));                                                             \
+    }
+
+DOT4_X16(dot4_q8_x16, unpack_q8)
+DOT4_X16(dot4_q4_x16, unpack_q4)
+
+/* Rows [r, r + 4) of a q8 or q4 job with an int16 x (j->xq set). */
+TARGET_AVX2 static void dot4_quant_x16(const job_t *j, Py_ssize_t r) {
+    const Py_ssize_t n = j->in, nb = n / QBLOCK;
+    const Py_ssize_t row_bytes = j->kind == K_Q8 ? n : n / 2;
+    const uint8_t *w = (const uint8_t *)j->w + r * row_bytes;
+    const uint16_t *d = (const uint16_t *)j->scale + r * nb;
+    if (j->kind == K_Q8)
+        dot4_q8_x16(j->xq, j->xs, w, w + row_bytes, w + 2 * row_bytes, w + 3 * row_bytes, d, d + nb, d + 2 * nb,
+                    d + 3 * nb, nb, j->y + r);
+    else
+        dot4_q4_x16(j->xq, j->xs, w, w + row_bytes, w + 2 * row_bytes, w + 3 * row_bytes, d, d + nb, d + 2 * nb,
+                    d + 3 * nb, nb, j->y + r);
+}
+
 /* One weight row's product with one x row, in the stored dtype. */
 TARGET_AVX2 static float dot_row_avx2(const job_t *j, Py_ssize_t r, const float *x) {
     const Py_ssize_t n = j->in;
@@ -570,6 +663,8 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
             for (; r + 4 <= r1; r += 4) dot4_bf16_avx2(j->x, (const uint16_t *)j->w + r * n, n, j->y + r);
         else if (j->kind == K_F16)
             for (; r + 4 <= r1; r += 4) dot4_f16_avx2(j->x, (const uint16_t *)j->w + r * n, n, j->y + r);
+        else if ((j->kind == K_Q8 || j->kind == K_Q4) && j->xq)
+            for (; r + 4 <= r1; r += 4) dot4_quant_x16(j, r);
         for (; r < r1; r++) j->y[r] = dot_row_avx2(j, r, j->x);
         return 0;
     }

@@ -67,6 +67,19 @@ def test_each_kind_matches_the_reference(isa, kind, m, threads):
         check(x, make(kind, out, inp, rng))
 
 
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+def test_one_row_block_products_do_not_depend_on_the_row_grouping(isa, kind):
+    """The AVX2 one-row q8/q4 kernels take four weight rows at a time; each row's sum must be formed exactly as the
+    single-row kernel forms it (ragged row counts, block counts around the eight-block scale chunks)."""
+    rng = np.random.default_rng(7)
+    for out, inp in [(7, 32), (13, 96), (9, 256), (11, 288), (6, 544)]:
+        w = make(kind, out, inp, rng)
+        x = (rng.standard_normal((1, inp)) * 3).astype(np.float32)
+        rows = [_packed.matmul_t(x, Packed(kind, (1, inp), w.data[r:r + 1].copy(), w.scale[r:r + 1].copy()))
+                for r in range(out)]
+        assert np.array_equal(_packed.matmul_t(x, w), np.concatenate(rows, axis=1)), (out, inp)
+
+
 @pytest.mark.parametrize("block", [(7, 24), (128, 128), (1, 1), (300, 5), (2, 300)])
 def test_fp8_ragged_blocks(isa, block):
     rng = np.random.default_rng(block[0] * 1000 + block[1])
