@@ -336,22 +336,24 @@ TARGET_AVX2 static float dot_fp8_avx2(const float *x, const uint8_t *w, const fl
 
 TARGET_AVX2 static inline __m256 i8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
+/* One block of 32 int8 weights (lo: elements 0..15, hi: 16..31) times x's 32 floats, times the block's scale, added
+ * to the accumulator of the block's parity (two chains hide the FMA latency). */
+TARGET_AVX2 static inline void fma_block_i8(__m128i lo, __m128i hi, const float *xb, float scale, Py_ssize_t b,
+                                            __m256 *t0, __m256 *t1) {
+    __m256 p0 = _mm256_mul_ps(i8x8_to_ps(lo), _mm256_loadu_ps(xb));
+    __m256 p1 = _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(xb + 8));
+    p0 = _mm256_fmadd_ps(i8x8_to_ps(hi), _mm256_loadu_ps(xb + 16), p0);
+    p1 = _mm256_fmadd_ps(i8x8_to_ps(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(xb + 24), p1);
+    __m256 *t = (b & 1) ? t1 : t0;
+    *t = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), _mm256_set1_ps(scale), *t);
+}
+
 TARGET_AVX2 static float dot_q8_avx2(const float *x, const int8_t *w, const uint16_t *d, Py_ssize_t n) {
     __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
-    Py_ssize_t b = 0;
-    for (; b < n / QBLOCK; b++) {
+    for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
         const int8_t *wb = w + b * QBLOCK;
-        const float *xb = x + b * QBLOCK;
         __m128i lo = _mm_loadu_si128((const __m128i *)wb), hi = _mm_loadu_si128((const __m128i *)(wb + 16));
-        __m256 p0 = _mm256_mul_ps(i8x8_to_ps(lo), _mm256_loadu_ps(xb));
-        __m256 p1 = _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(xb + 8));
-        p0 = _mm256_fmadd_ps(i8x8_to_ps(hi), _mm256_loadu_ps(xb + 16), p0);
-        p1 = _mm256_fmadd_ps(i8x8_to_ps(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(xb + 24), p1);
-        __m256 scale = _mm256_set1_ps(_cvtsh_ss(d[b]));
-        if (b & 1)
-            t1 = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), scale, t1);
-        else
-            t0 = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), scale, t0);
+        fma_block_i8(lo, hi, x + b * QBLOCK, _cvtsh_ss(d[b]), b, &t0, &t1);
     }
     return hsum8(_mm256_add_ps(t0, t1));
 }
@@ -360,19 +362,10 @@ TARGET_AVX2 static float dot_q4_avx2(const float *x, const uint8_t *w, const uin
     __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
     const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
     for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
-        const float *xb = x + b * QBLOCK;
         __m128i v = _mm_loadu_si128((const __m128i *)(w + b * (QBLOCK / 2)));
         __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), eight);                     /* elements 0..15 */
         __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight);  /* elements 16..31 */
-        __m256 p0 = _mm256_mul_ps(i8x8_to_ps(lo), _mm256_loadu_ps(xb));
-        __m256 p1 = _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(xb + 8));
-        p0 = _mm256_fmadd_ps(i8x8_to_ps(hi), _mm256_loadu_ps(xb + 16), p0);
-        p1 = _mm256_fmadd_ps(i8x8_to_ps(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(xb + 24), p1);
-        __m256 scale = _mm256_set1_ps(_cvtsh_ss(d[b]));
-        if (b & 1)
-            t1 = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), scale, t1);
-        else
-            t0 = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), scale, t0);
+        fma_block_i8(lo, hi, x + b * QBLOCK, _cvtsh_ss(d[b]), b, &t0, &t1);
     }
     return hsum8(_mm256_add_ps(t0, t1));
 }
