@@ -19,6 +19,7 @@ from shardtool.keys import load_private_key
 from shardtool.manifest import build_manifest, load_manifest, save_manifest
 from shardtool.runtime import DEFAULT_CACHE_POLICY, encode_prompt
 
+from _budgets import budget_for_top_k_plus
 from _republish import republish
 
 BIN = Path(sys.executable).parent
@@ -188,18 +189,7 @@ def test_json_report_has_the_documented_fields(built, tmp_path):
 
 
 def _budget_for_top_k_plus(built, extra: int) -> int:
-    """A --memory-budget whose shard cache holds top-k + `extra` of the model's largest expert or trunk shard (the
-    plan's KV cache and working memory for the prompt and NEW tokens besides)."""
-    from shardtool.keys import load_public_key
-    from shardtool.manifest import load_verified_manifest
-    from shardtool.runtime._model import ModelConfig
-    from shardtool.runtime._plan import plan_budget
-
-    verified = load_verified_manifest(built.model / "manifest.msgpack", [load_public_key(built.work / "a.pub")], 1)
-    cfg = ModelConfig.from_hf_config(json.loads((built.model / "config.json").read_text()))
-    plan = plan_budget(1 << 30, cfg, verified, 2 + NEW, 2)
-    largest = max(e.size for e in verified.entries if e.kind in ("expert", "trunk"))
-    return plan.kv_cache + plan.working + (cfg.top_k + extra) * largest
+    return budget_for_top_k_plus(built.model, built.work / "a.pub", 2 + NEW, extra)
 
 
 def test_budget_hint_is_enough_and_a_minimal_budget_evicts_yet_gives_the_same_tokens(built, tmp_path):
