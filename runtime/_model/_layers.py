@@ -58,30 +58,46 @@ def linear(x: np.ndarray, w: np.ndarray | _packed.Packed, b: np.ndarray | None =
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """# [..., d], [d] -> [..., d]  (T5/Llama RMSNorm: weight * x * rsqrt(mean(x^2) + eps))"""
-    variance = np.add.reduce(x * x, axis=-1, keepdims=True) / x.shape[-1]  # np.mean's sum and division, less overhead
-    return w * (x * (1.0 / np.sqrt(variance + np.float32(eps))))
+    variance = np.add.reduce(x * x, axis=-1, keepdims=True)  # [..., 1]
+    variance /= x.shape[-1]  # np.mean's sum and division, less overhead
+    variance += np.float32(eps)
+    inv = np.sqrt(variance, out=variance)
+    np.divide(1.0, inv, out=inv)  # rsqrt, in place: the same float32 operations, fewer temporaries
+    y = x * inv
+    y *= w
+    return y
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    """# [...] -> [...]; the tanh form never overflows in exp."""
-    return np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * x))
+    """# [...] -> [...]; the tanh form never overflows in exp. One temporary, updated in place."""
+    y = np.multiply(x, np.float32(0.5))
+    np.tanh(y, out=y)
+    y += np.float32(1.0)
+    y *= np.float32(0.5)
+    return y
 
 
 def silu(x: np.ndarray) -> np.ndarray:
     """# [...] -> [...]"""
-    return x * sigmoid(x)
+    y = sigmoid(x)
+    y *= x
+    return y
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """# [..., n] -> [..., n]"""
-    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
-    return e / np.sum(e, axis=axis, keepdims=True)
+    e = x - x.max(axis=axis, keepdims=True)
+    np.exp(e, out=e)
+    e /= np.add.reduce(e, axis=axis, keepdims=True)  # np.sum's reduction, in place
+    return e
 
 
 def expert_mlp(x: np.ndarray, gate: _packed.Packed | np.ndarray, up: _packed.Packed | np.ndarray,
                down: _packed.Packed | np.ndarray) -> np.ndarray:
     """# [m, H], [I, H], [I, H], [H, I] -> [m, H]  (SwiGLU: down(silu(gate x) * up x))"""
-    return matmul_t(silu(matmul_t(x, gate)) * matmul_t(x, up), down)
+    hidden = silu(matmul_t(x, gate))  # [m, I]
+    hidden *= matmul_t(x, up)
+    return matmul_t(hidden, down)
 
 
 def causal_mask(q_pos: np.ndarray, kv_len: int, window: int | None) -> np.ndarray | None:
@@ -109,7 +125,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
     kvh, s, dv = v.shape
     g = nh // kvh
     qg = q.reshape(t, kvh, g, d).transpose(1, 2, 0, 3).reshape(kvh, g * t, d)
-    scores = (qg @ k.transpose(0, 2, 1)) * np.float32(scale)  # [kvh, g*T, S]
+    scores = qg @ k.transpose(0, 2, 1)  # [kvh, g*T, S]
+    scores *= np.float32(scale)
     if mask is not None:
         scores = np.where(mask[None, None], scores.reshape(kvh, g, t, s), -np.inf).reshape(kvh, g * t, s)
     if sinks is None:
