@@ -86,7 +86,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """# [..., n] -> [..., n]"""
-    e = x - x.max(axis=axis, keepdims=True)
+    e = x - np.maximum.reduce(x, axis=axis, keepdims=True)  # np.max's reduction, without its wrapper
     np.exp(e, out=e)
     e /= np.add.reduce(e, axis=axis, keepdims=True)  # np.sum's reduction, in place
     return e
@@ -124,6 +124,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
     t, nh, d = q.shape
     kvh, s, dv = v.shape
     g = nh // kvh
+    if t == 1 and mask is None and sinks is None:
+        return _attention_row(q, k, v, scale)
     qg = q.reshape(t, kvh, g, d).transpose(1, 2, 0, 3).reshape(kvh, g * t, d)
     scores = qg @ k.transpose(0, 2, 1)  # [kvh, g*T, S]
     scores *= np.float32(scale)
@@ -135,6 +137,16 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
         probs = sink_softmax(scores.reshape(kvh, g, t, s), sinks.reshape(kvh, g)).reshape(kvh, g * t, s)
     out = probs @ v  # [kvh, g*T, dv]
     return out.reshape(kvh, g, t, dv).transpose(2, 0, 1, 3).reshape(t, nh, dv)
+
+
+def _attention_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """# [1, nh, d], [kvh, S, d], [kvh, S, dv] -> [1, nh, dv]: `attention` for one query row that sees every key
+    (a decode step): the same products on the same shapes, without the transposes and the mask."""
+    _, nh, d = q.shape
+    kvh, _, dv = v.shape
+    scores = q.reshape(kvh, nh // kvh, d) @ k.transpose(0, 2, 1)  # [kvh, g, S]
+    scores *= np.float32(scale)
+    return (softmax(scores) @ v).reshape(1, nh, dv)
 
 
 def gqa_attention(x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray, sin: np.ndarray,
@@ -216,6 +228,8 @@ def _dense(w: np.ndarray | _packed.Packed) -> np.ndarray:
 
 def picked(scores: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """# [T, n], [T, k] indices -> [T, k]: scores[t, idx[t, j]] (np.take_along_axis's values, less overhead)"""
+    if len(idx) == 1:  # one decode row: no index grid
+        return scores[0, idx[0]][None]
     return scores[np.arange(len(idx))[:, None], idx]
 
 
