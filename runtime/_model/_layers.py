@@ -58,30 +58,46 @@ def linear(x: np.ndarray, w: np.ndarray | _packed.Packed, b: np.ndarray | None =
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """# [..., d], [d] -> [..., d]  (T5/Llama RMSNorm: weight * x * rsqrt(mean(x^2) + eps))"""
-    variance = np.add.reduce(x * x, axis=-1, keepdims=True) / x.shape[-1]  # np.mean's sum and division, less overhead
-    return w * (x * (1.0 / np.sqrt(variance + np.float32(eps))))
+    variance = np.add.reduce(x * x, axis=-1, keepdims=True)  # [..., 1]
+    variance /= x.shape[-1]  # np.mean's sum and division, less overhead
+    variance += np.float32(eps)
+    inv = np.sqrt(variance, out=variance)
+    np.divide(1.0, inv, out=inv)  # rsqrt, in place: the same float32 operations, fewer temporaries
+    y = x * inv
+    y *= w
+    return y
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    """# [...] -> [...]; the tanh form never overflows in exp."""
-    return np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * x))
+    """# [...] -> [...]; the tanh form never overflows in exp. One temporary, updated in place."""
+    y = np.multiply(x, np.float32(0.5))
+    np.tanh(y, out=y)
+    y += np.float32(1.0)
+    y *= np.float32(0.5)
+    return y
 
 
 def silu(x: np.ndarray) -> np.ndarray:
     """# [...] -> [...]"""
-    return x * sigmoid(x)
+    y = sigmoid(x)
+    y *= x
+    return y
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """# [..., n] -> [..., n]"""
-    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
-    return e / np.sum(e, axis=axis, keepdims=True)
+    e = x - np.maximum.reduce(x, axis=axis, keepdims=True)  # np.max's reduction, without its wrapper
+    np.exp(e, out=e)
+    e /= np.add.reduce(e, axis=axis, keepdims=True)  # np.sum's reduction, in place
+    return e
 
 
 def expert_mlp(x: np.ndarray, gate: _packed.Packed | np.ndarray, up: _packed.Packed | np.ndarray,
                down: _packed.Packed | np.ndarray) -> np.ndarray:
     """# [m, H], [I, H], [I, H], [H, I] -> [m, H]  (SwiGLU: down(silu(gate x) * up x))"""
-    return matmul_t(silu(matmul_t(x, gate)) * matmul_t(x, up), down)
+    hidden = silu(matmul_t(x, gate))  # [m, I]
+    hidden *= matmul_t(x, up)
+    return matmul_t(hidden, down)
 
 
 def causal_mask(q_pos: np.ndarray, kv_len: int, window: int | None) -> np.ndarray | None:
@@ -108,8 +124,11 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
     t, nh, d = q.shape
     kvh, s, dv = v.shape
     g = nh // kvh
+    if t == 1 and mask is None and sinks is None:
+        return _attention_row(q, k, v, scale)
     qg = q.reshape(t, kvh, g, d).transpose(1, 2, 0, 3).reshape(kvh, g * t, d)
-    scores = (qg @ k.transpose(0, 2, 1)) * np.float32(scale)  # [kvh, g*T, S]
+    scores = qg @ k.transpose(0, 2, 1)  # [kvh, g*T, S]
+    scores *= np.float32(scale)
     if mask is not None:
         scores = np.where(mask[None, None], scores.reshape(kvh, g, t, s), -np.inf).reshape(kvh, g * t, s)
     if sinks is None:
@@ -118,6 +137,16 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
         probs = sink_softmax(scores.reshape(kvh, g, t, s), sinks.reshape(kvh, g)).reshape(kvh, g * t, s)
     out = probs @ v  # [kvh, g*T, dv]
     return out.reshape(kvh, g, t, dv).transpose(2, 0, 1, 3).reshape(t, nh, dv)
+
+
+def _attention_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """# [1, nh, d], [kvh, S, d], [kvh, S, dv] -> [1, nh, dv]: `attention` for one query row that sees every key
+    (a decode step): the same products on the same shapes, without the transposes and the mask."""
+    _, nh, d = q.shape
+    kvh, _, dv = v.shape
+    scores = q.reshape(kvh, nh // kvh, d) @ k.transpose(0, 2, 1)  # [kvh, g, S]
+    scores *= np.float32(scale)
+    return (softmax(scores) @ v).reshape(1, nh, dv)
 
 
 def gqa_attention(x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray, sin: np.ndarray,
@@ -199,6 +228,8 @@ def _dense(w: np.ndarray | _packed.Packed) -> np.ndarray:
 
 def picked(scores: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """# [T, n], [T, k] indices -> [T, k]: scores[t, idx[t, j]] (np.take_along_axis's values, less overhead)"""
+    if len(idx) == 1:  # one decode row: no index grid
+        return scores[0, idx[0]][None]
     return scores[np.arange(len(idx))[:, None], idx]
 
 

@@ -75,8 +75,11 @@ def cos_sin(freqs: np.ndarray, scaling: float, positions: np.ndarray) -> tuple[n
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """# [T, h, d], [T, d], [T, d] -> [T, h, d]; rotate_half pairs channel i with i + d/2."""
     half = x.shape[-1] // 2
-    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # [T, h, d]
+    rotated *= sin[:, None, :]
+    out = x * cos[:, None, :]
+    out += rotated
+    return out
 
 
 def apply_rope_interleave(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
