@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from shardtool.checkpoint._plan import Piece, ShardPlan, cut
 from shardtool.errors import CheckpointFormatError, UsageError
@@ -59,12 +59,29 @@ def _projection(name: str) -> str | None:
     return proj if suffix == "weight" and proj in EXPERT_PROJECTIONS else None
 
 
-def quantize_plans(plans: Sequence[ShardPlan], method: str) -> tuple[list[ShardPlan], QuantizeReport]:
+def expected_shapes(config: Mapping[str, Any], family: str) -> dict[str, tuple[int | None, int | None]]:
+    """[out, in] of each routed-expert projection as config.json states it (hidden size H, the family's expert
+    intermediate size I: gate/up [I, H], down [H, I]); None where config.json does not say (a custom layout)."""
+    from shardtool.checkpoint._families import config_reader
+    from shardtool.families import BY_NAME
+
+    r = config_reader(config)
+    h = r.int("hidden_size", None, minimum=1)
+    fam = BY_NAME.get(family)
+    i = r.int(fam.expert_size_key, None, minimum=1) if fam is not None else None
+    return {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+
+def quantize_plans(plans: Sequence[ShardPlan], method: str,
+                   shapes: Mapping[str, tuple[int | None, int | None]] | None = None,
+                   ) -> tuple[list[ShardPlan], QuantizeReport]:
     """The plans with every float routed-expert projection replaced by its quantized data + scale pieces.
 
-    Refuses (CheckpointFormatError, before anything is written) a projection that is not 2-D or whose input
-    width is not a multiple of the block."""
+    Refuses (CheckpointFormatError, before anything is written) a projection that is not 2-D, has no rows or no
+    columns, differs from config.json's shape (`shapes`, from `expected_shapes`), or whose input width is not a
+    multiple of the block."""
     check_method(method)
+    shapes = shapes or {}
     out: list[ShardPlan] = []
     done = 0
     kept: Counter[str] = Counter()
@@ -84,19 +101,28 @@ def quantize_plans(plans: Sequence[ShardPlan], method: str) -> tuple[list[ShardP
                 kept[_KEPT.get(p.dtype, p.dtype)] += 1
                 pieces.append(p)
                 continue
-            pieces += _quantized_pieces(plan, p, proj, method)
+            pieces += _quantized_pieces(plan, p, proj, method, shapes.get(proj, (None, None)))
             done += 1
         out.append(replace(plan, pieces=tuple(pieces)))
     return out, QuantizeReport(method, done, dict(kept))
 
 
-def _quantized_pieces(plan: ShardPlan, p: Piece, proj: str, method: str) -> list[Piece]:
+def _quantized_pieces(plan: ShardPlan, p: Piece, proj: str, method: str,
+                      expected: tuple[int | None, int | None]) -> list[Piece]:
     from shardtool import blockquant
 
     if len(p.shape) != 2:
         raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {p.source.name!r} has shape "
                                     f"{list(p.shape)}, expected a 2-D [out, in] projection to quantize")
     rows, cols = p.shape
+    if rows == 0 or cols == 0:
+        raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {p.source.name!r} has shape "
+                                    f"{list(p.shape)}, an empty projection cannot be quantized")
+    if any(want is not None and got != want for got, want in zip((rows, cols), expected)):
+        want = [w if w is not None else "any" for w in expected]
+        raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {p.source.name!r} has shape "
+                                    f"{list(p.shape)}, config.json's hidden and expert intermediate sizes give "
+                                    f"{want} for {proj}")
     if cols % blockquant.QBLOCK:
         raise CheckpointFormatError(f"cannot quantize {p.source.name!r} (layer {plan.layer} expert {plan.expert} "
                                     f"{p.name}): its input width {cols} is not a multiple of the block of "

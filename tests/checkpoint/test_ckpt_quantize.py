@@ -184,3 +184,52 @@ def test_split_refuses_a_weight_whose_scale_is_not_finite(make_tiny, tmp_path, b
     assert not (tmp_path / "out" / "manifest.msgpack").exists()
     if bad == 1e6:  # int8 takes it
         split(ck, tmp_path / "out8", "--quantize", "int8")
+
+
+def altered(src: Path, tmp_path: Path, change) -> Path:
+    """A copy of checkpoint `src` whose one safetensors file's tensors went through `change(tensors)`."""
+    from safetensors.numpy import load_file, save_file
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    for f in src.iterdir():
+        (ck / f.name).write_bytes(f.read_bytes())
+    (weights,) = ck.glob("*.safetensors")
+    t = load_file(weights)
+    change(t)
+    save_file(t, weights, metadata={"format": "pt"})
+    return ck
+
+
+def refused(ck: Path, tmp_path: Path, method: str, *words: str) -> str:
+    r = cli("split", ck, tmp_path / "out", "-q", "--quantize", method, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), r.stderr
+    assert not (tmp_path / "out").exists()
+    return lines[0]
+
+
+W1 = "model.layers.0.block_sparse_moe.experts.0.w1.weight"  # gate_proj [160, 64], the first one planned
+
+
+def every_w1(shape):
+    """Every expert's gate_proj replaced by zeros of `shape` (experts of a layer must agree, or planning says so)."""
+    def change(t):
+        for name in [n for n in t if n.endswith(".w1.weight")]:
+            t[name] = np.zeros(shape, t[name].dtype)
+    return change
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (160, 0)])
+@pytest.mark.parametrize("method", METHODS)
+def test_split_refuses_an_empty_projection_while_planning(make_tiny, tmp_path, shape, method):
+    ck = altered(make_tiny("mixtral", **KNOBS), tmp_path, every_w1(shape))
+    refused(ck, tmp_path, method, W1, str(list(shape)))
+
+
+@pytest.mark.parametrize("shape", [(160, 128), (192, 64), (64, 160)])
+def test_split_refuses_a_projection_config_does_not_describe(make_tiny, tmp_path, shape):
+    """A hostile source cannot hand --quantize a projection of any size: config.json's sizes bound each one."""
+    ck = altered(make_tiny("mixtral", **KNOBS), tmp_path, every_w1(shape))
+    refused(ck, tmp_path, "int8", W1, str(list(shape)), "[160, 64]", "config.json")
