@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from shardtool.checkpoint._plan import Piece, ShardPlan, cut
+from shardtool.checkpoint._plan import Piece, ShardPlan
 from shardtool.errors import CheckpointFormatError, UsageError
 from shardtool.families import EXPERT_PROJECTIONS
 
@@ -137,19 +137,14 @@ def _quantized_pieces(plan: ShardPlan, p: Piece, proj: str, method: str,
     return [data, scale]
 
 
-def source_float32(p: Piece, raw: bytes | memoryview) -> np.ndarray:
-    """# the piece's canonical source tensor as float32 [out, in], from the source tensor's bytes (or, for a fused
-    piece, the bytes of its expert's slice)"""
-    import numpy as np
+def float_shape(p: Piece) -> tuple[int, int]:
+    """[out, in] of the float projection a quantized data or scale piece is computed from."""
+    from shardtool import blockquant
 
-    from shardtool.safetensors_format import numpy_dtype
-
-    dtype = numpy_dtype(p.source.dtype)
-    if p.cut is None:
-        a = np.frombuffer(raw, dtype=dtype).reshape(p.source.shape)
-    else:
-        a = cut(raw, p.source.dtype, p.source.shape[1:], p.cut).view(dtype)
-    return a.astype(np.float32)
+    method, part = p.quant or ("", "")
+    rows, width = p.shape
+    per = blockquant.QBLOCK if part == SCALE else 2 if method == blockquant.Q4 else 1
+    return rows, width * per
 
 
 def quantize(p: Piece, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

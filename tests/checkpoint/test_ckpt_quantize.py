@@ -233,3 +233,42 @@ def test_split_refuses_a_projection_config_does_not_describe(make_tiny, tmp_path
     """A hostile source cannot hand --quantize a projection of any size: config.json's sizes bound each one."""
     ck = altered(make_tiny("mixtral", **KNOBS), tmp_path, every_w1(shape))
     refused(ck, tmp_path, "int8", W1, str(list(shape)), "[160, 64]", "config.json")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_quantized_projection_is_read_and_quantized_a_batch_of_rows_at_a_time(make_tiny, monkeypatch, method):
+    """Memory under --quantize is bounded by the batch, not the projection: no read of a projection asks for more
+    than one batch of rows, and the bytes are exactly the whole projection's quantization."""
+    from shardtool.checkpoint import _stream
+    from shardtool.checkpoint._split import prepare_split
+
+    monkeypatch.setattr(_stream, "QUANT_BATCH", 64 * 4 * 8, raising=False)  # 8 rows of 64 float32 inputs
+    ck = make_tiny("mixtral", **KNOBS)
+    job = prepare_split(ck, quantize=method)
+    sources = _stream.Sources(job.checkpoint)
+    asked: list[int] = []
+    chunks = sources.chunks
+    monkeypatch.setattr(sources, "chunks", lambda f, o, n: (asked.append(n), chunks(f, o, n))[1])
+    out = next(o for o in job.outputs if o.kind == "expert")
+    try:
+        got = b"".join(bytes(s) for s in _stream.stream(out, sources))
+    finally:
+        sources.close()
+    tensors = shard_bytes(got)
+    for p in out.pieces:
+        if p.quant is None or p.quant[1] != "data":
+            continue
+        proj = p.name.partition(".")[0]
+        w = np.frombuffer(memoryview((ck / p.file).read_bytes())[p.source.start:p.source.start + p.source.nbytes],
+                          numpy_dtype(p.source.dtype)).reshape(p.source.shape).astype(np.float32)
+        q, d = (blockquant.quantize_q8 if method == "int8" else blockquant.quantize_q4)(w)
+        assert np.array_equal(tensors[p.name], q) and np.array_equal(tensors[f"{proj}.weight_scale"], d)
+    quantized_reads = [n for n in asked if n != out.size]
+    assert quantized_reads and max(quantized_reads) <= 8 * 160 * 2, asked  # 8 rows of 160 BF16 (down_proj)
+
+
+def shard_bytes(data: bytes) -> dict[str, np.ndarray]:
+    import safetensors
+
+    return {name: np.frombuffer(t["data"], numpy_dtype(t["dtype"])).reshape(t["shape"])
+            for name, t in safetensors.deserialize(data)}
