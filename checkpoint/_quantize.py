@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 METHODS = ("int8", "int4")
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 DATA, SCALE = "data", "scale"
-_KEPT = {"F8_E4M3": "FP8 block-scaled", "F8_E5M2": "FP8"}  # stored dtype of a kept weight -> what to call it
+_KEPT = {"F8_E4M3": "FP8 block-scaled"}  # stored dtype of a kept `<proj>.weight` -> what to call it (the runtime runs it)
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ def quantize_plans(plans: Sequence[ShardPlan], method: str,
         if plan.kind != "expert":
             out.append(plan)
             continue
+        _check_forms(plan)
         pieces: list[Piece] = []
         for p in plan.pieces:
             proj = _projection(p.name)
@@ -98,13 +99,50 @@ def quantize_plans(plans: Sequence[ShardPlan], method: str,
                 pieces.append(p)
                 continue
             if p.dtype not in FLOAT_DTYPES:
-                kept[_KEPT.get(p.dtype, p.dtype)] += 1
+                if p.dtype not in _KEPT:
+                    raise CheckpointFormatError(
+                        f"layer {plan.layer} expert {plan.expert}: {p.source.name!r} is stored {p.dtype}; "
+                        f"--quantize takes float ({'/'.join(FLOAT_DTYPES)}) routed-expert projections and keeps "
+                        f"FP8 (F8_E4M3 with weight_scale_inv) and MXFP4 ones as stored, nothing else")
+                kept[_KEPT[p.dtype]] += 1
                 pieces.append(p)
                 continue
             pieces += _quantized_pieces(plan, p, proj, method, shapes.get(proj, (None, None)))
             done += 1
         out.append(replace(plan, pieces=tuple(pieces)))
     return out, QuantizeReport(method, done, dict(kept))
+
+
+def _check_forms(plan: ShardPlan) -> None:
+    """Each routed-expert projection of `plan` in exactly one stored form (`blockquant.form_tensors`, the rule the
+    runtime applies when it loads the shard): refused here, before anything is written or signed."""
+    from shardtool import blockquant
+
+    by_proj: dict[str, dict[str, Piece]] = {}
+    for p in plan.pieces:
+        proj, _, suffix = p.name.partition(".")
+        if proj in EXPERT_PROJECTIONS and suffix in blockquant.FORM_SUFFIXES:
+            by_proj.setdefault(proj, {})[suffix] = p
+    where = f"layer {plan.layer} expert {plan.expert}"
+    for proj, have in by_proj.items():
+        forms = [s for s in blockquant.FORM_DATA if s in have]
+        if len(forms) != 1:
+            names = ", ".join(repr(p.source.name) for p in have.values())
+            raise CheckpointFormatError(f"{where}: {proj} is stored in {'more than one form' if forms else 'no form'} "
+                                        f"({', '.join(forms) or 'no data tensor'}): {names}; expected exactly one")
+        form = forms[0]
+        w = have.get("weight")
+        kind = "int8" if w is not None and w.dtype == "I8" else "fp8" if w is not None and w.dtype == "F8_E4M3" \
+            else "float"
+        uses = blockquant.form_tensors(form, kind)
+        for s in blockquant.FORM_SUFFIXES:
+            if s in have and s not in uses:
+                raise CheckpointFormatError(f"{where}: {have[s].source.name!r} beside {proj}.{form} of dtype "
+                                            f"{have[form].dtype}: that form has "
+                                            f"{' and '.join(f'{proj}.{u}' for u in uses)} only")
+            if s in uses and s not in have:
+                raise CheckpointFormatError(f"{where}: {have[form].source.name!r} ({have[form].dtype}) without "
+                                            f"{proj}.{s}")
 
 
 def _quantized_pieces(plan: ShardPlan, p: Piece, proj: str, method: str,

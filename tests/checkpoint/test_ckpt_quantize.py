@@ -272,3 +272,42 @@ def shard_bytes(data: bytes) -> dict[str, np.ndarray]:
 
     return {name: np.frombuffer(t["data"], numpy_dtype(t["dtype"])).reshape(t["shape"])
             for name, t in safetensors.deserialize(data)}
+
+
+def _add_beside_w1(suffix: str, dtype, width):
+    def change(t):
+        for name in [n for n in t if n.endswith(".w1.weight")]:
+            w = t[name]
+            t[name.replace(".weight", f".{suffix}")] = np.zeros((w.shape[0], width(w.shape[1])), dtype)
+    return change
+
+
+@pytest.mark.parametrize("suffix, dtype, width", [("weight_q4", np.uint8, lambda c: c // 2),
+                                                  ("weight_scale", np.float16, lambda c: c // 32),
+                                                  ("weight_scale_inv", np.float32, lambda c: 1)])
+def test_split_refuses_a_second_stored_form_beside_a_float_weight(make_tiny, tmp_path, suffix, dtype, width):
+    """The runtime's one-form rule (blockquant.form_tensors) applied while planning, not after signing."""
+    ck = altered(make_tiny("mixtral", **KNOBS), tmp_path, _add_beside_w1(suffix, dtype, width))
+    refused(ck, tmp_path, "int8", f"experts.0.w1.{suffix}" if suffix != "weight_q4" else "more than one form")
+
+
+def test_the_one_form_rule_has_one_home():
+    from runtime._model import _packed
+    from shardtool.checkpoint import _quantize
+
+    for module in (_packed, _quantize):
+        source = Path(module.__file__).read_text()
+        assert "blockquant.form_tensors(" in source and '"weight_scale_inv", ' not in source
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.float64])
+def test_split_refuses_an_expert_projection_it_can_neither_quantize_nor_keep(make_tiny, tmp_path, dtype):
+    def change(t):
+        for name in [n for n in t if n.endswith(".w1.weight")]:
+            t[name] = np.zeros(t[name].shape, dtype)
+            if dtype == np.int8:  # a whole int8 form: still not a source --quantize takes
+                t[name + "_scale"] = np.ones((t[name].shape[0], t[name].shape[1] // 32), np.float16)
+
+    ck = altered(make_tiny("mixtral", **KNOBS), tmp_path, change)
+    line = refused(ck, tmp_path, "int8", W1, "F8_E4M3", "MXFP4")
+    assert "kept as stored (the runtime" not in line
