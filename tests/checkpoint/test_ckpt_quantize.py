@@ -311,3 +311,57 @@ def test_split_refuses_an_expert_projection_it_can_neither_quantize_nor_keep(mak
     ck = altered(make_tiny("mixtral", **KNOBS), tmp_path, change)
     line = refused(ck, tmp_path, "int8", W1, "F8_E4M3", "MXFP4")
     assert "kept as stored (the runtime" not in line
+
+
+def _retouch(out: Path, change) -> None:
+    """Rewrite each expert shard's source record through `change(doc)` and re-make the manifest over the new bytes
+    (what a publisher who edits a quantized split before joining it could do)."""
+    import blake3
+    import struct
+
+    from shardtool.checkpoint._writer import TensorSpec, encode_header
+    from shardtool.manifest import Entry, build_manifest
+
+    for f in out.glob("experts/*/*.safetensors"):
+        b = f.read_bytes()
+        n = struct.unpack("<Q", b[:8])[0]
+        h = json.loads(b[8:8 + n])
+        meta = h.pop("__metadata__")
+        doc = json.loads(meta["shardtool.source"])
+        change(doc)
+        meta["shardtool.source"] = json.dumps(doc)
+        specs = [TensorSpec(k, v["dtype"], tuple(v["shape"]))
+                 for k, v in sorted(h.items(), key=lambda kv: kv[1]["data_offsets"][0])]
+        f.write_bytes(encode_header(specs, meta) + b[8 + n:])
+    m = load_manifest(out / "manifest.msgpack")
+    entries = [Entry(e.path, e.kind, (out / e.path).stat().st_size, blake3.blake3((out / e.path).read_bytes()).digest(),
+                     e.layer, e.expert) for e in m.entries]
+    (out / "manifest.msgpack").write_bytes(build_manifest(entries, model_id="acme/q", version=1).to_bytes())
+
+
+def _falsy(doc):
+    doc["quantized"] = 0
+    for r in doc["tensors"].values():
+        if "quantized" in r:
+            r["quantized"] = 0
+
+
+def _unmarked(doc):
+    doc.pop("quantized", None)
+    for r in doc["tensors"].values():
+        r.pop("quantized", None)
+
+
+@pytest.mark.parametrize("change, method, words", [(_falsy, "int8", ("quantized (0)",)),
+                                                   (_unmarked, "int4", ("weight_q4",)),
+                                                   (_unmarked, "int8", ("I8", "BF16"))])
+def test_join_refuses_a_quantized_split_however_its_records_are_edited(make_tiny, tmp_path, change, method, words):
+    ck = make_tiny("mixtral", **KNOBS)
+    split(ck, tmp_path / "out", "--quantize", method)
+    _retouch(tmp_path / "out", change)
+    r = cli("join", tmp_path / "out", tmp_path / "rebuilt", "--insecure-no-verify", "-q", cwd=tmp_path)
+    assert r.returncode in (1, 2) and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), r.stderr
+    rebuilt = tmp_path / "rebuilt"
+    assert not rebuilt.exists() or not any(p.suffix == ".safetensors" for p in rebuilt.iterdir())
