@@ -106,12 +106,24 @@ def _records(header: bytes, file_size: int, where: str) -> tuple[Any, dict[str, 
         raise CheckpointFormatError(f"{SOURCE_KEY} has an unknown form", path=where)
     if set(doc["tensors"]) != {t.name for t in parsed.tensors}:
         raise CheckpointFormatError(f"{SOURCE_KEY} does not describe exactly the shard's tensors", path=where)
-    quantized = doc.get(QUANTIZED_KEY) or next((r.get(QUANTIZED_KEY) for r in doc["tensors"].values()
-                                                 if isinstance(r, dict) and r.get(QUANTIZED_KEY)), None)
-    if quantized is not None:
-        raise UsageError(f"this split's routed experts were quantized ({str(quantized)[:16]}) by "
+    records = doc["tensors"]
+    marked = [r for r in [doc, *records.values()] if isinstance(r, dict) and QUANTIZED_KEY in r]
+    if marked:  # present at all, whatever its value: a shard written by `split --quantize`
+        raise UsageError(f"this split's routed experts were quantized ({str(marked[0][QUANTIZED_KEY])[:16]}) by "
                          "`split --quantize`: the float checkpoint cannot be rebuilt from it", path=where,
                          hint="join a split made without --quantize; a quantized split is run, not joined")
+    from shardtool import blockquant
+
+    quantized_suffixes = (f".{blockquant.Q4_SUFFIX}", f".{blockquant.SCALE_SUFFIX}")  # only --quantize writes them
+    for t in parsed.tensors:
+        rec = records[t.name]
+        if t.name.endswith(quantized_suffixes):
+            raise UsageError(f"tensor {t.name!r} is block-quantized (`split --quantize`): the float checkpoint "
+                             "cannot be rebuilt from it", path=where,
+                             hint="join a split made without --quantize; a quantized split is run, not joined")
+        if isinstance(rec, dict) and "dtype" in rec and rec["dtype"] != t.dtype:
+            raise CheckpointFormatError(f"tensor {t.name!r} is {t.dtype} but its source record says "
+                                        f"{str(rec['dtype'])[:16]!r}: its bytes are not the source's", path=where)
     return parsed, doc
 
 

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from shardtool.checkpoint._plan import OutputFile, cut
-from shardtool.checkpoint._quantize import DATA, quantize, source_float32
+from shardtool.checkpoint._plan import OutputFile, Piece, cut
+from shardtool.checkpoint._quantize import DATA, float_shape, quantize
 from shardtool.checkpoint._source import Checkpoint
 from shardtool.errors import CheckpointFormatError, StorageError
 
+if TYPE_CHECKING:
+    import numpy as np
+
 CHUNK = 8 * 1024 * 1024  # bounded read buffer; peak memory is two of these plus one fused expert slice
+QUANT_BATCH = 2 * 1024 * 1024  # split --quantize: float32 bytes of rows quantized at once (temporaries ~5x this)
 
 
 class Sources:
@@ -83,20 +87,25 @@ class Run:
 
 def segments(out: OutputFile, sources: Sources) -> Iterator[Run | memoryview | bytes]:
     """The bytes of `out` in order: source runs, or bytes computed in memory (header, cut fused slices, quantized
-    projections: one projection's float32 copy and its quantized form at a time)."""
+    projections: a batch of rows at a time, see `_quantized_rows`)."""
     if out.copy_from is not None:
         yield Run(out.copy_from, 0, out.size)
         return
     yield out.header
-    quantized: tuple[tuple, tuple] | None = None  # the last projection quantized: its data and scale pieces
+    scales: tuple[tuple, list] | None = None  # the last projection quantized: its key and its scale rows
     for p in out.pieces:
         if p.quant is not None:
             key = (p.file, p.source.start, p.expert, p.cut)
-            if quantized is None or quantized[0] != key:
-                raw = sources.read(p.file, *(p.slice_range() if p.cut is not None else (p.source.start,
-                                                                                        p.source.nbytes)))
-                quantized = key, quantize(p, source_float32(p, raw))
-            yield memoryview(quantized[1][0 if p.quant[1] == DATA else 1]).cast("B")
+            if p.quant[1] == DATA:
+                scales = key, []
+                for q, d in _quantized_rows(p, sources):
+                    scales[1].append(d)
+                    yield memoryview(q).cast("B")
+                continue
+            if scales is None or scales[0] != key:  # a scale without its data just before it: compute it again
+                scales = key, [d for _, d in _quantized_rows(p, sources)]
+            for d in scales[1]:
+                yield memoryview(d).cast("B")
             continue
         run = p.byte_range()
         if run is not None:
@@ -105,6 +114,32 @@ def segments(out: OutputFile, sources: Sources) -> Iterator[Run | memoryview | b
             start, length = p.slice_range()
             arr = cut(sources.read(p.file, start, length), p.dtype, p.source.shape[1:], p.cut)
             yield memoryview(arr).cast("B")
+
+
+def _quantized_rows(p: Piece, sources: Sources) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(data, scale) of quantized piece `p`, a batch of rows at a time (rows are independent): at most
+    QUANT_BATCH bytes of float32 rows (and their temporaries) at once. A whole projection's tensor is read
+    batch by batch; a fused piece is cut from its expert's slice, which is read once (as a plain split does)."""
+    import numpy as np
+
+    from shardtool.safetensors_format import numpy_dtype
+
+    rows, cols = float_shape(p)
+    batch = max(1, QUANT_BATCH // (cols * 4))
+    dtype = numpy_dtype(p.source.dtype)
+    if p.cut is None:
+        row_bytes = cols * dtype.itemsize
+        for r in range(0, rows, batch):
+            n = min(batch, rows - r)
+            raw = bytearray()
+            for chunk in sources.chunks(p.file, p.source.start + r * row_bytes, n * row_bytes):
+                raw += chunk
+            yield quantize(p, np.frombuffer(raw, dtype=dtype).reshape(n, cols).astype(np.float32))
+        return
+    start, length = p.slice_range()
+    w = cut(sources.read(p.file, start, length), p.source.dtype, p.source.shape[1:], p.cut).view(dtype)
+    for r in range(0, rows, batch):
+        yield quantize(p, w[r:r + batch].astype(np.float32))
 
 
 def stream(out: OutputFile, sources: Sources) -> Iterator[memoryview | bytes]:

@@ -23,6 +23,23 @@ SCALE_SUFFIX = "weight_scale"
 Q4_SUFFIX = "weight_q4"
 BITS_PER_WEIGHT = {Q8: 8 + 16 / QBLOCK, Q4: 4 + 16 / QBLOCK}
 
+# A projection `<proj>` is stored in exactly one form (the runtime's rule; split --quantize applies it too):
+# every tensor suffix of a stored form, and the suffix each form's data tensor has (one per form).
+FORM_SUFFIXES = ("weight", "weight_scale_inv", SCALE_SUFFIX, Q4_SUFFIX, "weight_blocks", "weight_scales")
+FORM_DATA = ("weight", Q4_SUFFIX, "weight_blocks")
+
+
+def form_tensors(data: str, weight: str) -> tuple[str, ...]:
+    """The suffixes of the one form whose data tensor is `<proj>.<data>` (one of FORM_DATA); `weight` is what
+    `<proj>.weight` holds: "int8", "fp8" (float8_e4m3fn) or "float". Any other suffix beside them is a stray."""
+    if data == "weight_blocks":
+        return ("weight_blocks", "weight_scales")
+    if data == Q4_SUFFIX or weight == "int8":
+        return (data, SCALE_SUFFIX)
+    if weight == "fp8":
+        return ("weight", "weight_scale_inv")
+    return ("weight",)
+
 
 def quantized_bytes(method: str, rows: int, cols: int) -> int:
     """Bytes of one [rows, cols] projection stored in `method` (weights plus scales)."""

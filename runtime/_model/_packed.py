@@ -86,23 +86,16 @@ def pack(t: Mapping[str, np.ndarray], proj: str, shape: tuple[int, int], where: 
         return CheckpointFormatError(f"{where}: missing tensor {proj}.{name}")
 
     out_f, in_f = shape
-    names = {s: t.get(f"{proj}.{s}") for s in _SUFFIXES}
-    forms = [s for s in ("weight", blockquant.Q4_SUFFIX, "weight_blocks") if names[s] is not None]
+    names = {s: t.get(f"{proj}.{s}") for s in blockquant.FORM_SUFFIXES}
+    forms = [s for s in blockquant.FORM_DATA if names[s] is not None]
     if len(forms) != 1:
         if not forms:
             raise missing("weight")
         raise CheckpointFormatError(f"{where}: {proj} is stored in more than one form ({', '.join(forms)})")
     form = forms[0]
     w = names[form]
-    if form == "weight_blocks":
-        uses = ("weight_blocks", "weight_scales")
-    elif form == blockquant.Q4_SUFFIX or w.dtype == np.int8:
-        uses = (form, blockquant.SCALE_SUFFIX)
-    elif w.dtype == FLOAT8:
-        uses = ("weight", "weight_scale_inv")
-    else:
-        uses = ("weight",)
-    stray = [s for s in _SUFFIXES if s not in uses and names[s] is not None]
+    uses = blockquant.form_tensors(form, "int8" if w.dtype == np.int8 else "fp8" if w.dtype == FLOAT8 else "float")
+    stray = [s for s in blockquant.FORM_SUFFIXES if s not in uses and names[s] is not None]
     if stray:  # a tensor of another stored form: the checkpoint is not what its writer meant
         raise CheckpointFormatError(f"{where}: {proj}.{stray[0]} beside {proj}.{form} of dtype {w.dtype} (that "
                                     f"form has {' and '.join(f'{proj}.{s}' for s in uses)} only)")
@@ -141,9 +134,6 @@ def pack(t: Mapping[str, np.ndarray], proj: str, shape: tuple[int, int], where: 
     return Packed(kind, shape, data)
 
 
-# every tensor suffix of a stored form: a projection holds those of its one form and no other
-_SUFFIXES = ("weight", "weight_scale_inv", blockquant.SCALE_SUFFIX, blockquant.Q4_SUFFIX, "weight_blocks",
-             "weight_scales")
 _FLOAT_KINDS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", BF16: "bf16"}
 # the largest FP8 block scale whose product with the largest float8_e4m3fn value (448) is a finite float32
 FP8_SCALE_MAX = np.float32(np.finfo(np.float32).max) / np.float32(448)  # 7.595588e35 (448 times it rounds to FLT_MAX)

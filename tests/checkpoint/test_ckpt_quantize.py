@@ -184,3 +184,184 @@ def test_split_refuses_a_weight_whose_scale_is_not_finite(make_tiny, tmp_path, b
     assert not (tmp_path / "out" / "manifest.msgpack").exists()
     if bad == 1e6:  # int8 takes it
         split(ck, tmp_path / "out8", "--quantize", "int8")
+
+
+def altered(src: Path, tmp_path: Path, change) -> Path:
+    """A copy of checkpoint `src` whose one safetensors file's tensors went through `change(tensors)`."""
+    from safetensors.numpy import load_file, save_file
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    for f in src.iterdir():
+        (ck / f.name).write_bytes(f.read_bytes())
+    (weights,) = ck.glob("*.safetensors")
+    t = load_file(weights)
+    change(t)
+    save_file(t, weights, metadata={"format": "pt"})
+    return ck
+
+
+def refused(ck: Path, tmp_path: Path, method: str, *words: str) -> str:
+    r = cli("split", ck, tmp_path / "out", "-q", "--quantize", method, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), r.stderr
+    assert not (tmp_path / "out").exists()
+    return lines[0]
+
+
+W1 = "model.layers.0.block_sparse_moe.experts.0.w1.weight"  # gate_proj [160, 64], the first one planned
+
+
+def every_w1(shape):
+    """Every expert's gate_proj replaced by zeros of `shape` (experts of a layer must agree, or planning says so)."""
+    def change(t):
+        for name in [n for n in t if n.endswith(".w1.weight")]:
+            t[name] = np.zeros(shape, t[name].dtype)
+    return change
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (160, 0)])
+@pytest.mark.parametrize("method", METHODS)
+def test_split_refuses_an_empty_projection_while_planning(make_tiny, tmp_path, shape, method):
+    ck = altered(make_tiny("mixtral", **KNOBS), tmp_path, every_w1(shape))
+    refused(ck, tmp_path, method, W1, str(list(shape)))
+
+
+@pytest.mark.parametrize("shape", [(160, 128), (192, 64), (64, 160)])
+def test_split_refuses_a_projection_config_does_not_describe(make_tiny, tmp_path, shape):
+    """A hostile source cannot hand --quantize a projection of any size: config.json's sizes bound each one."""
+    ck = altered(make_tiny("mixtral", **KNOBS), tmp_path, every_w1(shape))
+    refused(ck, tmp_path, "int8", W1, str(list(shape)), "[160, 64]", "config.json")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_quantized_projection_is_read_and_quantized_a_batch_of_rows_at_a_time(make_tiny, monkeypatch, method):
+    """Memory under --quantize is bounded by the batch, not the projection: no read of a projection asks for more
+    than one batch of rows, and the bytes are exactly the whole projection's quantization."""
+    from shardtool.checkpoint import _stream
+    from shardtool.checkpoint._split import prepare_split
+
+    monkeypatch.setattr(_stream, "QUANT_BATCH", 64 * 4 * 8, raising=False)  # 8 rows of 64 float32 inputs
+    ck = make_tiny("mixtral", **KNOBS)
+    job = prepare_split(ck, quantize=method)
+    sources = _stream.Sources(job.checkpoint)
+    asked: list[int] = []
+    chunks = sources.chunks
+    monkeypatch.setattr(sources, "chunks", lambda f, o, n: (asked.append(n), chunks(f, o, n))[1])
+    out = next(o for o in job.outputs if o.kind == "expert")
+    try:
+        got = b"".join(bytes(s) for s in _stream.stream(out, sources))
+    finally:
+        sources.close()
+    tensors = shard_bytes(got)
+    for p in out.pieces:
+        if p.quant is None or p.quant[1] != "data":
+            continue
+        proj = p.name.partition(".")[0]
+        w = np.frombuffer(memoryview((ck / p.file).read_bytes())[p.source.start:p.source.start + p.source.nbytes],
+                          numpy_dtype(p.source.dtype)).reshape(p.source.shape).astype(np.float32)
+        q, d = (blockquant.quantize_q8 if method == "int8" else blockquant.quantize_q4)(w)
+        assert np.array_equal(tensors[p.name], q) and np.array_equal(tensors[f"{proj}.weight_scale"], d)
+    quantized_reads = [n for n in asked if n != out.size]
+    assert quantized_reads and max(quantized_reads) <= 8 * 160 * 2, asked  # 8 rows of 160 BF16 (down_proj)
+
+
+def shard_bytes(data: bytes) -> dict[str, np.ndarray]:
+    import safetensors
+
+    return {name: np.frombuffer(t["data"], numpy_dtype(t["dtype"])).reshape(t["shape"])
+            for name, t in safetensors.deserialize(data)}
+
+
+def _add_beside_w1(suffix: str, dtype, width):
+    def change(t):
+        for name in [n for n in t if n.endswith(".w1.weight")]:
+            w = t[name]
+            t[name.replace(".weight", f".{suffix}")] = np.zeros((w.shape[0], width(w.shape[1])), dtype)
+    return change
+
+
+@pytest.mark.parametrize("suffix, dtype, width", [("weight_q4", np.uint8, lambda c: c // 2),
+                                                  ("weight_scale", np.float16, lambda c: c // 32),
+                                                  ("weight_scale_inv", np.float32, lambda c: 1)])
+def test_split_refuses_a_second_stored_form_beside_a_float_weight(make_tiny, tmp_path, suffix, dtype, width):
+    """The runtime's one-form rule (blockquant.form_tensors) applied while planning, not after signing."""
+    ck = altered(make_tiny("mixtral", **KNOBS), tmp_path, _add_beside_w1(suffix, dtype, width))
+    refused(ck, tmp_path, "int8", f"experts.0.w1.{suffix}" if suffix != "weight_q4" else "more than one form")
+
+
+def test_the_one_form_rule_has_one_home():
+    from runtime._model import _packed
+    from shardtool.checkpoint import _quantize
+
+    for module in (_packed, _quantize):
+        source = Path(module.__file__).read_text()
+        assert "blockquant.form_tensors(" in source and '"weight_scale_inv", ' not in source
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.float64])
+def test_split_refuses_an_expert_projection_it_can_neither_quantize_nor_keep(make_tiny, tmp_path, dtype):
+    def change(t):
+        for name in [n for n in t if n.endswith(".w1.weight")]:
+            t[name] = np.zeros(t[name].shape, dtype)
+            if dtype == np.int8:  # a whole int8 form: still not a source --quantize takes
+                t[name + "_scale"] = np.ones((t[name].shape[0], t[name].shape[1] // 32), np.float16)
+
+    ck = altered(make_tiny("mixtral", **KNOBS), tmp_path, change)
+    line = refused(ck, tmp_path, "int8", W1, "F8_E4M3", "MXFP4")
+    assert "kept as stored (the runtime" not in line
+
+
+def _retouch(out: Path, change) -> None:
+    """Rewrite each expert shard's source record through `change(doc)` and re-make the manifest over the new bytes
+    (what a publisher who edits a quantized split before joining it could do)."""
+    import blake3
+    import struct
+
+    from shardtool.checkpoint._writer import TensorSpec, encode_header
+    from shardtool.manifest import Entry, build_manifest
+
+    for f in out.glob("experts/*/*.safetensors"):
+        b = f.read_bytes()
+        n = struct.unpack("<Q", b[:8])[0]
+        h = json.loads(b[8:8 + n])
+        meta = h.pop("__metadata__")
+        doc = json.loads(meta["shardtool.source"])
+        change(doc)
+        meta["shardtool.source"] = json.dumps(doc)
+        specs = [TensorSpec(k, v["dtype"], tuple(v["shape"]))
+                 for k, v in sorted(h.items(), key=lambda kv: kv[1]["data_offsets"][0])]
+        f.write_bytes(encode_header(specs, meta) + b[8 + n:])
+    m = load_manifest(out / "manifest.msgpack")
+    entries = [Entry(e.path, e.kind, (out / e.path).stat().st_size, blake3.blake3((out / e.path).read_bytes()).digest(),
+                     e.layer, e.expert) for e in m.entries]
+    (out / "manifest.msgpack").write_bytes(build_manifest(entries, model_id="acme/q", version=1).to_bytes())
+
+
+def _falsy(doc):
+    doc["quantized"] = 0
+    for r in doc["tensors"].values():
+        if "quantized" in r:
+            r["quantized"] = 0
+
+
+def _unmarked(doc):
+    doc.pop("quantized", None)
+    for r in doc["tensors"].values():
+        r.pop("quantized", None)
+
+
+@pytest.mark.parametrize("change, method, words", [(_falsy, "int8", ("quantized (0)",)),
+                                                   (_unmarked, "int4", ("weight_q4",)),
+                                                   (_unmarked, "int8", ("I8", "BF16"))])
+def test_join_refuses_a_quantized_split_however_its_records_are_edited(make_tiny, tmp_path, change, method, words):
+    ck = make_tiny("mixtral", **KNOBS)
+    split(ck, tmp_path / "out", "--quantize", method)
+    _retouch(tmp_path / "out", change)
+    r = cli("join", tmp_path / "out", tmp_path / "rebuilt", "--insecure-no-verify", "-q", cwd=tmp_path)
+    assert r.returncode in (1, 2) and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), r.stderr
+    rebuilt = tmp_path / "rebuilt"
+    assert not rebuilt.exists() or not any(p.suffix == ".safetensors" for p in rebuilt.iterdir())
