@@ -27,6 +27,7 @@ from shardtool.checkpoint._plan import Cut, paste, uint_view
 from shardtool.checkpoint._writer import TensorSpec, encode_header
 from shardtool.safetensors_format import DTYPE_SIZES, MAX_HEADER_BYTES, parse_header
 from shardtool.checkpoint._split import QUANTIZED_KEY, SOURCE_FORMAT, SOURCE_KEY
+from shardtool import blockquant
 from shardtool.errors import (CheckpointFormatError, DigestMismatchError, ShardFormatError, StorageError,
                               UsageError)
 
@@ -112,12 +113,11 @@ def _records(header: bytes, file_size: int, where: str) -> tuple[Any, dict[str, 
         raise UsageError(f"this split's routed experts were quantized ({str(marked[0][QUANTIZED_KEY])[:16]}) by "
                          "`split --quantize`: the float checkpoint cannot be rebuilt from it", path=where,
                          hint="join a split made without --quantize; a quantized split is run, not joined")
-    from shardtool import blockquant
-
-    quantized_suffixes = (f".{blockquant.Q4_SUFFIX}", f".{blockquant.SCALE_SUFFIX}")  # only --quantize writes them
     for t in parsed.tensors:
         rec = records[t.name]
-        if t.name.endswith(quantized_suffixes):
+        # only --quantize writes a weight_q4 (a `weight_scale` beside an int8 weight is caught by its dtype below; a
+        # source FP8 checkpoint may name its scales weight_scale, and such a plain split must still join)
+        if t.name.endswith(f".{blockquant.Q4_SUFFIX}"):
             raise UsageError(f"tensor {t.name!r} is block-quantized (`split --quantize`): the float checkpoint "
                              "cannot be rebuilt from it", path=where,
                              hint="join a split made without --quantize; a quantized split is run, not joined")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -495,3 +496,27 @@ def test_preallocated_shards_hold_exactly_the_bytes_written(case: str, make_tiny
     assert len(calls) == len(prealloc.entries)
     assert plain.entries == prealloc.entries
     assert list(prealloc.entries) == sorted(hash_directory(tmp_path / "prealloc", exclude=["manifest.msgpack"]))
+
+
+def test_a_plain_split_whose_fp8_scales_are_named_weight_scale_still_joins(make_tiny, tmp_path: Path) -> None:
+    """Some FP8 checkpoints name their block scales `weight_scale` (the suffix `split --quantize` also writes): join
+    refuses a quantized split by its records and dtypes, never by that name alone."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(_source(make_tiny, "deepseek_v3_fp8"), src)
+    renamed = 0
+    for path in sorted(src.glob("*.safetensors")):
+        arrays = parse_safetensors(path.read_bytes())[0]
+        renamed += sum(n.endswith(".weight_scale_inv") for n in arrays)
+        save_file({n.removesuffix("_inv"): a for n, a in arrays.items()}, str(path))
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        doc = json.loads(index.read_text())
+        doc["weight_map"] = {n.removesuffix("_inv"): f for n, f in doc["weight_map"].items()}
+        index.write_text(json.dumps(doc))
+    assert renamed
+    out, rebuilt = tmp_path / "out", tmp_path / "rebuilt"
+    _split(src, out)
+    join_unsigned(out, rebuilt)
+    assert tensors_of(rebuilt) == tensors_of(src)
