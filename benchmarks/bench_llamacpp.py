@@ -363,13 +363,15 @@ def bench_model(work: Path, name: str, paths: dict[str, Path], quants: list[str]
         if b not in candidates:
             continue
 
-        def ratios(label: str) -> list[float]:
-            return [med[(label, t)] / med[(b, t)] if label in candidates else float("nan") for t in threads]
+        def ratios(label: str) -> list[float | None]:  # None: that mode was not run (--modes)
+            return [med[(label, t)] / med[(b, t)] if label in candidates else None for t in threads]
+
+        def ratio_cells(values: list[float | None]) -> str:
+            return " / ".join("-" if x is None else f"{x:.2f}" for x in values)
 
         ratio, cached = ratios(a), ratios(a + " cached")
         agree = agreement(ids.get(a) or ids[a + " cached"], ids[b])
-        say(f"{ours + ' / ' + ref:<18} {' / '.join(f'{x:.2f}' for x in ratio):>13} "
-            f"{' / '.join(f'{x:.2f}' for x in cached):>14}   {agree}")
+        say(f"{ours + ' / ' + ref:<18} {ratio_cells(ratio):>13} {ratio_cells(cached):>14}   {agree}")
         pairs[f"{ours}/{ref}"] = {"ratio": dict(zip(map(str, threads), ratio)),
                                   "ratio_cached": dict(zip(map(str, threads), cached)), "agreement": agree}
     for q in quants:
