@@ -208,13 +208,18 @@ class ShardStore:
                 misses = s.misses
                 prefetched = entry.path in self._unused  # loaded (or loading) for a prefetch, not evicted since
                 found.append(self._lookup(entry))
-                _count(s.requests, entry.kind)
-                if s.misses == misses:
-                    s.hits += 1
-                    _count(s.request_hits, entry.kind)
-                    if prefetched:
-                        _count(s.prefetch_used, entry.kind)
+                self._count_request(entry, s.misses == misses, prefetched)
         return [self._waiter(got, entry.kind) for got, entry in zip(found, entries)]
+
+    def _count_request(self, entry: Entry, hit: bool, prefetched: bool) -> None:
+        """One shard asked for (under the lock): a hit, and a prefetch that paid off, counted as such."""
+        s = self.stats
+        _count(s.requests, entry.kind)
+        if hit:
+            s.hits += 1
+            _count(s.request_hits, entry.kind)
+            if prefetched:
+                _count(s.prefetch_used, entry.kind)
 
     def _waiter(self, got: Arrays | Future, kind: str) -> Callable[[], Arrays]:
         if not isinstance(got, Future):
@@ -240,9 +245,6 @@ class ShardStore:
             hit = self._cache.get(entry.path)
             if hit is not None and entry.path not in self._unused:
                 self._index.touch(entry.path, use=True)
-                s = self.stats
-                s.hits += 1
-                _count(s.requests, entry.kind)
-                _count(s.request_hits, entry.kind)
+                self._count_request(entry, True, False)
                 return hit
         return self.get_many([entry])[0]
