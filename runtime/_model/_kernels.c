@@ -995,43 +995,49 @@ static int kind_of(const char *s) {
 
 static int cpu_avx2 = 0;
 
-PyDoc_STRVAR(matmul_doc,
-             "matmul(kind, x, data, scale, y, m, out, in_, b0, b1, threads) -> None\n\n"
-             "y[m, out] = x[m, in_] @ W.T for W [out, in_] stored as `kind` (data, scale: see _packed.Packed; bf16 "
-             "data as uint16 and fp8 data as uint8 views; scale None for f32/f16/bf16), float32 x and y, on up to "
-             "`threads` threads with the GIL released. b0, b1: fp8's block (ignored otherwise). Every buffer must "
-             "be C-contiguous with the exact format and length: ValueError otherwise.");
+/* One weight's stored buffers, opened and checked against its kind and shape (see _packed.Packed). */
+typedef struct {
+    int kind;
+    Py_ssize_t out, in, b0, b1;
+    Py_buffer wv, sv;
+    int have_w, have_s;
+} weight_t;
 
-static PyObject *py_matmul(PyObject *self, PyObject *args) {
-    (void)self;
-    const char *kind_s;
-    PyObject *xo, *wo, *so, *yo, *io[6];
-    if (!PyArg_ParseTuple(args, "sOOOOOOOOOO:matmul", &kind_s, &xo, &wo, &so, &yo, &io[0], &io[1], &io[2], &io[3],
-                          &io[4], &io[5]))
-        return NULL;
-    static const char *const int_names[6] = {"m", "out", "in_", "b0", "b1", "threads"};
-    Py_ssize_t iv[6];
-    for (int k = 0; k < 6; k++)
-        if (get_int(io[k], int_names[k], &iv[k]) < 0) return NULL;
-    const Py_ssize_t m = iv[0], out = iv[1], in = iv[2], b0 = iv[3], b1 = iv[4], threads_n = iv[5];
-    int kind = kind_of(kind_s);
-    if (kind < 0) return PyErr_Format(PyExc_ValueError, "unknown weight kind %R", PyTuple_GET_ITEM(args, 0));
+static void weight_release(weight_t *w) {
+    if (w->have_w) PyBuffer_Release(&w->wv);
+    if (w->have_s) PyBuffer_Release(&w->sv);
+    w->have_w = w->have_s = 0;
+}
+
+/* Opens data and scale of a weight [out, in] stored as `kind_s` (bf16 data as a uint16 view, fp8 as uint8; scale
+ * None for f32/f16/bf16): every format, item count and alignment checked before any read. -1 with an exception set
+ * (and nothing left open) otherwise. */
+static int weight_open(weight_t *w, const char *kind_s, PyObject *wo, PyObject *so, Py_ssize_t out, Py_ssize_t in,
+                       Py_ssize_t b0, Py_ssize_t b1) {
+    memset(w, 0, sizeof(*w));
+    const int kind = kind_of(kind_s);
+    if (kind < 0) {
+        PyErr_Format(PyExc_ValueError, "unknown weight kind '%.20s'", kind_s);
+        return -1;
+    }
     const Py_ssize_t cap = (Py_ssize_t)1 << 31;
-    if (m < 1 || out < 1 || in < 1 || m > cap || out > cap || in > cap)
-        return PyErr_Format(PyExc_ValueError, "shape m=%zd out=%zd in=%zd out of range", m, out, in);
-    if (threads_n < 1 || threads_n > MAX_THREADS)
-        return PyErr_Format(PyExc_ValueError, "threads=%zd: expected 1..%d", threads_n, MAX_THREADS);
-    const int threads = (int)threads_n;
-    if ((kind == K_Q8 || kind == K_Q4 || kind == K_MXFP4) && in % QBLOCK)
-        return PyErr_Format(PyExc_ValueError, "%s: in_=%zd is not a multiple of %d", kind_s, in, QBLOCK);
-    if (kind == K_FP8 && (b0 < 1 || b1 < 1 || b0 > cap || b1 > cap))
-        return PyErr_Format(PyExc_ValueError, "fp8: block (%zd, %zd) out of range", b0, b1);
-    Py_ssize_t xn, yn, wn;
-    if (__builtin_mul_overflow(m, in, &xn) || __builtin_mul_overflow(m, out, &yn) ||
-        __builtin_mul_overflow(out, in, &wn) || xn > PY_SSIZE_T_MAX / 4 || yn > PY_SSIZE_T_MAX / 4 ||
-        wn > PY_SSIZE_T_MAX / 4)
-        return PyErr_Format(PyExc_ValueError, "shape m=%zd out=%zd in=%zd too large", m, out, in);
-
+    if (out < 1 || in < 1 || out > cap || in > cap) {
+        PyErr_Format(PyExc_ValueError, "weight shape out=%zd in=%zd out of range", out, in);
+        return -1;
+    }
+    if ((kind == K_Q8 || kind == K_Q4 || kind == K_MXFP4) && in % QBLOCK) {
+        PyErr_Format(PyExc_ValueError, "%s: in_=%zd is not a multiple of %d", kind_s, in, QBLOCK);
+        return -1;
+    }
+    if (kind == K_FP8 && (b0 < 1 || b1 < 1 || b0 > cap || b1 > cap)) {
+        PyErr_Format(PyExc_ValueError, "fp8: block (%zd, %zd) out of range", b0, b1);
+        return -1;
+    }
+    const Py_ssize_t wn = out * in; /* both <= 2^31: no overflow in a 64-bit Py_ssize_t */
+    if (wn > PY_SSIZE_T_MAX / 4) {
+        PyErr_Format(PyExc_ValueError, "weight shape out=%zd in=%zd too large", out, in);
+        return -1;
+    }
     /* data and scale: format, itemsize and item counts per kind */
     char wf = 'f', sf = 0;
     Py_ssize_t wsize = 4, ssize = 0, wcount = wn, scount = 0;
@@ -1047,50 +1053,126 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     case K_Q4: wf = 'B'; wsize = 1; wcount = wn / 2; sf = 'e'; ssize = 2; scount = out * (in / QBLOCK); break;
     case K_MXFP4: wf = 'B'; wsize = 1; wcount = wn / 2; sf = 'B'; ssize = 1; scount = out * (in / QBLOCK); break;
     }
-
-    Py_buffer xv, wv, sv, yv;
-    int have_x = 0, have_w = 0, have_s = 0, have_y = 0;
-    PyObject *result = NULL;
-    if (get_buffer(xo, &xv, "x", 0) < 0) goto done;
-    have_x = 1;
-    if (check_buffer(&xv, "x", 'f', 4, xn) < 0) goto done;
-    if (get_buffer(wo, &wv, "data", 0) < 0) goto done;
-    have_w = 1;
-    if (check_buffer(&wv, "data", wf, wsize, wcount) < 0) goto done;
+    w->kind = kind;
+    w->out = out;
+    w->in = in;
+    w->b0 = b0;
+    w->b1 = b1;
+    if (get_buffer(wo, &w->wv, "data", 0) < 0) return -1;
+    w->have_w = 1;
+    if (check_buffer(&w->wv, "data", wf, wsize, wcount) < 0) goto fail;
     if (sf) {
         if (so == Py_None) {
             PyErr_Format(PyExc_ValueError, "%s: a scale is required", kind_s);
-            goto done;
+            goto fail;
         }
-        if (get_buffer(so, &sv, "scale", 0) < 0) goto done;
-        have_s = 1;
-        if (check_buffer(&sv, "scale", sf, ssize, scount) < 0) goto done;
+        if (get_buffer(so, &w->sv, "scale", 0) < 0) goto fail;
+        w->have_s = 1;
+        if (check_buffer(&w->sv, "scale", sf, ssize, scount) < 0) goto fail;
     } else if (so != Py_None) {
         PyErr_Format(PyExc_ValueError, "%s: no scale expected", kind_s);
+        goto fail;
+    }
+    return 0;
+fail:
+    weight_release(w);
+    return -1;
+}
+
+/* A weight given as the tuple _packed.Packed.native: (kind, data, scale, out, in_, b0, b1). */
+static int weight_open_tuple(weight_t *w, PyObject *t, const char *name) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 7 || !PyUnicode_Check(PyTuple_GET_ITEM(t, 0))) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a (kind, data, scale, out, in_, b0, b1) tuple", name);
+        return -1;
+    }
+    static const char *const int_names[4] = {"out", "in_", "b0", "b1"};
+    Py_ssize_t iv[4];
+    for (int k = 0; k < 4; k++)
+        if (get_int(PyTuple_GET_ITEM(t, 3 + k), int_names[k], &iv[k]) < 0) return -1;
+    const char *kind_s = PyUnicode_AsUTF8(PyTuple_GET_ITEM(t, 0));
+    if (!kind_s) return -1;
+    return weight_open(w, kind_s, PyTuple_GET_ITEM(t, 1), PyTuple_GET_ITEM(t, 2), iv[0], iv[1], iv[2], iv[3]);
+}
+
+static int overlaps(const Py_buffer *a, const void *b0, Py_ssize_t blen) {
+    const char *a0 = (const char *)a->buf, *a1 = a0 + a->len, *c0 = (const char *)b0, *c1 = c0 + blen;
+    return a0 < c1 && c0 < a1;
+}
+
+/* The output buffer y must not overlap any input (it is written while they are read). */
+static int check_disjoint(const Py_buffer *y, const Py_buffer *const *ins, int n) {
+    for (int k = 0; k < n; k++)
+        if (ins[k] && overlaps(ins[k], y->buf, y->len)) {
+            PyErr_SetString(PyExc_ValueError, "y overlaps an input");
+            return -1;
+        }
+    return 0;
+}
+
+static int get_threads(PyObject *o, int *threads) {
+    Py_ssize_t t;
+    if (get_int(o, "threads", &t) < 0) return -1;
+    if (t < 1 || t > MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "threads=%zd: expected 1..%d", t, MAX_THREADS);
+        return -1;
+    }
+    *threads = (int)t;
+    return 0;
+}
+
+static job_t job_of(const weight_t *w, Py_ssize_t m, const float *x, float *y) {
+    job_t j = {w->kind, m, w->out, w->in, w->b0, w->b1, x, w->wv.buf, w->have_s ? w->sv.buf : NULL, y, cpu_avx2,
+               NULL, NULL};
+    return j;
+}
+
+PyDoc_STRVAR(matmul_doc,
+             "matmul(kind, x, data, scale, y, m, out, in_, b0, b1, threads) -> None\n\n"
+             "y[m, out] = x[m, in_] @ W.T for W [out, in_] stored as `kind` (data, scale: see _packed.Packed; bf16 "
+             "data as uint16 and fp8 data as uint8 views; scale None for f32/f16/bf16), float32 x and y, on up to "
+             "`threads` threads with the GIL released. b0, b1: fp8's block (ignored otherwise). Every buffer must "
+             "be C-contiguous with the exact format and length: ValueError otherwise.");
+
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *kind_s;
+    PyObject *xo, *wo, *so, *yo, *io[6];
+    if (!PyArg_ParseTuple(args, "sOOOOOOOOOO:matmul", &kind_s, &xo, &wo, &so, &yo, &io[0], &io[1], &io[2], &io[3],
+                          &io[4], &io[5]))
+        return NULL;
+    static const char *const int_names[5] = {"m", "out", "in_", "b0", "b1"};
+    Py_ssize_t iv[5];
+    for (int k = 0; k < 5; k++)
+        if (get_int(io[k], int_names[k], &iv[k]) < 0) return NULL;
+    int threads;
+    if (get_threads(io[5], &threads) < 0) return NULL;
+    const Py_ssize_t m = iv[0];
+    if (m < 1 || m > ((Py_ssize_t)1 << 31))
+        return PyErr_Format(PyExc_ValueError, "shape m=%zd out=%zd in=%zd out of range", m, iv[1], iv[2]);
+    weight_t w;
+    if (weight_open(&w, kind_s, wo, so, iv[1], iv[2], iv[3], iv[4]) < 0) return NULL;
+    PyObject *result = NULL;
+    Py_buffer xv, yv;
+    int have_x = 0, have_y = 0;
+    const Py_ssize_t xn = m * w.in, yn = m * w.out;
+    if (xn > PY_SSIZE_T_MAX / 8 || yn > PY_SSIZE_T_MAX / 8) {
+        PyErr_Format(PyExc_ValueError, "shape m=%zd out=%zd in=%zd too large", m, w.out, w.in);
         goto done;
     }
+    if (get_buffer(xo, &xv, "x", 0) < 0) goto done;
+    have_x = 1;
+    if (check_buffer(&xv, "x", 'f', 4, xn) < 0) goto done;
     if (get_buffer(yo, &yv, "y", 1) < 0) goto done;
     have_y = 1;
     if (check_buffer(&yv, "y", 'f', 4, yn) < 0) goto done;
     {
-        /* y is written while x, data and scale are read: it must not overlap any of them */
-        const char *y0 = (const char *)yv.buf, *y1 = y0 + yv.len;
-        const Py_buffer *ins[3] = {&xv, &wv, have_s ? &sv : NULL};
-        for (int k = 0; k < 3; k++) {
-            if (!ins[k]) continue;
-            const char *a0 = (const char *)ins[k]->buf, *a1 = a0 + ins[k]->len;
-            if (a0 < y1 && y0 < a1) {
-                PyErr_SetString(PyExc_ValueError, "y overlaps an input");
-                goto done;
-            }
-        }
+        const Py_buffer *ins[3] = {&xv, &w.wv, w.have_s ? &w.sv : NULL};
+        if (check_disjoint(&yv, ins, 3) < 0) goto done;
     }
-
-    job_t j = {kind, m, out, in, b0, b1, (const float *)xv.buf, wv.buf, have_s ? sv.buf : NULL, (float *)yv.buf,
-               cpu_avx2, NULL, NULL};
+    job_t j = job_of(&w, m, (const float *)xv.buf, (float *)yv.buf);
     int rc;
     pool_after_fork_check();
-    if (xn + wn < GIL_WORK) {
+    if (xn + w.out * w.in < GIL_WORK) {
         /* too small to be worth giving the GIL away (taking it back can wait for another thread's switch) */
         rc = run_job(&j, 1);
     } else {
@@ -1105,9 +1187,334 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     result = Py_NewRef(Py_None);
 done:
     if (have_x) PyBuffer_Release(&xv);
-    if (have_w) PyBuffer_Release(&wv);
-    if (have_s) PyBuffer_Release(&sv);
     if (have_y) PyBuffer_Release(&yv);
+    weight_release(&w);
+    return result;
+}
+
+PyDoc_STRVAR(product_doc,
+             "product(w, x, y, threads) -> None\n\n"
+             "matmul with the weight given as its Packed.native tuple (kind, data, scale, out, in_, b0, b1): "
+             "y[m, out] = x[m, in_] @ W.T, m = len(x) / in_ (x must hold a whole number of rows).");
+
+static PyObject *py_product(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) return PyErr_Format(PyExc_TypeError, "product expects 4 arguments, got %zd", nargs);
+    int threads;
+    if (get_threads(args[3], &threads) < 0) return NULL;
+    weight_t w;
+    if (weight_open_tuple(&w, args[0], "w") < 0) return NULL;
+    PyObject *result = NULL;
+    Py_buffer xv, yv;
+    int have_x = 0, have_y = 0;
+    if (get_buffer(args[1], &xv, "x", 0) < 0) goto done;
+    have_x = 1;
+    const Py_ssize_t m = xv.len / 4 / w.in;
+    if (m < 1 || check_buffer(&xv, "x", 'f', 4, m * w.in) < 0) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "x: expected rows of %zd floats", w.in);
+        goto done;
+    }
+    if (get_buffer(args[2], &yv, "y", 1) < 0) goto done;
+    have_y = 1;
+    if (check_buffer(&yv, "y", 'f', 4, m * w.out) < 0) goto done;
+    {
+        const Py_buffer *ins[3] = {&xv, &w.wv, w.have_s ? &w.sv : NULL};
+        if (check_disjoint(&yv, ins, 3) < 0) goto done;
+    }
+    job_t j = job_of(&w, m, (const float *)xv.buf, (float *)yv.buf);
+    int rc;
+    pool_after_fork_check();
+    if (m * w.in + w.out * w.in < GIL_WORK) {
+        rc = run_job(&j, 1);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        rc = run_job(&j, threads);
+        Py_END_ALLOW_THREADS
+    }
+    if (rc) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    if (have_x) PyBuffer_Release(&xv);
+    if (have_y) PyBuffer_Release(&yv);
+    weight_release(&w);
+    return result;
+}
+
+/* ---------------------------------------------------------------- fused steps of a layer */
+
+/* h[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u, in place in g (float32 throughout, as the numpy path) */
+static void silu_mul(float *g, const float *u, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const float v = g[i];
+        g[i] = v / (1.0f + expf(-v)) * u[i];
+    }
+}
+
+PyDoc_STRVAR(swiglu_doc,
+             "swiglu(gate, up, down, x, y, threads) -> None\n\n"
+             "The SwiGLU expert in one call: y[m, H] = down(silu(gate x) * up x) for x [m, H], gate and up [I, H], "
+             "down [H, I], each a Packed.native tuple (kind, data, scale, out, in_, b0, b1); the [m, I] "
+             "intermediates are the call's own. Shapes must chain: ValueError otherwise.");
+
+static PyObject *py_swiglu(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6) return PyErr_Format(PyExc_TypeError, "swiglu expects 6 arguments, got %zd", nargs);
+    int threads;
+    if (get_threads(args[5], &threads) < 0) return NULL;
+    weight_t w[3];
+    int opened = 0;
+    PyObject *result = NULL;
+    Py_buffer xv, yv;
+    int have_x = 0, have_y = 0;
+    float *g = NULL, *u = NULL;
+    static const char *const names[3] = {"gate", "up", "down"};
+    for (; opened < 3; opened++)
+        if (weight_open_tuple(&w[opened], args[opened], names[opened]) < 0) goto done;
+    const Py_ssize_t hid = w[0].in, inter = w[0].out;
+    if (w[1].in != hid || w[1].out != inter || w[2].in != inter || w[2].out != hid) {
+        PyErr_Format(PyExc_ValueError, "swiglu: gate [%zd, %zd], up [%zd, %zd], down [%zd, %zd] do not chain",
+                     w[0].out, w[0].in, w[1].out, w[1].in, w[2].out, w[2].in);
+        goto done;
+    }
+    if (get_buffer(args[3], &xv, "x", 0) < 0) goto done;
+    have_x = 1;
+    const Py_ssize_t m = xv.len / 4 / hid;
+    if (m < 1 || m > ((Py_ssize_t)1 << 20) || check_buffer(&xv, "x", 'f', 4, m * hid) < 0) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "x: expected 1 to 2^20 rows of %zd floats", hid);
+        goto done;
+    }
+    if (get_buffer(args[4], &yv, "y", 1) < 0) goto done;
+    have_y = 1;
+    if (check_buffer(&yv, "y", 'f', 4, m * hid) < 0) goto done;
+    {
+        const Py_buffer *ins[7] = {&xv, &w[0].wv, w[0].have_s ? &w[0].sv : NULL, &w[1].wv,
+                                   w[1].have_s ? &w[1].sv : NULL, &w[2].wv, w[2].have_s ? &w[2].sv : NULL};
+        if (check_disjoint(&yv, ins, 7) < 0) goto done;
+    }
+    g = (float *)malloc((size_t)(m * inter) * sizeof(float));
+    u = (float *)malloc((size_t)(m * inter) * sizeof(float));
+    if (!g || !u) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    {
+        job_t jg = job_of(&w[0], m, (const float *)xv.buf, g), ju = job_of(&w[1], m, (const float *)xv.buf, u);
+        job_t jd = job_of(&w[2], m, g, (float *)yv.buf);
+        const int t = m * hid + 3 * inter * hid < GIL_WORK ? 1 : threads;
+        int rc;
+        pool_after_fork_check();
+        Py_BEGIN_ALLOW_THREADS
+        rc = run_job(&jg, t);
+        if (!rc) rc = run_job(&ju, t);
+        if (!rc) silu_mul(g, u, m * inter);
+        if (!rc) rc = run_job(&jd, t);
+        Py_END_ALLOW_THREADS
+        if (rc) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    free(g);
+    free(u);
+    if (have_x) PyBuffer_Release(&xv);
+    if (have_y) PyBuffer_Release(&yv);
+    for (int k = 0; k < opened; k++) weight_release(&w[k]);
+    return result;
+}
+
+PyDoc_STRVAR(rms_norm_doc,
+             "rms_norm(x, w, eps, y) -> None\n\n"
+             "y[m, d] = w * x * rsqrt(mean(x^2) + eps) per row, float32 (the sum of squares in double).");
+
+static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) return PyErr_Format(PyExc_TypeError, "rms_norm expects 4 arguments, got %zd", nargs);
+    const double eps = PyFloat_AsDouble(args[2]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    Py_buffer xv, wv, yv;
+    if (get_buffer(args[1], &wv, "w", 0) < 0) return NULL;
+    PyObject *result = NULL;
+    int have_x = 0, have_y = 0;
+    const Py_ssize_t d = wv.len / 4;
+    if (d < 1 || check_buffer(&wv, "w", 'f', 4, d) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "w: expected a non-empty float32 vector");
+        goto done;
+    }
+    if (get_buffer(args[0], &xv, "x", 0) < 0) goto done;
+    have_x = 1;
+    const Py_ssize_t m = xv.len / 4 / d;
+    if (m < 1 || check_buffer(&xv, "x", 'f', 4, m * d) < 0) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "x: expected rows of %zd floats", d);
+        goto done;
+    }
+    if (get_buffer(args[3], &yv, "y", 1) < 0) goto done;
+    have_y = 1;
+    if (check_buffer(&yv, "y", 'f', 4, m * d) < 0) goto done;
+    {
+        const Py_buffer *ins[2] = {&xv, &wv};
+        if (check_disjoint(&yv, ins, 2) < 0) goto done;
+    }
+    {
+        const float *x = (const float *)xv.buf, *w = (const float *)wv.buf;
+        float *y = (float *)yv.buf;
+        for (Py_ssize_t r = 0; r < m; r++, x += d, y += d) {
+            double ss = 0;
+            for (Py_ssize_t i = 0; i < d; i++) ss += (double)x[i] * x[i];
+            const float inv = 1.0f / sqrtf((float)(ss / d) + (float)eps);
+            for (Py_ssize_t i = 0; i < d; i++) y[i] = x[i] * inv * w[i];
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&wv);
+    if (have_x) PyBuffer_Release(&xv);
+    if (have_y) PyBuffer_Release(&yv);
+    return result;
+}
+
+/* A [heads, S, d] float32 array whose rows are contiguous and heads evenly strided (a KV cache's view). */
+static int get_heads(PyObject *o, Py_buffer *v, const char *name, Py_ssize_t heads, Py_ssize_t *s, Py_ssize_t d) {
+    if (PyObject_GetBuffer(o, v, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: expected a strided buffer", name);
+        return -1;
+    }
+    const char *f = v->format ? v->format : "B";
+    if (f[0] == '@' || f[0] == '=' || (f[0] == '<' && PY_LITTLE_ENDIAN)) f++;
+    if (f[0] != 'f' || f[1] != '\0' || v->itemsize != 4 || v->ndim != 3 || v->shape[0] != heads || v->shape[2] != d ||
+        v->shape[1] < 1 || v->strides[2] != 4 || v->strides[1] != 4 * d || v->strides[0] < 4 * d * v->shape[1] ||
+        (uintptr_t)v->buf % 4) {
+        PyErr_Format(PyExc_ValueError, "%s: expected float32 [%zd, S, %zd] with contiguous rows", name, heads, d);
+        PyBuffer_Release(v);
+        return -1;
+    }
+    *s = v->shape[1];
+    return 0;
+}
+
+static float dot_any(const float *a, const float *b, Py_ssize_t n) {
+#if HAVE_X86_KERNELS
+    if (cpu_avx2) return dot_f32_avx2(a, b, n);
+#endif
+    return dot_plain(a, b, n);
+}
+
+/* out[d] += p * v[d] */
+static void axpy_any(float *out, float p, const float *v, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) out[i] += p * v[i];
+}
+
+PyDoc_STRVAR(attend_row_doc,
+             "attend_row(q, k, v, scale, out) -> None\n\n"
+             "One query row against every cached key (a decode step): q [nh, d], k [kvh, S, d], v [kvh, S, dv] "
+             "(rows contiguous, heads strided: a KV cache's view), out [nh, dv]; query head h reads key/value head "
+             "h // (nh / kvh); softmax(q k^T * scale) v, float32.");
+
+static PyObject *py_attend_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5) return PyErr_Format(PyExc_TypeError, "attend_row expects 5 arguments, got %zd", nargs);
+    const double scale = PyFloat_AsDouble(args[3]);
+    if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    Py_buffer qv, kv, vv, ov;
+    int have_q = 0, have_k = 0, have_v = 0, have_o = 0;
+    PyObject *result = NULL;
+    float *p = NULL;
+    if (PyObject_GetBuffer(args[1], &kv, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return PyErr_Format(PyExc_ValueError, "k: expected a strided buffer");
+    }
+    if (kv.ndim != 3) {
+        PyBuffer_Release(&kv);
+        return PyErr_Format(PyExc_ValueError, "k: expected 3 dimensions [kvh, S, d]");
+    }
+    const Py_ssize_t kvh = kv.shape[0], d = kv.shape[2];
+    PyBuffer_Release(&kv);
+    Py_ssize_t s, s2;
+    if (kvh < 1 || d < 1 || get_heads(args[1], &kv, "k", kvh, &s, d) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "k: empty");
+        return NULL;
+    }
+    have_k = 1;
+    if (PyObject_GetBuffer(args[2], &vv, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "v: expected a strided buffer");
+        goto done;
+    }
+    const Py_ssize_t dv = vv.ndim == 3 ? vv.shape[2] : 0;
+    PyBuffer_Release(&vv);
+    if (dv < 1 || get_heads(args[2], &vv, "v", kvh, &s2, dv) < 0) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "v: expected float32 [%zd, S, dv]", kvh);
+        goto done;
+    }
+    have_v = 1;
+    if (s2 != s) {
+        PyErr_Format(PyExc_ValueError, "k has %zd positions, v %zd", s, s2);
+        goto done;
+    }
+    if (get_buffer(args[0], &qv, "q", 0) < 0) goto done;
+    have_q = 1;
+    const Py_ssize_t nh = qv.len / 4 / d;
+    if (nh < kvh || nh % kvh || check_buffer(&qv, "q", 'f', 4, nh * d) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "q: expected [nh, %zd] with nh a multiple of %zd", d, kvh);
+        goto done;
+    }
+    if (get_buffer(args[4], &ov, "out", 1) < 0) goto done;
+    have_o = 1;
+    if (check_buffer(&ov, "out", 'f', 4, nh * dv) < 0) goto done;
+    {
+        const Py_buffer *ins[1] = {&qv};
+        if (check_disjoint(&ov, ins, 1) < 0) goto done;
+        /* k and v are strided views: their extent is from buf to the last row's end */
+        const Py_ssize_t kext = (kvh - 1) * kv.strides[0] + s * d * 4, vext = (kvh - 1) * vv.strides[0] + s * dv * 4;
+        if (overlaps(&ov, kv.buf, kext) || overlaps(&ov, vv.buf, vext)) {
+            PyErr_SetString(PyExc_ValueError, "out overlaps an input");
+            goto done;
+        }
+    }
+    p = (float *)malloc((size_t)s * sizeof(float));
+    if (!p) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    {
+        const Py_ssize_t g = nh / kvh;
+        const float sc = (float)scale;
+        const int release = nh * s * (d + dv) > GIL_WORK;
+        PyThreadState *ts = release ? PyEval_SaveThread() : NULL;
+        for (Py_ssize_t h = 0; h < nh; h++) {
+            const Py_ssize_t kh = h / g;
+            const float *q = (const float *)qv.buf + h * d;
+            const char *kb = (const char *)kv.buf + kh * kv.strides[0], *vb = (const char *)vv.buf + kh * vv.strides[0];
+            float mx = -INFINITY;
+            for (Py_ssize_t t = 0; t < s; t++) {
+                p[t] = dot_any(q, (const float *)kb + t * d, d) * sc;
+                if (p[t] > mx) mx = p[t];
+            }
+            float sum = 0;
+            for (Py_ssize_t t = 0; t < s; t++) {
+                p[t] = expf(p[t] - mx);
+                sum += p[t];
+            }
+            const float inv = 1.0f / sum;
+            float *o = (float *)ov.buf + h * dv;
+            memset(o, 0, (size_t)dv * sizeof(float));
+            for (Py_ssize_t t = 0; t < s; t++) axpy_any(o, p[t] * inv, (const float *)vb + t * dv, dv);
+        }
+        if (release) PyEval_RestoreThread(ts);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    free(p);
+    if (have_q) PyBuffer_Release(&qv);
+    if (have_k) PyBuffer_Release(&kv);
+    if (have_v) PyBuffer_Release(&vv);
+    if (have_o) PyBuffer_Release(&ov);
     return result;
 }
 
@@ -1177,6 +1584,10 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 
 static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, matmul_doc},
+    {"product", (PyCFunction)(void (*)(void))py_product, METH_FASTCALL, product_doc},
+    {"swiglu", (PyCFunction)(void (*)(void))py_swiglu, METH_FASTCALL, swiglu_doc},
+    {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, rms_norm_doc},
+    {"attend_row", (PyCFunction)(void (*)(void))py_attend_row, METH_FASTCALL, attend_row_doc},
     {"nonfinite", py_nonfinite, METH_VARARGS, nonfinite_doc},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use: 'avx2' or 'plain'."},
     {"use_simd", py_set_isa, METH_O,

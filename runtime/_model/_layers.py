@@ -13,7 +13,7 @@ import numpy as np
 
 from shardtool.errors import ShardtoolError
 
-from . import _llama4
+from . import _fused, _llama4
 from ._config import ModelConfig
 from . import _packed
 from ._gpt_oss import route_topk_softmax, sink_softmax
@@ -58,6 +58,9 @@ def linear(x: np.ndarray, w: np.ndarray | _packed.Packed, b: np.ndarray | None =
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """# [..., d], [d] -> [..., d]  (T5/Llama RMSNorm: weight * x * rsqrt(mean(x^2) + eps))"""
+    fused = _fused.rms_norm(x, w, eps)
+    if fused is not None:
+        return fused
     variance = np.add.reduce(x * x, axis=-1, keepdims=True)  # [..., 1]
     variance /= x.shape[-1]  # np.mean's sum and division, less overhead
     variance += np.float32(eps)
@@ -95,6 +98,10 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 def expert_mlp(x: np.ndarray, gate: _packed.Packed | np.ndarray, up: _packed.Packed | np.ndarray,
                down: _packed.Packed | np.ndarray) -> np.ndarray:
     """# [m, H], [I, H], [I, H], [H, I] -> [m, H]  (SwiGLU: down(silu(gate x) * up x))"""
+    if type(gate) is _packed.Packed and type(up) is _packed.Packed and type(down) is _packed.Packed:
+        fused = _fused.swiglu(x, gate, up, down)
+        if fused is not None:
+            return fused
     hidden = silu(matmul_t(x, gate))  # [m, I]
     hidden *= matmul_t(x, up)
     return matmul_t(hidden, down)
@@ -142,6 +149,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
 def _attention_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
     """# [1, nh, d], [kvh, S, d], [kvh, S, dv] -> [1, nh, dv]: `attention` for one query row that sees every key
     (a decode step): the same products on the same shapes, without the transposes and the mask."""
+    fused = _fused.attend_row(q, k, v, scale)
+    if fused is not None:
+        return fused
     _, nh, d = q.shape
     kvh, _, dv = v.shape
     scores = q.reshape(kvh, nh // kvh, d) @ k.transpose(0, 2, 1)  # [kvh, g, S]

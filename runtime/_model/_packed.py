@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -67,6 +67,15 @@ class Packed:
     data: np.ndarray
     scale: np.ndarray | None = None
     block: tuple[int, int] | None = None
+    # what the extension is handed: (kind, data (bf16 as a uint16 view, fp8 as uint8), scale, out, in, b0, b1), made
+    # once here so that a product pays no per-call Python work for it
+    native: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        raw = _RAW.get(self.kind)
+        b0, b1 = self.block or (0, 0)
+        object.__setattr__(self, "native", (self.kind, self.data if raw is None else self.data.view(raw), self.scale,
+                                            self.shape[0], self.shape[1], b0, b1))
 
     @property
     def nbytes(self) -> int:
@@ -245,10 +254,9 @@ def matmul_t(x: np.ndarray, w: Packed) -> np.ndarray:
         return matmul_t_reference(x, w)
     x = _float32_rows(x)
     y = np.empty((m, out_f), np.float32)
-    raw = _RAW.get(w.kind)
-    b0, b1 = w.block or (0, 0)
-    _native.matmul(w.kind, x, w.data if raw is None else w.data.view(raw), w.scale, y, m, out_f, in_f, b0, b1,
-                   _threads)
+    if x.shape[1] != in_f:
+        raise ValueError(f"x has {x.shape[1]} columns, the weight {in_f} inputs")
+    _native.product(w.native, x, y, _threads)
     return y
 
 

@@ -1,0 +1,52 @@
+"""Fused native steps of a decoder layer: one extension call where the numpy definition takes several.
+
+Each function returns its result, or None when the native kernels are not in use (not built, SHARDTOOL_KERNELS=0)
+or the arguments are not in the form the kernel takes; the caller then runs the numpy definition in `_layers`,
+which stays the reference each of these must agree with (up to float32 rounding: the sums run in another order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _packed
+
+_F32 = np.dtype(np.float32)
+
+
+def _plain(a: np.ndarray) -> bool:
+    """float32, C-contiguous and aligned: what the extension reads without a copy."""
+    f = a.flags
+    return a.dtype == _F32 and f.c_contiguous and f.aligned
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray | None:
+    """# [..., d], [d] -> [..., d]  (`_layers.rms_norm`)"""
+    native = _packed._native
+    if native is None or not (_plain(x) and _plain(w)) or w.ndim != 1 or x.shape[-1] != w.shape[0] or not x.size:
+        return None
+    y = np.empty_like(x)
+    native.rms_norm(x, w, eps, y)
+    return y
+
+
+def attend_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray | None:
+    """# [1, nh, d], [kvh, S, d], [kvh, S, dv] -> [1, nh, dv]  (`_layers._attention_row`: one decode row that sees
+    every key; k and v may be a KV cache's strided views)"""
+    native = _packed._native
+    if native is None or not _plain(q) or k.dtype != _F32 or v.dtype != _F32:
+        return None
+    out = np.empty((1, q.shape[1], v.shape[2]), np.float32)
+    native.attend_row(q, k, v, scale, out)
+    return out
+
+
+def swiglu(x: np.ndarray, gate: _packed.Packed, up: _packed.Packed, down: _packed.Packed) -> np.ndarray | None:
+    """# [m, H], [I, H], [I, H], [H, I] -> [m, H]  (`_layers.expert_mlp`: down(silu(gate x) * up x) in one call)"""
+    native = _packed._native
+    if native is None or not x.size:
+        return None
+    x = _packed._float32_rows(x)
+    y = np.empty((x.shape[0], down.shape[0]), np.float32)
+    native.swiglu(gate.native, up.native, down.native, x, y, _packed._threads)
+    return y
