@@ -197,9 +197,10 @@ def has_quantize() -> bool:
     return "--quantize" in out.stdout
 
 
-def build(work: Path, name: str, sdist: Path, quants: list[str]) -> dict[str, Path]:
-    """Checkpoint, GGUFs and signed splits of model `name`. Each is made once, under a temporary name renamed when
-    complete, and reused while the knobs (kept in a marker) stay the same."""
+def build(work: Path, name: str, sdist: Path, quants: list[str], formats: list[str]) -> dict[str, Path]:
+    """Checkpoint, the GGUFs of `formats` (and F32, Q4_0's source) and signed splits of model `name`. Each is made
+    once, under a temporary name renamed when complete, and reused while the knobs (kept in a marker) stay the
+    same."""
     sys.path.insert(0, str(HERE))
     from _harness import make_mixtral_without_eos
 
@@ -210,7 +211,8 @@ def build(work: Path, name: str, sdist: Path, quants: list[str]) -> dict[str, Pa
         shutil.rmtree(base, ignore_errors=True)
         base.mkdir(parents=True)
         marker.write_text(json.dumps(want))
-    paths = {f"gguf-{t}": base / f"model-{t}.gguf" for t in GGUF_TYPES}
+    ggufs = [t for t in GGUF_TYPES if t in formats or (t == "F32" and "Q4_0" in formats)]
+    paths = {f"gguf-{t}": base / f"model-{t}.gguf" for t in ggufs}
     paths.update({"float": base / "split-float", **{q: base / f"split-{q}" for q in quants}})
     ck = base / "ck"
     if all(p.exists() for p in paths.values()):
@@ -221,7 +223,7 @@ def build(work: Path, name: str, sdist: Path, quants: list[str]) -> dict[str, Pa
         shutil.rmtree(base / "ck.tmp", ignore_errors=True)
         make_mixtral_without_eos(base / "ck.tmp", MODELS[name])
         (base / "ck.tmp").rename(ck)
-    for t in GGUF_TYPES:
+    for t in ggufs:
         out = paths[f"gguf-{t}"]
         if out.exists():
             continue
@@ -429,7 +431,7 @@ def main() -> int:
     say(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (shared: trust ratios, not times)")
     results = {}
     for name in ["small", *(["big"] if args.big else [])]:
-        paths = build(work, name, sdist_dir, quants)
+        paths = build(work, name, sdist_dir, quants, formats)
         results[name] = bench_model(work, name, paths, quants, threads, args.repeats, args.tokens, formats, modes)
     say(f"\nllama.cpp: {results['small']['llama_cpp_system_info']}")
     if args.json:

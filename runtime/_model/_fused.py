@@ -30,6 +30,18 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray | None:
     return y
 
 
+def rope_row(q: np.ndarray, k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> bool:
+    """# q [1, nh, d], k [1, kvh, d], cos, sin [1, d]: both rotated in place (`_rope.apply_rope` on one position);
+    False (nothing changed) where the extension cannot take them."""
+    native = _packed._native
+    if (native is None or not (_plain(q) and _plain(k) and _plain(cos) and _plain(sin)) or cos.shape[0] != 1
+            or not q.shape[-1] == k.shape[-1] == cos.shape[-1] == sin.shape[-1]):
+        return False
+    native.rope(q, cos, sin)
+    native.rope(k, cos, sin)
+    return True
+
+
 def attend_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray | None:
     """# [1, nh, d], [kvh, S, d], [kvh, S, dv] -> [1, nh, dv]  (`_layers._attention_row`: one decode row that sees
     every key; k and v may be a KV cache's strided views)"""

@@ -1377,6 +1377,56 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(rope_doc,
+             "rope(x, cos, sin) -> None\n\n"
+             "Rotary position embedding in place on the rows of x [r, d] (every head of one position): "
+             "x = x * cos + rotate_half(x) * sin with cos, sin [d] and rotate_half pairing channel i with i + d/2.");
+
+static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) return PyErr_Format(PyExc_TypeError, "rope expects 3 arguments, got %zd", nargs);
+    Py_buffer xv, cv, sv;
+    if (get_buffer(args[1], &cv, "cos", 0) < 0) return NULL;
+    PyObject *result = NULL;
+    int have_s = 0, have_x = 0;
+    const Py_ssize_t d = cv.len / 4;
+    if (d < 2 || d % 2 || check_buffer(&cv, "cos", 'f', 4, d) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "cos: expected an even, non-empty float32 vector");
+        goto done;
+    }
+    if (get_buffer(args[2], &sv, "sin", 0) < 0) goto done;
+    have_s = 1;
+    if (check_buffer(&sv, "sin", 'f', 4, d) < 0) goto done;
+    if (get_buffer(args[0], &xv, "x", 1) < 0) goto done;
+    have_x = 1;
+    const Py_ssize_t rows = xv.len / 4 / d;
+    if (rows < 1 || check_buffer(&xv, "x", 'f', 4, rows * d) < 0) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "x: expected rows of %zd floats", d);
+        goto done;
+    }
+    if (overlaps(&xv, cv.buf, cv.len) || overlaps(&xv, sv.buf, sv.len)) {
+        PyErr_SetString(PyExc_ValueError, "x overlaps cos or sin");
+        goto done;
+    }
+    {
+        const float *c = (const float *)cv.buf, *sn = (const float *)sv.buf;
+        const Py_ssize_t half = d / 2;
+        float *x = (float *)xv.buf;
+        for (Py_ssize_t r = 0; r < rows; r++, x += d)
+            for (Py_ssize_t i = 0; i < half; i++) {
+                const float a = x[i], b = x[i + half];
+                x[i] = a * c[i] + -b * sn[i];
+                x[i + half] = b * c[i + half] + a * sn[i + half];
+            }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&cv);
+    if (have_s) PyBuffer_Release(&sv);
+    if (have_x) PyBuffer_Release(&xv);
+    return result;
+}
+
 /* A [heads, S, d] float32 array whose rows are contiguous and heads evenly strided (a KV cache's view). */
 static int get_heads(PyObject *o, Py_buffer *v, const char *name, Py_ssize_t heads, Py_ssize_t *s, Py_ssize_t d) {
     if (PyObject_GetBuffer(o, v, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
@@ -1404,8 +1454,24 @@ static float dot_any(const float *a, const float *b, Py_ssize_t n) {
     return dot_plain(a, b, n);
 }
 
+#if HAVE_X86_KERNELS
+TARGET_AVX2 static void axpy_avx2(float *out, float p, const float *v, Py_ssize_t n) {
+    const __m256 pv = _mm256_set1_ps(p);
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+    for (; i < n; i++) out[i] += p * v[i];
+}
+#endif
+
 /* out[d] += p * v[d] */
 static void axpy_any(float *out, float p, const float *v, Py_ssize_t n) {
+#if HAVE_X86_KERNELS
+    if (cpu_avx2) {
+        axpy_avx2(out, p, v, n);
+        return;
+    }
+#endif
     for (Py_ssize_t i = 0; i < n; i++) out[i] += p * v[i];
 }
 
@@ -1588,6 +1654,7 @@ static PyMethodDef methods[] = {
     {"swiglu", (PyCFunction)(void (*)(void))py_swiglu, METH_FASTCALL, swiglu_doc},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, rms_norm_doc},
     {"attend_row", (PyCFunction)(void (*)(void))py_attend_row, METH_FASTCALL, attend_row_doc},
+    {"rope", (PyCFunction)(void (*)(void))py_rope, METH_FASTCALL, rope_doc},
     {"nonfinite", py_nonfinite, METH_VARARGS, nonfinite_doc},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use: 'avx2' or 'plain'."},
     {"use_simd", py_set_isa, METH_O,

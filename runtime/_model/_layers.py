@@ -182,7 +182,7 @@ def gqa_attention(x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray, 
     if cfg.chunked_nope is not None:  # Llama 4: interleaved RoPE + L2 norm, or a NoPE layer (cos is None)
         q, k = _llama4.position_qk(q, k, cos, sin, cfg.chunked_nope, cfg.rms_norm_eps,
                                    cfg.rope.interleave)
-    else:
+    elif not (t == 1 and _fused.rope_row(q, k, cos, sin)):  # one decode row: rotated in place, natively
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     keys, values = append_kv(k.transpose(1, 0, 2), v.transpose(1, 0, 2))
     if cfg.chunked_nope is not None and cos is None:

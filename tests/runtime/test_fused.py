@@ -121,3 +121,21 @@ def test_swiglu_refuses_shapes_that_do_not_chain_and_overlaps():
         _kernels.swiglu(lying, gate.native, down.native, x, y, 1)
     with pytest.raises(ValueError):
         _kernels.swiglu(gate.native, gate.native, down.native, np.ones((1, 15), np.float32), y, 1)
+
+
+@pytest.mark.parametrize("nh,kvh,d", [(8, 2, 64), (4, 4, 16)])
+def test_rope_row_matches_apply_rope(monkeypatch, nh, kvh, d):
+    from shardtool.runtime._model._rope import apply_rope, cos_sin
+
+    rng = np.random.default_rng(5)
+    cos, sin = cos_sin((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32), 1.0, np.array([37]))
+    q = rng.standard_normal((1, nh, d)).astype(np.float32)
+    k = rng.standard_normal((1, kvh, d)).astype(np.float32)
+    want_q, want_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    assert _fused.rope_row(q, k, cos, sin)
+    close(q, want_q, 1e-6)
+    close(k, want_k, 1e-6)
+    half = cos[:, : d // 2].copy()  # a partial rotary table: not this kernel's case, nothing is touched
+    before = q.copy()
+    assert not _fused.rope_row(q, k, half, half)
+    np.testing.assert_array_equal(q, before)
