@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -733,11 +734,41 @@ static int take_chunks(const job_t *j, Py_ssize_t chunks, Py_ssize_t rows) {
     }
 }
 
+/* A decode step calls products back to back with a little Python between them; a worker that went to sleep on the
+ * condition variable takes tens of microseconds to be woken and scheduled, longer than a small product lasts, so the
+ * caller would compute it alone. A worker therefore watches for the next job for up to SPIN_NS before it sleeps. */
+#define SPIN_NS 200000L
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long)t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Called with pool_mu held; returns with it held, after a new job's generation was published or the spin ended. */
+static void spin_for_job(unsigned long seen) {
+    if (__atomic_load_n(&pool_gen, __ATOMIC_RELAXED) != seen) return;
+    pthread_mutex_unlock(&pool_mu);
+    const long until = now_ns() + SPIN_NS;
+    for (int i = 0; __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE) == seen; i++) {
+        cpu_relax();
+        if ((i & 63) == 63 && now_ns() > until) break;
+    }
+    pthread_mutex_lock(&pool_mu);
+}
+
 static void *worker_main(void *arg) {
     const int k = (int)(intptr_t)arg;
     pthread_mutex_lock(&pool_mu);
     unsigned long seen = worker_seen[k];
     for (;;) {
+        spin_for_job(seen);
         while (pool_gen == seen) pthread_cond_wait(&pool_go, &pool_mu);
         seen = pool_gen;
         if (!pool_busy || k >= pool_wanted) continue; /* that job is over, or wants fewer threads */
@@ -832,7 +863,7 @@ static int run_job_rows(const job_t *j, int threads) {
         pool_failed = 0;
         __atomic_store_n(&pool_next, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&pool_finished, 0, __ATOMIC_RELAXED);
-        pool_gen++;
+        __atomic_add_fetch(&pool_gen, 1, __ATOMIC_RELEASE); /* read without the lock by spinning workers */
         pthread_cond_broadcast(&pool_go);
         pthread_mutex_unlock(&pool_mu);
 
