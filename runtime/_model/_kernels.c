@@ -265,8 +265,51 @@ TARGET_AVX2 static void dot4_f32_avx2(const float *x, const float *w, Py_ssize_t
     DOT4_BODY(float, _mm256_loadu_ps, F32_SCALAR)
 }
 
+/* bf16 without widening: a 256-bit load holds 16 bf16 as 8 pairs; shifted left 16 each pair's first element is a
+ * float32, masked to the high half its second one. x's 16 floats are split into evens and odds once for the four rows
+ * (shuffle, then a quad permute to undo the per-lane order), and each row keeps an even and an odd accumulator. */
 TARGET_AVX2 static void dot4_bf16_avx2(const float *x, const uint16_t *w, Py_ssize_t n, float *y) {
-    DOT4_BODY(uint16_t, load_bf16, bf16_to_float)
+    const uint16_t *w0 = w, *w1 = w + n, *w2 = w + 2 * n, *w3 = w + 3 * n;
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+    Py_ssize_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256 xa = _mm256_loadu_ps(x + i), xb = _mm256_loadu_ps(x + i + 8);
+        const __m256 xe = _mm256_castpd_ps(_mm256_permute4x64_pd(
+            _mm256_castps_pd(_mm256_shuffle_ps(xa, xb, _MM_SHUFFLE(2, 0, 2, 0))), 0xD8));
+        const __m256 xo = _mm256_castpd_ps(_mm256_permute4x64_pd(
+            _mm256_castps_pd(_mm256_shuffle_ps(xa, xb, _MM_SHUFFLE(3, 1, 3, 1))), 0xD8));
+#define BF16_PAIRS(wk, e, o)                                                                                       \
+    do {                                                                                                           \
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(wk + i));                                           \
+        e = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), xe, e);                                 \
+        o = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high)), xo, o);                               \
+    } while (0)
+        BF16_PAIRS(w0, e0, o0);
+        BF16_PAIRS(w1, e1, o1);
+        BF16_PAIRS(w2, e2, o2);
+        BF16_PAIRS(w3, e3, o3);
+#undef BF16_PAIRS
+    }
+    for (; i + 8 <= n; i += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + i);
+        e0 = _mm256_fmadd_ps(load_bf16(w0 + i), xv, e0);
+        e1 = _mm256_fmadd_ps(load_bf16(w1 + i), xv, e1);
+        e2 = _mm256_fmadd_ps(load_bf16(w2 + i), xv, e2);
+        e3 = _mm256_fmadd_ps(load_bf16(w3 + i), xv, e3);
+    }
+    float s0 = hsum8(_mm256_add_ps(e0, o0)), s1 = hsum8(_mm256_add_ps(e1, o1));
+    float s2 = hsum8(_mm256_add_ps(e2, o2)), s3 = hsum8(_mm256_add_ps(e3, o3));
+    for (; i < n; i++) {
+        s0 += x[i] * bf16_to_float(w0[i]);
+        s1 += x[i] * bf16_to_float(w1[i]);
+        s2 += x[i] * bf16_to_float(w2[i]);
+        s3 += x[i] * bf16_to_float(w3[i]);
+    }
+    y[0] = s0;
+    y[1] = s1;
+    y[2] = s2;
+    y[3] = s3;
 }
 
 TARGET_AVX2 static void dot4_f16_avx2(const float *x, const uint16_t *w, Py_ssize_t n, float *y) {
