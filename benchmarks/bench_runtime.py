@@ -7,9 +7,11 @@
       the share of token time verification costs
   (d) budgets under attack: a signed DeepSeek FP8 config claiming 8192x8192 scale blocks under 64 MiB, and a
       3,000-token prompt under 40 MiB; peak RSS must stay <= budget + 150 MiB
-  (e) lookahead prefetch, every family: a shard cache of the trunk + a quarter of the experts, verify-and-run with
-      --lookahead against --no-lookahead (interleaved): time waiting for shards per new token (target: at least
-      halved), prediction recall, expert cache hit rate
+  (e) lookahead prefetch, every family, float and `split --quantize int8` experts: a shard cache of the trunk + a
+      quarter of the experts, verify-and-run with --lookahead against --no-lookahead (interleaved): time waiting for
+      shards per new token (target: at least halved), prediction recall, expert cache hit rate; and decode speed
+      against warm decode (the same Session with every expert verified into its cache first, so its decode steps
+      are compute only): streaming / warm (target >= 0.8 with lookahead)
 Usage: python benchmarks/bench_runtime.py [--parts abcde] [--repeats 3] [--tokens 32] [--speed-tokens 128]
        [--budget-mib 256] [--workdir DIR] [--json FILE]   (part e: --parts e --repeats 5)
 """
@@ -386,6 +388,20 @@ def run_decode(out: Path, model: str, pub: str, budget_mib: str, tokens: str, mo
     out.write_text(json.dumps({"decode_s": report.decode_seconds, "prefill_s": report.prefill_seconds}))
 
 
+def run_warm(out: Path, model: str, pub: str, tokens: str) -> None:
+    """Subprocess: warm decode, the reference of streaming: every expert read and verified into a cache that holds
+    them all before generating (the trunk on the prompt's step), so the decode steps are compute only."""
+    session = _session(model, pub, str(1 << 16), len(PROMPT) + int(tokens))
+    try:
+        session.store.get_many([e for e in session.manifest.entries if e.kind == "expert"])
+        report = session.generate(PROMPT, int(tokens), temperature=0.0, top_p=1.0, seed=None,
+                                  on_token=lambda t: None)
+    finally:
+        session.close()
+    out.write_text(json.dumps({"decode_tokens_per_s": (report.new_tokens - 1) / report.decode_seconds,
+                               "generated_ids": report.generated}))
+
+
 # --- (e) lookahead prefetch --------------------------------------------------------------------------------
 
 LOOKAHEAD_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
@@ -394,12 +410,17 @@ LOOKAHEAD_KNOBS = dict(layers=6, experts=16, hidden=256, moe_intermediate=512, i
                        dtype="bf16")
 
 
-def build_family(work: Path, family: str) -> Path:
+LOOKAHEAD_VARIANTS = ("float", "int8")  # the checkpoint's own dtype, and split --quantize int8 experts
+
+
+def build_family(work: Path, family: str, variant: str = "float") -> Path:
     """A make_tiny_moe.py checkpoint of `family` with LOOKAHEAD_KNOBS and no EOS token (every run generates every
-    token asked for), split and signed once; returns the split directory."""
-    name = f"lookahead-{family}"
+    token asked for), split (experts quantized unless `variant` is float) and signed once; returns the split
+    directory."""
+    name = f"lookahead-{family}" + ("" if variant == "float" else f"-{variant}")
     out, marker = work / name / "model", work / name / "signed.json"
-    if marker.exists() and json.loads(marker.read_text()) == LOOKAHEAD_KNOBS:
+    want = {**LOOKAHEAD_KNOBS, "variant": variant}
+    if marker.exists() and json.loads(marker.read_text()) == want:
         return out
     shutil.rmtree(work / name, ignore_errors=True)
     ck = work / name / "ck"
@@ -414,11 +435,12 @@ def build_family(work: Path, family: str) -> Path:
     (ck / "config.json").write_text(json.dumps(config, indent=2))
     (ck / "generation_config.json").unlink(missing_ok=True)
     shardtool = str(VENV_BIN / "shardtool")
-    subprocess.run([shardtool, "split", "-q", str(ck), str(out), "--model-id", f"bench/{name}"], check=True,
+    quantize = [] if variant == "float" else ["--quantize", variant]
+    subprocess.run([shardtool, "split", "-q", str(ck), str(out), "--model-id", f"bench/{name}", *quantize], check=True,
                    capture_output=True)
     subprocess.run([shardtool, "sign", str(out), "--key", str(work / "bench.key")], check=True, capture_output=True)
     shutil.rmtree(ck)
-    marker.write_text(json.dumps(LOOKAHEAD_KNOBS))
+    marker.write_text(json.dumps(want))
     return out
 
 
@@ -440,18 +462,20 @@ def quarter_budget(work: Path, model: Path, tokens: int) -> dict:
 
 
 def part_e(work: Path, repeats: int, tokens: int) -> dict:
-    models = {family: build_family(work, family) for family in LOOKAHEAD_FAMILIES}
-    budgets = {family: quarter_budget(work, model, tokens) for family, model in models.items()}
+    cases = [(family, variant) for variant in LOOKAHEAD_VARIANTS for family in LOOKAHEAD_FAMILIES]
+    models = {case: build_family(work, *case) for case in cases}
+    budgets = {case: quarter_budget(work, model, tokens) for case, model in models.items()}
     keys = ("wait", "expert_wait", "recall", "hit", "decode", "prefetched", "used")
-    m = {f: {arm: {k: [] for k in keys} for arm in ("on", "off")} for f in LOOKAHEAD_FAMILIES}
-    same = {f: True for f in LOOKAHEAD_FAMILIES}
-    for i in range(repeats):  # interleaved: every family and arm in each round, the arms' order alternating
-        for family, model in models.items():
+    m = {c: {arm: {k: [] for k in keys} for arm in ("on", "off")} for c in cases}
+    warm = {c: [] for c in cases}
+    same = {c: True for c in cases}
+    for i in range(repeats):  # interleaved: every case and arm in each round, the streaming arms' order alternating
+        for case, model in models.items():
             ids = {}
             for arm in (("on", "off") if i % 2 == 0 else ("off", "on")):
-                _, rep = verify_and_run(work, model, str(budgets[family]["budget"]), tokens,
+                _, rep = verify_and_run(work, model, str(budgets[case]["budget"]), tokens,
                                         extra=(f"--{'' if arm == 'on' else 'no-'}lookahead",))
-                r, la = m[family][arm], rep["lookahead"]
+                r, la = m[case][arm], rep["lookahead"]
                 new = max(rep["new_tokens"], 1)
                 r["wait"].append(rep["per_token_seconds"]["waiting_for_shards"])
                 r["expert_wait"].append(rep["seconds"]["waiting_for_experts"] / new)
@@ -461,40 +485,53 @@ def part_e(work: Path, repeats: int, tokens: int) -> dict:
                 r["prefetched"].append(la["prefetched"] / new)
                 r["used"].append(la["prefetch_used"] / new)
                 ids[arm] = rep["generated_ids"]
-            same[family] &= ids["on"] == ids["off"]
+            w = in_subprocess("warm", model, work / "bench.pub", tokens)
+            warm[case].append(w["decode_tokens_per_s"])
+            same[case] &= ids["on"] == ids["off"] == w["generated_ids"]
     print(f"\n## (e) lookahead prefetch: shard cache = trunk + 1/4 of the experts ({LOOKAHEAD_KNOBS}), "
-          f"{len(PROMPT)}-token prompt, {tokens} new tokens, medians of {repeats} interleaved runs")
-    print(f"{'family':<12} {'wait ms/tok on':>14} {'off':>7} {'ratio':>6} {'recall':>7} {'hit on':>7} {'hit off':>7} "
-          f"{'tok/s on':>8} {'off':>6}  same tokens   wait runs on | off")
+          f"{len(PROMPT)}-token prompt, {tokens} new tokens, medians of {repeats} interleaved runs; warm = every "
+          f"expert verified into the cache first (compute only)")
+    print(f"{'family':<12} {'experts':<7} {'wait ms/tok on':>14} {'off':>7} {'ratio':>6} {'recall':>7} {'hit on':>7} "
+          f"{'hit off':>7} {'tok/s on':>8} {'off':>6} {'warm':>6} {'on/warm':>7} {'off/warm':>8}  same tokens   "
+          f"wait runs on | off")
     out = {}
-    for family in LOOKAHEAD_FAMILIES:
-        on, off = m[family]["on"], m[family]["off"]
-        med = {arm: {k: median([x for x in v if x is not None]) for k, v in m[family][arm].items()}
+    for case in cases:
+        family, variant = case
+        on, off = m[case]["on"], m[case]["off"]
+        med = {arm: {k: median([x for x in v if x is not None]) for k, v in m[case][arm].items()}
                for arm in ("on", "off")}
+        warm_tps = median(warm[case])
         ratio = med["on"]["wait"] / med["off"]["wait"] if med["off"]["wait"] else float("nan")
-        print(f"{family:<12} {med['on']['wait'] * 1e3:14.2f} {med['off']['wait'] * 1e3:7.2f} {ratio:6.2f} "
+        on_warm, off_warm = med["on"]["decode"] / warm_tps, med["off"]["decode"] / warm_tps
+        print(f"{family:<12} {variant:<7} {med['on']['wait'] * 1e3:14.2f} {med['off']['wait'] * 1e3:7.2f} {ratio:6.2f} "
               f"{med['on']['recall']:7.2f} {med['on']['hit']:7.2f} {med['off']['hit']:7.2f} {med['on']['decode']:8.1f} "
-              f"{med['off']['decode']:6.1f}  {str(same[family]):<11}   {fmt([x * 1e3 for x in on['wait']], '.1f')} | "
-              f"{fmt([x * 1e3 for x in off['wait']], '.1f')}")
-        out[family] = {"budget": budgets[family], "wait_per_token_on": med["on"]["wait"],
-                       "wait_per_token_off": med["off"]["wait"], "wait_ratio": ratio, "target_met": ratio <= 0.5,
-                       "recall": med["on"]["recall"], "hit_rate_on": med["on"]["hit"], "hit_rate_off": med["off"]["hit"],
-                       "expert_wait_per_token_on": med["on"]["expert_wait"],
-                       "expert_wait_per_token_off": med["off"]["expert_wait"],
-                       "decode_tokens_per_s_on": med["on"]["decode"], "decode_tokens_per_s_off": med["off"]["decode"],
-                       "prefetched_per_token": med["on"]["prefetched"], "prefetch_used_per_token": med["on"]["used"],
-                       "same_tokens": same[family], "runs": m[family]}
-    ratios = [out[f]["wait_ratio"] for f in LOOKAHEAD_FAMILIES]
-    print(f"wait per token, lookahead / none: median over families {median(ratios):.2f} (target <= 0.5); "
-          f"prefetched per token {fmt([out[f]['prefetched_per_token'] for f in LOOKAHEAD_FAMILIES], '.1f')}, of which "
-          f"used {fmt([out[f]['prefetch_used_per_token'] for f in LOOKAHEAD_FAMILIES], '.1f')}")
+              f"{med['off']['decode']:6.1f} {warm_tps:6.1f} {on_warm:7.2f} {off_warm:8.2f}  {str(same[case]):<11}   "
+              f"{fmt([x * 1e3 for x in on['wait']], '.1f')} | {fmt([x * 1e3 for x in off['wait']], '.1f')}")
+        out[f"{family}/{variant}"] = {
+            "budget": budgets[case], "wait_per_token_on": med["on"]["wait"], "wait_per_token_off": med["off"]["wait"],
+            "wait_ratio": ratio, "target_met": ratio <= 0.5, "recall": med["on"]["recall"],
+            "hit_rate_on": med["on"]["hit"], "hit_rate_off": med["off"]["hit"],
+            "expert_wait_per_token_on": med["on"]["expert_wait"], "expert_wait_per_token_off": med["off"]["expert_wait"],
+            "decode_tokens_per_s_on": med["on"]["decode"], "decode_tokens_per_s_off": med["off"]["decode"],
+            "decode_tokens_per_s_warm": warm_tps, "streaming_over_warm_on": on_warm,
+            "streaming_over_warm_off": off_warm, "streaming_target_met": on_warm >= 0.8,
+            "prefetched_per_token": med["on"]["prefetched"], "prefetch_used_per_token": med["on"]["used"],
+            "same_tokens": same[case], "runs": {**m[case], "warm": warm[case]}}
+    for variant in LOOKAHEAD_VARIANTS:
+        rows = [out[f"{f}/{variant}"] for f in LOOKAHEAD_FAMILIES]
+        print(f"{variant}: wait per token, lookahead / none: median over families "
+              f"{median([r['wait_ratio'] for r in rows]):.2f} (target <= 0.5); streaming / warm with lookahead "
+              f"{median([r['streaming_over_warm_on'] for r in rows]):.2f}, without "
+              f"{median([r['streaming_over_warm_off'] for r in rows]):.2f} (target >= 0.8); prefetched per token "
+              f"{fmt([r['prefetched_per_token'] for r in rows], '.1f')}, of which used "
+              f"{fmt([r['prefetch_used_per_token'] for r in rows], '.1f')}")
     return out
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--_run":
         mode, out, *rest = sys.argv[2:]
-        {"hf": run_hf, "sweep": run_sweep, "decode": run_decode}[mode](Path(out), *rest)
+        {"hf": run_hf, "sweep": run_sweep, "decode": run_decode, "warm": run_warm}[mode](Path(out), *rest)
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="abcde")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -20,6 +20,7 @@ import numpy as np
 from shardtool.errors import CheckpointFormatError, DigestMismatchError, MissingFileError, ShardFormatError
 from shardtool.manifest import Entry, read_verified_timed
 from shardtool.runtime._cache_policy import DEFAULT_POLICY, CacheIndex
+from shardtool.runtime._readers import ReaderPool
 from shardtool.runtime._model._weights import Tensors
 
 Arrays = Mapping[str, np.ndarray]
@@ -101,10 +102,10 @@ class ShardStore:
         self._unused: set[str] = set()  # loaded (or loading) for a prefetch, not yet asked for by a request
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="shard-reader")
+        self._pool = ReaderPool(readers, "shard-reader")  # loads the forward pass waits for before prefetches
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown()
 
     @property
     def policy(self) -> str:
@@ -182,17 +183,31 @@ class ShardStore:
             return hit
         fut = self._inflight.get(path)
         if fut is None:
-            fut = self._pool.submit(self._load, entry)
+            fut = self._pool.submit(self._load, entry, prefetch=not use)
             self._inflight[path] = fut
             self.stats.misses += 1
             if not use:
                 self._unused.add(path)
+        elif first_use:  # a prefetch still loading (or queued) that the forward pass now waits for
+            self._pool.promote(fut)
         return fut
 
     def prefetch(self, entries: Iterable[Entry]) -> None:
         """Start loading shards in the background; errors surface when they are `get`. A shard already cached is
-        touched (its recency refreshed, not counted as a use), so what is about to be used stays."""
+        touched (its recency refreshed, not counted as a use), so what is about to be used stays.
+
+        Expert guesses replace older ones: expert prefetches still queued (no reader started them) that this call
+        does not ask for again are withdrawn, as if never asked for (a wrong guess for a layer the forward pass has
+        passed would otherwise take a reader, and a core, from the loads it waits for)."""
+        entries = list(entries)
         with self._lock:
+            if any(e.kind == "expert" for e in entries):
+                wanted = {e.path for e in entries}
+                for stale in self._pool.withdraw_prefetches(lambda e: e.kind != "expert" or e.path in wanted):
+                    self._inflight.pop(stale.path, None)
+                    self._unused.discard(stale.path)
+                    self.stats.misses -= 1
+                    self.stats.prefetched[stale.kind] -= 1
             for entry in entries:
                 misses = self.stats.misses
                 self._lookup(entry, use=False)

@@ -577,3 +577,72 @@ def test_provider_experts_index_waits_per_expert(model, monkeypatch):
     assert_arrays(pending[ids[0]], 0)
     store.close()
     assert sorted(order) == sorted(x.path for x in e if x.layer == layer and x.expert in ids)  # all started
+
+
+def _one_blocked_reader(model, monkeypatch):
+    """A store with one reader, held inside its first load (shard 0) until `release` is set; `order` lists the
+    paths the reader then loads."""
+    root, e = model
+    release, started, order = threading.Event(), threading.Event(), []
+    real = store_mod.read_verified_timed
+
+    def recording(root_, entry):
+        order.append(entry.path)
+        if entry.path == e[0].path:
+            started.set()
+            assert release.wait(10)
+        return real(root_, entry)
+
+    monkeypatch.setattr(store_mod, "read_verified_timed", recording)
+    store = make_store(root, readers=1)
+    first = store.request([e[0]])[0]
+    assert started.wait(10)
+    return store, first, release, order
+
+
+def test_a_load_the_forward_pass_waits_for_goes_before_queued_guesses(model, monkeypatch):
+    _, e = model
+    store, first, release, order = _one_blocked_reader(model, monkeypatch)
+    store.prefetch([e[1], e[2]])  # guesses, queued behind the blocked load
+    wait_3, wait_2 = store.request([e[3], e[2]])  # a demand, and a guess the forward pass now needs (promoted)
+    release.set()
+    assert_arrays(first(), 0)
+    assert_arrays(wait_3(), 3)
+    assert_arrays(wait_2(), 2)
+    store.get_many([e[1]])
+    assert order == [e[0].path, e[3].path, e[2].path, e[1].path]
+    s = store.stats
+    assert s.misses == 4 and s.prefetched == {"expert": 2} and s.prefetch_used == {"expert": 2}
+    store.close()
+
+
+def test_a_newer_guess_withdraws_queued_stale_guesses(model, monkeypatch, reads):
+    _, e = model
+    store, first, release, order = _one_blocked_reader(model, monkeypatch)
+    store.prefetch([e[1], e[2]])  # layer l's guesses, still queued when layer l + 1's arrive
+    store.prefetch([e[2], e[3]])  # e[1] withdrawn (never read), e[2] kept and not queued twice
+    assert store.stats.misses == 3 and store.stats.prefetched == {"expert": 2}
+    release.set()
+    first()
+    assert_arrays(store.get(e[3]), 3)
+    assert_arrays(store.get(e[2]), 2)
+    assert e[1].path not in order
+    assert_arrays(store.get(e[1]), 1)  # withdrawn, not lost: asked for, it is read and verified then
+    assert order == [e[0].path, e[2].path, e[3].path, e[1].path]
+    assert store.stats.misses == 4 and reads[e[1].path] == 1
+    store.close()
+
+
+def test_close_cancels_queued_loads(model, monkeypatch):
+    _, e = model
+    store, first, release, order = _one_blocked_reader(model, monkeypatch)
+    queued = store.request([e[4]])[0]
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    release.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert_arrays(first(), 0)  # the running load finished
+    with pytest.raises(Exception):
+        queued()  # cancelled, never read
+    assert e[4].path not in order
