@@ -6,6 +6,12 @@ bytes from the float source tensor while streaming, one projection at a time. On
 `gate_proj`/`up_proj`/`down_proj` weights of routed experts are quantized; trunk tensors, routers, shared
 experts and expert biases stay as stored, and experts already stored FP8 (block-scaled) or MXFP4 are kept as
 stored: the runtime executes those formats natively.
+
+With `trunk` (`split --quantize int8 --quantize-trunk`, int8 only) the trunk's float linear weights are quantized
+too, as llama.cpp's Q8_0 does: every `*_proj.weight` of a decoder layer (attention, shared and dense MLPs) and
+`lm_head.weight`. Routers, norms, biases, the embedding table (rows are looked up, not multiplied) and MLA's
+`kv_b_proj` (split per head, so expanded to float32 once) stay as stored, and so does a weight whose input width
+is not a multiple of the block.
 """
 
 from __future__ import annotations
@@ -30,27 +36,46 @@ _KEPT = {"F8_E4M3": "FP8 block-scaled"}  # stored dtype of a kept `<proj>.weight
 
 @dataclass(frozen=True)
 class QuantizeReport:
-    """What `--quantize` did to the routed experts, for split's output."""
+    """What `--quantize` did to the routed experts (and with `--quantize-trunk` to the trunk), for split's output."""
 
     method: str
     projections: int                 # expert projections quantized (over all experts)
     kept: Mapping[str, int]          # already-quantized projections kept as stored, by format ("MXFP4", ...)
+    trunk: int = 0                   # trunk linear weights quantized (--quantize-trunk)
+    trunk_kept: int = 0              # trunk linear weights kept float: input width not a multiple of the block
 
     def lines(self) -> list[str]:
         from shardtool import blockquant
 
         bits = blockquant.BITS_PER_WEIGHT[self.method]
+        trunk = (f"{self.trunk} trunk linear weight(s) quantized too; routers, norms and the embedding kept as "
+                 f"stored" if self.trunk else "trunk, routers and shared experts kept as stored")
         out = [f"quantized {self.projections} routed-expert projection(s) to block {self.method} "
-               f"({bits:g} bits per weight, float16 scale per {blockquant.QBLOCK} weights); trunk, routers and "
-               f"shared experts kept as stored"] if self.projections else []
+               f"({bits:g} bits per weight, float16 scale per {blockquant.QBLOCK} weights); {trunk}"] \
+            if self.projections or self.trunk else []
+        if self.trunk_kept:
+            out.append(f"note: {self.trunk_kept} trunk linear weight(s) kept as stored (input width not a multiple "
+                       f"of {blockquant.QBLOCK})")
         out += [f"note: {n} routed-expert projection(s) already stored {fmt} kept as stored (the runtime executes "
                 f"them natively)" for fmt, n in sorted(self.kept.items())]
         return out
 
 
-def check_method(method: str | None) -> None:
+TRUNK_METHODS = ("int8",)  # a trunk at 4 bits loses too much of the attention (not offered)
+
+
+def check_method(method: str | None, trunk: bool = False) -> None:
     if method is not None and method not in METHODS:
         raise UsageError(f"--quantize must be one of {', '.join(METHODS)}, got {method!r:.40}")
+    if trunk and method not in TRUNK_METHODS:
+        raise UsageError(f"--quantize-trunk needs --quantize {' or '.join(TRUNK_METHODS)}, got "
+                         f"{'no --quantize' if method is None else f'--quantize {method}'}")
+
+
+def _trunk_weight(name: str) -> bool:
+    """A trunk tensor `--quantize-trunk` quantizes: a decoder layer's `*_proj.weight` (not MLA's kv_b_proj) or the
+    LM head."""
+    return name == "lm_head.weight" or (name.endswith("_proj.weight") and not name.endswith("kv_b_proj.weight"))
 
 
 def _projection(name: str) -> str | None:
@@ -73,20 +98,24 @@ def expected_shapes(config: Mapping[str, Any], family: str) -> dict[str, tuple[i
 
 
 def quantize_plans(plans: Sequence[ShardPlan], method: str,
-                   shapes: Mapping[str, tuple[int | None, int | None]] | None = None,
+                   shapes: Mapping[str, tuple[int | None, int | None]] | None = None, *, trunk: bool = False,
                    ) -> tuple[list[ShardPlan], QuantizeReport]:
-    """The plans with every float routed-expert projection replaced by its quantized data + scale pieces.
+    """The plans with every float routed-expert projection replaced by its quantized data + scale pieces (with
+    `trunk`, the trunk's float linear weights too, `_trunk_weight`).
 
     Refuses (CheckpointFormatError, before anything is written) a projection that is not 2-D, has no rows or no
     columns, differs from config.json's shape (`shapes`, from `expected_shapes`), or whose input width is not a
     multiple of the block."""
-    check_method(method)
+    check_method(method, trunk)
     shapes = shapes or {}
     out: list[ShardPlan] = []
-    done = 0
+    done = trunk_done = trunk_kept = 0
     kept: Counter[str] = Counter()
     for plan in plans:
         if plan.kind != "expert":
+            if trunk and plan.kind == "trunk":
+                plan, n, k = _quantized_trunk(plan, method)
+                trunk_done, trunk_kept = trunk_done + n, trunk_kept + k
             out.append(plan)
             continue
         _check_forms(plan)
@@ -110,7 +139,30 @@ def quantize_plans(plans: Sequence[ShardPlan], method: str,
             pieces += _quantized_pieces(plan, p, proj, method, shapes.get(proj, (None, None)))
             done += 1
         out.append(replace(plan, pieces=tuple(pieces)))
-    return out, QuantizeReport(method, done, dict(kept))
+    return out, QuantizeReport(method, done, dict(kept), trunk_done, trunk_kept)
+
+
+def _quantized_trunk(plan: ShardPlan, method: str) -> tuple[ShardPlan, int, int]:
+    """A trunk plan with its float 2-D linear weights quantized; (plan, weights quantized, weights kept float)."""
+    from shardtool import blockquant
+
+    pieces: list[Piece] = []
+    done = kept = 0
+    for p in plan.pieces:
+        if not (_trunk_weight(p.name) and p.dtype in FLOAT_DTYPES and len(p.shape) == 2 and all(p.shape)):
+            pieces.append(p)
+            continue
+        rows, cols = p.shape
+        if cols % blockquant.QBLOCK:
+            kept += 1
+            pieces.append(p)
+            continue
+        base = p.name.removesuffix(".weight")
+        pieces += [replace(p, name=f"{base}.weight", dtype="I8", shape=(rows, cols), quant=(method, DATA)),
+                   replace(p, name=f"{base}.{blockquant.SCALE_SUFFIX}", dtype="F16",
+                           shape=(rows, cols // blockquant.QBLOCK), quant=(method, SCALE))]
+        done += 1
+    return replace(plan, pieces=tuple(pieces)), done, kept
 
 
 def _check_forms(plan: ShardPlan) -> None:

@@ -142,17 +142,19 @@ def default_model_id(job: SplitJob) -> str:
                      "name)", path=str(job.checkpoint.root), hint="pass --model-id ORG/NAME")
 
 
-def prepare_split(src: Path, *, expert_pattern: str | None = None, quantize: str | None = None) -> SplitJob:
+def prepare_split(src: Path, *, expert_pattern: str | None = None, quantize: str | None = None,
+                  quantize_trunk: bool = False) -> SplitJob:
     """Read and validate the checkpoint's headers and decide every output file; reads no tensor bytes.
-    `quantize` ("int8", "int4"): routed-expert projections are written block-quantized (`_quantize.py`)."""
+    `quantize` ("int8", "int4"): routed-expert projections are written block-quantized (`_quantize.py`);
+    `quantize_trunk` (int8 only): the trunk's linear weights too."""
     from shardtool.layout import classify
 
-    check_method(quantize)
+    check_method(quantize, quantize_trunk)
     ckpt = open_checkpoint(Path(src))
     family, plans = plan_split(ckpt.config, ckpt.tensors, expert_pattern=expert_pattern)
     report = None
     if quantize is not None:
-        plans, report = quantize_plans(plans, quantize, expected_shapes(ckpt.config, family))
+        plans, report = quantize_plans(plans, quantize, expected_shapes(ckpt.config, family), trunk=quantize_trunk)
     check_config(ckpt.config)
     for name, header in ckpt.headers.items():
         size = len(json.dumps(dict(header.metadata or {}), ensure_ascii=False).encode("utf-8", "surrogatepass"))
@@ -413,7 +415,8 @@ def _check_manifest(job: SplitJob, model_id: str, version: int, expires_in_days:
 
 def split_checkpoint(src: Path, out: Path, *, model_id: str, version: int = 1, expires_in_days: int = 365,
                      expert_pattern: str | None = None, on_bytes: Callable[[int], None] | None = None,
-                     now: int | None = None, fsync: bool = False, quantize: str | None = None) -> SplitResult:
-    job = prepare_split(Path(src), expert_pattern=expert_pattern, quantize=quantize)
+                     now: int | None = None, fsync: bool = False, quantize: str | None = None,
+                     quantize_trunk: bool = False) -> SplitResult:
+    job = prepare_split(Path(src), expert_pattern=expert_pattern, quantize=quantize, quantize_trunk=quantize_trunk)
     return run_split(job, Path(out), model_id=model_id, version=version, expires_in_days=expires_in_days,
                      on_bytes=on_bytes, now=now, fsync=fsync)

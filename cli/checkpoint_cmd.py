@@ -38,6 +38,10 @@ def split(
         help="Write every float routed-expert projection block-quantized (int8: 8.5 bits per weight, int4: 4.5; "
              "a float16 scale per 32 weights; docs/shard-layout.md). Trunk, routers and shared experts are kept "
              "as stored, and so are experts already stored FP8 or MXFP4. Such a split cannot be joined back."),
+    quantize_trunk: bool = typer.Option(
+        False, "--quantize-trunk",
+        help="With --quantize int8: the trunk's linear weights too (attention, shared and dense MLPs, lm_head), as "
+             "llama.cpp's Q8_0 does; routers, norms and the embedding stay as stored."),
     json_out: bool = typer.Option(False, "--json", help="Print one summary document on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -47,7 +51,7 @@ def split(
 
     # Refusals (links out of the checkpoint or into OUT, layer numbers beyond the format, bad options) all
     # happen before the first byte is written; names from disk are escaped before they reach the terminal.
-    job = prepare_split(checkpoint, expert_pattern=expert_pattern, quantize=quantize)
+    job = prepare_split(checkpoint, expert_pattern=expert_pattern, quantize=quantize, quantize_trunk=quantize_trunk)
     model_id = model_id or default_model_id(job)
     with Progress(job.total_bytes, "split", enabled=not quiet) as progress:
         result = run_split(job, out, model_id=model_id, version=version,

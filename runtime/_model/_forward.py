@@ -8,6 +8,7 @@ from itertools import chain
 
 import numpy as np
 
+from shardtool import blockquant
 from shardtool.errors import CheckpointFormatError, UsageError
 from shardtool.families import MOE_MODULE_ALIASES, TEXT_MODEL_WRAPPER
 
@@ -88,6 +89,13 @@ def _canonical_trunk_name(name: str) -> str:
     return name
 
 
+def _block_scale_of(name: str, required: Shapes) -> bool:
+    """`<proj>.weight_scale` of a required [out, in] weight `<proj>.weight`: its block-int8 scales (`pack` checks
+    them with the weight)."""
+    base = name.removesuffix("." + blockquant.SCALE_SUFFIX)
+    return base != name and len(required.get(base + ".weight", ())) == 2
+
+
 def prepare_layer(cfg: ModelConfig, layer: int, tensors: Mapping[str, np.ndarray], *,
                   only: Sequence[str] | None = None) -> dict[str, Packed | np.ndarray]:
     """Trunk tensors of one layer under canonical names, each checked against its expected shape: the weights
@@ -99,7 +107,8 @@ def prepare_layer(cfg: ModelConfig, layer: int, tensors: Mapping[str, np.ndarray
         required = {n: shape for n, shape in required.items() if n in only}
         optional = {n: shape for n, shape in optional.items() if n in only}
     unknown = [n for n in by_name if only is None and n not in required and n not in optional
-               and not n.endswith("_scale_inv") and not n.endswith("rotary_emb.inv_freq")]
+               and not n.endswith("_scale_inv") and not n.endswith("rotary_emb.inv_freq")
+               and not _block_scale_of(n, required)]
     if unknown:
         raise CheckpointFormatError(f"layer {layer}: unexpected tensors {sorted(unknown)} for a {cfg.model_type} "
                                     f"layer", hint="the config.json does not describe these weights")

@@ -61,10 +61,35 @@ def test_split_quantize_sign_verify_and_run(tmp_path, key, family):
     ck = tmp_path / "hf"
     ok(sys.executable, REPO / "examples" / "make_tiny_moe.py", ck, "--family", family, *KNOBS, cwd=tmp_path)
     read = {}
-    for method in ("int8", "int4"):
-        model = _signed(tmp_path, ck, method, key, "--quantize", method)
+    for name, args in (("int8", ["--quantize", "int8"]), ("int4", ["--quantize", "int4"]),
+                       ("int8-trunk", ["--quantize", "int8", "--quantize-trunk"])):
+        model = _signed(tmp_path, ck, name, key, *args)
         ids, report = _run(tmp_path, model, key)
-        assert len(ids) == NEW and report["generated_ids"] == ids, (method, ids)
-        read[method] = report["bytes_read"]
+        assert len(ids) == NEW and report["generated_ids"] == ids, (name, ids)
+        read[name] = report["bytes_read"]
     # with 4 experts, all are chosen during the prefill of 8 tokens: what was read is the quantized shards
     assert read["int4"] < read["int8"], read
+    assert read["int8-trunk"] < read["int8"], read
+    # the trunk's linear weights went to int8 (+ scales); its router and norms did not
+    dtypes = _dtypes(tmp_path / "int8-trunk" / "trunk" / "layer-000.safetensors")
+    assert dtypes["self_attn.o_proj.weight"] == "I8" and dtypes["self_attn.o_proj.weight_scale"] == "F16", dtypes
+    assert dtypes["input_layernorm.weight"] == "BF16", dtypes
+    assert all(d != "I8" for n, d in dtypes.items() if "gate.weight" in n and "proj" not in n), dtypes
+
+
+def _dtypes(shard: Path) -> dict[str, str]:
+    import struct
+
+    data = shard.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    return {name: t["dtype"] for name, t in header.items() if name != "__metadata__"}
+
+
+def test_quantize_trunk_is_int8_only(tmp_path):
+    ck = tmp_path / "hf"
+    ok(sys.executable, REPO / "examples" / "make_tiny_moe.py", ck, "--family", "mixtral", *KNOBS, cwd=tmp_path)
+    for args in (["--quantize", "int4", "--quantize-trunk"], ["--quantize-trunk"]):
+        r = cli("shardtool", "split", ck, tmp_path / "out", *args, cwd=tmp_path)
+        assert r.returncode == 2 and "--quantize-trunk needs --quantize int8" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
