@@ -34,6 +34,9 @@ Decode only, for both runtimes (neither counts load, verification of the manifes
   llama.cpp's own performance counters reset; the prompt is evaluated in one batch, then 127 single-token
   llama_decode calls; tok/s = n_eval / t_eval from llama_perf_context (the time inside llama_decode).
 Runs are interleaved (every runtime and format, then the next round) and the table gives medians.
+shardtool's variants: float (the checkpoint's dtype), int8 / int4 (`split --quantize`: routed experts only) and
+int8-trunk (`--quantize int8 --quantize-trunk`: the trunk's linear weights too, the tensors llama.cpp's Q8_0
+quantizes), each against the llama.cpp format of PAIRS.
 
 Usage: python benchmarks/bench_llamacpp.py [--repeats 3] [--tokens 128] [--big] [--threads 1,2]
        [--workdir DIR] [--json FILE]
@@ -69,9 +72,13 @@ MODELS = {
                 dtype="bf16"),
 }
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")  # Q4_0: llama.cpp's quantizer, from the F32 GGUF
-QUANTS = ("int8", "int4")  # split --quantize
+# split's arguments of each quantized variant: int8 / int4 experts, and int8 experts and trunk (what Q8_0 quantizes)
+QUANT_ARGS = {"int8": ["--quantize", "int8"], "int4": ["--quantize", "int4"],
+              "int8-trunk": ["--quantize", "int8", "--quantize-trunk"]}
+QUANTS = tuple(QUANT_ARGS)
 # Which llama.cpp format each shardtool variant is compared with (ratio and token agreement).
 PAIRS = [("float", "F32"), ("float", "F16"), ("float", "BF16"), ("float", "Q8_0"), ("int8", "Q8_0"),
+         ("int8-trunk", "Q8_0"),
          ("int4", "Q4_0")]
 # GPT-2's pre-tokenizer, as its tokenizer.json states it (trim_offsets only changes offsets, not the split).
 GPT2_PRE_TOKENIZER = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
@@ -191,10 +198,11 @@ def shardtool_bin(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
-def has_quantize() -> bool:
+def quant_variants() -> list[str]:
+    """The quantized variants this shardtool's split can make (older ones have no --quantize or --quantize-trunk)."""
     out = subprocess.run([shardtool_bin("shardtool"), "split", "--help"], capture_output=True, text=True,
-                         env={**os.environ, "COLUMNS": "200"})
-    return "--quantize" in out.stdout
+                         env={**os.environ, "COLUMNS": "200"}).stdout
+    return [q for q, args in QUANT_ARGS.items() if all(a in out for a in args if a.startswith("--"))]
 
 
 def build(work: Path, name: str, sdist: Path, quants: list[str], formats: list[str]) -> dict[str, Path]:
@@ -238,10 +246,10 @@ def build(work: Path, name: str, sdist: Path, quants: list[str], formats: list[s
         out = paths[variant]
         if out.exists():
             continue
-        say(f"[{name}] shardtool split{'' if variant == 'float' else ' --quantize ' + variant} + sign")
+        extra = [] if variant == "float" else QUANT_ARGS[variant]
+        say(f"[{name}] shardtool split {' '.join(extra)} + sign")
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        extra = [] if variant == "float" else ["--quantize", variant]
         subprocess.run([shardtool_bin("shardtool"), "split", "-q", str(ck), str(tmp), "--model-id",
                         f"bench/{name}-{variant}", *extra], check=True, capture_output=True)
         subprocess.run([shardtool_bin("shardtool"), "sign", str(tmp), "--key", str(work / "bench.key")],
@@ -425,9 +433,9 @@ def main() -> int:
     if not (work / "bench.key").exists():
         subprocess.run([shardtool_bin("shardtool"), "keygen", "--out", str(work / "bench"), "--no-passphrase"],
                        check=True, capture_output=True)
-    quants = list(QUANTS) if has_quantize() else []
+    quants = quant_variants()
     if not quants:
-        say("note: this shardtool's split has no --quantize: the int8/int4 rows are skipped")
+        say("note: this shardtool's split has no --quantize: the quantized rows are skipped")
     say(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (shared: trust ratios, not times)")
     results = {}
     for name in ["small", *(["big"] if args.big else [])]:

@@ -1,9 +1,10 @@
 """Quality of `split --quantize int8|int4` against the float model, per generated family.
 
-For each family: a checkpoint from examples/make_tiny_moe.py is split three ways (float, int8, int4), signed with
+For each family: a checkpoint from examples/make_tiny_moe.py is split four ways (float, int8, int4 experts, and
+int8 experts and trunk: `--quantize int8 --quantize-trunk`), signed with
 a throw-away key and opened through the verifying runtime (`Session.model`: the forward pass over the verified
-store). The float model's greedy continuation of an 8-token prompt (128 tokens) is fed, teacher-forced, to all
-three in one prefill; per position we compare the next-token logits with the float model's:
+store). The float model's greedy continuation of an 8-token prompt (128 tokens) is fed, teacher-forced, to each
+in one prefill; per position we compare the next-token logits with the float model's:
 
 - top-1 agreement: positions whose argmax equals the float model's (out of 128);
 - logit error: |logits_q - logits_float| / max|logits_float|, max and mean over positions of each position's max.
@@ -30,7 +31,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "olmoe", "qwen2_moe", "llama4", "gpt_oss")
-METHODS = ("int8", "int4")
+METHODS = ("int8", "int4", "int8-trunk")  # int8-trunk: --quantize int8 --quantize-trunk (trunk linear weights too)
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 # "small" is the 54 M-parameter f32 Mixtral layout of the llama.cpp comparison (issue 16); "tiny" is for tests.
 SIZES = {
@@ -52,8 +53,8 @@ class Quality:
 
     def row(self) -> str:
         if self.agree is None:
-            return f"{self.family:12s} {self.method:5s}  not run: {self.note}"
-        return (f"{self.family:12s} {self.method:5s} {self.agree:4d}/{self.positions}  "
+            return f"{self.family:12s} {self.method:10s}  not run: {self.note}"
+        return (f"{self.family:12s} {self.method:10s} {self.agree:4d}/{self.positions}  "
                 f"max {self.max_rel_err:.4f}  mean {self.mean_rel_err:.4f}" + (f"  {self.note}" if self.note else ""))
 
 
@@ -63,7 +64,8 @@ def _signed_model(ck: Path, out: Path, quantize: str | None, key, state: Path):
     from shardtool.manifest import load_manifest, load_trusted_manifest, save_manifest
     from shardtool.runtime._session import Session
 
-    split_checkpoint(ck, out, model_id="bench/quant", quantize=quantize)
+    method, trunk = (quantize.removesuffix("-trunk"), quantize.endswith("-trunk")) if quantize else (None, False)
+    split_checkpoint(ck, out, model_id="bench/quant", quantize=method, quantize_trunk=trunk)
     m = load_manifest(out / "manifest.msgpack")
     save_manifest(out / "manifest.msgpack", m.with_envelope(m.envelope.signed_by(key)))
     verified = load_trusted_manifest(out / "manifest.msgpack", [key.public], 1, state / (quantize or "float"))
