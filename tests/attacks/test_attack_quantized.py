@@ -51,9 +51,10 @@ def signed(tmp_path_factory) -> dict:
     keylib.write_keypair(base / "pub", keylib.generate(), None, force=False)
     ck = make_tiny_moe.make_checkpoint(base / "hf", "mixtral", seed=3, **KNOBS)
     out = {"key": base / "pub.key", "pub": base / "pub.pub"}
-    for method in ("int8", "int4"):
+    for method in ("int8", "int4", "int8-trunk"):
         model = base / method
-        for args in (("split", ck, model, "-q", "--model-id", "acme/quant", "--quantize", method),
+        quantize = ("--quantize", "int8", "--quantize-trunk") if method == "int8-trunk" else ("--quantize", method)
+        for args in (("split", ck, model, "-q", "--model-id", "acme/quant", *quantize),
                      ("sign", model, "--key", base / "pub.key")):
             r = kit.run("shardtool", *args, cwd=base)
             assert r.code == 0, r.err
@@ -137,4 +138,44 @@ def test_quantized_expert_refused(signed, tmp_path, case):
     lines = r.err.strip().splitlines()
     assert len(lines) == 1, r.err
     for word in (WHERE, *words):
+        assert word in lines[0], (word, lines[0])
+
+
+def _trunk_nan_scale(t):
+    t["self_attn.o_proj.weight_scale"][3, 0] = np.nan
+
+
+def _trunk_scale_dropped(t):
+    del t["self_attn.q_proj.weight_scale"]
+
+
+def _head_short_scale(t):
+    t["lm_head.weight_scale"] = np.ascontiguousarray(t["lm_head.weight_scale"][:-1])
+
+
+# `--quantize-trunk`: a trunk weight's scales get the checks an expert's get. case -> (shard, change, words)
+TRUNK_CASES = {
+    "attention-nan-scale": ("trunk/layer-001.safetensors", _trunk_nan_scale,
+                            ("layer 1", "self_attn.o_proj.weight_scale", "NaN")),
+    "attention-int8-without-scale": ("trunk/layer-001.safetensors", _trunk_scale_dropped,
+                                     ("layer 1", "self_attn.q_proj.weight_scale")),
+    "lm-head-short-scale": ("trunk/head.safetensors", _head_short_scale, ("lm_head.weight_scale", "(299, 1)")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRUNK_CASES))
+def test_quantized_trunk_refused(signed, tmp_path, case):
+    shard, change, words = TRUNK_CASES[case]
+    model = tmp_path / "model"
+    shutil.copytree(signed["int8-trunk"], model)
+    tensors = _load(model / shard)
+    assert tensors["lm_head.weight" if "head" in shard else "self_attn.o_proj.weight"].dtype == np.int8
+    change(tensors)
+    republish(model, shard, _save(tensors), signed["key"])
+    r = kit.run(*kit.run_cmd(model, [signed["pub"]], 1, tmp_path / "state"), cwd=tmp_path)
+    kit.assert_no_traceback(r)
+    assert r.code == 1 and r.out == "", (r.code, r.out, r.err)
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1, r.err
+    for word in words:
         assert word in lines[0], (word, lines[0])
