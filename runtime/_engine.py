@@ -41,6 +41,7 @@ from shardtool.manifest import Entry, VerifiedManifest
 from shardtool.runtime._cluster import RemoteExperts
 from shardtool.runtime._model import (ExpertUnavailable, Float32Weights, KVCache, ModelConfig, Segment, StepTrace,
                                       bytes_per_token, forward_batch, sample_token)
+from shardtool.runtime._model._forward import prepare_expert
 from shardtool.runtime._model._activations import prefill_chunk, step_rows
 from shardtool.runtime._model._rope import inv_freq
 from shardtool.runtime._model._sampling import check_sampling
@@ -165,7 +166,7 @@ class Engine:
         self.plan: BudgetPlan = plan_budget(budget, self.config, manifest, max_tokens=max_context, readers=readers,
                                             max_batch=max_batch, kv_cache=kv_cache)
         self.store = ShardStore(self.root, budget_bytes=self.plan.shard_cache, readers=readers,
-                                fetch_missing=fetch_missing, policy=cache_policy)
+                                fetch_missing=fetch_missing, policy=cache_policy, prepare=self._prepare_shard)
         self.weights = VerifiedWeights(self.store, manifest, self.config.num_layers, window=self.config.top_k,
                                        lookahead=lookahead and remote is None)
         self.remote = remote
@@ -181,6 +182,12 @@ class Engine:
         self._kv_reserved = 0
         self._closed = False
         self._thread: threading.Thread | None = None
+
+    def _prepare_shard(self, entry: Entry, arrays) -> None:
+        """Reader thread: a verified expert shard's weights checked and packed as it loads (`prepare_expert`)."""
+        if entry.kind == "expert" and entry.layer is not None and entry.expert is not None \
+                and entry.layer < self.config.num_layers:
+            prepare_expert(self.config, entry.layer, entry.expert, arrays)
 
     # ------------------------------------------------------------------ requests (any thread)
 

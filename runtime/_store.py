@@ -86,17 +86,21 @@ class ShardStore:
     """A cache of verified, parsed shards under `budget_bytes`, with a pool of reader threads."""
 
     def __init__(self, root: Path, *, budget_bytes: int, readers: int = 2,
-                 fetch_missing: Callable[[Entry], None] | None = None, policy: str = DEFAULT_POLICY):
+                 fetch_missing: Callable[[Entry], None] | None = None, policy: str = DEFAULT_POLICY,
+                 prepare: Callable[[Entry, Arrays], None] | None = None):
         """`fetch_missing(entry)`: brings a listed shard that `root` does not hold into `root` (`--remote`: fetched
         from mirrors, verified, renamed into place); the store then reads it through the same entry check.
         `policy`: which cached shard is evicted first (`_cache_policy.POLICIES`); trunk shards go only when
-        no expert is left (`CacheIndex`)."""
+        no expert is left (`CacheIndex`). `prepare(entry, arrays)`: run by the reader thread on a shard it verified
+        and parsed, before anyone is handed it (the forward pass checks and packs an expert's weights there, off its
+        own thread); an error it raises fails that load like a format error."""
         if budget_bytes <= 0:
             raise ValueError(f"budget must be positive, got {budget_bytes}")
         self.root = Path(root)
         self.budget = budget_bytes
         self.stats = StoreStats()
         self._fetch_missing = fetch_missing
+        self._prepare = prepare
         self._index = CacheIndex(policy, budget_bytes)  # which shards are cached, their bytes, the eviction order
         self._cache: dict[str, Arrays] = {}
         self._unused: set[str] = set()  # loaded (or loading) for a prefetch, not yet asked for by a request
@@ -131,6 +135,8 @@ class ShardStore:
                 loaded = read_verified_timed(self.root, entry)  # what is used is what this read verifies
             t0 = time.perf_counter()
             arrays = parse_shard(entry, loaded.data)
+            if self._prepare is not None:
+                self._prepare(entry, arrays)
             parse_seconds = time.perf_counter() - t0
         except BaseException:
             with self._lock:

@@ -141,6 +141,15 @@ def expert_packed(cfg: ModelConfig, layer: int, expert: int,
         for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i)))))
 
 
+def prepare_expert(cfg: ModelConfig, layer: int, expert: int, t: Mapping[str, np.ndarray]) -> None:
+    """An expert shard's tensors checked against the config and packed as `run_expert` will use them, kept on the
+    shard (`derived`): what a store's reader thread does as the shard loads, so the forward pass finds it done."""
+    if cfg.expert_act == "clamped_swiglu":
+        derived(t, "expert", cfg, lambda t: expert_weights(cfg, layer, expert, t))
+    else:
+        expert_packed(cfg, layer, expert, t)
+
+
 def run_expert(cfg: ModelConfig, layer: int, expert: int, t: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
     """# the expert's stored tensors, x [m, H] float32 -> its unweighted output [m, H]: what the local forward pass
     and a cluster node both compute for an expert (the coordinator weights and sums them, `moe_experts`)."""

@@ -152,7 +152,8 @@ MXFP4_SCALE_MAX = 0xFC  # 2^(0xFC - 127) = 2^125: times 6 (the largest E2M1 valu
 def _aligned(a: np.ndarray) -> np.ndarray:
     """`a` C-contiguous and aligned to its items (the extension refuses anything else; a view into a safetensors
     file may start at any byte): no copy when it already is."""
-    return np.require(a, requirements=["C", "A"])
+    f = a.flags
+    return a if f.c_contiguous and f.aligned else np.require(a, requirements=["C", "A"])  # flags: no np.require cost
 
 
 # per kind: the raw integer view and the mask whose bits all set mean inf or NaN (float8_e4m3fn: 0x7F/0xFF, NaN)
@@ -182,10 +183,17 @@ def _refuse_nonfinite(a: np.ndarray, kind: str, what: str) -> None:
         raise CheckpointFormatError(f"{what}: a NaN or infinite value at {list(index)}")
 
 
+_SCALE_KINDS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", BF16: "bf16"}
+
+
 def _finite_scale(s: np.ndarray, what: str) -> np.ndarray:
-    if s.dtype not in (np.dtype(np.float32), np.dtype(np.float16), BF16):
+    """`s` aligned and C-contiguous (`_aligned`), once every scale in it is checked finite (one native scan: a
+    streamed expert's three scales are checked on every load)."""
+    kind = _SCALE_KINDS.get(s.dtype)
+    if kind is None:
         raise CheckpointFormatError(f"{what} has dtype {s.dtype}, expected a float")
-    if not np.all(np.isfinite(s)):
+    s = _aligned(s)
+    if s.size and _first_nonfinite(s, kind) >= 0:
         raise CheckpointFormatError(f"{what}: a scale is NaN or infinite")
     return s
 
@@ -209,8 +217,8 @@ def _pack_block(form: str, data: np.ndarray, scale: np.ndarray | None, proj: str
     if scale.dtype != np.float16 or scale.shape != want_scale:
         raise CheckpointFormatError(f"{where}: {proj}.{blockquant.SCALE_SUFFIX} is {scale.dtype} {scale.shape}, "
                                     f"expected float16 {want_scale}")
-    _finite_scale(scale, f"{where}: {proj}.{blockquant.SCALE_SUFFIX}")
-    return Packed("q4" if q4 else "q8", shape, _aligned(data), _aligned(scale))
+    scale = _finite_scale(scale, f"{where}: {proj}.{blockquant.SCALE_SUFFIX}")
+    return Packed("q4" if q4 else "q8", shape, _aligned(data), scale)
 
 
 def _pack_mxfp4(blocks: np.ndarray, scales: np.ndarray | None, proj: str, shape: tuple[int, int], where: str,
