@@ -408,6 +408,8 @@ class Engine:
         activation reserve holds for a step over the longest sequence in it (at least one chunk)."""
         decoding = [(t, np.array([t.next_token], np.int64)) for t in batch if t.next_token is not None]
         prefilling = [t for t in batch if t.next_token is None]
+        if not prefilling:
+            return decoding
         keys = max([t.cache.length + 1 for t, _ in decoding] + [len(t.prompt) for t in prefilling])
         room = step_rows(self.config, self.plan.activations, keys) - len(decoding)
         plan = list(decoding)

@@ -39,6 +39,20 @@ class VerifiedWeights:
         working_set = largest_trunk + self.window * largest_expert
         self.lookahead = bool(lookahead) and largest_expert > 0 and store.budget >= 2 * working_set
         self._prefetch_cap = (store.budget // 2 - largest_trunk) // largest_expert if largest_expert else 0
+        # Per decoder layer, looked up once: its trunk entry (None: not listed) and the shard read after it (the next
+        # layer's trunk, or the head after the last); and (layer, expert) -> entry, filled as experts are asked for.
+        self._trunk = [self.entries.get(trunk_path(layer)) for layer in range(num_layers)]
+        self._after = self._trunk[1:] + [self.entries.get(HEAD)]
+        self._experts: dict[tuple[int, int], Entry | None] = {}
+
+    def expert_entry(self, layer: int, expert: int) -> Entry | None:
+        """The manifest's entry for an expert's shard, None when it lists none."""
+        key = (layer, expert)
+        try:
+            return self._experts[key]
+        except KeyError:
+            entry = self._experts[key] = self.entries.get(expert_path(layer, expert))
+            return entry
 
     def _entry(self, path: str) -> Entry:
         entry = self.entries.get(path)
@@ -53,8 +67,12 @@ class VerifiedWeights:
         return self.store.get(self._entry(HEAD))
 
     def layer(self, layer: int) -> Mapping[str, np.ndarray]:
-        arrays = self.store.get(self._entry(trunk_path(layer)))
-        following = self.entries.get(trunk_path(layer + 1)) if layer + 1 < self.num_layers else self.entries.get(HEAD)
+        if 0 <= layer < self.num_layers:
+            entry, following = self._trunk[layer], self._after[layer]
+        else:  # not one of the model's layers: looked up as asked
+            entry = self.entries.get(trunk_path(layer))
+            following = self.entries.get(trunk_path(layer + 1) if layer + 1 < self.num_layers else HEAD)
+        arrays = self.store.get(entry if entry is not None else self._entry(trunk_path(layer)))
         if following is not None:
             self.store.prefetch([following])
         return arrays
@@ -65,7 +83,7 @@ class VerifiedWeights:
         layer reports them if it really routes to them."""
         if not self.lookahead:
             return
-        listed = [self.entries.get(expert_path(layer, e)) for e in expert_ids[:self._prefetch_cap]]
+        listed = [self.expert_entry(layer, e) for e in expert_ids[:self._prefetch_cap]]
         self.store.prefetch([entry for entry in listed if entry is not None])
 
     def experts(self, layer: int, expert_ids: Sequence[int]) -> Mapping[int, Mapping[str, np.ndarray]]:
@@ -94,20 +112,23 @@ class _ExpertStream(Mapping):
             return
         batch = self._ids[self._started:stop]
         self._started = stop
-        entries = {e: self._weights.entries.get(expert_path(self._layer, e)) for e in batch}
-        listed = [e for e in batch if entries[e] is not None]
-        for e, wait in zip(listed, self._weights.store.request([entries[e] for e in listed])):
+        layer, entry_of = self._layer, self._weights.expert_entry
+        entries = [entry_of(layer, e) for e in batch]
+        listed = [(e, entry) for e, entry in zip(batch, entries) if entry is not None]
+        for (e, _), wait in zip(listed, self._weights.store.request([entry for _, entry in listed])):
             self._waiters[e] = wait
-        for e in batch:
-            if entries[e] is None:
-                self._waiters[e] = _unlisted(expert_path(self._layer, e))
+        for e, entry in zip(batch, entries):
+            if entry is None:
+                self._waiters[e] = _unlisted(expert_path(layer, e))
 
     def __getitem__(self, expert: int) -> Mapping[str, np.ndarray]:
         i = self._position[expert]
         self._start_until(i + self._weights.window)
         wait = self._waiters.pop(expert, None)
         if wait is None:  # asked for again after it was handed over: a cache hit or a new verified read
-            return self._weights.store.get(self._weights._entry(expert_path(self._layer, expert)))
+            entry = self._weights.expert_entry(self._layer, expert)
+            return self._weights.store.get(entry if entry is not None else self._weights._entry(
+                expert_path(self._layer, expert)))
         return wait()
 
     def __contains__(self, expert: object) -> bool:  # Mapping's default would load the expert to answer

@@ -62,18 +62,20 @@ class KVCache:
         """Write this step's entries for `layer`; return views of all entries so far (length + T)."""
         bufs = self._buffers[layer]
         start = self.length
+        views = []
         for i, ((shape, axis), x) in enumerate(zip(self._shapes, new, strict=True)):
-            t = x.shape[axis]
+            stop = start + x.shape[axis]
             if i == len(bufs):
-                capacity = self.max_tokens if self.max_tokens is not None else max(self._initial, start + t)
+                capacity = self.max_tokens if self.max_tokens is not None else max(self._initial, stop)
                 bufs.append(np.empty(_with(shape, axis, capacity), np.float32))
             buf = bufs[i]
-            if start + t > buf.shape[axis]:
-                grown = np.empty(_with(shape, axis, max(2 * buf.shape[axis], start + t)), np.float32)
+            if stop > buf.shape[axis]:
+                grown = np.empty(_with(shape, axis, max(2 * buf.shape[axis], stop)), np.float32)
                 _span(grown, axis, 0, start)[...] = _span(buf, axis, 0, start)
                 bufs[i] = buf = grown
-            _span(buf, axis, start, start + t)[...] = x
-        return tuple(_span(b, axis, 0, start + x.shape[axis]) for b, (_, axis), x in zip(bufs, self._shapes, new))
+            _span(buf, axis, start, stop)[...] = x
+            views.append(_span(buf, axis, 0, stop))
+        return tuple(views)
 
     def commit(self, new_tokens: int) -> None:
         self.length += new_tokens
@@ -84,4 +86,8 @@ def _with(shape: tuple[int, ...], axis: int, n: int) -> tuple[int, ...]:
 
 
 def _span(a: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+    if axis == 0:  # (the two axes the buffers have, indexed directly: every layer of every step comes here)
+        return a[start:stop]
+    if axis == 1:
+        return a[:, start:stop]
     return a[(slice(None),) * axis + (slice(start, stop),)]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from functools import partial
+from itertools import accumulate, chain
 
 import numpy as np
 
@@ -19,9 +20,9 @@ from ._dtypes import finite, to_float32, weight_f32
 from ._packed import Packed, pack
 from ._llama4 import chunked_mask
 from ._gpt_oss import clamped_swiglu, expert_weights
-from ._layers import (ROUTER_TENSORS, ExpertFetch, ExpertOutputs, ExpertUnavailable, ObserveRoute, causal_mask,
-                      decoder_layer, expert_mlp, gqa_attention, linear, matmul_t, mla_attention, predict_experts,
-                      rms_norm)
+from ._layers import (ROUTER_TENSORS, Attend, ExpertFetch, ExpertOutputs, ExpertUnavailable, ObserveRoute,
+                      causal_mask, decoder_layer, expert_mlp, gqa_attention, linear, matmul_t, mla_attention,
+                      predict_experts, rms_norm)
 from ._lookahead import LookaheadStats
 from ._rope import cos_sin, inv_freq
 from ._weights import WeightProvider, derived
@@ -134,11 +135,15 @@ def expert_packed(cfg: ModelConfig, layer: int, expert: int,
                   t: Mapping[str, np.ndarray]) -> tuple[Packed, Packed, Packed]:
     """# an expert shard's tensors -> gate [I, H], up [I, H], down [H, I] as stored, checked; once per shard
     (`derived`)."""
+    return derived(t, "expert", cfg, lambda t: _pack_expert(cfg, layer, expert, t))
+
+
+def _pack_expert(cfg: ModelConfig, layer: int, expert: int,
+                 t: Mapping[str, np.ndarray]) -> tuple[Packed, Packed, Packed]:
     i, h = cfg.moe_intermediate_size, cfg.hidden_size
     where = f"layer {layer} expert {expert}"
-    return derived(t, "expert", cfg, lambda t: tuple(  # type: ignore[return-value]
-        pack(t, name, shape, where, fp8_block=cfg.fp8_block)
-        for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i)))))
+    return tuple(pack(t, name, shape, where, fp8_block=cfg.fp8_block)  # type: ignore[return-value]
+                 for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))))
 
 
 def prepare_expert(cfg: ModelConfig, layer: int, expert: int, t: Mapping[str, np.ndarray]) -> None:
@@ -290,8 +295,10 @@ class _LocalExperts(Mapping):
         self.cfg, self.layer, self.got, self.x, self.rows = cfg, layer, got, x, rows
 
     def __getitem__(self, expert: int) -> Callable[[], np.ndarray]:
-        rows = self.rows[expert]
-        return lambda: run_expert(self.cfg, self.layer, expert, self.got[expert], self.x[rows])
+        rows, x = self.rows[expert], self.x
+        if len(x) > 1:  # (one row: it is the expert's only row, x itself)
+            x = x[rows]
+        return lambda: run_expert(self.cfg, self.layer, expert, self.got[expert], x)
 
     def __iter__(self):
         return iter(self.rows)
@@ -351,38 +358,17 @@ def forward_batch(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndar
     """
     for seg in segments:
         seg.cache.check_room(len(seg.ids))
-    bounds = np.cumsum([0] + [len(seg.ids) for seg in segments])
-    chunks = cfg.attention_chunks or (None,) * cfg.num_layers
-    spans = set(zip(cfg.sliding_windows, chunks))  # (sliding window, attention chunk) per layer
-    where = []  # per segment: cos [t, d], sin [t, d], {span: mask [t, S] or None}
-    for seg in segments:
-        q_pos = seg.cache.length + np.arange(len(seg.ids))
-        cos, sin = cos_sin(rope[0], rope[1], q_pos)
-        kv_len = seg.cache.length + len(seg.ids)
-        where.append((cos, sin, {(w, c): causal_mask(q_pos, kv_len, w) if c is None else chunked_mask(q_pos, kv_len, c)
-                                 for w, c in spans}))
-    attention = mla_attention if cfg.mla is not None else gqa_attention
-    traced = [(seg.trace, lo, hi) for seg, lo, hi in zip(segments, bounds[:-1], bounds[1:]) if seg.trace is not None]
+    bounds = list(accumulate([len(seg.ids) for seg in segments], initial=0))  # segment i: rows bounds[i]:bounds[i+1]
+    attends = _attends(cfg, rope, segments, bounds)
+    traced = [(seg.trace, lo, hi) for seg, lo, hi in zip(segments, bounds, bounds[1:]) if seg.trace is not None]
     observe = None
     if traced:
         def observe(idx: np.ndarray, scores: np.ndarray) -> None:  # [sum t, k], [sum t, E]
             for trace, lo, hi in traced:
                 trace.observe(idx[lo:hi], scores[lo:hi])
-    x = weights.embed_rows(np.concatenate([seg.ids for seg in segments]))  # [sum t, H]
-    for layer in range(cfg.num_layers):
-        span = (cfg.sliding_windows[layer], chunks[layer])
-        rotary = not cfg.rope_layers or cfg.rope_layers[layer]  # False: a NoPE layer, given no cos/sin
-
-        def attend(xn: np.ndarray, w: Mapping[str, np.ndarray], _layer: int = layer, _span=span,
-                   _rotary: bool = rotary) -> np.ndarray:
-            outs = []
-            for seg, (cos, sin, masks), lo, hi in zip(segments, where, bounds[:-1], bounds[1:]):
-                def append_kv(*new: np.ndarray, _cache: KVCache = seg.cache) -> tuple[np.ndarray, ...]:
-                    return _cache.append(_layer, *new)
-                outs.append(attention(xn[lo:hi], w, cfg, *((cos, sin) if _rotary else (None, None)),
-                                      masks[_span], append_kv))
-            return outs[0] if len(outs) == 1 else np.concatenate(outs)
-
+    ids = segments[0].ids if len(segments) == 1 else np.concatenate([seg.ids for seg in segments])
+    x = weights.embed_rows(ids)  # [sum t, H]
+    for layer, attend in enumerate(attends):
         x = decoder_layer(x, weights.layer(layer), cfg, layer, attend, weights.expert_fetch(layer),
                           weights.observer(layer, observe))
         weights.lookahead(layer + 1, x)  # layer + 1's experts start loading while its attention computes
@@ -392,7 +378,7 @@ def forward_batch(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndar
             trace.hidden = rms_norm(x[lo:hi], norm, cfg.rms_norm_eps)
     rows = list(chain.from_iterable(
         range(lo, hi) if seg.logits == "all" else [hi - 1] if seg.logits == "last" else []
-        for seg, lo, hi in zip(segments, bounds[:-1], bounds[1:])))
+        for seg, lo, hi in zip(segments, bounds, bounds[1:])))
     logits = None
     if rows:
         norm, lm_head = weights.head()
@@ -401,6 +387,44 @@ def forward_batch(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndar
     for seg in segments:
         seg.cache.commit(len(seg.ids))
     return logits
+
+
+def _attends(cfg: ModelConfig, rope: tuple[np.ndarray, float], segments: Sequence[Segment],
+             bounds: Sequence[int]) -> list[Attend]:
+    """Per layer, the step's `Attend`: each segment's rows against its own cache, at its own positions, under the
+    layer's mask (sliding window, attention chunk), appending the segment's keys and values for that layer. The
+    positions' cos/sin and each kind of mask are built once per segment for the whole step."""
+    chunks = cfg.attention_chunks or (None,) * cfg.num_layers
+    spans = list(zip(cfg.sliding_windows, chunks))  # (sliding window, attention chunk) per layer
+    kinds = set(spans)
+    rotary = cfg.rope_layers or (True,) * cfg.num_layers  # False: a NoPE layer, given no cos/sin
+    where = []  # per segment: cos [t, d], sin [t, d], {span: mask [t, S] or None}
+    for seg in segments:
+        q_pos = seg.cache.length + np.arange(len(seg.ids))
+        cos, sin = cos_sin(rope[0], rope[1], q_pos)
+        kv_len = seg.cache.length + len(seg.ids)
+        where.append((cos, sin, {(w, c): causal_mask(q_pos, kv_len, w) if c is None else chunked_mask(q_pos, kv_len, c)
+                                 for w, c in kinds}))
+    attention = mla_attention if cfg.mla is not None else gqa_attention
+    attends = []
+    for layer, (span, rotated) in enumerate(zip(spans, rotary)):
+        # per segment: its rows, and attention's arguments after (x, w, cfg): cos, sin, mask, append_kv
+        parts = [(lo, hi, (cos, sin) if rotated else (None, None), masks[span], partial(seg.cache.append, layer))
+                 for seg, (cos, sin, masks), lo, hi in zip(segments, where, bounds, bounds[1:])]
+        attends.append(_attend(attention, cfg, parts))
+    return attends
+
+
+def _attend(attention: Callable, cfg: ModelConfig, parts: list[tuple]) -> Attend:
+    """One layer's `Attend` over the segments' (rows lo:hi, attention's arguments after x, w and cfg)."""
+    if len(parts) == 1:  # one sequence: all the rows, no slicing and no concatenation
+        (_, _, (cos, sin), mask, append_kv), = parts
+        return lambda xn, w: attention(xn, w, cfg, cos, sin, mask, append_kv)
+
+    def attend(xn: np.ndarray, w: Mapping[str, np.ndarray]) -> np.ndarray:  # [sum t, H] -> [sum t, H]
+        return np.concatenate([attention(xn[lo:hi], w, cfg, cos, sin, mask, append_kv)
+                               for lo, hi, (cos, sin), mask, append_kv in parts])
+    return attend
 
 
 def forward(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndarray, float], ids: np.ndarray,

@@ -7,6 +7,7 @@ array; vectors (norms, biases) as float32.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -238,14 +239,14 @@ def _dense(w: np.ndarray | _packed.Packed) -> np.ndarray:
 
 def picked(scores: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """# [T, n], [T, k] indices -> [T, k]: scores[t, idx[t, j]] (np.take_along_axis's values, less overhead)"""
-    if len(idx) == 1:  # one decode row: no index grid
-        return scores[0, idx[0]][None]
+    if len(idx) == 1 and scores.flags.c_contiguous:  # one decode row: its ids are flat indices, no index grid
+        return scores.take(idx)
     return scores[np.arange(len(idx))[:, None], idx]
 
 
 def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
     """# [T, n] -> [T, k] indices of the k largest (order unspecified, as torch.topk(sorted=False))."""
-    return np.argpartition(-scores, k - 1, axis=-1)[:, :k]
+    return (-scores).argpartition(k - 1, axis=-1)[:, :k]  # np.argpartition's call, without its wrapper
 
 
 def route_softmax_topk(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -259,7 +260,7 @@ def _route_softmax_topk(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tup
     idx = _top_k(probs, k)
     weights = picked(probs, idx)
     if norm_topk_prob:
-        weights = weights / np.sum(weights, axis=-1, keepdims=True)
+        weights = weights / np.add.reduce(weights, axis=-1, keepdims=True)  # np.sum's reduction
     return weights, idx, probs
 
 
@@ -319,7 +320,8 @@ def expert_groups(idx: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """# [T, k] expert ids -> {expert: (token rows [t_e], slots [t_e])} in ascending expert order."""
     if idx.shape[0] == 1:  # a decode step of one sequence: its k distinct experts, each on row 0
         row = idx[0].tolist()
-        return {e: (_ROW0, np.array([row.index(e)])) for e in sorted(row)}
+        slots = _slots(len(row))
+        return {e: (_ROW0, slots[row.index(e)]) for e in sorted(row)}
     groups = {}
     for e in np.unique(idx):
         tokens, slots = np.nonzero(idx == e)
@@ -329,6 +331,14 @@ def expert_groups(idx: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
 
 _ROW0 = np.zeros(1, np.intp)
 _ROW0.flags.writeable = False
+
+
+@functools.cache
+def _slots(k: int) -> np.ndarray:
+    """# k -> [k, 1]: row j is the one-slot index array [j] (read-only, shared by every decode step)"""
+    slots = np.arange(k).reshape(k, 1)
+    slots.flags.writeable = False
+    return slots
 
 
 def moe_experts(x: np.ndarray, weights: np.ndarray, groups: Mapping[int, tuple[np.ndarray, np.ndarray]],
@@ -391,7 +401,7 @@ def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch,
     elif cfg.shared_expert == "plain":  # DeepSeek-V3: shared experts always run
         shared = expert_mlp(x, w["mlp.shared_experts.gate_proj.weight"], w["mlp.shared_experts.up_proj.weight"],
                             w["mlp.shared_experts.down_proj.weight"])
-    out = moe_experts(x, weights.astype(np.float32), groups, outputs)
+    out = moe_experts(x, weights.astype(np.float32, copy=False), groups, outputs)
     if shared is not None:
         out += shared  # added after the routed sum, as before: the same float32 result
     return out

@@ -5,6 +5,7 @@ Mirrors transformers' `modeling_rope_utils` and each family's `apply_rotary_pos_
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -68,18 +69,38 @@ def cos_sin(freqs: np.ndarray, scaling: float, positions: np.ndarray) -> tuple[n
     """# [dim/2], [T] -> cos [T, dim], sin [T, dim] (the angle table repeated twice, as transformers builds it)."""
     angles = positions.astype(np.float32)[:, None] * freqs[None, :]
     emb = np.concatenate([angles, angles], axis=-1)
-    return (np.cos(emb) * np.float32(scaling)).astype(np.float32), (np.sin(emb) * np.float32(scaling)).astype(
-        np.float32)
+    cos, sin = np.cos(emb), np.sin(emb)
+    if scaling != 1.0:  # (times 1 changes no value: skipped)
+        cos *= np.float32(scaling)
+        sin *= np.float32(scaling)
+    return cos.astype(np.float32, copy=False), sin.astype(np.float32, copy=False)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """# [T, h, d], [T, d], [T, d] -> [T, h, d]; rotate_half pairs channel i with i + d/2."""
-    half = x.shape[-1] // 2
-    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # [T, h, d]
-    rotated *= sin[:, None, :]
+    d = x.shape[-1]
+    # rotate_half(x) * sin as x[..., swap] * (sign * sin): (-a) * b and a * (-b) are the same float32 product, and one
+    # gather plus a [T, d] product costs less than negating and concatenating the halves of every head.
+    rotated = x.take(_swapped_halves(d), axis=-1)  # [T, h, d]: second half, then first
+    rotated *= (sin * _sign_first_half(d))[:, None, :]
     out = x * cos[:, None, :]
     out += rotated
     return out
+
+
+@functools.cache
+def _swapped_halves(d: int) -> np.ndarray:  # -> [d] indices: d/2 .. d-1, then 0 .. d/2-1 (read-only)
+    swap = np.concatenate([np.arange(d // 2, d), np.arange(d // 2)])
+    swap.flags.writeable = False
+    return swap
+
+
+@functools.cache
+def _sign_first_half(d: int) -> np.ndarray:  # -> [d] float32: -1 where rotate_half negates, then 1 (read-only)
+    sign = np.ones(d, np.float32)
+    sign[:d - d // 2] = -1
+    sign.flags.writeable = False
+    return sign
 
 
 def apply_rope_interleave(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
