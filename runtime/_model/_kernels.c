@@ -492,7 +492,7 @@ TARGET_AVX2 static float dot_mxfp4_x16(const int16_t *xq, const float *xs, const
  * operations in the same order, so the results are bit-identical whatever the grouping. Each weight row is
  * prefetched X16_PREFETCH bytes ahead of its reads (a hint, which never faults), so memory is read while the
  * blocks before it are multiplied. */
-#define X16_PREFETCH 1024
+#define X16_PREFETCH 2048
 
 /* Block b of q8 row w against x's block (x0..x3: elements 0..7, 8..15, 16..23, 24..31): four int32 sums. */
 TARGET_AVX2 static inline __attribute__((always_inline)) __m128i block_q8_x16(const void *w, Py_ssize_t b, __m128i x0,
