@@ -454,40 +454,11 @@ TARGET_AVX2 static int quantize_x16(const float *x, Py_ssize_t n, int16_t *xq, f
     return 0;
 }
 
-/* Block b: the int32 sums of 32 int8 weights (as 2 x 16 int16 in w0, w1) times x's int16, scaled. */
-#define INT16_BLOCK(blk, w0, w1, scale, acc)                                                              \
-    do {                                                                                                   \
-        const __m256i xa = _mm256_loadu_si256((const __m256i *)(xq + (blk) * QBLOCK));                     \
-        const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + (blk) * QBLOCK + 16));                \
-        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(w0, xa), _mm256_madd_epi16(w1, xb));       \
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(scale), acc);                        \
-    } while (0)
-
-/* MXFP4: each E2M1 code's value times 2 is a small integer (table look-up with pshufb); the scale halves it. */
-TARGET_AVX2 static float dot_mxfp4_x16(const int16_t *xq, const float *xs, const uint8_t *w, const uint8_t *e,
-                                       Py_ssize_t n) {
-    __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(w + b * (QBLOCK / 2)));
-        const __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(v, mask));
-        const __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(v, 4), mask));
-        const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi); /* elements 0..15, 16..31 */
-        const float scale = e8m0_to_float(e[b]) * 0.5f * xs[b];
-        if (b & 1)
-            INT16_BLOCK(b, _mm256_cvtepi8_epi16(c0), _mm256_cvtepi8_epi16(c1), scale, t1);
-        else
-            INT16_BLOCK(b, _mm256_cvtepi8_epi16(c0), _mm256_cvtepi8_epi16(c1), scale, t0);
-    }
-    return hsum8(_mm256_add_ps(t0, t1));
-}
-
-/* One-row q8 and q4 products with an int16 x (a decode step). A block's 32 weights are widened to int16 eight at a
- * time and multiplied with x's block by four 128-bit madd (exact int32 sums; 128-bit operations throughout, since a
- * 256-bit sign extension crosses lanes, which costs several times as much on some x86 cores); the block's four
- * lane sums, converted to float, are scaled by its d * xs into the row's accumulator. The scales d * xs are formed
- * eight blocks at a time (a float16 load and one vector multiply) and broadcast from there. `DOT_X16_ROWS` runs
+/* One-row q8, q4 and mxfp4 products with an int16 x (a decode step). A block's 32 weights are widened to int16
+ * eight at a time and multiplied with x's block by four 128-bit madd (exact int32 sums; 128-bit operations
+ * throughout, since a 256-bit sign extension crosses lanes, which costs several times as much on some x86 cores);
+ * the block's four lane sums, converted to float, are scaled by its block scale times xs into the row's accumulator.
+ * Those scales are formed eight blocks at a time into a small array and broadcast from there. `DOT_X16_ROWS` runs
  * ROWS weight rows against each x block as it is loaded: four for most rows, one for the leftovers, each row's
  * operations in the same order, so the results are bit-identical whatever the grouping. Each weight row is
  * prefetched X16_PREFETCH bytes ahead of its reads (a hint, which never faults), so memory is read while the
@@ -525,15 +496,42 @@ TARGET_AVX2 static inline __attribute__((always_inline)) __m128i block_q4_x16(co
     return _mm_sub_epi32(sum, _mm_loadu_si128((const __m128i *)(xc + 4 * b)));
 }
 
-/* sc[i] = d[b + i] * xs[b + i] for the blocks [b, min(b + 8, nb)). */
-TARGET_AVX2 static inline __attribute__((always_inline)) void block_scales(const uint16_t *d, const float *xs,
-                                                                           Py_ssize_t b, Py_ssize_t nb, float *sc) {
+/* The same for MXFP4: byte i of the block holds element 2i (low nibble) and 2i + 1 (high nibble) as FP4 E2M1
+ * codes; each code's value times 2 is a small integer (a table look-up with pshufb), the block's scale halves it. */
+TARGET_AVX2 static inline __attribute__((always_inline)) __m128i block_mxfp4_x16(const void *w, Py_ssize_t b,
+                                                                                 __m128i x0, __m128i x1, __m128i x2,
+                                                                                 __m128i x3, const int32_t *xc) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i v = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + b * (QBLOCK / 2)));
+    const __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(v, mask));                    /* elements 0, 2, .. */
+    const __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(v, 4), mask)); /* elements 1, 3, .. */
+    const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi); /* elements 0..15, 16..31 */
+    (void)xc;
+    const __m128i s0 = _mm_madd_epi16(_mm_cvtepi8_epi16(c0), x0);
+    const __m128i s1 = _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_srli_si128(c0, 8)), x1);
+    const __m128i s2 = _mm_madd_epi16(_mm_cvtepi8_epi16(c1), x2);
+    const __m128i s3 = _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_srli_si128(c1, 8)), x3);
+    return _mm_add_epi32(_mm_add_epi32(s0, s1), _mm_add_epi32(s2, s3));
+}
+
+/* sc[i] = d[b + i] * xs[b + i] for the blocks [b, min(b + 8, nb)), d float16 (q8, q4). */
+TARGET_AVX2 static inline __attribute__((always_inline)) void scales_f16(const void *dp, const float *xs, Py_ssize_t b,
+                                                                         Py_ssize_t nb, float *sc) {
+    const uint16_t *d = (const uint16_t *)dp;
     if (b + 8 <= nb) {
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
         _mm256_storeu_ps(sc, _mm256_mul_ps(dv, _mm256_loadu_ps(xs + b)));
         return;
     }
     for (Py_ssize_t i = 0; b + i < nb; i++) sc[i] = _cvtsh_ss(d[b + i]) * xs[b + i];
+}
+
+/* The same for MXFP4's E8M0 scale bytes, halved (block_mxfp4_x16 takes twice the codes' values). */
+TARGET_AVX2 static inline __attribute__((always_inline)) void scales_e8m0(const void *dp, const float *xs,
+                                                                          Py_ssize_t b, Py_ssize_t nb, float *sc) {
+    const uint8_t *e = (const uint8_t *)dp;
+    for (Py_ssize_t i = 0; i < 8 && b + i < nb; i++) sc[i] = e8m0_to_float(e[b + i]) * 0.5f * xs[b + i];
 }
 
 TARGET_AVX2 static inline float hsum4(__m128 s) {
@@ -544,16 +542,16 @@ TARGET_AVX2 static inline float hsum4(__m128 s) {
 
 /* y[k] = row k's product, k < ROWS, for weight rows w[k] (ROW_BYTES bytes a block) with float16 block scales d[k];
  * nb blocks of 32; xc: q4's corrections (see block_q4_x16; NULL for q8). */
-#define DOT_X16_ROWS(NAME, BLOCK, ROWS, ROW_BYTES)                                                                \
+#define DOT_X16_ROWS(NAME, BLOCK, SCALES, ROWS, ROW_BYTES)                                                        \
     TARGET_AVX2 static void NAME(const int16_t *xq, const float *xs, const int32_t *xc, const void *const *w,   \
-                                 const uint16_t *const *d, Py_ssize_t nb, float *y) {                           \
+                                 const void *const *d, Py_ssize_t nb, float *y) {                               \
         __m128 acc[ROWS];                                                                                        \
         float sc[ROWS][8];                                                                                       \
         _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) acc[k] = _mm_setzero_ps();                       \
         for (Py_ssize_t c = 0; c < nb; c += 8) {                                                                 \
             const Py_ssize_t cn = nb - c < 8 ? nb - c : 8;                                                       \
             _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) {                                             \
-                block_scales(d[k], xs, c, nb, sc[k]);                                                            \
+                SCALES(d[k], xs, c, nb, sc[k]);                                                                  \
                 for (int line = 0; line < 8 * (ROW_BYTES) / 64; line++)                                          \
                     _mm_prefetch((const char *)w[k] + c * (ROW_BYTES) + X16_PREFETCH + 64 * line, _MM_HINT_T0); \
             }                                                                                                    \
@@ -571,23 +569,28 @@ TARGET_AVX2 static inline float hsum4(__m128 s) {
         _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) y[k] = hsum4(acc[k]);                            \
     }
 
-DOT_X16_ROWS(dot4_q8_x16, block_q8_x16, 4, QBLOCK)
-DOT_X16_ROWS(dot1_q8_x16, block_q8_x16, 1, QBLOCK)
-DOT_X16_ROWS(dot4_q4_x16, block_q4_x16, 4, QBLOCK / 2)
-DOT_X16_ROWS(dot1_q4_x16, block_q4_x16, 1, QBLOCK / 2)
+DOT_X16_ROWS(dot4_q8_x16, block_q8_x16, scales_f16, 4, QBLOCK)
+DOT_X16_ROWS(dot1_q8_x16, block_q8_x16, scales_f16, 1, QBLOCK)
+DOT_X16_ROWS(dot4_q4_x16, block_q4_x16, scales_f16, 4, QBLOCK / 2)
+DOT_X16_ROWS(dot1_q4_x16, block_q4_x16, scales_f16, 1, QBLOCK / 2)
+DOT_X16_ROWS(dot4_mxfp4_x16, block_mxfp4_x16, scales_e8m0, 4, QBLOCK / 2)
+DOT_X16_ROWS(dot1_mxfp4_x16, block_mxfp4_x16, scales_e8m0, 1, QBLOCK / 2)
 
-/* Rows [r, r + rows) of a q8 or q4 job with an int16 x (j->xq set), rows 4 or 1. */
+/* Rows [r, r + rows) of a q8, q4 or mxfp4 job with an int16 x (j->xq set), rows 4 or 1. */
 TARGET_AVX2 static void dot_quant_x16(const job_t *j, Py_ssize_t r, int rows) {
     const Py_ssize_t n = j->in, nb = n / QBLOCK;
     const Py_ssize_t row_bytes = j->kind == K_Q8 ? n : n / 2;
+    const Py_ssize_t scale_bytes = j->kind == K_MXFP4 ? nb : 2 * nb; /* a row's: E8M0 bytes or float16 */
     const uint8_t *w = (const uint8_t *)j->w + r * row_bytes;
-    const uint16_t *d = (const uint16_t *)j->scale + r * nb;
+    const uint8_t *d = (const uint8_t *)j->scale + r * scale_bytes;
     const void *const ws[4] = {w, w + row_bytes, w + 2 * row_bytes, w + 3 * row_bytes};
-    const uint16_t *const ds[4] = {d, d + nb, d + 2 * nb, d + 3 * nb};
+    const void *const ds[4] = {d, d + scale_bytes, d + 2 * scale_bytes, d + 3 * scale_bytes};
     if (j->kind == K_Q8)
         (rows == 4 ? dot4_q8_x16 : dot1_q8_x16)(j->xq, j->xs, NULL, ws, ds, nb, j->y + r);
-    else
+    else if (j->kind == K_Q4)
         (rows == 4 ? dot4_q4_x16 : dot1_q4_x16)(j->xq, j->xs, j->xc, ws, ds, nb, j->y + r);
+    else
+        (rows == 4 ? dot4_mxfp4_x16 : dot1_mxfp4_x16)(j->xq, j->xs, NULL, ws, ds, nb, j->y + r);
 }
 
 /* One weight row's product with one x row, in the stored dtype. */
@@ -608,9 +611,6 @@ TARGET_AVX2 static float dot_row_avx2(const job_t *j, Py_ssize_t r, const float 
     case K_Q4:
         return dot_q4_avx2(x, (const uint8_t *)j->w + r * (n / 2), (const uint16_t *)j->scale + r * (n / QBLOCK), n);
     default:
-        if (j->xq)
-            return dot_mxfp4_x16(j->xq, j->xs, (const uint8_t *)j->w + r * (n / 2),
-                                 (const uint8_t *)j->scale + r * (n / QBLOCK), n);
         return dot_mxfp4_avx2(x, (const uint8_t *)j->w + r * (n / 2), (const uint8_t *)j->scale + r * (n / QBLOCK),
                               n);
     }
@@ -630,7 +630,7 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
             for (; r + 4 <= r1; r += 4) dot4_bf16_avx2(j->x, (const uint16_t *)j->w + r * n, n, j->y + r);
         else if (j->kind == K_F16)
             for (; r + 4 <= r1; r += 4) dot4_f16_avx2(j->x, (const uint16_t *)j->w + r * n, n, j->y + r);
-        else if ((j->kind == K_Q8 || j->kind == K_Q4) && j->xq) {
+        else if (j->xq) { /* q8, q4, mxfp4 */
             for (; r + 4 <= r1; r += 4) dot_quant_x16(j, r, 4);
             for (; r < r1; r++) dot_quant_x16(j, r, 1);
         }
