@@ -53,6 +53,8 @@ typedef struct {
      * block of 32 (exact integer products; |x - xq * xs| <= 2^-15 * the block's largest |x|), else NULL */
     const int16_t *xq;
     const float *xs;
+    /* q4 with xq: xc[4 * b] = 8 * the sum of xq's block b, xc[4 * b + 1..3] = 0 (see block_q4_x16), else NULL */
+    const int32_t *xc;
 } job_t;
 
 /* ---------------------------------------------------------------- scalar conversions (the fallback's, and tails) */
@@ -496,90 +498,71 @@ TARGET_AVX2 static int quantize_x16(const float *x, Py_ssize_t n, int16_t *xq, f
     return 0;
 }
 
-/* Block b: the int32 sums of 32 int8 weights (as 2 x 16 int16 in w0, w1) times x's int16, scaled. */
-#define INT16_BLOCK(blk, w0, w1, scale, acc)                                                              \
-    do {                                                                                                   \
-        const __m256i xa = _mm256_loadu_si256((const __m256i *)(xq + (blk) * QBLOCK));                     \
-        const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + (blk) * QBLOCK + 16));                \
-        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(w0, xa), _mm256_madd_epi16(w1, xb));       \
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(scale), acc);                        \
-    } while (0)
+/* One-row q8, q4 and mxfp4 products with an int16 x (a decode step). A block's 32 weights are widened to int16
+ * eight at a time and multiplied with x's block by four 128-bit madd (exact int32 sums; 128-bit operations
+ * throughout, since a 256-bit sign extension crosses lanes, which costs several times as much on some x86 cores);
+ * the block's four lane sums, converted to float, are scaled by its block scale times xs into the row's accumulator.
+ * Those scales are formed eight blocks at a time into a small array and broadcast from there. `DOT_X16_ROWS` runs
+ * ROWS weight rows against each x block as it is loaded: four for most rows, one for the leftovers, each row's
+ * operations in the same order, so the results are bit-identical whatever the grouping. Each weight row is
+ * prefetched X16_PREFETCH bytes ahead of its reads (a hint, which never faults), so memory is read while the
+ * blocks before it are multiplied. */
+#define X16_PREFETCH 2048
 
-TARGET_AVX2 static float dot_q8_x16(const int16_t *xq, const float *xs, const int8_t *w, const uint16_t *d,
-                                    Py_ssize_t n) {
-    __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
-    Py_ssize_t b = 0;
-    for (; b + 2 <= n / QBLOCK; b += 2) {
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + b * QBLOCK));
-        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + b * QBLOCK + QBLOCK));
-        INT16_BLOCK(b, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v0)),
-                    _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v0, 1)), _cvtsh_ss(d[b]) * xs[b], t0);
-        INT16_BLOCK(b + 1, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v1)),
-                    _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v1, 1)), _cvtsh_ss(d[b + 1]) * xs[b + 1], t1);
-    }
-    for (; b < n / QBLOCK; b++) {
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + b * QBLOCK));
-        INT16_BLOCK(b, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v0)),
-                    _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v0, 1)), _cvtsh_ss(d[b]) * xs[b], t0);
-    }
-    return hsum8(_mm256_add_ps(t0, t1));
+/* Block b of q8 row w against x's block (x0..x3: elements 0..7, 8..15, 16..23, 24..31): four int32 sums. */
+TARGET_AVX2 static inline __attribute__((always_inline)) __m128i block_q8_x16(const void *w, Py_ssize_t b, __m128i x0,
+                                                                              __m128i x1, __m128i x2, __m128i x3,
+                                                                              const int32_t *xc) {
+    const int8_t *p = (const int8_t *)w + b * QBLOCK;
+    (void)xc;
+    const __m128i s0 = _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), x0);
+    const __m128i s1 = _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(p + 8))), x1);
+    const __m128i s2 = _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(p + 16))), x2);
+    const __m128i s3 = _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(p + 24))), x3);
+    return _mm_add_epi32(_mm_add_epi32(s0, s1), _mm_add_epi32(s2, s3));
 }
 
-TARGET_AVX2 static float dot_q4_x16(const int16_t *xq, const float *xs, const uint8_t *w, const uint16_t *d,
-                                    Py_ssize_t n) {
-    __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
-    const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(w + b * (QBLOCK / 2)));
-        const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), eight);                    /* elements 0..15 */
-        const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight); /* elements 16..31 */
-        if (b & 1)
-            INT16_BLOCK(b, _mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi), _cvtsh_ss(d[b]) * xs[b], t1);
-        else
-            INT16_BLOCK(b, _mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi), _cvtsh_ss(d[b]) * xs[b], t0);
-    }
-    return hsum8(_mm256_add_ps(t0, t1));
+/* The same for q4: byte i of the block holds element i (low nibble) and element 16 + i (high nibble), each + 8.
+ * The nibbles are multiplied as they are (0..15) and xc[4b..4b+4), whose lanes sum to 8 * the sum of x's block,
+ * subtracted: the same integers as with the nibbles minus 8, in fewer operations. */
+TARGET_AVX2 static inline __attribute__((always_inline)) __m128i block_q4_x16(const void *w, Py_ssize_t b, __m128i x0,
+                                                                              __m128i x1, __m128i x2, __m128i x3,
+                                                                              const int32_t *xc) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + b * (QBLOCK / 2)));
+    const __m128i u0 = _mm_unpacklo_epi8(v, _mm_setzero_si128()); /* bytes 0..7 as int16 */
+    const __m128i u1 = _mm_unpackhi_epi8(v, _mm_setzero_si128()); /* bytes 8..15 */
+    const __m128i low = _mm_set1_epi16(0x0F);
+    const __m128i s0 = _mm_madd_epi16(_mm_and_si128(u0, low), x0);  /* elements 0..7 */
+    const __m128i s1 = _mm_madd_epi16(_mm_and_si128(u1, low), x1);  /* 8..15 */
+    const __m128i s2 = _mm_madd_epi16(_mm_srli_epi16(u0, 4), x2);   /* 16..23 */
+    const __m128i s3 = _mm_madd_epi16(_mm_srli_epi16(u1, 4), x3);   /* 24..31 */
+    const __m128i sum = _mm_add_epi32(_mm_add_epi32(s0, s1), _mm_add_epi32(s2, s3));
+    return _mm_sub_epi32(sum, _mm_loadu_si128((const __m128i *)(xc + 4 * b)));
 }
 
-/* MXFP4: each E2M1 code's value times 2 is a small integer (table look-up with pshufb); the scale halves it. */
-TARGET_AVX2 static float dot_mxfp4_x16(const int16_t *xq, const float *xs, const uint8_t *w, const uint8_t *e,
-                                       Py_ssize_t n) {
-    __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+/* The same for MXFP4: byte i of the block holds element 2i (low nibble) and 2i + 1 (high nibble) as FP4 E2M1
+ * codes; each code's value times 2 is a small integer (a table look-up with pshufb), the block's scale halves it. */
+TARGET_AVX2 static inline __attribute__((always_inline)) __m128i block_mxfp4_x16(const void *w, Py_ssize_t b,
+                                                                                 __m128i x0, __m128i x1, __m128i x2,
+                                                                                 __m128i x3, const int32_t *xc) {
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    for (Py_ssize_t b = 0; b < n / QBLOCK; b++) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(w + b * (QBLOCK / 2)));
-        const __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(v, mask));
-        const __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(v, 4), mask));
-        const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi); /* elements 0..15, 16..31 */
-        const float scale = e8m0_to_float(e[b]) * 0.5f * xs[b];
-        if (b & 1)
-            INT16_BLOCK(b, _mm256_cvtepi8_epi16(c0), _mm256_cvtepi8_epi16(c1), scale, t1);
-        else
-            INT16_BLOCK(b, _mm256_cvtepi8_epi16(c0), _mm256_cvtepi8_epi16(c1), scale, t0);
-    }
-    return hsum8(_mm256_add_ps(t0, t1));
-}
-
-/* Four q8 or q4 weight rows against one int16 x row (a decode step): each x block is loaded once for the four
-   rows, and the block scales d * xs are formed eight blocks at a time. Each row's sum is the one dot_q8_x16 /
-   dot_q4_x16 forms (even blocks into t0, odd into t1, then hsum8(t0 + t1)), so the results are bit-identical. */
-TARGET_AVX2 static inline __attribute__((always_inline)) void unpack_q8(const void *w, Py_ssize_t b, __m256i *lo, __m256i *hi) {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)((const int8_t *)w + b * QBLOCK));
-    *lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));      /* elements 0..15 */
-    *hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)); /* elements 16..31 */
-}
-
-TARGET_AVX2 static inline __attribute__((always_inline)) void unpack_q4(const void *w, Py_ssize_t b, __m256i *lo, __m256i *hi) {
-    const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
     const __m128i v = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + b * (QBLOCK / 2)));
-    *lo = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_and_si128(v, mask), eight));                    /* 0..15 */
-    *hi = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight)); /* 16..31 */
+    const __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(v, mask));                    /* elements 0, 2, .. */
+    const __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(v, 4), mask)); /* elements 1, 3, .. */
+    const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi); /* elements 0..15, 16..31 */
+    (void)xc;
+    const __m128i s0 = _mm_madd_epi16(_mm_cvtepi8_epi16(c0), x0);
+    const __m128i s1 = _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_srli_si128(c0, 8)), x1);
+    const __m128i s2 = _mm_madd_epi16(_mm_cvtepi8_epi16(c1), x2);
+    const __m128i s3 = _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_srli_si128(c1, 8)), x3);
+    return _mm_add_epi32(_mm_add_epi32(s0, s1), _mm_add_epi32(s2, s3));
 }
 
-/* sc[i] = d[b + i] * xs[b + i] for the blocks [b, min(b + 8, nb)). */
-TARGET_AVX2 static inline __attribute__((always_inline)) void block_scales(const uint16_t *d, const float *xs, Py_ssize_t b, Py_ssize_t nb,
-                                            float *sc) {
+/* sc[i] = d[b + i] * xs[b + i] for the blocks [b, min(b + 8, nb)), d float16 (q8, q4). */
+TARGET_AVX2 static inline __attribute__((always_inline)) void scales_f16(const void *dp, const float *xs, Py_ssize_t b,
+                                                                         Py_ssize_t nb, float *sc) {
+    const uint16_t *d = (const uint16_t *)dp;
     if (b + 8 <= nb) {
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
         _mm256_storeu_ps(sc, _mm256_mul_ps(dv, _mm256_loadu_ps(xs + b)));
@@ -588,70 +571,70 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void block_scales(const
     for (Py_ssize_t i = 0; b + i < nb; i++) sc[i] = _cvtsh_ss(d[b + i]) * xs[b + i];
 }
 
-/* Row k's block b (x's int16 halves xa, xb) into its accumulator acc, scaled by sc[k][b % 8]. */
-#define X16_ROW_BLOCK(UNPACK, k, acc)                                                                    \
-    do {                                                                                                 \
-        __m256i lo, hi;                                                                                  \
-        UNPACK(w##k, b, &lo, &hi);                                                                       \
-        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(lo, xa), _mm256_madd_epi16(hi, xb));      \
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(&sc[k][b & 7]), acc);         \
-    } while (0)
+/* The same for MXFP4's E8M0 scale bytes, halved (block_mxfp4_x16 takes twice the codes' values). */
+TARGET_AVX2 static inline __attribute__((always_inline)) void scales_e8m0(const void *dp, const float *xs,
+                                                                          Py_ssize_t b, Py_ssize_t nb, float *sc) {
+    const uint8_t *e = (const uint8_t *)dp;
+    for (Py_ssize_t i = 0; i < 8 && b + i < nb; i++) sc[i] = e8m0_to_float(e[b + i]) * 0.5f * xs[b + i];
+}
 
-/* Block b of the four rows into the accumulators a0..a3. */
-#define X16_BLOCK(UNPACK, a0, a1, a2, a3)                                                                \
-    do {                                                                                                 \
-        if ((b & 7) == 0) {                                                                              \
-            block_scales(d0, xs, b, nb, sc[0]);                                                          \
-            block_scales(d1, xs, b, nb, sc[1]);                                                          \
-            block_scales(d2, xs, b, nb, sc[2]);                                                          \
-            block_scales(d3, xs, b, nb, sc[3]);                                                          \
-        }                                                                                                \
-        const __m256i xa = _mm256_loadu_si256((const __m256i *)(xq + b * QBLOCK));                       \
-        const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + b * QBLOCK + 16));                  \
-        X16_ROW_BLOCK(UNPACK, 0, a0);                                                                    \
-        X16_ROW_BLOCK(UNPACK, 1, a1);                                                                    \
-        X16_ROW_BLOCK(UNPACK, 2, a2);                                                                    \
-        X16_ROW_BLOCK(UNPACK, 3, a3);                                                                    \
-    } while (0)
+TARGET_AVX2 static inline float hsum4(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
 
-/* w0..w3, d0..d3: four rows' weights and float16 block scales; nb = n / QBLOCK blocks; y[0..4) the products. */
-#define DOT4_X16(NAME, UNPACK)                                                                           \
-    TARGET_AVX2 static void NAME(const int16_t *xq, const float *xs, const void *w0, const void *w1,    \
-                                 const void *w2, const void *w3, const uint16_t *d0, const uint16_t *d1, \
-                                 const uint16_t *d2, const uint16_t *d3, Py_ssize_t nb, float *y) {      \
-        __m256 e0 = _mm256_setzero_ps(), e1 = _mm256_setzero_ps(), e2 = _mm256_setzero_ps();            \
-        __m256 e3 = _mm256_setzero_ps(), o0 = _mm256_setzero_ps(), o1 = _mm256_setzero_ps();            \
-        __m256 o2 = _mm256_setzero_ps(), o3 = _mm256_setzero_ps();                                       \
-        float sc[4][8];                                                                                  \
-        Py_ssize_t b = 0;                                                                                \
-        while (b + 2 <= nb) {                                                                            \
-            X16_BLOCK(UNPACK, e0, e1, e2, e3); /* even blocks */                                         \
-            b++;                                                                                         \
-            X16_BLOCK(UNPACK, o0, o1, o2, o3); /* odd blocks */                                          \
-            b++;                                                                                         \
-        }                                                                                                \
-        if (b < nb) X16_BLOCK(UNPACK, e0, e1, e2, e3);                                                   \
-        y[0] = hsum8(_mm256_add_ps(e0, o0));                                                             \
-        y[1] = hsum8(_mm256_add_ps(e1, o1));                                                             \
-        y[2] = hsum8(_mm256_add_ps(e2, o2));                                                             \
-        y[3] = hsum8(_mm256_add_ps(e3, o3));                                                             \
+/* y[k] = row k's product, k < ROWS, for weight rows w[k] (ROW_BYTES bytes a block) with float16 block scales d[k];
+ * nb blocks of 32; xc: q4's corrections (see block_q4_x16; NULL for q8). */
+#define DOT_X16_ROWS(NAME, BLOCK, SCALES, ROWS, ROW_BYTES)                                                        \
+    TARGET_AVX2 static void NAME(const int16_t *xq, const float *xs, const int32_t *xc, const void *const *w,   \
+                                 const void *const *d, Py_ssize_t nb, float *y) {                               \
+        __m128 acc[ROWS];                                                                                        \
+        float sc[ROWS][8];                                                                                       \
+        _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) acc[k] = _mm_setzero_ps();                       \
+        for (Py_ssize_t c = 0; c < nb; c += 8) {                                                                 \
+            const Py_ssize_t cn = nb - c < 8 ? nb - c : 8;                                                       \
+            _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) {                                             \
+                SCALES(d[k], xs, c, nb, sc[k]);                                                                  \
+                for (int line = 0; line < 8 * (ROW_BYTES) / 64; line++)                                          \
+                    _mm_prefetch((const char *)w[k] + c * (ROW_BYTES) + X16_PREFETCH + 64 * line, _MM_HINT_T0); \
+            }                                                                                                    \
+            for (Py_ssize_t i = 0; i < cn; i++) {                                                                \
+                const Py_ssize_t b = c + i;                                                                      \
+                const __m128i x0 = _mm_loadu_si128((const __m128i *)(xq + b * QBLOCK));                          \
+                const __m128i x1 = _mm_loadu_si128((const __m128i *)(xq + b * QBLOCK + 8));                      \
+                const __m128i x2 = _mm_loadu_si128((const __m128i *)(xq + b * QBLOCK + 16));                     \
+                const __m128i x3 = _mm_loadu_si128((const __m128i *)(xq + b * QBLOCK + 24));                     \
+                _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++)                                           \
+                    acc[k] = _mm_fmadd_ps(_mm_cvtepi32_ps(BLOCK(w[k], b, x0, x1, x2, x3, xc)),                  \
+                                          _mm_broadcast_ss(&sc[k][i]), acc[k]);                                  \
+            }                                                                                                    \
+        }                                                                                                        \
+        _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) y[k] = hsum4(acc[k]);                            \
     }
 
-DOT4_X16(dot4_q8_x16, unpack_q8)
-DOT4_X16(dot4_q4_x16, unpack_q4)
+DOT_X16_ROWS(dot4_q8_x16, block_q8_x16, scales_f16, 4, QBLOCK)
+DOT_X16_ROWS(dot1_q8_x16, block_q8_x16, scales_f16, 1, QBLOCK)
+DOT_X16_ROWS(dot4_q4_x16, block_q4_x16, scales_f16, 4, QBLOCK / 2)
+DOT_X16_ROWS(dot1_q4_x16, block_q4_x16, scales_f16, 1, QBLOCK / 2)
+DOT_X16_ROWS(dot4_mxfp4_x16, block_mxfp4_x16, scales_e8m0, 4, QBLOCK / 2)
+DOT_X16_ROWS(dot1_mxfp4_x16, block_mxfp4_x16, scales_e8m0, 1, QBLOCK / 2)
 
-/* Rows [r, r + 4) of a q8 or q4 job with an int16 x (j->xq set). */
-TARGET_AVX2 static void dot4_quant_x16(const job_t *j, Py_ssize_t r) {
+/* Rows [r, r + rows) of a q8, q4 or mxfp4 job with an int16 x (j->xq set), rows 4 or 1. */
+TARGET_AVX2 static void dot_quant_x16(const job_t *j, Py_ssize_t r, int rows) {
     const Py_ssize_t n = j->in, nb = n / QBLOCK;
     const Py_ssize_t row_bytes = j->kind == K_Q8 ? n : n / 2;
+    const Py_ssize_t scale_bytes = j->kind == K_MXFP4 ? nb : 2 * nb; /* a row's: E8M0 bytes or float16 */
     const uint8_t *w = (const uint8_t *)j->w + r * row_bytes;
-    const uint16_t *d = (const uint16_t *)j->scale + r * nb;
+    const uint8_t *d = (const uint8_t *)j->scale + r * scale_bytes;
+    const void *const ws[4] = {w, w + row_bytes, w + 2 * row_bytes, w + 3 * row_bytes};
+    const void *const ds[4] = {d, d + scale_bytes, d + 2 * scale_bytes, d + 3 * scale_bytes};
     if (j->kind == K_Q8)
-        dot4_q8_x16(j->xq, j->xs, w, w + row_bytes, w + 2 * row_bytes, w + 3 * row_bytes, d, d + nb, d + 2 * nb,
-                    d + 3 * nb, nb, j->y + r);
+        (rows == 4 ? dot4_q8_x16 : dot1_q8_x16)(j->xq, j->xs, NULL, ws, ds, nb, j->y + r);
+    else if (j->kind == K_Q4)
+        (rows == 4 ? dot4_q4_x16 : dot1_q4_x16)(j->xq, j->xs, j->xc, ws, ds, nb, j->y + r);
     else
-        dot4_q4_x16(j->xq, j->xs, w, w + row_bytes, w + 2 * row_bytes, w + 3 * row_bytes, d, d + nb, d + 2 * nb,
-                    d + 3 * nb, nb, j->y + r);
+        (rows == 4 ? dot4_mxfp4_x16 : dot1_mxfp4_x16)(j->xq, j->xs, NULL, ws, ds, nb, j->y + r);
 }
 
 /* One weight row's product with one x row, in the stored dtype. */
@@ -668,19 +651,10 @@ TARGET_AVX2 static float dot_row_avx2(const job_t *j, Py_ssize_t r, const float 
         return dot_fp8_avx2(x, (const uint8_t *)j->w + r * n,
                             (const float *)j->scale + (r / j->b0) * ((n + j->b1 - 1) / j->b1), n, j->b1);
     case K_Q8:
-        if (j->xq)
-            return dot_q8_x16(j->xq, j->xs, (const int8_t *)j->w + r * n,
-                              (const uint16_t *)j->scale + r * (n / QBLOCK), n);
         return dot_q8_avx2(x, (const int8_t *)j->w + r * n, (const uint16_t *)j->scale + r * (n / QBLOCK), n);
     case K_Q4:
-        if (j->xq)
-            return dot_q4_x16(j->xq, j->xs, (const uint8_t *)j->w + r * (n / 2),
-                              (const uint16_t *)j->scale + r * (n / QBLOCK), n);
         return dot_q4_avx2(x, (const uint8_t *)j->w + r * (n / 2), (const uint16_t *)j->scale + r * (n / QBLOCK), n);
     default:
-        if (j->xq)
-            return dot_mxfp4_x16(j->xq, j->xs, (const uint8_t *)j->w + r * (n / 2),
-                                 (const uint8_t *)j->scale + r * (n / QBLOCK), n);
         return dot_mxfp4_avx2(x, (const uint8_t *)j->w + r * (n / 2), (const uint8_t *)j->scale + r * (n / QBLOCK),
                               n);
     }
@@ -700,8 +674,10 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
             for (; r + 4 <= r1; r += 4) dot4_bf16_avx2(j->x, (const uint16_t *)j->w + r * n, n, j->y + r);
         else if (j->kind == K_F16)
             for (; r + 4 <= r1; r += 4) dot4_f16_avx2(j->x, (const uint16_t *)j->w + r * n, n, j->y + r);
-        else if ((j->kind == K_Q8 || j->kind == K_Q4) && j->xq)
-            for (; r + 4 <= r1; r += 4) dot4_quant_x16(j, r);
+        else if (j->xq) { /* q8, q4, mxfp4 */
+            for (; r + 4 <= r1; r += 4) dot_quant_x16(j, r, 4);
+            for (; r < r1; r++) dot_quant_x16(j, r, 1);
+        }
         for (; r < r1; r++) j->y[r] = dot_row_avx2(j, r, j->x);
         return 0;
     }
@@ -846,22 +822,35 @@ static int run_job_rows(const job_t *j, int threads);
 static int run_job(job_t *j, int threads) {
 #if HAVE_X86_KERNELS
     if (j->avx2 && j->m == 1 && (j->kind == K_Q8 || j->kind == K_Q4 || j->kind == K_MXFP4)) {
+        const Py_ssize_t nb = j->in / QBLOCK;
         int16_t *xq = (int16_t *)malloc((size_t)j->in * sizeof(int16_t));
-        float *xs = (float *)malloc((size_t)(j->in / QBLOCK) * sizeof(float));
-        if (!xq || !xs) {
+        float *xs = (float *)malloc((size_t)nb * sizeof(float));
+        int32_t *xc = j->kind == K_Q4 ? (int32_t *)calloc((size_t)nb * 4, sizeof(int32_t)) : NULL;
+        if (!xq || !xs || (j->kind == K_Q4 && !xc)) {
             free(xq);
             free(xs);
+            free(xc);
             return -1;
         }
         if (quantize_x16(j->x, j->in, xq, xs) == 0) {
             j->xq = xq;
             j->xs = xs;
+            if (xc) {
+                for (Py_ssize_t b = 0; b < nb; b++) {
+                    int32_t sum = 0; /* at most 32 * 32767 */
+                    for (int i = 0; i < QBLOCK; i++) sum += xq[b * QBLOCK + i];
+                    xc[4 * b] = 8 * sum;
+                }
+                j->xc = xc;
+            }
         }
         int rc = run_job_rows(j, threads);
         j->xq = NULL;
         j->xs = NULL;
+        j->xc = NULL;
         free(xq);
         free(xs);
+        free(xc);
         return rc;
     }
 #endif

@@ -67,10 +67,10 @@ def test_each_kind_matches_the_reference(isa, kind, m, threads):
         check(x, make(kind, out, inp, rng))
 
 
-@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("kind", ["q8", "q4", "mxfp4"])
 def test_one_row_block_products_do_not_depend_on_the_row_grouping(isa, kind):
-    """The AVX2 one-row q8/q4 kernels take four weight rows at a time; each row's sum must be formed exactly as the
-    single-row kernel forms it (ragged row counts, block counts around the eight-block scale chunks)."""
+    """The AVX2 one-row q8/q4/mxfp4 kernels take four weight rows at a time; each row's sum must be formed exactly as
+    the single-row kernel forms it (ragged row counts, block counts around the eight-block scale chunks)."""
     rng = np.random.default_rng(7)
     for out, inp in [(7, 32), (13, 96), (9, 256), (11, 288), (6, 544)]:
         w = make(kind, out, inp, rng)
