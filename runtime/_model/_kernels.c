@@ -1185,7 +1185,7 @@ static int get_threads(PyObject *o, int *threads) {
 
 static job_t job_of(const weight_t *w, Py_ssize_t m, const float *x, float *y) {
     job_t j = {w->kind, m, w->out, w->in, w->b0, w->b1, x, w->wv.buf, w->have_s ? w->sv.buf : NULL, y, cpu_avx2,
-               NULL, NULL};
+               NULL, NULL, NULL};
     return j;
 }
 
