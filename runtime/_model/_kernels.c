@@ -1196,46 +1196,36 @@ PyDoc_STRVAR(matmul_doc,
              "`threads` threads with the GIL released. b0, b1: fp8's block (ignored otherwise). Every buffer must "
              "be C-contiguous with the exact format and length: ValueError otherwise.");
 
-static PyObject *py_matmul(PyObject *self, PyObject *args) {
-    (void)self;
-    const char *kind_s;
-    PyObject *xo, *wo, *so, *yo, *io[6];
-    if (!PyArg_ParseTuple(args, "sOOOOOOOOOO:matmul", &kind_s, &xo, &wo, &so, &yo, &io[0], &io[1], &io[2], &io[3],
-                          &io[4], &io[5]))
-        return NULL;
-    static const char *const int_names[5] = {"m", "out", "in_", "b0", "b1"};
-    Py_ssize_t iv[5];
-    for (int k = 0; k < 5; k++)
-        if (get_int(io[k], int_names[k], &iv[k]) < 0) return NULL;
-    int threads;
-    if (get_threads(io[5], &threads) < 0) return NULL;
-    const Py_ssize_t m = iv[0];
-    if (m < 1 || m > ((Py_ssize_t)1 << 31))
-        return PyErr_Format(PyExc_ValueError, "shape m=%zd out=%zd in=%zd out of range", m, iv[1], iv[2]);
-    weight_t w;
-    if (weight_open(&w, kind_s, wo, so, iv[1], iv[2], iv[3], iv[4]) < 0) return NULL;
+/* y[m, out] = x[m, in] @ W.T for the opened weight `w` (released here, as are x and y); m < 0: as many rows as x
+ * holds (it must hold a whole number). */
+static PyObject *product_into(weight_t *w, PyObject *xo, PyObject *yo, Py_ssize_t m, int threads) {
     PyObject *result = NULL;
     Py_buffer xv, yv;
     int have_x = 0, have_y = 0;
-    const Py_ssize_t xn = m * w.in, yn = m * w.out;
-    if (xn > PY_SSIZE_T_MAX / 8 || yn > PY_SSIZE_T_MAX / 8) {
-        PyErr_Format(PyExc_ValueError, "shape m=%zd out=%zd in=%zd too large", m, w.out, w.in);
-        goto done;
-    }
     if (get_buffer(xo, &xv, "x", 0) < 0) goto done;
     have_x = 1;
+    if (m < 0) m = xv.len / 4 / w->in;
+    if (m < 1 || m > ((Py_ssize_t)1 << 31)) {
+        PyErr_Format(PyExc_ValueError, "shape m=%zd out=%zd in=%zd out of range", m, w->out, w->in);
+        goto done;
+    }
+    const Py_ssize_t xn = m * w->in, yn = m * w->out;
+    if (xn > PY_SSIZE_T_MAX / 8 || yn > PY_SSIZE_T_MAX / 8) {
+        PyErr_Format(PyExc_ValueError, "shape m=%zd out=%zd in=%zd too large", m, w->out, w->in);
+        goto done;
+    }
     if (check_buffer(&xv, "x", 'f', 4, xn) < 0) goto done;
     if (get_buffer(yo, &yv, "y", 1) < 0) goto done;
     have_y = 1;
     if (check_buffer(&yv, "y", 'f', 4, yn) < 0) goto done;
     {
-        const Py_buffer *ins[3] = {&xv, &w.wv, w.have_s ? &w.sv : NULL};
+        const Py_buffer *ins[3] = {&xv, &w->wv, w->have_s ? &w->sv : NULL};
         if (check_disjoint(&yv, ins, 3) < 0) goto done;
     }
-    job_t j = job_of(&w, m, (const float *)xv.buf, (float *)yv.buf);
+    job_t j = job_of(w, m, (const float *)xv.buf, (float *)yv.buf);
     int rc;
     pool_after_fork_check();
-    if (xn + w.out * w.in < GIL_WORK) {
+    if (xn + w->out * w->in < GIL_WORK) {
         /* too small to be worth giving the GIL away (taking it back can wait for another thread's switch) */
         rc = run_job(&j, 1);
     } else {
@@ -1251,8 +1241,28 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
 done:
     if (have_x) PyBuffer_Release(&xv);
     if (have_y) PyBuffer_Release(&yv);
-    weight_release(&w);
+    weight_release(w);
     return result;
+}
+
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *kind_s;
+    PyObject *xo, *wo, *so, *yo, *io[6];
+    if (!PyArg_ParseTuple(args, "sOOOOOOOOOO:matmul", &kind_s, &xo, &wo, &so, &yo, &io[0], &io[1], &io[2], &io[3],
+                          &io[4], &io[5]))
+        return NULL;
+    static const char *const int_names[5] = {"m", "out", "in_", "b0", "b1"};
+    Py_ssize_t iv[5];
+    for (int k = 0; k < 5; k++)
+        if (get_int(io[k], int_names[k], &iv[k]) < 0) return NULL;
+    int threads;
+    if (get_threads(io[5], &threads) < 0) return NULL;
+    if (iv[0] < 1 || iv[0] > ((Py_ssize_t)1 << 31))
+        return PyErr_Format(PyExc_ValueError, "shape m=%zd out=%zd in=%zd out of range", iv[0], iv[1], iv[2]);
+    weight_t w;
+    if (weight_open(&w, kind_s, wo, so, iv[1], iv[2], iv[3], iv[4]) < 0) return NULL;
+    return product_into(&w, xo, yo, iv[0], threads);
 }
 
 PyDoc_STRVAR(product_doc,
@@ -1267,43 +1277,7 @@ static PyObject *py_product(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (get_threads(args[3], &threads) < 0) return NULL;
     weight_t w;
     if (weight_open_tuple(&w, args[0], "w") < 0) return NULL;
-    PyObject *result = NULL;
-    Py_buffer xv, yv;
-    int have_x = 0, have_y = 0;
-    if (get_buffer(args[1], &xv, "x", 0) < 0) goto done;
-    have_x = 1;
-    const Py_ssize_t m = xv.len / 4 / w.in;
-    if (m < 1 || check_buffer(&xv, "x", 'f', 4, m * w.in) < 0) {
-        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "x: expected rows of %zd floats", w.in);
-        goto done;
-    }
-    if (get_buffer(args[2], &yv, "y", 1) < 0) goto done;
-    have_y = 1;
-    if (check_buffer(&yv, "y", 'f', 4, m * w.out) < 0) goto done;
-    {
-        const Py_buffer *ins[3] = {&xv, &w.wv, w.have_s ? &w.sv : NULL};
-        if (check_disjoint(&yv, ins, 3) < 0) goto done;
-    }
-    job_t j = job_of(&w, m, (const float *)xv.buf, (float *)yv.buf);
-    int rc;
-    pool_after_fork_check();
-    if (m * w.in + w.out * w.in < GIL_WORK) {
-        rc = run_job(&j, 1);
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        rc = run_job(&j, threads);
-        Py_END_ALLOW_THREADS
-    }
-    if (rc) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
-done:
-    if (have_x) PyBuffer_Release(&xv);
-    if (have_y) PyBuffer_Release(&yv);
-    weight_release(&w);
-    return result;
+    return product_into(&w, args[1], args[2], -1, threads);
 }
 
 /* ---------------------------------------------------------------- fused steps of a layer */

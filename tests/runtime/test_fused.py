@@ -10,16 +10,7 @@ import pytest
 from shardtool.runtime._model import _fused, _layers, _packed
 
 _kernels = pytest.importorskip("shardtool.runtime._model._kernels", reason="the extension is not built (optional)")
-
-SIMD = ["plain"] + (["avx2"] if _kernels.use_simd(True) == "avx2" else [])
-
-
-@pytest.fixture(params=SIMD)
-def isa(request):
-    assert _kernels.use_simd(request.param == "avx2") == request.param
-    yield request.param
-    _kernels.use_simd(True)
-    _packed.set_threads(1)
+from _isa import isa  # noqa: E402,F401  (the fixture: AVX2 and plain C kernels)
 
 
 def reference(monkeypatch, fn, *args):

@@ -18,16 +18,7 @@ from shardtool.runtime._model import _dtypes, _packed
 _kernels = pytest.importorskip("shardtool.runtime._model._kernels", reason="the extension is not built (optional)")
 from shardtool.runtime._model._packed import Packed
 
-SIMD = ["plain"] + (["avx2"] if _kernels.use_simd(True) == "avx2" else [])
-
-
-@pytest.fixture(params=SIMD)
-def isa(request):
-    """Each test runs on the AVX2 kernels (where the CPU has them) and on the plain C ones."""
-    assert _kernels.use_simd(request.param == "avx2") == request.param
-    yield request.param
-    _kernels.use_simd(True)
-    _packed.set_threads(1)
+from _isa import SIMD, isa  # noqa: E402,F401  (the fixture: AVX2 and plain C kernels)
 
 
 def make(kind: str, out: int, inp: int, rng: np.random.Generator, block=(128, 128)) -> Packed:
