@@ -148,16 +148,21 @@ def _quantized_trunk(plan: ShardPlan, method: str) -> tuple[ShardPlan, int, int]
 
     pieces: list[Piece] = []
     done = kept = 0
+    names = {p.name for p in plan.pieces}
     for p in plan.pieces:
         if not (_trunk_weight(p.name) and p.dtype in FLOAT_DTYPES and len(p.shape) == 2 and all(p.shape)):
             pieces.append(p)
             continue
+        base = p.name.removesuffix(".weight")
+        stray = [f"{base}.{s}" for s in blockquant.FORM_SUFFIXES if s != "weight" and f"{base}.{s}" in names]
+        if stray:  # the runtime's one-form rule would refuse the shard: refused here, before anything is written
+            raise CheckpointFormatError(f"{plan.path}: {p.source.name!r} ({p.dtype}) has {stray[0]!r} beside it; "
+                                        f"a weight is stored in exactly one form")
         rows, cols = p.shape
         if cols % blockquant.QBLOCK:
             kept += 1
             pieces.append(p)
             continue
-        base = p.name.removesuffix(".weight")
         pieces += [replace(p, name=f"{base}.weight", dtype="I8", shape=(rows, cols), quant=(method, DATA)),
                    replace(p, name=f"{base}.{blockquant.SCALE_SUFFIX}", dtype="F16",
                            shape=(rows, cols // blockquant.QBLOCK), quant=(method, SCALE))]

@@ -35,18 +35,26 @@ def rope_row(q: np.ndarray, k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> 
     False (nothing changed) where the extension cannot take them."""
     native = _packed._native
     if (native is None or not (_plain(q) and _plain(k) and _plain(cos) and _plain(sin)) or cos.shape[0] != 1
-            or not q.shape[-1] == k.shape[-1] == cos.shape[-1] == sin.shape[-1]):
+            or not q.shape[-1] == k.shape[-1] == cos.shape[-1] == sin.shape[-1]
+            or not (q.flags.writeable and k.flags.writeable)):
         return False
     native.rope(q, cos, sin)
     native.rope(k, cos, sin)
     return True
 
 
+def _cache_view(a: np.ndarray) -> bool:
+    """float32 [heads, S >= 1, d] with contiguous rows and evenly strided heads: what `attend_row` reads (a KV cache's
+    view); anything else takes the numpy path."""
+    return (a.dtype == _F32 and a.ndim == 3 and a.shape[1] >= 1 and a.strides[2] == 4 and a.strides[1] == 4 * a.shape[2]
+            and a.strides[0] >= a.strides[1] * a.shape[1] and a.flags.aligned)
+
+
 def attend_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray | None:
     """# [1, nh, d], [kvh, S, d], [kvh, S, dv] -> [1, nh, dv]  (`_layers._attention_row`: one decode row that sees
     every key; k and v may be a KV cache's strided views)"""
     native = _packed._native
-    if native is None or not _plain(q) or k.dtype != _F32 or v.dtype != _F32:
+    if native is None or not _plain(q) or q.ndim != 3 or not (_cache_view(k) and _cache_view(v)):
         return None
     out = np.empty((1, q.shape[1], v.shape[2]), np.float32)
     native.attend_row(q, k, v, scale, out)

@@ -355,3 +355,23 @@ def test_join_refuses_a_quantized_split_however_its_records_are_edited(make_tiny
     assert len(lines) == 1 and all(w in lines[0] for w in words), r.stderr
     rebuilt = tmp_path / "rebuilt"
     assert not rebuilt.exists() or not any(p.suffix == ".safetensors" for p in rebuilt.iterdir())
+
+
+@pytest.mark.parametrize("stray", ["weight_q4", "weight_scale_inv"])
+def test_quantize_trunk_refuses_a_weight_in_two_forms(stray):
+    """A trunk weight with another form's tensor beside it is refused while planning (the runtime would refuse the
+    signed shard), as an expert's is."""
+    from shardtool.checkpoint._plan import Piece, ShardPlan
+    from shardtool.checkpoint._quantize import quantize_plans
+    from shardtool.errors import CheckpointFormatError
+    from shardtool.safetensors_format import TensorInfo
+
+    def piece(name, dtype, shape):
+        return Piece(name, dtype, shape, TensorInfo(name, dtype, shape, 0, 0), "a.safetensors")
+
+    plan = ShardPlan("trunk/layer-000.safetensors", "trunk", 0, None,
+                     (piece("self_attn.q_proj.weight", "BF16", (64, 64)), piece(f"self_attn.q_proj.{stray}", "U8", (64, 32))))
+    with pytest.raises(CheckpointFormatError, match=f"self_attn.q_proj.{stray}"):
+        quantize_plans([plan], "int8", trunk=True)
+    kept, report = quantize_plans([plan], "int8")  # without --quantize-trunk the trunk is not looked at
+    assert kept[0] is plan and report.trunk == 0

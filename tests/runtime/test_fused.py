@@ -50,8 +50,9 @@ def test_attention_row_on_cache_views_matches_numpy(isa, monkeypatch, nh, kvh, d
     k, v = cache[:, :positions, :d], cache[:, :positions, d:]
     kc, vc = np.ascontiguousarray(cache[:, :positions, :d]), np.ascontiguousarray(cache[:, :positions, d:])
     q = rng.standard_normal((1, nh, d)).astype(np.float32)
-    with pytest.raises(ValueError, match="contiguous rows"):  # rows of k and v interleaved: not a cache view
-        _fused.attend_row(q, k, v, 0.125)
+    assert _fused.attend_row(q, k, v, 0.125) is None  # rows of k and v interleaved: not a cache view, numpy's path
+    with pytest.raises(ValueError, match="contiguous rows"):  # and the kernel itself refuses it
+        _kernels.attend_row(q, k, v, 0.125, np.empty((1, nh, d), np.float32))
     want = reference(monkeypatch, _layers.attention, q, kc, vc, 0.125, None)
     close(_layers.attention(q, kc, vc, 0.125, None), want, 2e-6)
     # a cache's views: [kvh, capacity, d] buffers sliced to S positions
@@ -129,4 +130,7 @@ def test_rope_row_matches_apply_rope(monkeypatch, nh, kvh, d):
     half = cos[:, : d // 2].copy()  # a partial rotary table: not this kernel's case, nothing is touched
     before = q.copy()
     assert not _fused.rope_row(q, k, half, half)
+    np.testing.assert_array_equal(q, before)
+    k.flags.writeable = False  # a read-only k: q is not rotated alone either
+    assert not _fused.rope_row(q, k, cos, sin)
     np.testing.assert_array_equal(q, before)
