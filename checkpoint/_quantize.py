@@ -158,14 +158,11 @@ def _quantized_trunk(plan: ShardPlan, method: str) -> tuple[ShardPlan, int, int]
         if stray:  # the runtime's one-form rule would refuse the shard: refused here, before anything is written
             raise CheckpointFormatError(f"{plan.path}: {p.source.name!r} ({p.dtype}) has {stray[0]!r} beside it; "
                                         f"a weight is stored in exactly one form")
-        rows, cols = p.shape
-        if cols % blockquant.QBLOCK:
+        if p.shape[1] % blockquant.QBLOCK:
             kept += 1
             pieces.append(p)
             continue
-        pieces += [replace(p, name=f"{base}.weight", dtype="I8", shape=(rows, cols), quant=(method, DATA)),
-                   replace(p, name=f"{base}.{blockquant.SCALE_SUFFIX}", dtype="F16",
-                           shape=(rows, cols // blockquant.QBLOCK), quant=(method, SCALE))]
+        pieces += _block_pieces(p, base, method)
         done += 1
     return replace(plan, pieces=tuple(pieces)), done, kept
 
@@ -222,12 +219,21 @@ def _quantized_pieces(plan: ShardPlan, p: Piece, proj: str, method: str,
         raise CheckpointFormatError(f"cannot quantize {p.source.name!r} (layer {plan.layer} expert {plan.expert} "
                                     f"{p.name}): its input width {cols} is not a multiple of the block of "
                                     f"{blockquant.QBLOCK}", hint="split it without --quantize")
+    return _block_pieces(p, proj, method)
+
+
+def _block_pieces(p: Piece, base: str, method: str) -> list[Piece]:
+    """# a float [out, in] piece -> its data (`<base>.weight` I8, or `<base>.weight_q4` U8 [out, in/2]) and scale
+    (`<base>.weight_scale` F16 [out, in/32]) pieces in `method`, computed from the same source tensor."""
+    from shardtool import blockquant
+
+    rows, cols = p.shape
     if method == blockquant.Q8:
-        data = replace(p, name=f"{proj}.weight", dtype="I8", shape=(rows, cols), quant=(method, DATA))
+        data = replace(p, name=f"{base}.weight", dtype="I8", shape=(rows, cols), quant=(method, DATA))
     else:
-        data = replace(p, name=f"{proj}.{blockquant.Q4_SUFFIX}", dtype="U8", shape=(rows, cols // 2),
+        data = replace(p, name=f"{base}.{blockquant.Q4_SUFFIX}", dtype="U8", shape=(rows, cols // 2),
                        quant=(method, DATA))
-    scale = replace(p, name=f"{proj}.{blockquant.SCALE_SUFFIX}", dtype="F16",
+    scale = replace(p, name=f"{base}.{blockquant.SCALE_SUFFIX}", dtype="F16",
                     shape=(rows, cols // blockquant.QBLOCK), quant=(method, SCALE))
     return [data, scale]
 
