@@ -42,16 +42,19 @@ def matmul_t(x: np.ndarray, w: np.ndarray | _packed.Packed) -> np.ndarray:
     One row (every decode step) goes through gemv: OpenBLAS runs a 1-row sgemm multi-threaded, which costs
     10-100x more than gemv on a small or busy machine.
     """
-    if type(w) is _packed.Packed:
-        return _packed.matmul_t(x, w)
+    if type(w) is _packed_type:
+        return _packed_matmul_t(x, w)
     if x.shape[0] == 1:
         return (w @ x[0])[None, :]
     return x @ w.T
 
 
+_packed_type, _packed_matmul_t = _packed.Packed, _packed.matmul_t  # looked up once: every product comes here
+
+
 def linear(x: np.ndarray, w: np.ndarray | _packed.Packed, b: np.ndarray | None = None) -> np.ndarray:
     """# [m, in], [out, in], [out] -> [m, out]"""
-    y = matmul_t(x, w)
+    y = _packed_matmul_t(x, w) if type(w) is _packed_type else matmul_t(x, w)
     if b is not None:
         y += b
     return y
@@ -348,17 +351,19 @@ def moe_experts(x: np.ndarray, weights: np.ndarray, groups: Mapping[int, tuple[n
     nodes: in ascending expert order, `out[rows] += y * weight`, so both give the same float32 result.
 
     Each expert ran once on all its tokens, whichever sequence of a batch they belong to."""
-    out = np.zeros_like(x)
+    out = np.zeros_like(x) if x.shape[0] > 1 else None  # one row: its first weighted output starts the sum
     for e, (tokens, slots) in groups.items():
         try:
             y = outputs[e]()
         except ShardtoolError as cause:  # a bug is not caught here: it fails the whole step
             raise ExpertUnavailable(cause, tokens) from cause
-        if tokens is _ROW0:  # one decode row: the same float32 sum without fancy indexing
+        if out is None:  # (0 + a is a: the same float32 sum, without the zeros and one addition)
+            out = y * weights[0, slots[0]]
+        elif tokens is _ROW0:  # one decode row: the same float32 sum without fancy indexing
             out += y * weights[0, slots[0]]
         else:
             out[tokens] += y * weights[tokens, slots, None]
-    return out
+    return out if out is not None else np.zeros_like(x)
 
 
 def route(x: np.ndarray, w: Weights, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

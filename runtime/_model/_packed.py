@@ -39,6 +39,7 @@ def _load_kernels():
 
 _native = _load_kernels()
 _threads = 1
+_F32 = np.dtype(np.float32)
 
 
 def kernels() -> str | None:
@@ -257,13 +258,15 @@ def matmul_t(x: np.ndarray, w: Packed) -> np.ndarray:
     Native when the extension is in use: each weight row is read once, in its stored dtype, on up to
     `set_threads` threads; otherwise (and for empty shapes) `matmul_t_reference`."""
     out_f, in_f = w.shape
-    m = x.shape[0]
+    m, columns = x.shape
     if _native is None or not (m and out_f and in_f):
         return matmul_t_reference(x, w)
-    x = _float32_rows(x)
+    if columns != in_f:
+        raise ValueError(f"x has {columns} columns, the weight {in_f} inputs")
+    f = x.flags
+    if not (x.dtype == _F32 and f.c_contiguous and f.aligned):  # (`_float32_rows`, inline: every product comes here)
+        x = np.require(x, np.float32, ["C", "A"])
     y = np.empty((m, out_f), np.float32)
-    if x.shape[1] != in_f:
-        raise ValueError(f"x has {x.shape[1]} columns, the weight {in_f} inputs")
     _native.product(w.native, x, y, _threads)
     return y
 
