@@ -13,6 +13,7 @@ from shardtool import blockquant
 from shardtool.errors import CheckpointFormatError, UsageError
 from shardtool.families import MOE_MODULE_ALIASES, TEXT_MODEL_WRAPPER
 
+from . import _decode_row
 from ._activations import prefill_chunk
 from ._cache import KVCache
 from ._config import ModelConfig
@@ -356,6 +357,8 @@ def forward_batch(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndar
     sequences is fetched once per step. Each segment's keys and values are appended to its cache, and every
     cache commits only after the last layer and the head succeeded: a step that fails leaves all as they were.
     """
+    if _decode_row.applies(cfg, segments):  # one sequence's decode row: the same result with less Python
+        return _decode_row.step(cfg, weights, rope, segments[0])
     for seg in segments:
         seg.cache.check_room(len(seg.ids))
     bounds = list(accumulate([len(seg.ids) for seg in segments], initial=0))  # segment i: rows bounds[i]:bounds[i+1]

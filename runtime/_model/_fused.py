@@ -14,7 +14,7 @@ from . import _packed
 _F32 = np.dtype(np.float32)
 
 
-def _plain(a: np.ndarray) -> bool:
+def plain(a: np.ndarray) -> bool:
     """float32, C-contiguous and aligned: what the extension reads without a copy."""
     f = a.flags
     return a.dtype == _F32 and f.c_contiguous and f.aligned
@@ -25,7 +25,7 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray | None:
     native = _packed._native
     if native is None or w.ndim != 1 or x.shape[-1] != w.shape[0] or not x.size:
         return None
-    fx, fw = x.flags, w.flags  # (`_plain`, inline: two norms a layer come here)
+    fx, fw = x.flags, w.flags  # (`plain`, inline: two norms a layer come here)
     if not (x.dtype == _F32 and w.dtype == _F32 and fx.c_contiguous and fx.aligned and fw.c_contiguous and fw.aligned):
         return None
     y = np.empty(x.shape, _F32)
@@ -37,7 +37,7 @@ def rope_row(q: np.ndarray, k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> 
     """# q [1, nh, d], k [1, kvh, d], cos, sin [1, d]: both rotated in place (`_rope.apply_rope` on one position);
     False (nothing changed) where the extension cannot take them."""
     native = _packed._native
-    if (native is None or not (_plain(q) and _plain(k) and _plain(cos) and _plain(sin)) or cos.shape[0] != 1
+    if (native is None or not (plain(q) and plain(k) and plain(cos) and plain(sin)) or cos.shape[0] != 1
             or not q.shape[-1] == k.shape[-1] == cos.shape[-1] == sin.shape[-1]
             or not (q.flags.writeable and k.flags.writeable)):
         return False
@@ -54,10 +54,10 @@ def _cache_view(a: np.ndarray) -> bool:
 
 
 def attend_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray | None:
-    """# [1, nh, d], [kvh, S, d], [kvh, S, dv] -> [1, nh, dv]  (`_layers._attention_row`: one decode row that sees
+    """# [1, nh, d], [kvh, S, d], [kvh, S, dv] -> [1, nh, dv]  (`_layers.attention_row`: one decode row that sees
     every key; k and v may be a KV cache's strided views)"""
     native = _packed._native
-    if native is None or not _plain(q) or q.ndim != 3 or not (_cache_view(k) and _cache_view(v)):
+    if native is None or not plain(q) or q.ndim != 3 or not (_cache_view(k) and _cache_view(v)):
         return None
     out = np.empty((1, q.shape[1], v.shape[2]), np.float32)
     native.attend_row(q, k, v, scale, out)

@@ -136,7 +136,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
     kvh, s, dv = v.shape
     g = nh // kvh
     if t == 1 and mask is None and sinks is None:
-        return _attention_row(q, k, v, scale)
+        return attention_row(q, k, v, scale)
     qg = q.reshape(t, kvh, g, d).transpose(1, 2, 0, 3).reshape(kvh, g * t, d)
     scores = qg @ k.transpose(0, 2, 1)  # [kvh, g*T, S]
     scores *= np.float32(scale)
@@ -150,7 +150,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
     return out.reshape(kvh, g, t, dv).transpose(2, 0, 1, 3).reshape(t, nh, dv)
 
 
-def _attention_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+def attention_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
     """# [1, nh, d], [kvh, S, d], [kvh, S, dv] -> [1, nh, dv]: `attention` for one query row that sees every key
     (a decode step): the same products on the same shapes, without the transposes and the mask."""
     fused = _fused.attend_row(q, k, v, scale)

@@ -1,0 +1,137 @@
+"""One sequence's decode row (`_decode_row.step`) gives `forward_batch`'s general path's result bit for bit, on
+every family it takes, and declines the rest."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shardtool.errors import CheckpointFormatError
+from shardtool.runtime._model import DictWeightProvider, Model, _decode_row, _packed
+from shardtool.runtime._model._forward import Segment, StepTrace, forward_batch
+from shardtool.runtime._model._layers import ExpertUnavailable
+
+from test_model_numpy import CONFIGS, PROMPT, make
+
+# mixtral's window of 3 is outgrown by the prompt; the same model without it sees every key; qwen2_moe with the
+# optional attention biases (q, k, v as Qwen2 has them, and o)
+CASES = sorted(CONFIGS) + ["mixtral-no-window", "qwen2_moe-biased"]
+TAKEN = {"mixtral-no-window", "qwen2_moe", "qwen2_moe-biased"}  # (the others: sinks, QK norm, clipping, MLA, Llama 4)
+
+needs_kernels = pytest.mark.skipif(_packed._native is None, reason="the native kernels are not built")
+
+
+def _make(case: str):
+    if case == "mixtral-no-window":
+        return make("mixtral", sliding_window=None)
+    if case == "qwen2_moe-biased":
+        cfg, state = make("qwen2_moe")
+        rng = np.random.default_rng(1)
+        for layer in range(cfg.num_layers):
+            for proj, n in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
+                state[f"model.layers.{layer}.self_attn.{proj}_proj.bias"] = rng.standard_normal(n * cfg.head_dim,
+                                                                                                np.float32)
+            state[f"model.layers.{layer}.self_attn.o_proj.bias"] = rng.standard_normal(cfg.hidden_size, np.float32)
+        return cfg, state
+    return make(case)
+
+
+def _decode(cfg, state, monkeypatch, *, general: bool, tokens=(4, 9, 17, 2, 30, 11)) -> tuple[np.ndarray, int]:
+    """# -> logits [len(tokens), V] of decoding `tokens` after PROMPT, and how many steps `_decode_row` ran"""
+    taken = []
+    real = _decode_row.step
+    with monkeypatch.context() as m:
+        m.setattr(_decode_row, "step", lambda *args: taken.append(1) or real(*args))
+        if general:
+            m.setattr(_decode_row, "applies", lambda cfg, segments: False)
+        model = Model(cfg, DictWeightProvider(state))
+        model.prefill(PROMPT)
+        logits = np.stack([model.decode(t) for t in tokens])
+    return logits, len(taken)
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", CASES)
+def test_decode_row_equals_the_general_path_bit_for_bit(case, monkeypatch):
+    cfg, state = _make(case)
+    fast, taken = _decode(cfg, state, monkeypatch, general=False)
+    general, none = _decode(cfg, state, monkeypatch, general=True)
+    assert none == 0 and taken == (6 if case in TAKEN else 0)
+    np.testing.assert_array_equal(fast, general)
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", sorted(TAKEN))
+def test_traced_row_records_what_the_general_path_records(case, monkeypatch):
+    cfg, state = _make(case)
+    results = []
+    for general in (False, True):
+        with monkeypatch.context() as m:
+            if general:
+                m.setattr(_decode_row, "applies", lambda cfg, segments: False)
+            model = Model(cfg, DictWeightProvider(state))
+            model.prefill(PROMPT)
+            trace = StepTrace(alternatives=True)
+            logits = forward_batch(cfg, model._weights, model._rope, [Segment(np.array([7]), model.cache, "last", trace)])
+            results.append((logits, trace))
+    (fast, t_fast), (slow, t_slow) = results
+    np.testing.assert_array_equal(fast, slow)
+    np.testing.assert_array_equal(t_fast.hidden, t_slow.hidden)
+    for mine, theirs in ((t_fast.routes, t_slow.routes), (t_fast.gaps, t_slow.gaps), (t_fast.swaps, t_slow.swaps)):
+        assert len(mine) == len(theirs) == sum(cfg.moe_layers)
+        for a, b in zip(mine, theirs):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_declines_batches_prompts_outgrown_windows_and_other_layers(monkeypatch):
+    cfg, state = _make("mixtral-no-window")
+    model = Model(cfg, DictWeightProvider(state))
+    one = Segment(np.array([3]), model.cache)
+    assert _decode_row.applies(cfg, [one]) == (_packed._native is not None)
+    assert not _decode_row.applies(cfg, [Segment(np.array([3, 4]), model.cache)])
+    assert not _decode_row.applies(cfg, [one, Segment(np.array([5]), model.cache)])
+    windowed, _ = make("mixtral")  # window 3: the row's 4th key needs the mask
+    model.cache.length = 2
+    assert _decode_row.applies(windowed, [one]) == (_packed._native is not None)
+    model.cache.length = 3
+    assert not _decode_row.applies(windowed, [one])
+    model.cache.length = 0
+    for other in sorted(set(CONFIGS) - TAKEN - {"mixtral"}):
+        assert not _decode_row.applies(_make(other)[0], [one]), other
+    monkeypatch.setattr(_packed, "_native", None)
+    model.cache.length = 0
+    assert not _decode_row.applies(cfg, [one])
+
+
+class _FailingExpert(DictWeightProvider):
+    fail = False
+
+    def experts(self, layer, expert_ids):
+        got = super().experts(layer, expert_ids)
+        if not (self.fail and layer == 2):
+            return got
+        bad = min(expert_ids)
+
+        class Failing(dict):
+            def __getitem__(self, e):
+                if e == bad:
+                    raise CheckpointFormatError(f"expert {e} failed")
+                return super().__getitem__(e)
+        return Failing(got)
+
+
+@needs_kernels
+def test_a_failed_expert_fails_the_row_and_leaves_the_cache():
+    cfg, state = _make("mixtral-no-window")
+    provider = _FailingExpert(state)
+    model = Model(cfg, provider)
+    model.prefill(PROMPT)
+    before = model.decode(4)
+    model.prefill(PROMPT)
+    provider.fail = True
+    with pytest.raises(ExpertUnavailable) as caught:
+        forward_batch(cfg, model._weights, model._rope, [Segment(np.array([4]), model.cache)])
+    assert isinstance(caught.value.cause, CheckpointFormatError) and list(caught.value.rows) == [0]
+    assert model.cache.length == len(PROMPT)
+    provider.fail = False
+    np.testing.assert_array_equal(model.decode(4), before)
