@@ -1,20 +1,16 @@
-"""One sequence's decode step (one new row) through plain layers, in native calls, without the batch plumbing.
+"""One sequence's decode step (one new row) through plain layers, without the batch plumbing.
 
 `forward_batch` serves any mix of sequences and prompt chunks: per step it builds every segment's positions and
-masks, an attention closure per layer, expert groups and a lazy thunk per expert behind a fetch closure, and each
-product goes through wrappers that check and convert what it is given. For the step a lone sequence takes while it
-decodes, that Python costs as much as a layer's small products: about 50 µs a layer on this machine, a fifth of a
-token on the bench's small model. `step` runs the same operations on that row in the same order: the attention's
-products, rotary embedding and key/value attention straight through the native kernels on arrays it allocated
-itself (so they are in the form the kernels take), routing and shared experts through `_layers`' functions, each
-routed expert as one native SwiGLU call, the outputs weighted and summed in ascending expert order as
-`_layers.moe_experts` sums them. The result is the same float32 bits as the general path (tests compare them on
-every family it takes).
+masks and an attention closure per layer, and each product of the attention goes through wrappers that check and
+convert what they are given. For the step a lone sequence takes while it decodes, that Python costs about as much
+as the layer's small products. `step` runs the same operations on that row in the same order: the attention's
+products, rotary embedding and cached-key attention straight through the native kernels, on arrays it allocated
+itself (so they are in the form the kernels take); the routed and shared experts through `_layers.moe_layer`. The
+result is the same float32 bits as the general path (tests compare them on every family).
 
-`applies` says when it may: one segment of one row, the native kernels in use, and layers of the plain kind (GQA
-attention with RoPE on every layer, no QK norm, clipping, sinks or chunked attention, no sliding window the sequence
-has outgrown; SiLU experts, any router but Llama 4's input scaling, shared experts and dense layers as `_layers` runs
-them). Anything else takes `forward_batch`'s general path, which stays the definition.
+`applies` says when it may: one segment of one row, the native kernels in use, and plain attention on every layer
+(GQA with RoPE; no QK norm, clipping, sinks, MLA or chunked attention; no sliding window the sequence has outgrown).
+Anything else takes `forward_batch`'s general path, which stays the definition.
 """
 
 from __future__ import annotations
