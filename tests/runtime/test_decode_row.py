@@ -1,15 +1,13 @@
 """One sequence's decode row (`_decode_row.step`) gives `forward_batch`'s general path's result bit for bit, on
-every family it takes, and declines the rest."""
+every family it takes, and declines the rest. (A failed layer or expert in the row: test_model_numpy.py.)"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from shardtool.errors import CheckpointFormatError
 from shardtool.runtime._model import DictWeightProvider, Model, _decode_row, _packed
 from shardtool.runtime._model._forward import Segment, StepTrace, forward_batch
-from shardtool.runtime._model._layers import ExpertUnavailable
 
 from test_model_numpy import CONFIGS, PROMPT, make
 
@@ -102,36 +100,3 @@ def test_declines_batches_prompts_outgrown_windows_and_other_layers(monkeypatch)
     model.cache.length = 0
     assert not _decode_row.applies(cfg, [one])
 
-
-class _FailingExpert(DictWeightProvider):
-    fail = False
-
-    def experts(self, layer, expert_ids):
-        got = super().experts(layer, expert_ids)
-        if not (self.fail and layer == 2):
-            return got
-        bad = min(expert_ids)
-
-        class Failing(dict):
-            def __getitem__(self, e):
-                if e == bad:
-                    raise CheckpointFormatError(f"expert {e} failed")
-                return super().__getitem__(e)
-        return Failing(got)
-
-
-@needs_kernels
-def test_a_failed_expert_fails_the_row_and_leaves_the_cache():
-    cfg, state = _make("mixtral-no-window")
-    provider = _FailingExpert(state)
-    model = Model(cfg, provider)
-    model.prefill(PROMPT)
-    before = model.decode(4)
-    model.prefill(PROMPT)
-    provider.fail = True
-    with pytest.raises(ExpertUnavailable) as caught:
-        forward_batch(cfg, model._weights, model._rope, [Segment(np.array([4]), model.cache)])
-    assert isinstance(caught.value.cause, CheckpointFormatError) and list(caught.value.rows) == [0]
-    assert model.cache.length == len(PROMPT)
-    provider.fail = False
-    np.testing.assert_array_equal(model.decode(4), before)

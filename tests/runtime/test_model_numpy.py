@@ -366,26 +366,42 @@ def test_bad_calls_raise_usage_error(name, raises_exactly):
 
 
 class FailingProvider(DictWeightProvider):
-    fail = False
+    fail: str | None = None  # "layer": layer 2's trunk is unavailable; "expert": layer 2's first chosen expert is
 
     def layer(self, layer):
-        if self.fail and layer == 2:
+        if self.fail == "layer" and layer == 2:
             raise CheckpointFormatError("layer 2 unavailable")
         return super().layer(layer)
 
+    def experts(self, layer, expert_ids):
+        got = super().experts(layer, expert_ids)
+        if self.fail != "expert" or layer != 2:
+            return got
+        bad = expert_ids[0]
 
-def test_failed_step_leaves_cache_unchanged():
-    cfg, state = make("mixtral")
+        class Failing(dict):
+            def __getitem__(self, e):
+                if e == bad:
+                    raise CheckpointFormatError(f"layer 2 expert {e} unavailable")
+                return super().__getitem__(e)
+        return Failing(got)
+
+
+# window 3: the decode step is the general path's (the row outgrew it); None: one sequence's decode row
+@pytest.mark.parametrize("window", [3, None])
+@pytest.mark.parametrize("fail", ["layer", "expert"])
+def test_failed_step_leaves_cache_unchanged(window, fail):
+    cfg, state = make("mixtral", sliding_window=window)
     provider = FailingProvider(state)
     model = Model(cfg, provider)
     model.prefill(PROMPT)
     before = model.decode(4)
     model.prefill(PROMPT)
-    provider.fail = True
+    provider.fail = fail
     with pytest.raises(CheckpointFormatError):
         model.decode(4)  # layers 0 and 1 wrote their entries, then layer 2 failed
     assert model.cache.length == len(PROMPT)
-    provider.fail = False
+    provider.fail = None
     np.testing.assert_array_equal(model.decode(4), before)
 
 
