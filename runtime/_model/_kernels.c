@@ -41,7 +41,7 @@
 enum kind { K_F32, K_F16, K_BF16, K_FP8, K_Q8, K_Q4, K_MXFP4, K_COUNT };
 static const char *const KIND_NAMES[K_COUNT] = {"f32", "f16", "bf16", "fp8", "q8", "q4", "mxfp4"};
 
-typedef struct {
+typedef struct job_s {
     int kind;
     Py_ssize_t m, out, in, b0, b1;
     const float *x;
@@ -55,6 +55,9 @@ typedef struct {
     const float *xs;
     /* q4 with xq: xc[4 * b] = 8 * the sum of xq's block b, xc[4 * b + 1..3] = 0 (see block_q4_x16), else NULL */
     const int32_t *xc;
+    /* SwiGLU's gate job: `up`, the up product over the same rows and x (its y the [m, out] u); each chunk of rows
+     * computes both products, then y = silu(y) * u on those rows. NULL for a plain product. */
+    struct job_s *up;
 } job_t;
 
 /* ---------------------------------------------------------------- scalar conversions (the fallback's, and tails) */
@@ -723,6 +726,18 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
     return 0;
 }
 
+static void silu_mul(float *g, const float *u, Py_ssize_t n);
+
+/* Output rows [r0, r1) of the job and, for a gate job, of its up job, then silu(gate) * up on those rows of every x
+ * row. Returns -1 if a scratch row could not be allocated. */
+static int run_chunk(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
+    if (run_rows(j, r0, r1)) return -1;
+    if (!j->up) return 0;
+    if (run_rows(j->up, r0, r1)) return -1;
+    for (Py_ssize_t i = 0; i < j->m; i++) silu_mul(j->y + i * j->out + r0, j->up->y + i * j->out + r0, r1 - r0);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- the thread pool */
 /* The job's output rows are cut into chunks that the caller and the workers it woke take in turn (an atomic
  * counter), so a worker the OS has not scheduled yet costs nothing: the caller takes its chunks and waits only for
@@ -748,7 +763,7 @@ static int take_chunks(const job_t *j, Py_ssize_t chunks, Py_ssize_t rows) {
         Py_ssize_t c = __atomic_fetch_add(&pool_next, 1, __ATOMIC_RELAXED);
         if (c >= chunks) return rc;
         Py_ssize_t r0 = c * rows, r1 = r0 + rows < j->out ? r0 + rows : j->out;
-        if (run_rows(j, r0, r1)) rc = -1;
+        if (run_chunk(j, r0, r1)) rc = -1;
         __atomic_fetch_add(&pool_finished, 1, __ATOMIC_RELEASE);
     }
 }
@@ -833,35 +848,47 @@ static void pool_after_fork_check(void) {
 
 static int run_job_rows(const job_t *j, int threads);
 
+static inline int int_kind(int kind) { return kind == K_Q8 || kind == K_Q4 || kind == K_MXFP4; }
+
+/* The job (and its up job, which shares x): x quantized to int16 once for the integer kinds of one-row AVX2
+ * products (see quantize_x16), then its rows on up to `threads` threads. */
 static int run_job(job_t *j, int threads) {
 #if HAVE_X86_KERNELS
-    if (j->avx2 && j->m == 1 && (j->kind == K_Q8 || j->kind == K_Q4 || j->kind == K_MXFP4)) {
+    job_t *const js[2] = {j, j->up};
+    const int any_int = int_kind(j->kind) || (j->up && int_kind(j->up->kind));
+    const int any_q4 = j->kind == K_Q4 || (j->up && j->up->kind == K_Q4);
+    if (j->avx2 && j->m == 1 && any_int) {
         const Py_ssize_t nb = j->in / QBLOCK;
         int16_t *xq = (int16_t *)malloc((size_t)j->in * sizeof(int16_t));
         float *xs = (float *)malloc((size_t)nb * sizeof(float));
-        int32_t *xc = j->kind == K_Q4 ? (int32_t *)calloc((size_t)nb * 4, sizeof(int32_t)) : NULL;
-        if (!xq || !xs || (j->kind == K_Q4 && !xc)) {
+        int32_t *xc = any_q4 ? (int32_t *)calloc((size_t)nb * 4, sizeof(int32_t)) : NULL;
+        if (!xq || !xs || (any_q4 && !xc)) {
             free(xq);
             free(xs);
             free(xc);
             return -1;
         }
         if (quantize_x16(j->x, j->in, xq, xs) == 0) {
-            j->xq = xq;
-            j->xs = xs;
-            if (xc) {
+            if (xc)
                 for (Py_ssize_t b = 0; b < nb; b++) {
                     int32_t sum = 0; /* at most 32 * 32767 */
                     for (int i = 0; i < QBLOCK; i++) sum += xq[b * QBLOCK + i];
                     xc[4 * b] = 8 * sum;
                 }
-                j->xc = xc;
-            }
+            for (int k = 0; k < 2; k++)
+                if (js[k] && int_kind(js[k]->kind)) {
+                    js[k]->xq = xq;
+                    js[k]->xs = xs;
+                    js[k]->xc = js[k]->kind == K_Q4 ? xc : NULL;
+                }
         }
         int rc = run_job_rows(j, threads);
-        j->xq = NULL;
-        j->xs = NULL;
-        j->xc = NULL;
+        for (int k = 0; k < 2; k++)
+            if (js[k]) {
+                js[k]->xq = NULL;
+                js[k]->xs = NULL;
+                js[k]->xc = NULL;
+            }
         free(xq);
         free(xs);
         free(xc);
@@ -876,7 +903,7 @@ static int run_job_rows(const job_t *j, int threads) {
         pthread_mutex_lock(&pool_mu);
         if (pool_busy) {
             pthread_mutex_unlock(&pool_mu);
-            return run_rows(j, 0, j->out);
+            return run_chunk(j, 0, j->out);
         }
         while (pool_workers < threads - 1) {
             pthread_t t;
@@ -895,7 +922,7 @@ static int run_job_rows(const job_t *j, int threads) {
         }
         if (pool_workers == 0) {
             pthread_mutex_unlock(&pool_mu);
-            return run_rows(j, 0, j->out);
+            return run_chunk(j, 0, j->out);
         }
         /* about 4 chunks a thread, at least MIN_CHUNK_ROWS rows each */
         Py_ssize_t rows = (j->out + 4 * threads - 1) / (4 * threads);
@@ -924,7 +951,7 @@ static int run_job_rows(const job_t *j, int threads) {
         pthread_mutex_unlock(&pool_mu);
         return rc;
     }
-    return run_rows(j, 0, j->out);
+    return run_chunk(j, 0, j->out);
 }
 
 /* ---------------------------------------------------------------- non-finite encodings */
@@ -1200,7 +1227,7 @@ static int get_threads(PyObject *o, int *threads) {
 
 static job_t job_of(const weight_t *w, Py_ssize_t m, const float *x, float *y) {
     job_t j = {w->kind, m, w->out, w->in, w->b0, w->b1, x, w->wv.buf, w->have_s ? w->sv.buf : NULL, y, cpu_avx2,
-               NULL, NULL, NULL};
+               NULL, NULL, NULL, NULL};
     return j;
 }
 
@@ -1355,13 +1382,12 @@ static PyObject *py_swiglu(PyObject *self, PyObject *const *args, Py_ssize_t nar
     {
         job_t jg = job_of(&w[0], m, (const float *)xv.buf, g), ju = job_of(&w[1], m, (const float *)xv.buf, u);
         job_t jd = job_of(&w[2], m, g, (float *)yv.buf);
+        jg.up = &ju; /* one pool job: gate and up rows, then silu(gate) * up, chunk by chunk */
         const int t = m * hid + 3 * inter * hid < GIL_WORK ? 1 : threads;
         int rc;
         pool_after_fork_check();
         Py_BEGIN_ALLOW_THREADS
         rc = run_job(&jg, t);
-        if (!rc) rc = run_job(&ju, t);
-        if (!rc) silu_mul(g, u, m * inter);
         if (!rc) rc = run_job(&jd, t);
         Py_END_ALLOW_THREADS
         if (rc) {

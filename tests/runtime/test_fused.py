@@ -79,11 +79,14 @@ SWIGLU_RTOL = {"f32": 2e-5, "f16": 2e-5, "bf16": 2e-5, "fp8": 2e-5, "q8": 2e-3, 
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("i", [160, 288])
 @pytest.mark.parametrize("kind", _packed.KINDS)
-def test_swiglu_matches_the_three_products(isa, monkeypatch, kind, m, threads):
+def test_swiglu_matches_the_three_products(isa, monkeypatch, kind, i, m, threads):
+    """Gate and up are one job over the same row chunks (silu(gate) * up chunk by chunk): intermediate sizes whose
+    chunks are not a multiple of four rows, one and several x rows, one and two threads."""
     rng = np.random.default_rng(3)
-    h, i = 64, 160
+    h = 64
     gate, up = (_packed.from_float(rng.standard_normal((i, h)).astype(np.float32), kind) for _ in range(2))
     down = _packed.from_float(rng.standard_normal((h, i)).astype(np.float32), kind)
     x = rng.standard_normal((m, h)).astype(np.float32)
@@ -94,6 +97,25 @@ def test_swiglu_matches_the_three_products(isa, monkeypatch, kind, m, threads):
     unfused = _layers.silu(_packed.matmul_t(x, gate)) * _packed.matmul_t(x, up)
     close(got, _packed.matmul_t(unfused, down), SWIGLU_RTOL[kind])
     close(got, reference(monkeypatch, _layers.expert_mlp, x, gate, up, down), SWIGLU_RTOL[kind])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kinds", [("q8", "q4"), ("q4", "mxfp4"), ("f32", "q8"), ("q4", "f16"), ("mxfp4", "bf16")])
+@pytest.mark.parametrize("big", [False, True])
+def test_swiglu_gate_and_up_of_different_kinds(isa, monkeypatch, kinds, big, threads):
+    """Gate and up share one int16 x when either is an integer kind (and none when x is too large for it: the float
+    kernels, `big`)."""
+    rng = np.random.default_rng(9)
+    h, i = 96, 224
+    gate = _packed.from_float(rng.standard_normal((i, h)).astype(np.float32), kinds[0])
+    up = _packed.from_float(rng.standard_normal((i, h)).astype(np.float32), kinds[1])
+    down = _packed.from_float(rng.standard_normal((h, i)).astype(np.float32), "f32")
+    x = rng.standard_normal((1, h)).astype(np.float32)
+    if big:
+        x[0, 5] = 3e5  # beyond quantize_x16's range
+    _packed.set_threads(threads)
+    got = _fused.swiglu(x, gate, up, down)
+    close(got, reference(monkeypatch, _layers.expert_mlp, x, gate, up, down), 2e-3)
 
 
 def test_swiglu_refuses_shapes_that_do_not_chain_and_overlaps():
