@@ -41,7 +41,7 @@
 enum kind { K_F32, K_F16, K_BF16, K_FP8, K_Q8, K_Q4, K_MXFP4, K_COUNT };
 static const char *const KIND_NAMES[K_COUNT] = {"f32", "f16", "bf16", "fp8", "q8", "q4", "mxfp4"};
 
-typedef struct {
+typedef struct job_s {
     int kind;
     Py_ssize_t m, out, in, b0, b1;
     const float *x;
@@ -55,6 +55,9 @@ typedef struct {
     const float *xs;
     /* q4 with xq: xc[4 * b] = 8 * the sum of xq's block b, xc[4 * b + 1..3] = 0 (see block_q4_x16), else NULL */
     const int32_t *xc;
+    /* SwiGLU's gate job: `up`, the up product over the same rows and x (its y the [m, out] u); each chunk of rows
+     * computes both products, then y = silu(y) * u on those rows. NULL for a plain product. */
+    struct job_s *up;
 } job_t;
 
 /* ---------------------------------------------------------------- scalar conversions (the fallback's, and tails) */
@@ -723,6 +726,18 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
     return 0;
 }
 
+static void silu_mul(float *g, const float *u, Py_ssize_t n);
+
+/* Output rows [r0, r1) of the job and, for a gate job, of its up job, then silu(gate) * up on those rows of every x
+ * row. Returns -1 if a scratch row could not be allocated. */
+static int run_chunk(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
+    if (run_rows(j, r0, r1)) return -1;
+    if (!j->up) return 0;
+    if (run_rows(j->up, r0, r1)) return -1;
+    for (Py_ssize_t i = 0; i < j->m; i++) silu_mul(j->y + i * j->out + r0, j->up->y + i * j->out + r0, r1 - r0);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- the thread pool */
 /* The job's output rows are cut into chunks that the caller and the workers it woke take in turn (an atomic
  * counter), so a worker the OS has not scheduled yet costs nothing: the caller takes its chunks and waits only for
@@ -748,7 +763,7 @@ static int take_chunks(const job_t *j, Py_ssize_t chunks, Py_ssize_t rows) {
         Py_ssize_t c = __atomic_fetch_add(&pool_next, 1, __ATOMIC_RELAXED);
         if (c >= chunks) return rc;
         Py_ssize_t r0 = c * rows, r1 = r0 + rows < j->out ? r0 + rows : j->out;
-        if (run_rows(j, r0, r1)) rc = -1;
+        if (run_chunk(j, r0, r1)) rc = -1;
         __atomic_fetch_add(&pool_finished, 1, __ATOMIC_RELEASE);
     }
 }
@@ -833,35 +848,47 @@ static void pool_after_fork_check(void) {
 
 static int run_job_rows(const job_t *j, int threads);
 
+static inline int int_kind(int kind) { return kind == K_Q8 || kind == K_Q4 || kind == K_MXFP4; }
+
+/* The job (and its up job, which shares x): x quantized to int16 once for the integer kinds of one-row AVX2
+ * products (see quantize_x16), then its rows on up to `threads` threads. */
 static int run_job(job_t *j, int threads) {
 #if HAVE_X86_KERNELS
-    if (j->avx2 && j->m == 1 && (j->kind == K_Q8 || j->kind == K_Q4 || j->kind == K_MXFP4)) {
+    job_t *const js[2] = {j, j->up};
+    const int any_int = int_kind(j->kind) || (j->up && int_kind(j->up->kind));
+    const int any_q4 = j->kind == K_Q4 || (j->up && j->up->kind == K_Q4);
+    if (j->avx2 && j->m == 1 && any_int) {
         const Py_ssize_t nb = j->in / QBLOCK;
         int16_t *xq = (int16_t *)malloc((size_t)j->in * sizeof(int16_t));
         float *xs = (float *)malloc((size_t)nb * sizeof(float));
-        int32_t *xc = j->kind == K_Q4 ? (int32_t *)calloc((size_t)nb * 4, sizeof(int32_t)) : NULL;
-        if (!xq || !xs || (j->kind == K_Q4 && !xc)) {
+        int32_t *xc = any_q4 ? (int32_t *)calloc((size_t)nb * 4, sizeof(int32_t)) : NULL;
+        if (!xq || !xs || (any_q4 && !xc)) {
             free(xq);
             free(xs);
             free(xc);
             return -1;
         }
         if (quantize_x16(j->x, j->in, xq, xs) == 0) {
-            j->xq = xq;
-            j->xs = xs;
-            if (xc) {
+            if (xc)
                 for (Py_ssize_t b = 0; b < nb; b++) {
                     int32_t sum = 0; /* at most 32 * 32767 */
                     for (int i = 0; i < QBLOCK; i++) sum += xq[b * QBLOCK + i];
                     xc[4 * b] = 8 * sum;
                 }
-                j->xc = xc;
-            }
+            for (int k = 0; k < 2; k++)
+                if (js[k] && int_kind(js[k]->kind)) {
+                    js[k]->xq = xq;
+                    js[k]->xs = xs;
+                    js[k]->xc = js[k]->kind == K_Q4 ? xc : NULL;
+                }
         }
         int rc = run_job_rows(j, threads);
-        j->xq = NULL;
-        j->xs = NULL;
-        j->xc = NULL;
+        for (int k = 0; k < 2; k++)
+            if (js[k]) {
+                js[k]->xq = NULL;
+                js[k]->xs = NULL;
+                js[k]->xc = NULL;
+            }
         free(xq);
         free(xs);
         free(xc);
@@ -876,7 +903,7 @@ static int run_job_rows(const job_t *j, int threads) {
         pthread_mutex_lock(&pool_mu);
         if (pool_busy) {
             pthread_mutex_unlock(&pool_mu);
-            return run_rows(j, 0, j->out);
+            return run_chunk(j, 0, j->out);
         }
         while (pool_workers < threads - 1) {
             pthread_t t;
@@ -895,7 +922,7 @@ static int run_job_rows(const job_t *j, int threads) {
         }
         if (pool_workers == 0) {
             pthread_mutex_unlock(&pool_mu);
-            return run_rows(j, 0, j->out);
+            return run_chunk(j, 0, j->out);
         }
         /* about 4 chunks a thread, at least MIN_CHUNK_ROWS rows each */
         Py_ssize_t rows = (j->out + 4 * threads - 1) / (4 * threads);
@@ -924,7 +951,7 @@ static int run_job_rows(const job_t *j, int threads) {
         pthread_mutex_unlock(&pool_mu);
         return rc;
     }
-    return run_rows(j, 0, j->out);
+    return run_chunk(j, 0, j->out);
 }
 
 /* ---------------------------------------------------------------- non-finite encodings */
@@ -1200,7 +1227,7 @@ static int get_threads(PyObject *o, int *threads) {
 
 static job_t job_of(const weight_t *w, Py_ssize_t m, const float *x, float *y) {
     job_t j = {w->kind, m, w->out, w->in, w->b0, w->b1, x, w->wv.buf, w->have_s ? w->sv.buf : NULL, y, cpu_avx2,
-               NULL, NULL, NULL};
+               NULL, NULL, NULL, NULL};
     return j;
 }
 
@@ -1355,13 +1382,12 @@ static PyObject *py_swiglu(PyObject *self, PyObject *const *args, Py_ssize_t nar
     {
         job_t jg = job_of(&w[0], m, (const float *)xv.buf, g), ju = job_of(&w[1], m, (const float *)xv.buf, u);
         job_t jd = job_of(&w[2], m, g, (float *)yv.buf);
+        jg.up = &ju; /* one pool job: gate and up rows, then silu(gate) * up, chunk by chunk */
         const int t = m * hid + 3 * inter * hid < GIL_WORK ? 1 : threads;
         int rc;
         pool_after_fork_check();
         Py_BEGIN_ALLOW_THREADS
         rc = run_job(&jg, t);
-        if (!rc) rc = run_job(&ju, t);
-        if (!rc) silu_mul(g, u, m * inter);
         if (!rc) rc = run_job(&jd, t);
         Py_END_ALLOW_THREADS
         if (rc) {
@@ -1479,19 +1505,28 @@ done:
     return result;
 }
 
-/* A [heads, S, d] float32 array whose rows are contiguous and heads evenly strided (a KV cache's view). */
-static int get_heads(PyObject *o, Py_buffer *v, const char *name, Py_ssize_t heads, Py_ssize_t *s, Py_ssize_t d) {
+/* A [heads, S, d] float32 array whose rows are contiguous and heads evenly strided (a KV cache's view), its buffer
+ * opened once: `heads` and `*d` of 0 take the array's own (at least 1). Returns -1 with a ValueError, nothing held,
+ * otherwise. */
+static int get_heads(PyObject *o, Py_buffer *v, const char *name, Py_ssize_t heads, Py_ssize_t *s, Py_ssize_t *d) {
     if (PyObject_GetBuffer(o, v, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
         PyErr_Clear();
         PyErr_Format(PyExc_ValueError, "%s: expected a strided buffer", name);
         return -1;
     }
+    if (v->ndim != 3) {
+        PyErr_Format(PyExc_ValueError, "%s: expected 3 dimensions [heads, S, d]", name);
+        PyBuffer_Release(v);
+        return -1;
+    }
+    if (heads == 0) heads = v->shape[0];
+    if (*d == 0) *d = v->shape[2];
     const char *f = v->format ? v->format : "B";
     if (f[0] == '@' || f[0] == '=' || (f[0] == '<' && PY_LITTLE_ENDIAN)) f++;
-    if (f[0] != 'f' || f[1] != '\0' || v->itemsize != 4 || v->ndim != 3 || v->shape[0] != heads || v->shape[2] != d ||
-        v->shape[1] < 1 || v->strides[2] != 4 || v->strides[1] != 4 * d || v->strides[0] < 4 * d * v->shape[1] ||
-        (uintptr_t)v->buf % 4) {
-        PyErr_Format(PyExc_ValueError, "%s: expected float32 [%zd, S, %zd] with contiguous rows", name, heads, d);
+    if (heads < 1 || *d < 1 || f[0] != 'f' || f[1] != '\0' || v->itemsize != 4 || v->shape[0] != heads ||
+        v->shape[2] != *d || v->shape[1] < 1 || v->strides[2] != 4 || v->strides[1] != 4 * *d ||
+        v->strides[0] < 4 * *d * v->shape[1] || (uintptr_t)v->buf % 4) {
+        PyErr_Format(PyExc_ValueError, "%s: expected float32 [%zd, S, %zd] with contiguous rows", name, heads, *d);
         PyBuffer_Release(v);
         return -1;
     }
@@ -1499,32 +1534,172 @@ static int get_heads(PyObject *o, Py_buffer *v, const char *name, Py_ssize_t hea
     return 0;
 }
 
-static float dot_any(const float *a, const float *b, Py_ssize_t n) {
-#if HAVE_X86_KERNELS
-    if (cpu_avx2) return dot_f32_avx2(a, b, n);
-#endif
-    return dot_plain(a, b, n);
+/* The plain C path of attend_group: query head by query head, positions in order. */
+static void attend_group_plain(const float *q, const float *k, const float *v, Py_ssize_t g, Py_ssize_t s,
+                               Py_ssize_t d, Py_ssize_t dv, float sc, float *p, float *out) {
+    for (Py_ssize_t h = 0; h < g; h++) {
+        float mx = -INFINITY;
+        for (Py_ssize_t t = 0; t < s; t++) {
+            p[t] = dot_plain(q + h * d, k + t * d, d) * sc;
+            if (p[t] > mx) mx = p[t];
+        }
+        float sum = 0;
+        for (Py_ssize_t t = 0; t < s; t++) {
+            p[t] = expf(p[t] - mx);
+            sum += p[t];
+        }
+        const float inv = 1.0f / sum;
+        float *o = out + h * dv;
+        memset(o, 0, (size_t)dv * sizeof(float));
+        for (Py_ssize_t t = 0; t < s; t++) {
+            const float pt = p[t] * inv, *vt = v + t * dv;
+            for (Py_ssize_t i = 0; i < dv; i++) o[i] += pt * vt[i];
+        }
+    }
 }
 
 #if HAVE_X86_KERNELS
-TARGET_AVX2 static void axpy_avx2(float *out, float p, const float *v, Py_ssize_t n) {
-    const __m256 pv = _mm256_set1_ps(p);
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
-    for (; i < n; i++) out[i] += p * v[i];
+/* exp(x) for 8 floats: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, ln2 in two parts; a degree-5 polynomial for
+ * (e^r - 1 - r) / r^2; 2^n built in the exponent field): within 1.01 ulp of the exact value for every float x in
+ * [-87.3, 88] (checked exhaustively against double exp when written). x clamped
+ * to +-88.376: exp(-inf) and any result below 2^-126.5 (x below -87.68) are 0 where expf gives a subnormal,
+ * exp(+inf) is inf, NaN stays NaN (the clamps take x as the operand returned for NaN). */
+TARGET_AVX2 static inline __m256 exp_avx2(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-88.3762626647949f), _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
+
+/* Scores p[r * s + t] = (q_r . k_t) * sc of R query heads q [R, d] (R a constant: 4, 2 or 1), each key row loaded
+ * once for the R products. The unroll pragmas keep the R accumulators in registers (without them -O2 leaves these
+ * arrays on the stack, about 3x slower). */
+TARGET_AVX2 static inline __attribute__((always_inline)) void scores_avx2(const float *q, const float *k, Py_ssize_t s,
+                                                                          Py_ssize_t d, float sc, float *p, int R) {
+    for (Py_ssize_t t = 0; t < s; t++) {
+        const float *kt = k + t * d;
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        Py_ssize_t i = 0;
+        for (; i + 8 <= d; i += 8) {
+            const __m256 kv = _mm256_loadu_ps(kt + i);
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
+                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + i), kv, acc[r]);
+        }
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+            float sum = hsum8(acc[r]);
+            for (Py_ssize_t j = i; j < d; j++) sum += q[r * d + j] * kt[j];
+            p[r * s + t] = sum * sc;
+        }
+    }
+}
+
+/* out [R, dv] = p [R, s] @ v [s, dv] for R (4, 2 or 1) probability rows: 16 columns at a time in registers, each
+ * value row's columns loaded once for the R rows. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void mix_avx2(const float *p, const float *v, Py_ssize_t s,
+                                                                       Py_ssize_t dv, float *out, int R) {
+    Py_ssize_t c = 0;
+    for (; c + 16 <= dv; c += 16) {
+        __m256 a[4], b[4];
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) a[r] = b[r] = _mm256_setzero_ps();
+        for (Py_ssize_t t = 0; t < s; t++) {
+            const __m256 v0 = _mm256_loadu_ps(v + t * dv + c), v1 = _mm256_loadu_ps(v + t * dv + c + 8);
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+                const __m256 pr = _mm256_broadcast_ss(p + r * s + t);
+                a[r] = _mm256_fmadd_ps(pr, v0, a[r]);
+                b[r] = _mm256_fmadd_ps(pr, v1, b[r]);
+            }
+        }
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+            _mm256_storeu_ps(out + r * dv + c, a[r]);
+            _mm256_storeu_ps(out + r * dv + c + 8, b[r]);
+        }
+    }
+    for (; c + 8 <= dv; c += 8) {
+        __m256 a[4];
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) a[r] = _mm256_setzero_ps();
+        for (Py_ssize_t t = 0; t < s; t++) {
+            const __m256 v0 = _mm256_loadu_ps(v + t * dv + c);
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
+                a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * s + t), v0, a[r]);
+        }
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * dv + c, a[r]);
+    }
+    for (; c < dv; c++)
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+            float sum = 0;
+            for (Py_ssize_t t = 0; t < s; t++) sum += p[r * s + t] * v[t * dv + c];
+            out[r * dv + c] = sum;
+        }
+}
+
+/* p [s] = softmax(p) in place: the largest score subtracted, exp_avx2 8 at a time (expf for the tail). */
+TARGET_AVX2 static void softmax_avx2(float *p, Py_ssize_t s) {
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    Py_ssize_t t = 0;
+    for (; t + 8 <= s; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(p + t));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float mx = _mm_cvtss_f32(m4);
+    for (; t < s; t++)
+        if (p[t] > mx) mx = p[t];
+    const __m256 mxv = _mm256_set1_ps(mx);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= s; t += 8) {
+        const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p + t), mxv));
+        _mm256_storeu_ps(p + t, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum8(sum8);
+    for (; t < s; t++) {
+        p[t] = expf(p[t] - mx);
+        sum += p[t];
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (t = 0; t + 8 <= s; t += 8) _mm256_storeu_ps(p + t, _mm256_mul_ps(_mm256_loadu_ps(p + t), inv));
+    for (; t < s; t++) p[t] *= 1.0f / sum;
+}
+
+#define ATTEND_ROWS(R)                                                                                             \
+    do {                                                                                                           \
+        scores_avx2(q + h * d, k, s, d, sc, p, R);                                                                 \
+        for (int r = 0; r < R; r++) softmax_avx2(p + r * s, s);                                                    \
+        mix_avx2(p, v, s, dv, out + h * dv, R);                                                                    \
+        h += R;                                                                                                    \
+    } while (0)
+
+/* attend_group on AVX2: the query heads four (then two, one) at a time, each key and value row loaded once for
+ * them; p holds 4 * s floats. */
+TARGET_AVX2 static void attend_group_avx2(const float *q, const float *k, const float *v, Py_ssize_t g, Py_ssize_t s,
+                                          Py_ssize_t d, Py_ssize_t dv, float sc, float *p, float *out) {
+    Py_ssize_t h = 0;
+    while (g - h >= 4) ATTEND_ROWS(4);
+    if (g - h >= 2) ATTEND_ROWS(2);
+    if (g - h >= 1) ATTEND_ROWS(1);
+}
+#undef ATTEND_ROWS
 #endif
 
-/* out[d] += p * v[d] */
-static void axpy_any(float *out, float p, const float *v, Py_ssize_t n) {
+/* out [g, dv] = softmax(q k^T * sc) v for the g query heads q [g, d] that read one kv head, k [s, d] and v [s, dv];
+ * p: scratch of 4 * s floats. */
+static void attend_group(const float *q, const float *k, const float *v, Py_ssize_t g, Py_ssize_t s, Py_ssize_t d,
+                         Py_ssize_t dv, float sc, float *p, float *out) {
 #if HAVE_X86_KERNELS
     if (cpu_avx2) {
-        axpy_avx2(out, p, v, n);
+        attend_group_avx2(q, k, v, g, s, d, dv, sc, p, out);
         return;
     }
 #endif
-    for (Py_ssize_t i = 0; i < n; i++) out[i] += p * v[i];
+    attend_group_plain(q, k, v, g, s, d, dv, sc, p, out);
 }
 
 PyDoc_STRVAR(attend_row_doc,
@@ -1539,36 +1714,13 @@ static PyObject *py_attend_row(PyObject *self, PyObject *const *args, Py_ssize_t
     const double scale = PyFloat_AsDouble(args[3]);
     if (scale == -1.0 && PyErr_Occurred()) return NULL;
     Py_buffer qv, kv, vv, ov;
-    int have_q = 0, have_k = 0, have_v = 0, have_o = 0;
+    int have_q = 0, have_v = 0, have_o = 0;
     PyObject *result = NULL;
     float *p = NULL;
-    if (PyObject_GetBuffer(args[1], &kv, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
-        PyErr_Clear();
-        return PyErr_Format(PyExc_ValueError, "k: expected a strided buffer");
-    }
-    if (kv.ndim != 3) {
-        PyBuffer_Release(&kv);
-        return PyErr_Format(PyExc_ValueError, "k: expected 3 dimensions [kvh, S, d]");
-    }
-    const Py_ssize_t kvh = kv.shape[0], d = kv.shape[2];
-    PyBuffer_Release(&kv);
-    Py_ssize_t s, s2;
-    if (kvh < 1 || d < 1 || get_heads(args[1], &kv, "k", kvh, &s, d) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "k: empty");
-        return NULL;
-    }
-    have_k = 1;
-    if (PyObject_GetBuffer(args[2], &vv, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_ValueError, "v: expected a strided buffer");
-        goto done;
-    }
-    const Py_ssize_t dv = vv.ndim == 3 ? vv.shape[2] : 0;
-    PyBuffer_Release(&vv);
-    if (dv < 1 || get_heads(args[2], &vv, "v", kvh, &s2, dv) < 0) {
-        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "v: expected float32 [%zd, S, dv]", kvh);
-        goto done;
-    }
+    Py_ssize_t s, s2, d = 0, dv = 0;
+    if (get_heads(args[1], &kv, "k", 0, &s, &d) < 0) return NULL;
+    const Py_ssize_t kvh = kv.shape[0];
+    if (get_heads(args[2], &vv, "v", kvh, &s2, &dv) < 0) goto done;
     have_v = 1;
     if (s2 != s) {
         PyErr_Format(PyExc_ValueError, "k has %zd positions, v %zd", s, s2);
@@ -1595,42 +1747,26 @@ static PyObject *py_attend_row(PyObject *self, PyObject *const *args, Py_ssize_t
             goto done;
         }
     }
-    p = (float *)malloc((size_t)s * sizeof(float));
+    p = (float *)malloc((size_t)s * 4 * sizeof(float));
     if (!p) {
         PyErr_NoMemory();
         goto done;
     }
     {
         const Py_ssize_t g = nh / kvh;
-        const float sc = (float)scale;
         const int release = nh * s * (d + dv) > GIL_WORK;
         PyThreadState *ts = release ? PyEval_SaveThread() : NULL;
-        for (Py_ssize_t h = 0; h < nh; h++) {
-            const Py_ssize_t kh = h / g;
-            const float *q = (const float *)qv.buf + h * d;
-            const char *kb = (const char *)kv.buf + kh * kv.strides[0], *vb = (const char *)vv.buf + kh * vv.strides[0];
-            float mx = -INFINITY;
-            for (Py_ssize_t t = 0; t < s; t++) {
-                p[t] = dot_any(q, (const float *)kb + t * d, d) * sc;
-                if (p[t] > mx) mx = p[t];
-            }
-            float sum = 0;
-            for (Py_ssize_t t = 0; t < s; t++) {
-                p[t] = expf(p[t] - mx);
-                sum += p[t];
-            }
-            const float inv = 1.0f / sum;
-            float *o = (float *)ov.buf + h * dv;
-            memset(o, 0, (size_t)dv * sizeof(float));
-            for (Py_ssize_t t = 0; t < s; t++) axpy_any(o, p[t] * inv, (const float *)vb + t * dv, dv);
-        }
+        for (Py_ssize_t kh = 0; kh < kvh; kh++)
+            attend_group((const float *)qv.buf + kh * g * d, (const float *)((const char *)kv.buf + kh * kv.strides[0]),
+                         (const float *)((const char *)vv.buf + kh * vv.strides[0]), g, s, d, dv, (float)scale, p,
+                         (float *)ov.buf + kh * g * dv);
         if (release) PyEval_RestoreThread(ts);
     }
     result = Py_NewRef(Py_None);
 done:
     free(p);
     if (have_q) PyBuffer_Release(&qv);
-    if (have_k) PyBuffer_Release(&kv);
+    PyBuffer_Release(&kv);
     if (have_v) PyBuffer_Release(&vv);
     if (have_o) PyBuffer_Release(&ov);
     return result;

@@ -73,17 +73,99 @@ def test_attention_row_refuses_mismatched_shapes():
         _fused.attend_row(q, np.ones((2, 5, 8), np.float32), k, 1.0)  # head dims differ
     with pytest.raises(ValueError, match="overlap"):
         _kernels.attend_row(q, k, k, 1.0, q)
+    out = np.empty((1, 8, 16), np.float32)
+    for bad_k, bad_v in [(np.ones((5, 16), np.float32), k), (k, np.ones((5, 16), np.float32)),
+                         (np.ones((0, 5, 16), np.float32), k), (np.ones((2, 5, 0), np.float32), k),
+                         (k, np.ones((1, 5, 16), np.float32)), (k, np.ones((2, 0, 16), np.float32))]:
+        with pytest.raises(ValueError):  # not [kvh, S, d], no heads or positions, v's heads differ from k's
+            _kernels.attend_row(q, bad_k, bad_v, 1.0, out)
+
+
+def cache_views(k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """k [kvh, S, d], v [kvh, S, dv] copied into [kvh, capacity, .] buffers and sliced back: a KV cache's views."""
+    kvh, s, _ = k.shape
+    kbuf = np.zeros((kvh, s + 5, k.shape[2]), np.float32)
+    vbuf = np.zeros((kvh, s + 5, v.shape[2]), np.float32)
+    kbuf[:, :s], vbuf[:, :s] = k, v
+    return kbuf[:, :s], vbuf[:, :s]
+
+
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 7, 8])
+@pytest.mark.parametrize("positions", [1, 7, 8, 300])
+@pytest.mark.parametrize("d,dv", [(64, 64), (20, 36), (3, 5)])
+def test_attention_row_head_groups_match_numpy(isa, monkeypatch, g, positions, d, dv):
+    """Query heads that share a kv head are taken four, two, one at a time: every group size, S below and above a
+    vector, head dims with and without a vector tail, dv != d."""
+    rng = np.random.default_rng(6)
+    kvh = 2
+    k = rng.standard_normal((kvh, positions, d)).astype(np.float32)
+    v = rng.standard_normal((kvh, positions, dv)).astype(np.float32)
+    q = (rng.standard_normal((1, kvh * g, d)) * 2).astype(np.float32)
+    want = reference(monkeypatch, _layers.attention, q, k, v, 0.3, None)
+    close(_fused.attend_row(q, *cache_views(k, v), 0.3), want, 2e-6)
+
+
+def one_hot_scores(rng, g: int, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q [1, g, 8], k [1, S, 8], v [1, S, S] with q_h . k_t = scores[h, t] exactly (one nonzero term) and v the
+    identity: the attention row is each head's softmax itself."""
+    s = scores.shape[1]
+    q = np.zeros((1, g, 8), np.float32)
+    q[0, :, rng.integers(0, 8)] = 1.0
+    k = np.zeros((1, s, 8), np.float32)
+    k[0, :, :] = 0.0
+    col = int(np.flatnonzero(q[0, 0])[0])
+    k[0, :, col] = scores[0]
+    q[0, :, col] = 1.0
+    return q, k, np.eye(s, dtype=np.float32)[None]
+
+
+@pytest.mark.parametrize("g", [1, 2, 4])
+@pytest.mark.parametrize("positions", [1, 13, 64, 1000])
+def test_attention_row_exp_is_accurate_over_its_range(isa, g, positions):
+    """Scores from -80 to 0 below the largest: each probability within a few float32 ulp of exp's (float64) of the
+    same float32 differences."""
+    rng = np.random.default_rng(7)
+    scores = np.zeros((1, positions), np.float32)
+    scores[0] = rng.uniform(-80.0, 0.0, positions).astype(np.float32) + 3.0
+    q, k, v = one_hot_scores(rng, g, scores)
+    e = np.exp((scores[0] - scores[0].max()).astype(np.float64))  # the float32 difference, as the kernel takes it
+    want = np.broadcast_to(e / e.sum(), (g, positions))
+    got = _fused.attend_row(q, *cache_views(k, v), 1.0)
+    np.testing.assert_allclose(got[0], want, rtol=1e-6, atol=1e-37)
+
+
+@pytest.mark.parametrize("g", [1, 2, 4])
+@pytest.mark.parametrize("positions", [1, 9, 300])
+@pytest.mark.parametrize("spread", ["huge", "-huge", "ties"])
+def test_attention_row_huge_score_ranges(isa, monkeypatch, g, positions, spread):
+    """Scores spread over +-1e4 (nearly every exp underflows to 0), all near -1e30, or all equal: as numpy's."""
+    rng = np.random.default_rng(8)
+    scores = np.zeros((1, positions), np.float32)
+    if spread == "huge":
+        scores[0] = rng.uniform(-1e4, 1e4, positions)
+        scores[0, rng.integers(0, positions, 3)] = scores[0].max() - rng.uniform(0, 5, 3)
+    elif spread == "-huge":
+        scores[0] = -1e30 * (1 + rng.uniform(0, 1e-5, positions))
+    q, k, v = one_hot_scores(rng, g, scores)
+    v = v + rng.standard_normal(v.shape).astype(np.float32)  # every value row counts, not only the identity's
+    want = reference(monkeypatch, _layers.attention, q, k, v, 1.0, None)
+    got = _fused.attend_row(q, *cache_views(k, v), 1.0)
+    assert np.isfinite(got).all()
+    close(got, want, 2e-6)
 
 
 SWIGLU_RTOL = {"f32": 2e-5, "f16": 2e-5, "bf16": 2e-5, "fp8": 2e-5, "q8": 2e-3, "q4": 2e-3, "mxfp4": 2e-3}
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("i", [160, 288])
 @pytest.mark.parametrize("kind", _packed.KINDS)
-def test_swiglu_matches_the_three_products(isa, monkeypatch, kind, m, threads):
+def test_swiglu_matches_the_three_products(isa, monkeypatch, kind, i, m, threads):
+    """Gate and up are one job over the same row chunks (silu(gate) * up chunk by chunk): intermediate sizes whose
+    chunks are not a multiple of four rows, one and several x rows, one and two threads."""
     rng = np.random.default_rng(3)
-    h, i = 64, 160
+    h = 64
     gate, up = (_packed.from_float(rng.standard_normal((i, h)).astype(np.float32), kind) for _ in range(2))
     down = _packed.from_float(rng.standard_normal((h, i)).astype(np.float32), kind)
     x = rng.standard_normal((m, h)).astype(np.float32)
@@ -94,6 +176,25 @@ def test_swiglu_matches_the_three_products(isa, monkeypatch, kind, m, threads):
     unfused = _layers.silu(_packed.matmul_t(x, gate)) * _packed.matmul_t(x, up)
     close(got, _packed.matmul_t(unfused, down), SWIGLU_RTOL[kind])
     close(got, reference(monkeypatch, _layers.expert_mlp, x, gate, up, down), SWIGLU_RTOL[kind])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kinds", [("q8", "q4"), ("q4", "mxfp4"), ("f32", "q8"), ("q4", "f16"), ("mxfp4", "bf16")])
+@pytest.mark.parametrize("big", [False, True])
+def test_swiglu_gate_and_up_of_different_kinds(isa, monkeypatch, kinds, big, threads):
+    """Gate and up share one int16 x when either is an integer kind (and none when x is too large for it: the float
+    kernels, `big`)."""
+    rng = np.random.default_rng(9)
+    h, i = 96, 224
+    gate = _packed.from_float(rng.standard_normal((i, h)).astype(np.float32), kinds[0])
+    up = _packed.from_float(rng.standard_normal((i, h)).astype(np.float32), kinds[1])
+    down = _packed.from_float(rng.standard_normal((h, i)).astype(np.float32), "f32")
+    x = rng.standard_normal((1, h)).astype(np.float32)
+    if big:
+        x[0, 5] = 3e5  # beyond quantize_x16's range
+    _packed.set_threads(threads)
+    got = _fused.swiglu(x, gate, up, down)
+    close(got, reference(monkeypatch, _layers.expert_mlp, x, gate, up, down), 2e-3)
 
 
 def test_swiglu_refuses_shapes_that_do_not_chain_and_overlaps():
