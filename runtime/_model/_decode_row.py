@@ -63,12 +63,13 @@ def step(cfg: ModelConfig, weights: "Float32Weights", rope: tuple[np.ndarray, fl
             x = h + expert_mlp(y, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
         weights.lookahead(layer + 1, x)
     logits = None
-    if seg.trace is not None or seg.logits != "none":
+    wanted = seg.logits in ("last", "all")  # (one row: the last is all; anything else asks for none, as there)
+    if seg.trace is not None or wanted:
         norm, lm_head = weights.head()
         normed = rms_norm(x, norm, eps)
         if seg.trace is not None:
             seg.trace.hidden = normed
-        if seg.logits != "none":
+        if wanted:
             logits = matmul_t(normed, lm_head)
     cache.commit(1)
     return logits

@@ -357,7 +357,7 @@ def moe_experts(x: np.ndarray, weights: np.ndarray, groups: Mapping[int, tuple[n
             y = outputs[e]()
         except ShardtoolError as cause:  # a bug is not caught here: it fails the whole step
             raise ExpertUnavailable(cause, tokens) from cause
-        if out is None:  # (0 + a is a: the same float32 sum, without the zeros and one addition)
+        if out is None:  # (0 + a is a: the same float32 sum, without the zeros and one addition; a zero keeps its sign)
             out = y * weights[0, slots[0]]
         elif tokens is _ROW0:  # one decode row: the same float32 sum without fancy indexing
             out += y * weights[0, slots[0]]

@@ -258,7 +258,7 @@ def matmul_t(x: np.ndarray, w: Packed) -> np.ndarray:
     Native when the extension is in use: each weight row is read once, in its stored dtype, on up to
     `set_threads` threads; otherwise (and for empty shapes) `matmul_t_reference`."""
     out_f, in_f = w.shape
-    m, columns = x.shape
+    m, columns = x.shape[0], x.shape[1]
     if _native is None or not (m and out_f and in_f):
         return matmul_t_reference(x, w)
     if columns != in_f:

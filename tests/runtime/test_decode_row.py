@@ -100,3 +100,29 @@ def test_declines_batches_prompts_outgrown_windows_and_other_layers(monkeypatch)
     model.cache.length = 0
     assert not _decode_row.applies(cfg, [one])
 
+
+
+@needs_kernels
+def test_a_growing_cache_and_unplain_inputs_give_the_same_bits(monkeypatch):
+    # Past the cache's initial capacity of 64 (no max_tokens: it grows by copying), and with the attention's input
+    # refused as not plain (the row then runs `gqa_attention` itself): the general path's logits, bit for bit.
+    cfg, state = _make("qwen2_moe-biased")
+    tokens = [(7 * i) % cfg.vocab_size for i in range(66)]
+    fast, taken = _decode(cfg, state, monkeypatch, general=False, tokens=tokens)
+    general, _ = _decode(cfg, state, monkeypatch, general=True, tokens=tokens)
+    assert taken == len(tokens)
+    np.testing.assert_array_equal(fast, general)
+    monkeypatch.setattr(_decode_row._fused, "plain", lambda a: False)  # (numpy's attention and rotary in both runs)
+    refused, taken = _decode(cfg, state, monkeypatch, general=False, tokens=tokens[:6])
+    general, _ = _decode(cfg, state, monkeypatch, general=True, tokens=tokens[:6])
+    assert taken == 6
+    np.testing.assert_array_equal(refused, general)
+
+
+@needs_kernels
+def test_a_row_that_asks_for_no_logits_gets_none(monkeypatch):
+    cfg, state = _make("mixtral-no-window")
+    model = Model(cfg, DictWeightProvider(state))
+    model.prefill(PROMPT)
+    assert forward_batch(cfg, model._weights, model._rope, [Segment(np.array([3]), model.cache, "none")]) is None
+    assert model.cache.length == len(PROMPT) + 1
