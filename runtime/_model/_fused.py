@@ -23,10 +23,7 @@ def plain(a: np.ndarray) -> bool:
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray | None:
     """# [..., d], [d] -> [..., d]  (`_layers.rms_norm`)"""
     native = _packed._native
-    if native is None or w.ndim != 1 or x.shape[-1] != w.shape[0] or not x.size:
-        return None
-    fx, fw = x.flags, w.flags  # (`plain`, inline: two norms a layer come here)
-    if not (x.dtype == _F32 and w.dtype == _F32 and fx.c_contiguous and fx.aligned and fw.c_contiguous and fw.aligned):
+    if native is None or w.ndim != 1 or x.shape[-1] != w.shape[0] or not x.size or not (plain(x) and plain(w)):
         return None
     y = np.empty(x.shape, _F32)
     native.rms_norm(x, w, eps, y)

@@ -42,19 +42,16 @@ def matmul_t(x: np.ndarray, w: np.ndarray | _packed.Packed) -> np.ndarray:
     One row (every decode step) goes through gemv: OpenBLAS runs a 1-row sgemm multi-threaded, which costs
     10-100x more than gemv on a small or busy machine.
     """
-    if type(w) is _packed_type:
-        return _packed_matmul_t(x, w)
+    if type(w) is _packed.Packed:
+        return _packed.matmul_t(x, w)
     if x.shape[0] == 1:
         return (w @ x[0])[None, :]
     return x @ w.T
 
 
-_packed_type, _packed_matmul_t = _packed.Packed, _packed.matmul_t  # looked up once: every product comes here
-
-
 def linear(x: np.ndarray, w: np.ndarray | _packed.Packed, b: np.ndarray | None = None) -> np.ndarray:
     """# [m, in], [out, in], [out] -> [m, out]"""
-    y = _packed_matmul_t(x, w) if type(w) is _packed_type else matmul_t(x, w)
+    y = matmul_t(x, w)
     if b is not None:
         y += b
     return y

@@ -39,7 +39,6 @@ def _load_kernels():
 
 _native = _load_kernels()
 _threads = 1
-_F32 = np.dtype(np.float32)
 
 
 def kernels() -> str | None:
@@ -263,9 +262,7 @@ def matmul_t(x: np.ndarray, w: Packed) -> np.ndarray:
         return matmul_t_reference(x, w)
     if columns != in_f:
         raise ValueError(f"x has {columns} columns, the weight {in_f} inputs")
-    f = x.flags
-    if not (x.dtype == _F32 and f.c_contiguous and f.aligned):  # (`_float32_rows`, inline: every product comes here)
-        x = np.require(x, np.float32, ["C", "A"])
+    x = _float32_rows(x)
     y = np.empty((m, out_f), np.float32)
     _native.product(w.native, x, y, _threads)
     return y
