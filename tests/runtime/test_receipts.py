@@ -418,7 +418,8 @@ def cli_world(tmp_path_factory):
         _cli("shardtool", "keygen", "--out", name, "--no-passphrase", cwd=work)
     _split_and_sign(work, _checkpoint(work, "ck", "qwen3_moe"), "model", "publisher")
     _cli("verify-and-run", "model", "--trust", "publisher.pub", "--model-id", MODEL_ID, "--prompt-ids", "4,5,6,7",
-         "--max-new-tokens", "12", "--temperature", "0.8", "--print-ids", "-q", "--receipt-key", "operator.key",
+         "--max-new-tokens", "12", "--temperature", "0.8", "--seed", "11", "--print-ids", "-q",
+         "--receipt-key", "operator.key",
          "--receipt-out", "run.receipt", "--trace-out", "run.trace", cwd=work)
     return work
 
