@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import json
 import os
 import re
 import sys
@@ -149,6 +148,8 @@ def say(message: str) -> None:
 
 def emit_json(document: Any) -> None:
     # allow_nan=False: NaN and Infinity are not JSON; a figure that overflowed is a bug to see, not to print.
+    import json  # here: only --json runs print it
+
     sys.stdout.write(json.dumps(document, indent=2, sort_keys=True, allow_nan=False) + "\n")
     sys.stdout.flush()
 

@@ -18,8 +18,8 @@ from shardtool.errors import ExpiredError, ManifestFormatError, MerkleProofError
 from shardtool.keys import PublicKey
 from shardtool.manifest import _canonical
 from shardtool.manifest._envelope import PAYLOAD_TYPE, Envelope, verify_envelope
-from shardtool.manifest._merkle import blake3_256, leaf_hash, root_from_leaf_hashes
-from shardtool.manifest._records import MAX_ENTRIES, Entry, Head, check_model_id_form
+from shardtool.manifest._merkle import blake3_256, leaf_hashes, root_from_leaf_hashes
+from shardtool.manifest._records import ENTRY_KEY_ORDER, MAX_ENTRIES, Entry, Head, check_model_id_form
 
 FORMAT = "shardtool-manifest-v1"
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
@@ -46,8 +46,39 @@ def decode_entry(raw: bytes, index: int) -> Entry:
     return entry
 
 
+# The strict parser's caps, without its duplicate-key hook: see `decode_entries`.
+_ENTRY_UNPACK = dict(raw=False, use_list=True, strict_map_key=True, max_str_len=_canonical.MAX_STR,
+                     max_bin_len=MAX_ENTRY_BYTES, max_array_len=MAX_ENTRY_BYTES, max_map_len=_canonical.MAX_MAP,
+                     max_ext_len=0)
+
+
+def decode_entries(raw_entries: Sequence[bytes]) -> tuple[Entry, ...]:
+    """`decode_entry` over a whole list, at a third of its cost: 20,000 entries took 0.3 s, which every
+    command that opens a manifest of a real model paid before its first byte of work.
+
+    An entry whose six keys came in canonical order and whose re-encoding is its own bytes is canonical
+    (shortest integers, str and bin where they belong), with each key once: a key twice would leave a map of
+    fewer pairs than the bytes hold. So the duplicate-key hook of the strict parser is not needed to accept
+    it. Anything else goes through `decode_entry`, which names the flaw exactly as before, and is refused.
+    """
+    pack = msgpack.Packer(use_bin_type=True).pack  # this call's own packer: a Packer is not thread-safe
+    entries = []
+    for index, raw in enumerate(raw_entries):
+        try:
+            fields = msgpack.unpackb(raw, **_ENTRY_UNPACK) if len(raw) <= MAX_ENTRY_BYTES else None
+            accepted = type(fields) is dict and tuple(fields) == ENTRY_KEY_ORDER and pack(fields) == raw
+        except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError,
+                UnicodeDecodeError):
+            accepted = False
+        if not accepted:
+            decode_entry(raw, index)  # raises, naming the flaw
+            raise ManifestFormatError(f"entry {index} is not in canonical msgpack form")
+        entries.append(Entry.from_dict(fields))
+    return tuple(entries)
+
+
 def entries_root(raw_entries: Sequence[bytes]) -> bytes:
-    return root_from_leaf_hashes(blake3_256, [leaf_hash(blake3_256, e) for e in raw_entries])
+    return root_from_leaf_hashes(blake3_256, leaf_hashes(blake3_256, raw_entries))
 
 
 def _path_key(entry: Entry) -> bytes:
@@ -125,7 +156,7 @@ def _parse_entries(head: Head, raw_entries: list[bytes]) -> tuple[Entry, ...]:
     root = entries_root(raw_entries)
     if root != head.merkle_root:
         raise MerkleProofError(f"entry list hashes to root {root.hex()}, the signed head says {head.merkle_root.hex()}")
-    entries = tuple(decode_entry(raw, i) for i, raw in enumerate(raw_entries))
+    entries = decode_entries(raw_entries)
     _check_order(entries)
     return entries
 

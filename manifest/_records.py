@@ -42,7 +42,8 @@ def _int(d: dict, key: str, lo: int, hi: int, what: str) -> int:
     return value
 
 
-_ENTRY_KEYS = {"path", "kind", "layer", "expert", "size", "digest"}
+ENTRY_KEY_ORDER = ("digest", "expert", "kind", "layer", "path", "size")  # canonical: bytewise order
+_ENTRY_KEYS = set(ENTRY_KEY_ORDER)
 
 
 @dataclass(frozen=True, order=True)

@@ -9,7 +9,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import tempfile
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
@@ -36,6 +35,8 @@ def atomic_writer(path: Path | str, mode: int = 0o644, *, overwrite: bool = True
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
     try:
+        import tempfile  # here: it loads random and hashlib (10 ms), and most runs write nothing
+
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     except OSError as e:
         raise StorageError(f"cannot create a temporary file: {e.strerror}", path=str(directory)) from e

@@ -7,6 +7,8 @@ Contract: only ShardtoolError subclasses escape; and no mutation of a signed man
 
 from __future__ import annotations
 
+import msgpack
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given
 from hypothesis import strategies as st
@@ -16,7 +18,7 @@ from shardtool.errors import ShardtoolError
 from shardtool.keys import PrivateKey
 from shardtool.manifest import Entry, Envelope, build_manifest, decode_manifest, verify_envelope, verify_manifest
 from shardtool.manifest import _canonical
-from shardtool.manifest._document import FORMAT, decode_entry
+from shardtool.manifest._document import FORMAT, decode_entries, decode_entry, entry_bytes
 
 NOW = 1_750_000_000
 KEY = PrivateKey(Ed25519PrivateKey.from_private_bytes(b"\x07" * 32))
@@ -113,6 +115,64 @@ def test_fuzz_entry_decoder(fields):
     got = only_our_errors(decode_entry, raw, 0)
     if not isinstance(got, ShardtoolError):
         assert got.to_dict() == {k: v for k, v in fields.items() if k != "extra"}
+
+
+def _same_verdict(raw: bytes) -> None:
+    """The fast list decoder accepts exactly what the strict one-entry decoder accepts, as the same entry,
+    and refuses the rest with the strict decoder's own message."""
+    strict = only_our_errors(decode_entry, raw, 0)
+    fast = only_our_errors(decode_entries, [raw])
+    if isinstance(strict, ShardtoolError):
+        assert isinstance(fast, ShardtoolError) and fast.message == strict.message
+    else:
+        assert fast == (strict,)
+
+
+GENUINE_ENTRY = entry_bytes(GENUINE.entries[0])
+
+
+@given(_entry_like(), st.booleans())
+def test_fuzz_entry_list_decoder_agrees_on_fields(fields, canonical):
+    plain = {k: v for k, v in fields.items() if k != "extra"}
+    try:
+        raw = _canonical.encode(plain) if canonical else packb(dict(sorted(fields.items())))
+    except ShardtoolError:
+        raw = packb(dict(sorted(fields.items())))
+    _same_verdict(raw)
+
+
+@given(mutated(GENUINE_ENTRY, max_ops=3))
+def test_fuzz_entry_list_decoder_agrees_on_mutations(raw):
+    _same_verdict(raw)
+
+
+def _pairs(pairs) -> bytes:
+    return msgpack.Packer().pack_map_header(len(pairs)) + b"".join(packb(k) + packb(v) for k, v in pairs)
+
+
+_FIELDS = sorted(GENUINE.entries[0].to_dict().items())
+NON_CANONICAL = {
+    "keys-out-of-order": _pairs(list(reversed(_FIELDS))),
+    "key-as-str8": GENUINE_ENTRY[:1] + b"\xd9\x06digest" + GENUINE_ENTRY[8:],
+    "size-as-uint64": msgpack.Packer().pack_map_header(6) + b"".join(packb(k) + packb(v) for k, v in _FIELDS[:-1]) + packb("size")
+    + b"\xcf" + GENUINE.entries[0].size.to_bytes(8, "big"),
+}
+
+
+@pytest.mark.parametrize("raw", NON_CANONICAL.values(), ids=NON_CANONICAL)
+def test_entry_list_decoder_refuses_non_canonical_encodings(raw):
+    assert msgpack.unpackb(raw) == msgpack.unpackb(GENUINE_ENTRY)  # the same entry, other bytes
+    with pytest.raises(ShardtoolError, match="not in canonical msgpack form"):
+        decode_entries([raw])
+
+
+def test_entry_list_decoder_refuses_a_duplicate_key_by_name():
+    """A key twice is the one flaw the fast path does not parse for (the map it builds holds the key once):
+    its re-encoding differs, and the strict decoder names it."""
+    pairs = sorted(GENUINE.entries[0].to_dict().items()) + [("size", GENUINE.entries[0].size)]
+    raw = msgpack.Packer().pack_map_header(len(pairs)) + b"".join(packb(k) + packb(v) for k, v in sorted(pairs))
+    with pytest.raises(ShardtoolError, match="duplicate map key 'size'"):
+        decode_entries([GENUINE_ENTRY, raw])
 
 
 @given(msgpack_values(10))
