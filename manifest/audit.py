@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Generator, Iterable
 
 from shardtool.safeio import open_beneath, open_dir_beneath, open_file_at
 from shardtool.text import printable
 from shardtool.errors import MissingFileError, NotARegularFileError, ShardtoolError, VerificationError
 from shardtool.manifest._document import VerifiedManifest
 from shardtool.manifest import _workers
-from shardtool.manifest._files import CHUNK, FileDigest, digest_fd, mismatch
+from shardtool.manifest._files import CHUNK, MAP_MIN, FileDigest, digest_fd, mismatch
 from shardtool.manifest._paths import MAX_SEGMENTS
 from shardtool.manifest._records import Entry
 from shardtool.manifest._scan import implied_directories, parent_directories, walk
@@ -93,23 +94,32 @@ def _open_finding(entry: Entry, err: ShardtoolError) -> Finding:
     return _from_entry(entry, "unreadable", err.message)
 
 
+def _open_at(root: Path, entry: Entry, dir_fd: int | None) -> int | ShardtoolError:
+    """The listed file's descriptor (through `dir_fd`, its directory, when given), or the error opening it raised."""
+    try:
+        if dir_fd is None:
+            return open_beneath(root, entry.path)
+        return open_file_at(dir_fd, entry.path.rpartition("/")[2], entry.path)
+    except ShardtoolError as e:
+        return e
+
+
 def check_file(root: Path, entry: Entry, buffer: bytearray | None = None, *, dir_fd: int | None = None,
-               parallel: bool = False, threads: int | None = None,
+               opened: int | ShardtoolError | None = None, parallel: bool = False, threads: int | None = None,
                before_map: Callable[[], None] | None = None,
                after_map: Callable[[], None] | None = None) -> Finding | None:
     """Hash one listed file and compare; return its finding or None when it matches.
 
     `dir_fd`: an already opened (link-free) parent directory, so a batch of files in one directory
-    costs one open each rather than one per path component. `threads`, `before_map`, `after_map`: as `digest_fd`'s
-    (given only in audit's supervised worker processes).
+    costs one open each rather than one per path component. `opened`: the file, already opened by `_open_at`
+    (its descriptor, closed here, or the error its opening raised). `threads`, `before_map`, `after_map`: as
+    `digest_fd`'s (given only in audit's supervised worker processes).
     """
-    try:
-        if dir_fd is None:
-            fd = open_beneath(root, entry.path)
-        else:
-            fd = open_file_at(dir_fd, entry.path.rpartition("/")[2], entry.path)
-    except ShardtoolError as e:
-        return _open_finding(entry, e)
+    if opened is None:
+        opened = _open_at(root, entry, dir_fd)
+    if isinstance(opened, ShardtoolError):
+        return _open_finding(entry, opened)
+    fd = opened
     try:
         result = digest_fd(fd, buffer, parallel=parallel, expected_size=entry.size, threads=threads,
                            before_map=before_map, after_map=after_map)
@@ -243,17 +253,58 @@ def _check_batch(root: Path, items: list[Entry], buf: bytearray, *, parallel: bo
         dir_fd = open_dir_beneath(root, reldir)
     except ShardtoolError as e:
         return [_open_finding(entry, e) for entry in items]
+    files = _opened_ahead(root, items, dir_fd)
     try:
-        for k, entry in enumerate(items):
+        for k, (entry, opened) in enumerate(files):
             before_map = None if mapping is None else (lambda k=k: mapping(k))
             after_map = None if mapping is None else (lambda: mapping(None))
-            finding = check_file(root, entry, buf, dir_fd=dir_fd, parallel=parallel, threads=threads,
+            finding = check_file(root, entry, buf, dir_fd=dir_fd, opened=opened, parallel=parallel, threads=threads,
                                  before_map=before_map, after_map=after_map)
             if finding is not None:
                 found.append(finding)
     finally:
+        files.close()  # closes the files it opened ahead, if the batch ended early
         os.close(dir_fd)
     return found
+
+
+READ_AHEAD_FILES = 32
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)  # Linux and most Unix; not macOS
+
+
+def _opened_ahead(root: Path, items: list[Entry], dir_fd: int) -> Generator[tuple[Entry, int | ShardtoolError], None, None]:
+    """Each file of a batch with its descriptor (or the error opening it raised), in order, for `check_file`.
+
+    Small files (below MAP_MIN, read in one call) are opened up to READ_AHEAD_FILES ahead of the one being
+    hashed and their reads started (POSIX_FADV_WILLNEED), so on a cold disk many reads are in flight while
+    one file is hashed: read one at a time, each small file waits its whole latency (20,000 small files took
+    1.24 x b3sum's time, cold). Large files are hashed from mappings that read ahead sequentially; each is
+    opened when its turn comes. A file opened ahead is the same file it would be at its turn: the open checks
+    it (no link, a regular file), and the hash reads it through that descriptor with its size compared first.
+    """
+    ahead = READ_AHEAD_FILES if _WILLNEED is not None else 0
+    waiting: deque[int | ShardtoolError] = deque()
+    following = 0  # index of the next file to open
+    try:
+        for k, entry in enumerate(items):
+            while following < len(items) and following <= k + ahead and (
+                    following == k or items[following].size < MAP_MIN):
+                opened = _open_at(root, items[following], dir_fd)
+                if isinstance(opened, int) and items[following].size < MAP_MIN and following > k:
+                    try:
+                        os.posix_fadvise(opened, 0, items[following].size, _WILLNEED)
+                    except OSError:
+                        pass  # advice only
+                waiting.append(opened)
+                following += 1
+            opened = waiting.popleft()
+            if isinstance(opened, ShardtoolError) and not isinstance(opened, VerificationError):
+                opened = _open_at(root, entry, dir_fd)  # trouble on our side (no descriptor left ahead): once more, now
+            yield entry, opened
+    finally:
+        for opened in waiting:
+            if isinstance(opened, int):
+                os.close(opened)
 
 
 def _hash_all(root: Path, entries: list[Entry], workers: int | None, progress, report: AuditReport) -> list[Finding]:

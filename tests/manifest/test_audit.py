@@ -243,6 +243,74 @@ def test_an_error_on_our_side_in_a_worker_is_raised_not_a_finding(tmp_path, monk
         audit_directory(tmp_path, verified)
 
 
+# --- reading ahead: small files opened and their reads started before their turn (cold disks) ---------------
+
+def _batch_of(tmp_path, n, size=100):
+    return [_write(tmp_path, f"d/f{i:03d}.bin", os.urandom(size)) for i in range(n)]
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_small_files_are_read_ahead_and_large_ones_are_not(tmp_path, monkeypatch):
+    from shardtool.manifest import audit
+
+    monkeypatch.setattr(_workers, "available", lambda: False)  # advice given in this process, where it is seen
+    small = _batch_of(tmp_path, 40)
+    large = _write(tmp_path, "d/g-large.bin", os.urandom(_files.MAP_MIN))  # sorts after the small ones
+    advised: list[int] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(audit.os, "posix_fadvise",
+                        lambda fd, off, n, advice: (advised.append(n), real(fd, off, n, advice))[1])
+    report = audit_directory(tmp_path, _verified(small + [large]), workers=1)
+    assert report.ok and report.files_checked == 41
+    # Each small file but the first is advised before its turn, for its whole size; the large one never is.
+    assert advised == [100] * 39
+
+
+def test_an_error_on_our_side_while_reading_ahead_is_tried_again_at_the_files_turn(tmp_path, monkeypatch):
+    from shardtool.errors import StorageError
+    from shardtool.manifest import audit
+
+    monkeypatch.setattr(_workers, "available", lambda: False)
+    entries = _batch_of(tmp_path, 10)
+    real = audit.open_file_at
+    refused: list[str] = []
+
+    def out_of_descriptors_once(dir_fd, name, relpath):
+        if name == "f005.bin" and not refused:  # opened ahead (while f000 is hashed) and refused
+            refused.append(name)
+            raise StorageError("too many open files", path=relpath)
+        return real(dir_fd, name, relpath)
+
+    monkeypatch.setattr(audit, "open_file_at", out_of_descriptors_once)
+    report = audit_directory(tmp_path, _verified(entries), workers=1)
+    assert refused == ["f005.bin"] and report.ok and report.files_checked == 10
+
+
+def test_a_batch_that_ends_early_closes_the_files_it_opened_ahead(tmp_path, monkeypatch):
+    from shardtool.errors import StorageError
+    from shardtool.manifest import audit
+
+    monkeypatch.setattr(_workers, "available", lambda: False)
+    entries = _batch_of(tmp_path, 40)
+    verified = _verified(entries)
+    real = audit.check_file
+
+    def failing_at_the_third(root, entry, *a, **kw):
+        if entry.path.endswith("f002.bin"):
+            os.close(kw["opened"])  # check_file closes what it is given
+            raise StorageError("disk went away", path=entry.path)
+        return real(root, entry, *a, **kw)
+
+    monkeypatch.setattr(audit, "check_file", failing_at_the_third)
+    before = _fds()
+    with pytest.raises(StorageError, match="disk went away"):
+        audit_directory(tmp_path, verified, workers=1)
+    assert _fds() == before
+
+
 # --- the workers' edges: a file shrinking before it is mapped, deaths that are not SIGBUS, signals, limits ----
 
 def _mapping_preceded_by(monkeypatch, act):
