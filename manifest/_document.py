@@ -73,7 +73,11 @@ def decode_entries(raw_entries: Sequence[bytes]) -> tuple[Entry, ...]:
         if not accepted:
             decode_entry(raw, index)  # raises, naming the flaw
             raise ManifestFormatError(f"entry {index} is not in canonical msgpack form")
-        entries.append(Entry.from_dict(fields))
+        try:
+            entries.append(Entry.from_dict(fields))
+        except ManifestFormatError:
+            decode_entry(raw, index)  # the strict parser's own message where it refuses first (a bytes key in a value)
+            raise
     return tuple(entries)
 
 

@@ -7,6 +7,7 @@ never silently ignored in signed data.
 from __future__ import annotations
 
 import re
+import reprlib
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -29,6 +30,9 @@ MAX_VERSION = 2**63 - 1
 MAX_TIME = 2**40  # seconds since the epoch; year ~36800
 MAX_CONTRACT_KEYS = 64
 MAX_CONTRACT_VALUE = 2**63 - 1
+_SHOWN = reprlib.Repr()  # how a refused value is quoted: a signed entry may hold a list nested 1,000 deep,
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 120, 120  # which plain repr() cannot print
+_shown = _SHOWN.repr
 _MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/+:@-]{0,255}")
 _CONTRACT_KEY = re.compile(r"[a-z0-9_]{1,64}")
 
@@ -60,14 +64,14 @@ class Entry:
     def __post_init__(self) -> None:
         check_relpath(self.path)
         if self.kind not in KINDS:
-            raise ManifestFormatError(f"entry {self.path!r}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+            raise ManifestFormatError(f"entry {self.path!r}: kind must be one of {', '.join(KINDS)}, got {_shown(self.kind)}")
         if isinstance(self.size, bool) or not isinstance(self.size, int) or not 0 <= self.size <= MAX_FILE_SIZE:
-            raise ManifestFormatError(f"entry {self.path!r}: size must be an integer in [0, 2^50], got {self.size!r}")
+            raise ManifestFormatError(f"entry {self.path!r}: size must be an integer in [0, 2^50], got {_shown(self.size)}")
         if not isinstance(self.digest, bytes) or len(self.digest) != DIGEST_SIZE:
             raise ManifestFormatError(f"entry {self.path!r}: digest must be {DIGEST_SIZE} bytes")
         for name, value, hi in (("layer", self.layer, MAX_LAYER), ("expert", self.expert, MAX_EXPERT)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi):
-                raise ManifestFormatError(f"entry {self.path!r}: {name} must be an integer in [0, {hi}], got {value!r}")
+                raise ManifestFormatError(f"entry {self.path!r}: {name} must be an integer in [0, {hi}], got {_shown(value)}")
         if self.kind == "expert" and (self.layer is None or self.expert is None):
             raise ManifestFormatError(f"entry {self.path!r}: an expert entry needs both layer and expert")
         if self.kind != "expert" and self.expert is not None:
@@ -99,14 +103,14 @@ class Entry:
         if type(raw) is not dict or raw.keys() != _ENTRY_KEYS:
             take_fields(raw, tuple(_ENTRY_KEYS), "entry")  # raises, naming the missing or unknown fields
         if not isinstance(raw["kind"], str):
-            raise ManifestFormatError(f"entry {raw['path']!r}: kind must be a string")
+            raise ManifestFormatError(f"entry {_shown(raw['path'])}: kind must be a string")
         return cls(**raw)
 
 
 def check_model_id_form(model_id: Any) -> None:
     if not isinstance(model_id, str) or not _MODEL_ID.fullmatch(model_id):
         raise ManifestFormatError(
-            f"model_id must be 1-256 characters of [A-Za-z0-9._/+:@-] starting alphanumeric, got {model_id!r}")
+            f"model_id must be 1-256 characters of [A-Za-z0-9._/+:@-] starting alphanumeric, got {_shown(model_id)}")
 
 
 def check_contract(contract: Any) -> Mapping[str, int] | None:
@@ -119,9 +123,9 @@ def check_contract(contract: Any) -> Mapping[str, int] | None:
         raise ManifestFormatError(f"contract has {len(contract)} keys, at most {MAX_CONTRACT_KEYS} allowed")
     for key, value in contract.items():
         if not isinstance(key, str) or not _CONTRACT_KEY.fullmatch(key):
-            raise ManifestFormatError(f"contract key {key!r} must match [a-z0-9_]{{1,64}}")
+            raise ManifestFormatError(f"contract key {_shown(key)} must match [a-z0-9_]{{1,64}}")
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_CONTRACT_VALUE:
-            raise ManifestFormatError(f"contract value {key}={value!r} must be a non-negative 63-bit integer")
+            raise ManifestFormatError(f"contract value {key}={_shown(value)} must be a non-negative 63-bit integer")
     return MappingProxyType(dict(sorted(contract.items())))
 
 
@@ -142,13 +146,13 @@ class Head:
     def __post_init__(self) -> None:
         check_model_id_form(self.model_id)
         if type(self.format_version) is not int or self.format_version != FORMAT_VERSION:  # True == 1
-            raise ManifestFormatError(f"format_version {self.format_version!r} is not supported (this tool reads {FORMAT_VERSION})")
+            raise ManifestFormatError(f"format_version {_shown(self.format_version)} is not supported (this tool reads {FORMAT_VERSION})")
         if self.hash_alg != HASH_ALG:
-            raise ManifestFormatError(f"hash_alg {self.hash_alg!r} is not supported (expected {HASH_ALG!r})")
+            raise ManifestFormatError(f"hash_alg {_shown(self.hash_alg)} is not supported (expected {HASH_ALG!r})")
         for name, value, lo, hi in (("version", self.version, 1, MAX_VERSION), ("created", self.created, 0, MAX_TIME),
                                     ("expires", self.expires, 0, MAX_TIME), ("entry_count", self.entry_count, 0, MAX_ENTRIES)):
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                raise ManifestFormatError(f"head.{name} must be an integer in [{lo}, {hi}], got {value!r}")
+                raise ManifestFormatError(f"head.{name} must be an integer in [{lo}, {hi}], got {_shown(value)}")
         if self.expires <= self.created:
             raise ManifestFormatError(f"head.expires ({self.expires}) must be later than head.created ({self.created})")
         if not isinstance(self.merkle_root, bytes) or len(self.merkle_root) != DIGEST_SIZE:

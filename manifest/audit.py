@@ -279,8 +279,10 @@ def _opened_ahead(root: Path, items: list[Entry], dir_fd: int) -> Generator[tupl
     hashed and their reads started (POSIX_FADV_WILLNEED), so on a cold disk many reads are in flight while
     one file is hashed: read one at a time, each small file waits its whole latency (20,000 small files took
     1.24 x b3sum's time, cold). Large files are hashed from mappings that read ahead sequentially; each is
-    opened when its turn comes. A file opened ahead is the same file it would be at its turn: the open checks
-    it (no link, a regular file), and the hash reads it through that descriptor with its size compared first.
+    opened when its turn comes. A file opened ahead is checked as the file that open found (no link, a regular
+    file; renamed or replaced later, it is still that file that is hashed, its size compared first): audit
+    reports a state of the directory. Opening ahead stops for the rest of the batch at the first error on our
+    side (out of descriptors); the file is then opened at its turn, so a low descriptor limit costs speed only.
     """
     ahead = READ_AHEAD_FILES if _WILLNEED is not None else 0
     waiting: deque[int | ShardtoolError] = deque()
@@ -290,6 +292,9 @@ def _opened_ahead(root: Path, items: list[Entry], dir_fd: int) -> Generator[tupl
             while following < len(items) and following <= k + ahead and (
                     following == k or items[following].size < MAP_MIN):
                 opened = _open_at(root, items[following], dir_fd)
+                if following > k and isinstance(opened, ShardtoolError) and not isinstance(opened, VerificationError):
+                    ahead = 0  # trouble on our side (no descriptor left): no more reading ahead in this batch, and
+                    break  # this file is opened at its turn, once the files opened ahead of it are closed
                 if isinstance(opened, int) and items[following].size < MAP_MIN and following > k:
                     try:
                         os.posix_fadvise(opened, 0, items[following].size, _WILLNEED)
@@ -297,10 +302,7 @@ def _opened_ahead(root: Path, items: list[Entry], dir_fd: int) -> Generator[tupl
                         pass  # advice only
                 waiting.append(opened)
                 following += 1
-            opened = waiting.popleft()
-            if isinstance(opened, ShardtoolError) and not isinstance(opened, VerificationError):
-                opened = _open_at(root, entry, dir_fd)  # trouble on our side (no descriptor left ahead): once more, now
-            yield entry, opened
+            yield entry, waiting.popleft()
     finally:
         for opened in waiting:
             if isinstance(opened, int):

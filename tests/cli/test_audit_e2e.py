@@ -166,3 +166,27 @@ def test_many_workers_under_a_low_descriptor_limit(cli, tmp_path):
                           cwd=cli.cwd, env=cli.env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (40, hard)))
     assert proc.returncode == 0, proc.stderr
+
+
+def test_reading_ahead_under_a_low_descriptor_limit(cli, tmp_path):
+    """100 small files in one directory with `ulimit -n 30`: reading ahead runs out of descriptors, stops, and
+    the audit passes (it failed with "Too many open files" when the file refused ahead was retried only after
+    the next one had been opened ahead again)."""
+    import resource
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = tmp_path / "model"
+    (model / "d").mkdir(parents=True)
+    for i in range(100):
+        (model / f"d/f{i:03d}.bin").write_bytes(os.urandom(100))
+    cli.ok("keygen", "--out", "a", "--no-passphrase")
+    cli.ok("manifest", model, "--model-id", "acme/ahead")
+    cli.ok("sign", model, "--key", "a.key")
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    proc = subprocess.run([str(Path(sys.executable).parent / "shardtool"), "audit", str(model), "--trust", "a.pub", "-q"],
+                          cwd=cli.cwd, env=cli.env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (30, hard)))
+    assert proc.returncode == 0, proc.stderr
+    assert "audit OK" in proc.stderr

@@ -7,6 +7,8 @@ Contract: only ShardtoolError subclasses escape; and no mutation of a signed man
 
 from __future__ import annotations
 
+import re
+
 import msgpack
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -164,6 +166,44 @@ def test_entry_list_decoder_refuses_non_canonical_encodings(raw):
     assert msgpack.unpackb(raw) == msgpack.unpackb(GENUINE_ENTRY)  # the same entry, other bytes
     with pytest.raises(ShardtoolError, match="not in canonical msgpack form"):
         decode_entries([raw])
+
+
+def _with_layer(raw_value: bytes) -> bytes:
+    """The genuine entry with its `layer` value replaced by raw msgpack bytes."""
+    fields = dict(_FIELDS)
+    del fields["layer"]
+    pairs = sorted([*fields.items(), ("layer", None)])
+    return msgpack.Packer().pack_map_header(6) + b"".join(
+        packb(k) + (raw_value if k == "layer" else packb(v)) for k, v in pairs)
+
+
+REFUSED_BY_BOTH = {
+    # A bytes key inside a value: msgpack's strict_map_key allows it, only the strict parser's hook refuses it.
+    "bytes-key-in-a-value": (_with_layer(b"\x81\xc4\x00\xc0"), "map key b'' is not a string"),
+    # A value nested 1,000 deep (msgpack allows 1,024): quoted in the message, it must not exhaust repr's recursion.
+    "value-nested-1000-deep": (_with_layer(b"\x91" * 1000 + b"\xc0"), "layer must be an integer"),
+}
+
+
+@pytest.mark.parametrize("raw, message", REFUSED_BY_BOTH.values(), ids=REFUSED_BY_BOTH)
+def test_both_entry_decoders_refuse_with_the_strict_message(raw, message):
+    for decode in (lambda: decode_entry(raw, 0), lambda: decode_entries([raw])):
+        with pytest.raises(ShardtoolError, match=re.escape(message)):
+            decode()
+
+
+def test_a_head_value_nested_deep_is_refused_not_a_crash():
+    from shardtool.manifest._records import Head
+
+    fields = {"type": "shardtool/manifest-head", "format_version": 1, "model_id": [[[[[[[[1]]]]]]]], "version": 1,
+              "created": NOW, "expires": NOW + 10, "entry_count": 0, "merkle_root": b"\x00" * 32,
+              "hash_alg": "blake3", "contract": None}
+    deep = msgpack.unpackb(b"\x91" * 1000 + b"\xc0")
+    for name in ("model_id", "hash_alg"):
+        with pytest.raises(ShardtoolError, match=name):
+            Head.from_dict({**fields, "model_id": "fuzz/model", name: deep})
+    with pytest.raises(ShardtoolError, match="contract value"):
+        Head.from_dict({**fields, "model_id": "fuzz/model", "contract": {"total_bytes": deep}})
 
 
 def test_entry_list_decoder_refuses_a_duplicate_key_by_name():
