@@ -30,8 +30,10 @@ MAX_VERSION = 2**63 - 1
 MAX_TIME = 2**40  # seconds since the epoch; year ~36800
 MAX_CONTRACT_KEYS = 64
 MAX_CONTRACT_VALUE = 2**63 - 1
-_SHOWN = reprlib.Repr()  # how a refused value is quoted: a signed entry may hold a list nested 1,000 deep,
-_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 120, 120  # which plain repr() cannot print
+# How a refused value is quoted in a message: a signed entry may hold a list nested 1,000 deep, which repr()
+# cannot print (RecursionError); this shows 3 levels and 120 characters.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 120, 120
 _shown = _SHOWN.repr
 _MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/+:@-]{0,255}")
 _CONTRACT_KEY = re.compile(r"[a-z0-9_]{1,64}")
