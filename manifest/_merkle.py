@@ -48,7 +48,7 @@ def root_from_leaf_hashes(h: HashFn, leaves: Sequence[bytes]) -> bytes:
         return h(b"")
     level = list(leaves)
     while len(level) > 1:
-        nxt = [h(_NODE + level[i] + level[i + 1]) for i in range(0, len(level) - 1, 2)]  # node_hash, inline: 2**k calls
+        nxt = [node_hash(h, level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
         if len(level) % 2:
             nxt.append(level[-1])
         level = nxt

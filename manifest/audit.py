@@ -295,7 +295,7 @@ def _opened_ahead(root: Path, items: list[Entry], dir_fd: int) -> Generator[tupl
                 if following > k and isinstance(opened, ShardtoolError) and not isinstance(opened, VerificationError):
                     ahead = 0  # trouble on our side (no descriptor left): no more reading ahead in this batch, and
                     break  # this file is opened at its turn, once the files opened ahead of it are closed
-                if isinstance(opened, int) and items[following].size < MAP_MIN and following > k:
+                if isinstance(opened, int) and following > k:  # opened ahead: a small file (the loop's condition)
                     try:
                         os.posix_fadvise(opened, 0, items[following].size, _WILLNEED)
                     except OSError:
