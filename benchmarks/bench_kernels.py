@@ -9,6 +9,8 @@ Weights rotate through copies totalling >= --pool-mib so each product streams it
 OPENBLAS_NUM_THREADS set to it. Per round, kernel and numpy alternate; medians of --rounds rounds; ratio = numpy
 time / kernel time (> 1: the kernel is faster), GB/s = stored bytes of the weight (data + scales) per second; at
 1 thread also the ratio of the calling thread's CPU times (both run there), steadier on a shared machine.
+Where the kernels run on AVX-512 (the one-row block products: q8, q4, mxfp4), the same products on the AVX2 kernels
+alternate with them too: "avx2 us" and "512 gain" = AVX2 time / AVX-512 time.
 Also the Python cost of one `matmul_t` call on a tiny weight (what a decode step pays per product besides the math).
 
 Usage: python benchmarks/bench_kernels.py [--rounds 5] [--pool-mib 96] [--threads 1,2] [--kinds f32,bf16,...]
@@ -73,6 +75,8 @@ def child(args) -> None:
     if _packed.kernels() is None:
         sys.exit("bench_kernels: the _kernels extension is not built (run `make install`)")
     _packed.set_threads(args.threads_one)
+    native = _packed._native
+    best = _packed.kernels()
     rng = np.random.default_rng(0)
     pool = args.pool_mib * 2**20
     for shape_name, (out, inp) in SHAPES.items():
@@ -82,16 +86,23 @@ def child(args) -> None:
         for kind in args.kinds:
             p = _packed_weight(kind, out, inp, rng)
             ws = _copies(p, max(2, -(-pool // p.nbytes)))
-            kernel_t, numpy_t = [], []
+            kernel_t, numpy_t, avx2_t = [], [], []
+            both = best == "avx512" and kind in ("q8", "q4", "mxfp4")  # AVX-512 and AVX2 kernels to compare
             _time_per_call(_packed.matmul_t, ws[:2], x)  # warm-up
             for _ in range(args.rounds):
                 kernel_t.append(_times_per_call(_packed.matmul_t, ws, x))
                 numpy_t.append(_times_per_call(lambda v, w: w @ v[0], ref, x))
+                if both:
+                    native.use_simd("avx2")
+                    avx2_t.append(_time_per_call(_packed.matmul_t, ws, x))
+                    native.use_simd(True)
             k, n = (statistics.median(t[0] for t in kernel_t), statistics.median(t[0] for t in numpy_t))
             kc, nc = (statistics.median(t[1] for t in kernel_t), statistics.median(t[1] for t in numpy_t))
+            a = statistics.median(avx2_t) if avx2_t else float("nan")
             print(json.dumps(dict(threads=args.threads_one, shape=shape_name, kind=kind, kernel_us=k * 1e6,
                                   numpy_us=n * 1e6, ratio=n / k, gbs=p.nbytes / k / 1e9,
-                                  numpy_gbs=f32.nbytes / n / 1e9, cpu_ratio=nc / kc)), flush=True)
+                                  numpy_gbs=f32.nbytes / n / 1e9, cpu_ratio=nc / kc, avx2_us=a * 1e6,
+                                  avx512_gain=a / k, isa=best)), flush=True)
             del ws
     tiny = _packed_weight("f32", 8, 32, rng)
     xt = np.ones((1, 32), np.float32)
@@ -123,18 +134,19 @@ def main() -> None:
             sys.exit(f"bench_kernels: threads={t} failed: {done.stderr.strip()[-2000:]}")
         rows += [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     print(f"decode-shaped products x[1, in] @ W.T, medians of {args.rounds} interleaved rounds, weights streamed "
-          f"from a {args.pool_mib} MiB pool")
+          f"from a {args.pool_mib} MiB pool; kernels: {next((r['isa'] for r in rows if 'isa' in r), '?')}")
     print("ratio = numpy wall / kernel wall; cpu ratio (1 thread only, where both run on the calling thread) = the "
           "same with this thread's CPU time, which a busy machine's scheduling does not inflate")
     print(f"{'thr':>3} {'shape (out x in)':<28} {'kind':<6} {'kernel us':>10} {'numpy f32 us':>13} "
-          f"{'ratio':>6} {'GB/s':>6} {'numpy GB/s':>10} {'cpu ratio':>9}")
+          f"{'ratio':>6} {'GB/s':>6} {'numpy GB/s':>10} {'cpu ratio':>9} {'avx2 us':>8} {'512 gain':>8}")
     for r in rows:
         if "call_us" in r:
             continue
         out, inp = SHAPES[r["shape"]]
         print(f"{r['threads']:>3} {r['shape'] + f' ({out}x{inp})':<28} {r['kind']:<6} {r['kernel_us']:>10.1f} "
               f"{r['numpy_us']:>13.1f} {r['ratio']:>6.2f} {r['gbs']:>6.1f} {r['numpy_gbs']:>10.1f} "
-              f"{r['cpu_ratio'] if r['threads'] == 1 else float('nan'):>9.2f}")
+              f"{r['cpu_ratio'] if r['threads'] == 1 else float('nan'):>9.2f} {r['avx2_us']:>8.1f} "
+              f"{r['avx512_gain']:>8.2f}")
     for r in rows:
         if "call_us" in r:
             print(f"threads {r['threads']}: one matmul_t call on an [8, 32] f32 weight: {r['call_us']:.2f} us")

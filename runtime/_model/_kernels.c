@@ -7,7 +7,9 @@
  * agree with.
  *
  * x86-64: AVX2+FMA+F16C kernels compiled with a per-function target attribute and chosen at run time
- * (__builtin_cpu_supports), so the module builds and runs on any x86-64 or aarch64 with the plain C fallback.
+ * (__builtin_cpu_supports), so the module builds and runs on any x86-64 or aarch64 with the plain C fallback. Where
+ * the CPU also has AVX-512 (F and BW), the one-row products of the block kinds (q8, q4, mxfp4: integer arithmetic,
+ * bound by instruction count rather than memory) take 512-bit kernels; every other product stays on AVX2.
  * Threads: output rows are split across a small pool of pthreads (re-created after fork); the GIL is released
  * while they compute. Every buffer is checked (C-contiguous, format, itemsize, exact byte length) before any
  * read: a mismatch is a ValueError, never an out-of-bounds read.
@@ -29,11 +31,15 @@
 #define HAVE_X86_KERNELS 1
 #include <immintrin.h>
 #define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+/* a superset of TARGET_AVX2, so its functions inline the AVX2 helpers */
+#define TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw")))
 #else
 #define HAVE_X86_KERNELS 0
 #endif
 
 #define QBLOCK 32
+enum simd { SIMD_PLAIN, SIMD_AVX2, SIMD_AVX512 };
+static const char *const SIMD_NAMES[] = {"plain", "avx2", "avx512"};
 #define MAX_THREADS 64
 #define MIN_CHUNK_ROWS 16 /* rows of one thread's piece of a product, at least */
 #define GIL_WORK 16384 /* weights + inputs below which a product runs on one thread, keeping the GIL */
@@ -48,7 +54,7 @@ typedef struct job_s {
     const void *w;
     const void *scale;
     float *y;
-    int avx2;
+    int simd; /* the kernels it runs on: SIMD_PLAIN, SIMD_AVX2 or SIMD_AVX512 (AVX2 everywhere but dot_quant_x16) */
     /* one-row products with the integer kinds (q8, q4, mxfp4) on AVX2: x as int16 with a power-of-two scale per
      * block of 32 (exact integer products; |x - xq * xs| <= 2^-15 * the block's largest |x|), else NULL */
     const int16_t *xq;
@@ -623,7 +629,70 @@ DOT_X16_ROWS(dot1_q4_x16, block_q4_x16, scales_f16, 1, QBLOCK / 2)
 DOT_X16_ROWS(dot4_mxfp4_x16, block_mxfp4_x16, scales_e8m0, 4, QBLOCK / 2)
 DOT_X16_ROWS(dot1_mxfp4_x16, block_mxfp4_x16, scales_e8m0, 1, QBLOCK / 2)
 
-/* Rows [r, r + rows) of a q8, q4 or mxfp4 job with an int16 x (j->xq set), rows 4 or 1. */
+/* The same products with AVX-512: a block's 32 weights widened to 32 int16 in one 512-bit register and multiplied with
+ * x's block by one madd (sixteen exact int32 sums of two products each, at most 2 * 127 * 32767 < 2^24 for q8: exact as
+ * floats), converted and scaled into a 16-lane accumulator. About a third of the AVX2 kernels' instructions a block.
+ * The integer sums are the same as on AVX2; the float accumulation groups them differently (16 lanes, not 4), so the
+ * two ISAs agree within float32 rounding, not bit for bit; each is deterministic, and four rows or one give the same
+ * bits. */
+TARGET_AVX512 static inline __attribute__((always_inline)) __m512i zblock_q8(const void *w, Py_ssize_t b) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)((const int8_t *)w + b * QBLOCK)));
+}
+
+/* q4 (see block_q4_x16): low nibbles are elements 0..15, high nibbles 16..31, each minus 8. */
+TARGET_AVX512 static inline __attribute__((always_inline)) __m512i zblock_q4(const void *w, Py_ssize_t b) {
+    const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)w + b * (QBLOCK / 2))));
+    const __m256i low = _mm256_set1_epi16(0x0F), eight = _mm256_set1_epi16(8);
+    const __m256i lo = _mm256_sub_epi16(_mm256_and_si256(u, low), eight); /* elements 0..15 */
+    const __m256i hi = _mm256_sub_epi16(_mm256_srli_epi16(u, 4), eight);  /* 16..31 */
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+/* MXFP4 (see block_mxfp4_x16): twice each code's value, in element order. */
+TARGET_AVX512 static inline __attribute__((always_inline)) __m512i zblock_mxfp4(const void *w, Py_ssize_t b) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i v = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + b * (QBLOCK / 2)));
+    const __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(v, mask));                    /* elements 0, 2, .. */
+    const __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(v, 4), mask)); /* elements 1, 3, .. */
+    const __m256i c = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(lo, hi)),
+                                              _mm_unpackhi_epi8(lo, hi), 1); /* elements 0..31 */
+    return _mm512_cvtepi8_epi16(c);
+}
+
+#define DOT_Z16_ROWS(NAME, BLOCK, SCALES, ROWS, ROW_BYTES)                                                        \
+    TARGET_AVX512 static void NAME(const int16_t *xq, const float *xs, const void *const *w, const void *const *d, \
+                                   Py_ssize_t nb, float *y) {                                                   \
+        __m512 acc[ROWS];                                                                                        \
+        float sc[ROWS][8];                                                                                       \
+        _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) acc[k] = _mm512_setzero_ps();                    \
+        for (Py_ssize_t c = 0; c < nb; c += 8) {                                                                 \
+            const Py_ssize_t cn = nb - c < 8 ? nb - c : 8;                                                       \
+            _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) {                                             \
+                SCALES(d[k], xs, c, nb, sc[k]);                                                                  \
+                for (int line = 0; line < 8 * (ROW_BYTES) / 64; line++)                                          \
+                    _mm_prefetch((const char *)w[k] + c * (ROW_BYTES) + X16_PREFETCH + 64 * line, _MM_HINT_T0); \
+            }                                                                                                    \
+            for (Py_ssize_t i = 0; i < cn; i++) {                                                                \
+                const Py_ssize_t b = c + i;                                                                      \
+                const __m512i xv = _mm512_loadu_si512((const void *)(xq + b * QBLOCK));                          \
+                _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++)                                           \
+                    acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(BLOCK(w[k], b), xv)),          \
+                                             _mm512_set1_ps(sc[k][i]), acc[k]);                                  \
+            }                                                                                                    \
+        }                                                                                                        \
+        _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) y[k] = _mm512_reduce_add_ps(acc[k]);             \
+    }
+
+DOT_Z16_ROWS(dot4_q8_z16, zblock_q8, scales_f16, 4, QBLOCK)
+DOT_Z16_ROWS(dot1_q8_z16, zblock_q8, scales_f16, 1, QBLOCK)
+DOT_Z16_ROWS(dot4_q4_z16, zblock_q4, scales_f16, 4, QBLOCK / 2)
+DOT_Z16_ROWS(dot1_q4_z16, zblock_q4, scales_f16, 1, QBLOCK / 2)
+DOT_Z16_ROWS(dot4_mxfp4_z16, zblock_mxfp4, scales_e8m0, 4, QBLOCK / 2)
+DOT_Z16_ROWS(dot1_mxfp4_z16, zblock_mxfp4, scales_e8m0, 1, QBLOCK / 2)
+
+/* Rows [r, r + rows) of a q8, q4 or mxfp4 job with an int16 x (j->xq set), rows 4 or 1, on AVX-512 where the job
+ * has it. */
 TARGET_AVX2 static void dot_quant_x16(const job_t *j, Py_ssize_t r, int rows) {
     const Py_ssize_t n = j->in, nb = n / QBLOCK;
     const Py_ssize_t row_bytes = j->kind == K_Q8 ? n : n / 2;
@@ -632,6 +701,15 @@ TARGET_AVX2 static void dot_quant_x16(const job_t *j, Py_ssize_t r, int rows) {
     const uint8_t *d = (const uint8_t *)j->scale + r * scale_bytes;
     const void *const ws[4] = {w, w + row_bytes, w + 2 * row_bytes, w + 3 * row_bytes};
     const void *const ds[4] = {d, d + scale_bytes, d + 2 * scale_bytes, d + 3 * scale_bytes};
+    if (j->simd == SIMD_AVX512) {
+        if (j->kind == K_Q8)
+            (rows == 4 ? dot4_q8_z16 : dot1_q8_z16)(j->xq, j->xs, ws, ds, nb, j->y + r);
+        else if (j->kind == K_Q4)
+            (rows == 4 ? dot4_q4_z16 : dot1_q4_z16)(j->xq, j->xs, ws, ds, nb, j->y + r);
+        else
+            (rows == 4 ? dot4_mxfp4_z16 : dot1_mxfp4_z16)(j->xq, j->xs, ws, ds, nb, j->y + r);
+        return;
+    }
     if (j->kind == K_Q8)
         (rows == 4 ? dot4_q8_x16 : dot1_q8_x16)(j->xq, j->xs, NULL, ws, ds, nb, j->y + r);
     else if (j->kind == K_Q4)
@@ -669,7 +747,7 @@ TARGET_AVX2 static float dot_row_avx2(const job_t *j, Py_ssize_t r, const float 
 static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
     const Py_ssize_t m = j->m, n = j->in, out = j->out;
 #if HAVE_X86_KERNELS
-    if (j->avx2 && m == 1) {
+    if (j->simd && m == 1) {
         Py_ssize_t r = r0;
         if (j->kind == K_F32)
             for (; r + 4 <= r1; r += 4) dot4_f32_avx2(j->x, (const float *)j->w + r * n, n, j->y + r);
@@ -693,7 +771,7 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
     Py_ssize_t r = r0;
 #if HAVE_X86_KERNELS
     /* several x rows: four weight rows at a time (decoded to float32 unless stored so), two x rows per pass */
-    if (j->avx2)
+    if (j->simd)
         for (; r + 4 <= r1; r += 4) {
             const float *w4 = (const float *)j->w + r * n;
             if (row) {
@@ -714,7 +792,7 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
         }
         for (Py_ssize_t i = 0; i < m; i++) {
 #if HAVE_X86_KERNELS
-            if (j->avx2) {
+            if (j->simd) {
                 j->y[i * out + r] = dot_f32_avx2(j->x + i * n, wr, n);
                 continue;
             }
@@ -857,7 +935,7 @@ static int run_job(job_t *j, int threads) {
     job_t *const js[2] = {j, j->up};
     const int any_int = int_kind(j->kind) || (j->up && int_kind(j->up->kind));
     const int any_q4 = j->kind == K_Q4 || (j->up && j->up->kind == K_Q4);
-    if (j->avx2 && j->m == 1 && any_int) {
+    if (j->simd && j->m == 1 && any_int) {
         const Py_ssize_t nb = j->in / QBLOCK;
         int16_t *xq = (int16_t *)malloc((size_t)j->in * sizeof(int16_t));
         float *xs = (float *)malloc((size_t)nb * sizeof(float));
@@ -1098,7 +1176,7 @@ static int kind_of(const char *s) {
     return -1;
 }
 
-static int cpu_avx2 = 0;
+static int cpu_simd = SIMD_PLAIN; /* the best the CPU has, unless use_simd chose less */
 
 /* One weight's stored buffers, opened and checked against its kind and shape (see _packed.Packed). */
 typedef struct {
@@ -1226,7 +1304,7 @@ static int get_threads(PyObject *o, int *threads) {
 }
 
 static job_t job_of(const weight_t *w, Py_ssize_t m, const float *x, float *y) {
-    job_t j = {w->kind, m, w->out, w->in, w->b0, w->b1, x, w->wv.buf, w->have_s ? w->sv.buf : NULL, y, cpu_avx2,
+    job_t j = {w->kind, m, w->out, w->in, w->b0, w->b1, x, w->wv.buf, w->have_s ? w->sv.buf : NULL, y, cpu_simd,
                NULL, NULL, NULL, NULL};
     return j;
 }
@@ -1694,7 +1772,7 @@ TARGET_AVX2 static void attend_group_avx2(const float *q, const float *k, const 
 static void attend_group(const float *q, const float *k, const float *v, Py_ssize_t g, Py_ssize_t s, Py_ssize_t d,
                          Py_ssize_t dv, float sc, float *p, float *out) {
 #if HAVE_X86_KERNELS
-    if (cpu_avx2) {
+    if (cpu_simd) {
         attend_group_avx2(q, k, v, g, s, d, dv, sc, p, out);
         return;
     }
@@ -1805,7 +1883,7 @@ static PyObject *py_nonfinite(PyObject *self, PyObject *args) {
         return NULL;
     }
     const Py_ssize_t n = v.len / size;
-    const int avx2 = cpu_avx2;
+    const int avx2 = cpu_simd != SIMD_PLAIN;
     if (v.len < SCAN_GIL_BYTES) {
         at = find_nonfinite(kind, (const uint8_t *)v.buf, n, avx2);
     } else {
@@ -1817,23 +1895,41 @@ static PyObject *py_nonfinite(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(at);
 }
 
+/* The best kernels this CPU runs. */
+static int best_simd(void) {
+#if HAVE_X86_KERNELS
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
+        return SIMD_PLAIN;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? SIMD_AVX512 : SIMD_AVX2;
+#else
+    return SIMD_PLAIN;
+#endif
+}
+
 static PyObject *py_isa(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
-    return PyUnicode_FromString(cpu_avx2 ? "avx2" : "plain");
+    return PyUnicode_FromString(SIMD_NAMES[cpu_simd]);
 }
 
 static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
     (void)self;
-    int want = PyObject_IsTrue(arg);
-    if (want < 0) return NULL;
-#if HAVE_X86_KERNELS
-    cpu_avx2 = want && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
-#else
-    cpu_avx2 = 0;
-#endif
-    return PyUnicode_FromString(cpu_avx2 ? "avx2" : "plain");
+    int want;
+    if (PyUnicode_Check(arg)) {
+        const char *name = PyUnicode_AsUTF8(arg);
+        if (!name) return NULL;
+        for (want = 0; want <= SIMD_AVX512 && strcmp(name, SIMD_NAMES[want]) != 0; want++) {
+        }
+        if (want > SIMD_AVX512) return PyErr_Format(PyExc_ValueError, "use_simd: expected 'plain', 'avx2' or "
+                                                                      "'avx512', found %R", arg);
+    } else {
+        const int flag = PyObject_IsTrue(arg);
+        if (flag < 0) return NULL;
+        want = flag ? SIMD_AVX512 : SIMD_PLAIN;
+    }
+    const int best = best_simd();
+    cpu_simd = want < best ? want : best;
+    return PyUnicode_FromString(SIMD_NAMES[cpu_simd]);
 }
 
 static PyMethodDef methods[] = {
@@ -1844,10 +1940,10 @@ static PyMethodDef methods[] = {
     {"attend_row", (PyCFunction)(void (*)(void))py_attend_row, METH_FASTCALL, attend_row_doc},
     {"rope", (PyCFunction)(void (*)(void))py_rope, METH_FASTCALL, rope_doc},
     {"nonfinite", py_nonfinite, METH_VARARGS, nonfinite_doc},
-    {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use: 'avx2' or 'plain'."},
+    {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use: 'avx512', 'avx2' or 'plain'."},
     {"use_simd", py_set_isa, METH_O,
-     "use_simd(flag) -> isa: use the AVX2 kernels when the CPU has them (True, the default) or the plain C ones "
-     "(False; for tests)."},
+     "use_simd(level) -> isa: True (the default) for the best kernels the CPU has, False or 'plain' for the plain C "
+     "ones, 'avx2' or 'avx512' for at most those (for tests and benchmarks); returns the instruction set now in use."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1860,7 +1956,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     pool_pid = getpid();
 #if HAVE_X86_KERNELS
     __builtin_cpu_init();
-    cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #endif
+    cpu_simd = best_simd();
     return PyModule_Create(&module);
 }

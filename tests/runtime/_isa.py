@@ -1,5 +1,6 @@
-"""The `isa` fixture of the native-kernel tests: each test runs on the AVX2 kernels (where the CPU has them) and on
-the plain C ones, and leaves the extension as it found it (AVX2 where available, one thread)."""
+"""The `isa` fixture of the native-kernel tests: each test runs on every instruction set the CPU has (the plain C
+kernels always; AVX2, and AVX-512 for the one-row block products, where available), and leaves the extension as it
+found it (the best kernels, one thread)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from shardtool.runtime._model import _packed
 
 _kernels = pytest.importorskip("shardtool.runtime._model._kernels", reason="the extension is not built (optional)")
 
-SIMD = ["plain"] + (["avx2"] if _kernels.use_simd(True) == "avx2" else [])
+SIMD = [name for name in ("plain", "avx2", "avx512") if _kernels.use_simd(name) == name]
+_kernels.use_simd(True)
 
 
 @pytest.fixture(params=SIMD)
 def isa(request):
-    assert _kernels.use_simd(request.param == "avx2") == request.param
+    assert _kernels.use_simd(request.param) == request.param
     yield request.param
     _kernels.use_simd(True)
     _packed.set_threads(1)

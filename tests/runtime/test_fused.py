@@ -10,7 +10,7 @@ import pytest
 from shardtool.runtime._model import _fused, _layers, _packed
 
 _kernels = pytest.importorskip("shardtool.runtime._model._kernels", reason="the extension is not built (optional)")
-from _isa import isa  # noqa: E402,F401  (the fixture: AVX2 and plain C kernels)
+from _isa import isa  # noqa: E402,F401  (the fixture: every instruction set the CPU has)
 
 
 def reference(monkeypatch, fn, *args):
