@@ -60,7 +60,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 BENCH_VENV = REPO / ".venv-bench"
 LLAMA_CPP_VERSION = "0.3.36"
-STAMP = BENCH_VENV / f".llama-cpp-{LLAMA_CPP_VERSION}"
+STAMP = BENCH_VENV / f".llama-cpp-{LLAMA_CPP_VERSION}-noamx"  # the Makefile's build (without AMX)
 SDIST = BENCH_VENV / "sdist" / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
 BENCH_PYTHON = BENCH_VENV / "bin" / "python"
 
