@@ -8,8 +8,9 @@
  *
  * x86-64: AVX2+FMA+F16C kernels compiled with a per-function target attribute and chosen at run time
  * (__builtin_cpu_supports), so the module builds and runs on any x86-64 or aarch64 with the plain C fallback. Where
- * the CPU also has AVX-512 (F and BW), the one-row products of the block kinds (q8, q4, mxfp4: integer arithmetic,
- * bound by instruction count rather than memory) take 512-bit kernels; every other product stays on AVX2.
+ * the CPU also has AVX-512 (F and BW), one-row products take 512-bit kernels for the block kinds (q8, q4, mxfp4:
+ * integer arithmetic, bound by instruction count rather than memory) and for float32 weights' rows in fours; every
+ * other product stays on AVX2.
  * Threads: output rows are split across a small pool of pthreads (re-created after fork); the GIL is released
  * while they compute. Every buffer is checked (C-contiguous, format, itemsize, exact byte length) before any
  * read: a mismatch is a ValueError, never an out-of-bounds read.
@@ -54,7 +55,7 @@ typedef struct job_s {
     const void *w;
     const void *scale;
     float *y;
-    int simd; /* the kernels it runs on: SIMD_PLAIN, SIMD_AVX2 or SIMD_AVX512 (AVX2 everywhere but dot_quant_x16) */
+    int simd; /* the kernels it runs on: SIMD_PLAIN, SIMD_AVX2 or SIMD_AVX512 (AVX2 but in dot_quant_x16, dot4_f32) */
     /* one-row products with the integer kinds (q8, q4, mxfp4) on AVX2: x as int16 with a power-of-two scale per
      * block of 32 (exact integer products; |x - xq * xs| <= 2^-15 * the block's largest |x|), else NULL */
     const int16_t *xq;
@@ -274,6 +275,34 @@ TARGET_AVX2 static float dot_f16_avx2(const float *x, const uint16_t *w, Py_ssiz
 #define F32_SCALAR(v) (v)
 TARGET_AVX2 static void dot4_f32_avx2(const float *x, const float *w, Py_ssize_t n, float *y) {
     DOT4_BODY(float, _mm256_loadu_ps, F32_SCALAR)
+}
+
+/* The same with AVX-512: 16 floats a step, the last partial step through masked loads (which never read the
+ * masked-out floats). The sums are grouped differently from dot4_f32_avx2's, so the two agree within float32
+ * rounding, not bit for bit. */
+TARGET_AVX512 static void dot4_f32_avx512(const float *x, const float *w, Py_ssize_t n, float *y) {
+    const float *w0 = w, *w1 = w + n, *w2 = w + 2 * n, *w3 = w + 3 * n;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    Py_ssize_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + i);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + i), xv, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + i), xv, a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + i), xv, a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w3 + i), xv, a3);
+    }
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
+        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w0 + i), xv, a0);
+        a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w1 + i), xv, a1);
+        a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w2 + i), xv, a2);
+        a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w3 + i), xv, a3);
+    }
+    y[0] = _mm512_reduce_add_ps(a0);
+    y[1] = _mm512_reduce_add_ps(a1);
+    y[2] = _mm512_reduce_add_ps(a2);
+    y[3] = _mm512_reduce_add_ps(a3);
 }
 
 /* bf16 without widening: a 256-bit load holds 16 bf16 as 8 pairs; shifted left 16 each pair's first element is a
@@ -593,6 +622,15 @@ TARGET_AVX2 static inline float hsum4(__m128 s) {
     return _mm_cvtss_f32(s);
 }
 
+/* In DOT_X16_ROWS and DOT_Z16_ROWS, before blocks [c, c + 8) of each row k: their scales times x's into sc[k], and
+ * the row's lines X16_PREFETCH bytes ahead prefetched. */
+#define EIGHT_BLOCKS_AHEAD(SCALES, ROWS, ROW_BYTES)                                                              \
+    _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) {                                                     \
+        SCALES(d[k], xs, c, nb, sc[k]);                                                                          \
+        for (int line = 0; line < 8 * (ROW_BYTES) / 64; line++)                                                  \
+            _mm_prefetch((const char *)w[k] + c * (ROW_BYTES) + X16_PREFETCH + 64 * line, _MM_HINT_T0);         \
+    }
+
 /* y[k] = row k's product, k < ROWS, for weight rows w[k] (ROW_BYTES bytes a block) with float16 block scales d[k];
  * nb blocks of 32; xc: q4's corrections (see block_q4_x16; NULL for q8). */
 #define DOT_X16_ROWS(NAME, BLOCK, SCALES, ROWS, ROW_BYTES)                                                        \
@@ -603,11 +641,7 @@ TARGET_AVX2 static inline float hsum4(__m128 s) {
         _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) acc[k] = _mm_setzero_ps();                       \
         for (Py_ssize_t c = 0; c < nb; c += 8) {                                                                 \
             const Py_ssize_t cn = nb - c < 8 ? nb - c : 8;                                                       \
-            _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) {                                             \
-                SCALES(d[k], xs, c, nb, sc[k]);                                                                  \
-                for (int line = 0; line < 8 * (ROW_BYTES) / 64; line++)                                          \
-                    _mm_prefetch((const char *)w[k] + c * (ROW_BYTES) + X16_PREFETCH + 64 * line, _MM_HINT_T0); \
-            }                                                                                                    \
+            EIGHT_BLOCKS_AHEAD(SCALES, ROWS, ROW_BYTES);                                                         \
             for (Py_ssize_t i = 0; i < cn; i++) {                                                                \
                 const Py_ssize_t b = c + i;                                                                      \
                 const __m128i x0 = _mm_loadu_si128((const __m128i *)(xq + b * QBLOCK));                          \
@@ -668,11 +702,7 @@ TARGET_AVX512 static inline __attribute__((always_inline)) __m512i zblock_mxfp4(
         _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) acc[k] = _mm512_setzero_ps();                    \
         for (Py_ssize_t c = 0; c < nb; c += 8) {                                                                 \
             const Py_ssize_t cn = nb - c < 8 ? nb - c : 8;                                                       \
-            _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) {                                             \
-                SCALES(d[k], xs, c, nb, sc[k]);                                                                  \
-                for (int line = 0; line < 8 * (ROW_BYTES) / 64; line++)                                          \
-                    _mm_prefetch((const char *)w[k] + c * (ROW_BYTES) + X16_PREFETCH + 64 * line, _MM_HINT_T0); \
-            }                                                                                                    \
+            EIGHT_BLOCKS_AHEAD(SCALES, ROWS, ROW_BYTES);                                                         \
             for (Py_ssize_t i = 0; i < cn; i++) {                                                                \
                 const Py_ssize_t b = c + i;                                                                      \
                 const __m512i xv = _mm512_loadu_si512((const void *)(xq + b * QBLOCK));                          \
@@ -750,7 +780,9 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
     if (j->simd && m == 1) {
         Py_ssize_t r = r0;
         if (j->kind == K_F32)
-            for (; r + 4 <= r1; r += 4) dot4_f32_avx2(j->x, (const float *)j->w + r * n, n, j->y + r);
+            for (; r + 4 <= r1; r += 4)
+                (j->simd == SIMD_AVX512 ? dot4_f32_avx512 : dot4_f32_avx2)(j->x, (const float *)j->w + r * n, n,
+                                                                           j->y + r);
         else if (j->kind == K_BF16)
             for (; r + 4 <= r1; r += 4) dot4_bf16_avx2(j->x, (const uint16_t *)j->w + r * n, n, j->y + r);
         else if (j->kind == K_F16)
