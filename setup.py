@@ -3,7 +3,8 @@ pyproject.toml is still experimental and warns on every install). Everything els
 
 `shardtool.runtime._model._kernels`: products with a weight in its stored dtype (runtime/_model/_packed.py falls
 back to numpy without it). The source picks its SIMD kernels at run time, so no -march flag: the build runs on any
-x86-64 or aarch64. The extension is optional: where it cannot be built (no C compiler) the install still
+x86-64 or aarch64 (its AVX-512 intrinsics need GCC 7 or Clang 4 and later; an older compiler fails the build, so
+the numpy reference runs). The extension is optional: where it cannot be built (no C compiler) the install still
 succeeds, with a warning, and the numpy reference runs.
 """
 

@@ -56,11 +56,12 @@ typedef struct job_s {
     const void *scale;
     float *y;
     int simd; /* the kernels it runs on: SIMD_PLAIN, SIMD_AVX2 or SIMD_AVX512 (AVX2 but in dot_quant_x16, dot4_f32) */
-    /* one-row products with the integer kinds (q8, q4, mxfp4) on AVX2: x as int16 with a power-of-two scale per
-     * block of 32 (exact integer products; |x - xq * xs| <= 2^-15 * the block's largest |x|), else NULL */
+    /* one-row products with the integer kinds (q8, q4, mxfp4) on AVX2 or AVX-512: x as int16 with a power-of-two
+     * scale per block of 32 (exact integer products; |x - xq * xs| <= 2^-15 * the block's largest |x|), else NULL */
     const int16_t *xq;
     const float *xs;
-    /* q4 with xq: xc[4 * b] = 8 * the sum of xq's block b, xc[4 * b + 1..3] = 0 (see block_q4_x16), else NULL */
+    /* q4 with xq on AVX2: xc[4 * b] = 8 * the sum of xq's block b, xc[4 * b + 1..3] = 0 (see block_q4_x16), else NULL
+     * (the AVX-512 kernel subtracts 8 from each code instead) */
     const int32_t *xc;
     /* SwiGLU's gate job: `up`, the up product over the same rows and x (its y the [m, out] u); each chunk of rows
      * computes both products, then y = silu(y) * u on those rows. NULL for a plain product. */
@@ -664,8 +665,8 @@ DOT_X16_ROWS(dot4_mxfp4_x16, block_mxfp4_x16, scales_e8m0, 4, QBLOCK / 2)
 DOT_X16_ROWS(dot1_mxfp4_x16, block_mxfp4_x16, scales_e8m0, 1, QBLOCK / 2)
 
 /* The same products with AVX-512: a block's 32 weights widened to 32 int16 in one 512-bit register and multiplied with
- * x's block by one madd (sixteen exact int32 sums of two products each, at most 2 * 127 * 32767 < 2^24 for q8: exact as
- * floats), converted and scaled into a 16-lane accumulator. About a third of the AVX2 kernels' instructions a block.
+ * x's block by one madd (sixteen exact int32 sums of two products each: |sum| <= 2 * 128 * 32768 = 2^24 for q8, so
+ * exact as floats), converted and scaled into a 16-lane accumulator. About a third of the AVX2 kernels' instructions a block.
  * The integer sums are the same as on AVX2; the float accumulation groups them differently (16 lanes, not 4), so the
  * two ISAs agree within float32 rounding, not bit for bit; each is deterministic, and four rows or one give the same
  * bits. */
@@ -960,13 +961,13 @@ static int run_job_rows(const job_t *j, int threads);
 
 static inline int int_kind(int kind) { return kind == K_Q8 || kind == K_Q4 || kind == K_MXFP4; }
 
-/* The job (and its up job, which shares x): x quantized to int16 once for the integer kinds of one-row AVX2
- * products (see quantize_x16), then its rows on up to `threads` threads. */
+/* The job (and its up job, which shares x): x quantized to int16 once for the integer kinds of one-row AVX2 or AVX-512
+ * products (see quantize_x16; q4's corrections xc for AVX2 only), then its rows on up to `threads` threads. */
 static int run_job(job_t *j, int threads) {
 #if HAVE_X86_KERNELS
     job_t *const js[2] = {j, j->up};
     const int any_int = int_kind(j->kind) || (j->up && int_kind(j->up->kind));
-    const int any_q4 = j->kind == K_Q4 || (j->up && j->up->kind == K_Q4);
+    const int any_q4 = j->simd != SIMD_AVX512 && (j->kind == K_Q4 || (j->up && j->up->kind == K_Q4));
     if (j->simd && j->m == 1 && any_int) {
         const Py_ssize_t nb = j->in / QBLOCK;
         int16_t *xq = (int16_t *)malloc((size_t)j->in * sizeof(int16_t));
@@ -1948,16 +1949,17 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
     (void)self;
     int want;
     if (PyUnicode_Check(arg)) {
-        const char *name = PyUnicode_AsUTF8(arg);
+        Py_ssize_t size;
+        const char *name = PyUnicode_AsUTF8AndSize(arg, &size);
         if (!name) return NULL;
-        for (want = 0; want <= SIMD_AVX512 && strcmp(name, SIMD_NAMES[want]) != 0; want++) {
-        }
+        for (want = 0; want <= SIMD_AVX512; want++)
+            if ((size_t)size == strlen(SIMD_NAMES[want]) && memcmp(name, SIMD_NAMES[want], (size_t)size) == 0) break;
         if (want > SIMD_AVX512) return PyErr_Format(PyExc_ValueError, "use_simd: expected 'plain', 'avx2' or "
                                                                       "'avx512', found %R", arg);
+    } else if (PyBool_Check(arg)) {
+        want = arg == Py_True ? SIMD_AVX512 : SIMD_PLAIN;
     } else {
-        const int flag = PyObject_IsTrue(arg);
-        if (flag < 0) return NULL;
-        want = flag ? SIMD_AVX512 : SIMD_PLAIN;
+        return PyErr_Format(PyExc_TypeError, "use_simd: expected a bool or 'plain', 'avx2' or 'avx512', found %R", arg);
     }
     const int best = best_simd();
     cpu_simd = want < best ? want : best;

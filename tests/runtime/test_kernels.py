@@ -53,9 +53,45 @@ def test_each_kind_matches_the_reference(isa, kind, m, threads):
     _packed.set_threads(threads)
     block = kind in ("q8", "q4", "mxfp4")
     # ragged row counts (odd, not a multiple of the split), inputs with SIMD tails for the float kinds
-    for out, inp in [(37, 96 if block else 100), (1, 32), (3, 64 if block else 7), (129, 320 if block else 333)]:
+    for out, inp in [(37, 96 if block else 100), (1, 32), (3, 64 if block else 7), (8, 32 if block else 13),
+                     (129, 320 if block else 333)]:
         x = rng.standard_normal((m, inp)).astype(np.float32)
         check(x, make(kind, out, inp, rng))
+
+
+@pytest.mark.skipif("avx512" not in SIMD, reason="no AVX-512 on this CPU")
+@pytest.mark.parametrize("kind", ["q8", "q4", "mxfp4", "f32"])
+def test_avx512_kernels_are_the_ones_that_run(kind):
+    """With 'avx512' chosen, a one-row product goes through the 512-bit kernels: they group the float sums
+    differently from the AVX2 ones, so over many rows some results differ in their last bits (and all agree within the
+    reference's bound, `check`). Were the AVX-512 branch skipped, every row would equal AVX2's. x's blocks span
+    2^-12..2^12: with x of one magnitude, MXFP4's power-of-two scales keep every partial sum exact in either order."""
+    rng = np.random.default_rng(11)
+    w = make(kind, 256, 512, rng)
+    x = (rng.standard_normal((1, 512)) * np.repeat(2.0 ** rng.integers(-12, 13, 16), 32)).astype(np.float32)
+    got = {}
+    try:
+        for level in ("avx2", "avx512"):
+            assert _kernels.use_simd(level) == level
+            got[level] = check(x, w)
+    finally:
+        _kernels.use_simd(True)
+    assert not np.array_equal(got["avx2"], got["avx512"])
+
+
+def test_use_simd_takes_a_bool_or_a_level_name_only():
+    try:
+        assert _kernels.use_simd("plain") == "plain" and _kernels.use_simd(False) == "plain"
+        assert _kernels.use_simd(True) == SIMD[-1]
+        for bad in ("avx2\x00junk", "AVX2", "sse", ""):
+            with pytest.raises(ValueError, match="use_simd: expected"):
+                _kernels.use_simd(bad)
+        for bad in (b"plain", 2, 1.0, None, [1]):
+            with pytest.raises(TypeError, match="use_simd: expected a bool"):
+                _kernels.use_simd(bad)
+        assert _kernels.isa() == SIMD[-1]  # a refused call changes nothing
+    finally:
+        _kernels.use_simd(True)
 
 
 @pytest.mark.parametrize("kind", ["q8", "q4", "mxfp4"])
