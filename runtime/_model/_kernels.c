@@ -9,8 +9,8 @@
  * x86-64: AVX2+FMA+F16C kernels compiled with a per-function target attribute and chosen at run time
  * (__builtin_cpu_supports), so the module builds and runs on any x86-64 or aarch64 with the plain C fallback. Where
  * the CPU also has AVX-512 (F and BW), one-row products take 512-bit kernels for the block kinds (q8, q4, mxfp4:
- * integer arithmetic, bound by instruction count rather than memory) and for float32 weights' rows in fours; every
- * other product stays on AVX2.
+ * integer arithmetic, bound by instruction count rather than memory) and for float32 and float16 weights' rows in
+ * fours; every other product stays on AVX2.
  * Threads: output rows are split across a small pool of pthreads (re-created after fork); the GIL is released
  * while they compute. Every buffer is checked (C-contiguous, format, itemsize, exact byte length) before any
  * read: a mismatch is a ValueError, never an out-of-bounds read.
@@ -55,7 +55,7 @@ typedef struct job_s {
     const void *w;
     const void *scale;
     float *y;
-    int simd; /* the kernels it runs on: SIMD_PLAIN, SIMD_AVX2 or SIMD_AVX512 (AVX2 but in dot_quant_x16, dot4_f32) */
+    int simd; /* its kernels: SIMD_PLAIN, SIMD_AVX2 or SIMD_AVX512 (AVX2 but in dot_quant_x16, dot4_f32/f16) */
     /* one-row products with the integer kinds (q8, q4, mxfp4) on AVX2 or AVX-512: x as int16 with a power-of-two
      * scale per block of 32 (exact integer products; |x - xq * xs| <= 2^-15 * the block's largest |x|), else NULL */
     const int16_t *xq;
@@ -278,32 +278,53 @@ TARGET_AVX2 static void dot4_f32_avx2(const float *x, const float *w, Py_ssize_t
     DOT4_BODY(float, _mm256_loadu_ps, F32_SCALAR)
 }
 
-/* The same with AVX-512: 16 floats a step, the last partial step through masked loads (which never read the
- * masked-out floats). The sums are grouped differently from dot4_f32_avx2's, so the two agree within float32
- * rounding, not bit for bit. */
-TARGET_AVX512 static void dot4_f32_avx512(const float *x, const float *w, Py_ssize_t n, float *y) {
-    const float *w0 = w, *w1 = w + n, *w2 = w + 2 * n, *w3 = w + 3 * n;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    Py_ssize_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m512 xv = _mm512_loadu_ps(x + i);
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + i), xv, a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + i), xv, a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + i), xv, a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w3 + i), xv, a3);
-    }
-    if (i < n) {
-        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
-        const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
-        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w0 + i), xv, a0);
-        a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w1 + i), xv, a1);
-        a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w2 + i), xv, a2);
-        a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w3 + i), xv, a3);
-    }
-    y[0] = _mm512_reduce_add_ps(a0);
-    y[1] = _mm512_reduce_add_ps(a1);
-    y[2] = _mm512_reduce_add_ps(a2);
+/* The same with AVX-512, float32 and float16 rows alike (so a float16 weight gives the bits of float32 weights of the
+ * same values, as on AVX2): 16 weights a step; the last partial step takes x through a masked load (which never reads
+ * the masked-out floats) and the weights through LOAD_TAIL, zero beyond n. The sums are grouped differently from
+ * DOT4_BODY's, so AVX-512 and AVX2 agree within float32 rounding, not bit for bit. */
+#define DOT4_Z_BODY(T, LOAD, LOAD_TAIL)                                                                             \
+    const T *w0 = w, *w1 = w + n, *w2 = w + 2 * n, *w3 = w + 3 * n;                                                 \
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                                     \
+    Py_ssize_t i = 0;                                                                                               \
+    for (; i + 16 <= n; i += 16) {                                                                                  \
+        const __m512 xv = _mm512_loadu_ps(x + i);                                                                   \
+        a0 = _mm512_fmadd_ps(LOAD(w0 + i), xv, a0);                                                                 \
+        a1 = _mm512_fmadd_ps(LOAD(w1 + i), xv, a1);                                                                 \
+        a2 = _mm512_fmadd_ps(LOAD(w2 + i), xv, a2);                                                                 \
+        a3 = _mm512_fmadd_ps(LOAD(w3 + i), xv, a3);                                                                 \
+    }                                                                                                               \
+    if (i < n) {                                                                                                    \
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);                                                      \
+        const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);                                                          \
+        a0 = _mm512_fmadd_ps(LOAD_TAIL(m, w0 + i, n - i), xv, a0);                                                  \
+        a1 = _mm512_fmadd_ps(LOAD_TAIL(m, w1 + i, n - i), xv, a1);                                                  \
+        a2 = _mm512_fmadd_ps(LOAD_TAIL(m, w2 + i, n - i), xv, a2);                                                  \
+        a3 = _mm512_fmadd_ps(LOAD_TAIL(m, w3 + i, n - i), xv, a3);                                                  \
+    }                                                                                                               \
+    y[0] = _mm512_reduce_add_ps(a0);                                                                                \
+    y[1] = _mm512_reduce_add_ps(a1);                                                                                \
+    y[2] = _mm512_reduce_add_ps(a2);                                                                                \
     y[3] = _mm512_reduce_add_ps(a3);
+
+#define F32_TAIL(m, p, count) _mm512_maskz_loadu_ps(m, p)
+TARGET_AVX512 static void dot4_f32_avx512(const float *x, const float *w, Py_ssize_t n, float *y) {
+    DOT4_Z_BODY(float, _mm512_loadu_ps, F32_TAIL)
+}
+
+TARGET_AVX512 static inline __m512 load16_f16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* The last count < 16 float16 weights, zero beyond (copied: a masked 16-bit load would need AVX-512 VL). */
+TARGET_AVX512 static inline __m512 tail16_f16(__mmask16 m, const uint16_t *p, Py_ssize_t count) {
+    uint16_t part[16] = {0};
+    (void)m;
+    memcpy(part, p, (size_t)count * sizeof(uint16_t));
+    return load16_f16(part);
+}
+
+TARGET_AVX512 static void dot4_f16_avx512(const float *x, const uint16_t *w, Py_ssize_t n, float *y) {
+    DOT4_Z_BODY(uint16_t, load16_f16, tail16_f16)
 }
 
 /* bf16 without widening: a 256-bit load holds 16 bf16 as 8 pairs; shifted left 16 each pair's first element is a
@@ -666,7 +687,8 @@ DOT_X16_ROWS(dot1_mxfp4_x16, block_mxfp4_x16, scales_e8m0, 1, QBLOCK / 2)
 
 /* The same products with AVX-512: a block's 32 weights widened to 32 int16 in one 512-bit register and multiplied with
  * x's block by one madd (sixteen exact int32 sums of two products each: |sum| <= 2 * 128 * 32768 = 2^24 for q8, so
- * exact as floats), converted and scaled into a 16-lane accumulator. About a third of the AVX2 kernels' instructions a block.
+ * exact as floats), converted and scaled into a 16-lane accumulator. About a third of the AVX2 kernels' instructions
+ * a block.
  * The integer sums are the same as on AVX2; the float accumulation groups them differently (16 lanes, not 4), so the
  * two ISAs agree within float32 rounding, not bit for bit; each is deterministic, and four rows or one give the same
  * bits. */
@@ -787,7 +809,9 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
         else if (j->kind == K_BF16)
             for (; r + 4 <= r1; r += 4) dot4_bf16_avx2(j->x, (const uint16_t *)j->w + r * n, n, j->y + r);
         else if (j->kind == K_F16)
-            for (; r + 4 <= r1; r += 4) dot4_f16_avx2(j->x, (const uint16_t *)j->w + r * n, n, j->y + r);
+            for (; r + 4 <= r1; r += 4)
+                (j->simd == SIMD_AVX512 ? dot4_f16_avx512 : dot4_f16_avx2)(j->x, (const uint16_t *)j->w + r * n, n,
+                                                                           j->y + r);
         else if (j->xq) { /* q8, q4, mxfp4 */
             for (; r + 4 <= r1; r += 4) dot_quant_x16(j, r, 4);
             for (; r < r1; r++) dot_quant_x16(j, r, 1);

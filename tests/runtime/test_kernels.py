@@ -60,7 +60,7 @@ def test_each_kind_matches_the_reference(isa, kind, m, threads):
 
 
 @pytest.mark.skipif("avx512" not in SIMD, reason="no AVX-512 on this CPU")
-@pytest.mark.parametrize("kind", ["q8", "q4", "mxfp4", "f32"])
+@pytest.mark.parametrize("kind", ["q8", "q4", "mxfp4", "f32", "f16"])
 def test_avx512_kernels_are_the_ones_that_run(kind):
     """With 'avx512' chosen, a one-row product goes through the 512-bit kernels: they group the float sums
     differently from the AVX2 ones, so over many rows some results differ in their last bits (and all agree within the
