@@ -43,7 +43,7 @@ _threads = 1
 
 def kernels() -> str | None:
     """The native kernels in use: their instruction set ("avx512", "avx2" or "plain"), or None (the numpy reference).
-    "avx512": one-row products with block (q8, q4, mxfp4) and float32 weights on AVX-512, everything else on AVX2."""
+    "avx512": one-row products with block (q8, q4, mxfp4), float32 and float16 weights on AVX-512, the rest on AVX2."""
     return None if _native is None else _native.isa()
 
 

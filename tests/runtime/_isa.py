@@ -1,5 +1,5 @@
 """The `isa` fixture of the native-kernel tests: each test runs on every instruction set the CPU has (the plain C
-kernels always; AVX2, and AVX-512 for the one-row block and float32 products, where available), and leaves the
+kernels always; AVX2, and AVX-512 for the one-row block, float32 and float16 products, where available), and leaves the
 extension as it found it (the best kernels, one thread)."""
 
 from __future__ import annotations
