@@ -601,16 +601,24 @@ TARGET_AVX2 static inline __attribute__((always_inline)) __m128i block_q4_x16(co
 }
 
 /* The same for MXFP4: byte i of the block holds element 2i (low nibble) and 2i + 1 (high nibble) as FP4 E2M1
- * codes; each code's value times 2 is a small integer (a table look-up with pshufb), the block's scale halves it. */
-TARGET_AVX2 static inline __attribute__((always_inline)) __m128i block_mxfp4_x16(const void *w, Py_ssize_t b,
-                                                                                 __m128i x0, __m128i x1, __m128i x2,
-                                                                                 __m128i x3, const int32_t *xc) {
+ * codes; each code's value times 2 is a small integer (a table look-up with pshufb), the block's scale halves it.
+ * mxfp4_twice: block b's 32 doubled values as int8, in element order (c0: elements 0..15, c1: 16..31). */
+TARGET_AVX2 static inline __attribute__((always_inline)) void mxfp4_twice(const void *w, Py_ssize_t b, __m128i *c0,
+                                                                          __m128i *c1) {
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
     const __m128i v = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + b * (QBLOCK / 2)));
     const __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(v, mask));                    /* elements 0, 2, .. */
     const __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(v, 4), mask)); /* elements 1, 3, .. */
-    const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi); /* elements 0..15, 16..31 */
+    *c0 = _mm_unpacklo_epi8(lo, hi); /* elements 0..15 */
+    *c1 = _mm_unpackhi_epi8(lo, hi); /* elements 16..31 */
+}
+
+TARGET_AVX2 static inline __attribute__((always_inline)) __m128i block_mxfp4_x16(const void *w, Py_ssize_t b,
+                                                                                 __m128i x0, __m128i x1, __m128i x2,
+                                                                                 __m128i x3, const int32_t *xc) {
+    __m128i c0, c1;
+    mxfp4_twice(w, b, &c0, &c1);
     (void)xc;
     const __m128i s0 = _mm_madd_epi16(_mm_cvtepi8_epi16(c0), x0);
     const __m128i s1 = _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_srli_si128(c0, 8)), x1);
@@ -707,14 +715,9 @@ TARGET_AVX512 static inline __attribute__((always_inline)) __m512i zblock_q4(con
 
 /* MXFP4 (see block_mxfp4_x16): twice each code's value, in element order. */
 TARGET_AVX512 static inline __attribute__((always_inline)) __m512i zblock_mxfp4(const void *w, Py_ssize_t b) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i v = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + b * (QBLOCK / 2)));
-    const __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(v, mask));                    /* elements 0, 2, .. */
-    const __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(v, 4), mask)); /* elements 1, 3, .. */
-    const __m256i c = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(lo, hi)),
-                                              _mm_unpackhi_epi8(lo, hi), 1); /* elements 0..31 */
-    return _mm512_cvtepi8_epi16(c);
+    __m128i c0, c1;
+    mxfp4_twice(w, b, &c0, &c1);
+    return _mm512_cvtepi8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(c0), c1, 1)); /* elements 0..31 */
 }
 
 #define DOT_Z16_ROWS(NAME, BLOCK, SCALES, ROWS, ROW_BYTES)                                                        \
