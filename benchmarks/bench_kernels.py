@@ -9,7 +9,7 @@ Weights rotate through copies totalling >= --pool-mib so each product streams it
 OPENBLAS_NUM_THREADS set to it. Per round, kernel and numpy alternate; medians of --rounds rounds; ratio = numpy
 time / kernel time (> 1: the kernel is faster), GB/s = stored bytes of the weight (data + scales) per second; at
 1 thread also the ratio of the calling thread's CPU times (both run there), steadier on a shared machine.
-Where the kernels run on AVX-512 (the one-row products of q8, q4, mxfp4, f32 and f16 weights), the same products on the
+Where the kernels run on AVX-512 (the one-row products of q8, q4, mxfp4, f32, f16 and bf16 weights), the same products on the
 AVX2 kernels alternate with them too: "avx2 us" and "512 gain" = AVX2 time / AVX-512 time.
 Also the Python cost of one `matmul_t` call on a tiny weight (what a decode step pays per product besides the math).
 
@@ -88,7 +88,7 @@ def child(args) -> None:
             ws = _copies(p, max(2, -(-pool // p.nbytes)))
             kernel_t, numpy_t, avx2_t = [], [], []
             # AVX-512 and AVX2 kernels to compare
-            both = best == "avx512" and kind in ("q8", "q4", "mxfp4", "f32", "f16")
+            both = best == "avx512" and kind in ("q8", "q4", "mxfp4", "f32", "f16", "bf16")
             _time_per_call(_packed.matmul_t, ws[:2], x)  # warm-up
             for _ in range(args.rounds):
                 kernel_t.append(_times_per_call(_packed.matmul_t, ws, x))

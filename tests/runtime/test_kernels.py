@@ -60,7 +60,7 @@ def test_each_kind_matches_the_reference(isa, kind, m, threads):
 
 
 @pytest.mark.skipif("avx512" not in SIMD, reason="no AVX-512 on this CPU")
-@pytest.mark.parametrize("kind", ["q8", "q4", "mxfp4", "f32", "f16"])
+@pytest.mark.parametrize("kind", ["q8", "q4", "mxfp4", "f32", "f16", "bf16"])
 def test_avx512_kernels_are_the_ones_that_run(kind):
     """With 'avx512' chosen, a one-row product goes through the 512-bit kernels: they group the float sums
     differently from the AVX2 ones, so over many rows some results differ in their last bits (and all agree within the
@@ -92,6 +92,16 @@ def test_use_simd_takes_a_bool_or_a_level_name_only():
         assert _kernels.isa() == SIMD[-1]  # a refused call changes nothing
     finally:
         _kernels.use_simd(True)
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16"])
+def test_float_kinds_at_every_tail_length(isa, kind):
+    """The one-row float kernels step 32, 16 or 8 weights at a time and finish the rest by masked loads or one by one:
+    every input length up to 80 (each step's remainder, and four-row groups with a leftover row) against the
+    reference."""
+    rng = np.random.default_rng(5)
+    for inp in range(1, 81):
+        check(rng.standard_normal((1, inp)).astype(np.float32), make(kind, 6, inp, rng))
 
 
 @pytest.mark.parametrize("kind", ["q8", "q4", "mxfp4"])
