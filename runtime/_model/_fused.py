@@ -61,6 +61,20 @@ def attend_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.
     return out
 
 
+def route_softmax_topk(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.ndarray, ...] | None:
+    """# [T, E] -> weights [T, k], expert ids [T, k] (largest first), probabilities [T, E]  (`_layers`'
+    `_route_softmax_topk`: the softmax, its top k and their weights in one call; a decode step's numpy route took
+    about as long as an expert's product). None for a non-finite logit, whose numpy result defines it."""
+    native = _packed._native
+    if native is None or logits.ndim != 2 or not plain(logits) or not 1 <= k <= min(logits.shape[1], 1024):
+        return None
+    t, e = logits.shape
+    probs, weights, ids = np.empty((t, e), _F32), np.empty((t, k), _F32), np.empty((t, k), np.int64)
+    if not native.route_softmax(logits, k, bool(norm_topk_prob), probs, weights, ids):
+        return None
+    return weights, ids, probs
+
+
 def swiglu(x: np.ndarray, gate: _packed.Packed, up: _packed.Packed, down: _packed.Packed) -> np.ndarray | None:
     """# [m, H], [I, H], [I, H], [H, I] -> [m, H]  (`_layers.expert_mlp`: down(silu(gate x) * up x) in one call)"""
     native = _packed._native

@@ -1894,6 +1894,99 @@ static void attend_group(const float *q, const float *k, const float *v, Py_ssiz
     attend_group_plain(q, k, v, g, s, d, dv, sc, p, out);
 }
 
+PyDoc_STRVAR(route_softmax_doc,
+             "route_softmax(logits, k, norm, probs, weights, ids) -> bool\n\n"
+             "The softmax top-k router (Mixtral, Qwen, OLMoE) on T rows of E logits, float32: probs[T, E] = "
+             "softmax(logits) (exp of each logit minus its row's largest, over their sum taken in double); ids[T, k] "
+             "(int64) the k largest probabilities' experts, largest first, a tie to the lower id; weights[T, k] their "
+             "probabilities, over their sum when `norm` (taken in float32, in ids' order). False, with nothing "
+             "written, when a logit is not finite (numpy's path then defines the result).");
+
+static PyObject *py_route_softmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6) return PyErr_Format(PyExc_TypeError, "route_softmax expects 6 arguments, got %zd", nargs);
+    Py_ssize_t k;
+    if (get_int(args[1], "k", &k) < 0) return NULL;
+    const int norm = PyObject_IsTrue(args[2]);
+    if (norm < 0) return NULL;
+    if (k < 1 || k > 1024) return PyErr_Format(PyExc_ValueError, "route_softmax: k=%zd, expected 1..1024", k);
+    Py_buffer lv, pv, wv, iv;
+    int have_l = 0, have_p = 0, have_w = 0, have_i = 0;
+    PyObject *result = NULL;
+    if (get_buffer(args[0], &lv, "logits", 0) < 0) goto done;
+    have_l = 1;
+    if (get_buffer(args[4], &wv, "weights", 1) < 0) goto done;
+    have_w = 1;
+    const Py_ssize_t t = wv.len / 4 / k;
+    if (t < 1 || check_buffer(&wv, "weights", 'f', 4, t * k) < 0) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "weights: expected rows of %zd floats", k);
+        goto done;
+    }
+    const Py_ssize_t e = lv.len / 4 / t;
+    if (e < k || e > (1 << 20) || check_buffer(&lv, "logits", 'f', 4, t * e) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "logits: expected %zd rows of k=%zd to 2^20 floats", t, k);
+        goto done;
+    }
+    if (get_buffer(args[3], &pv, "probs", 1) < 0) goto done;
+    have_p = 1;
+    if (check_buffer(&pv, "probs", 'f', 4, t * e) < 0) goto done;
+    if (get_buffer(args[5], &iv, "ids", 1) < 0) goto done;
+    have_i = 1;
+    if (check_buffer(&iv, "ids", iv.format && strchr(iv.format, 'q') ? 'q' : 'l', 8, t * k) < 0) goto done; /* int64 */
+    {
+        const Py_buffer *ins[1] = {&lv};
+        const Py_buffer *outs[2] = {&pv, &wv};
+        if (check_disjoint(&pv, ins, 1) < 0 || check_disjoint(&wv, ins, 1) < 0 || check_disjoint(&iv, ins, 1) < 0 ||
+            check_disjoint(&iv, outs, 2) < 0 || check_disjoint(&wv, outs, 1) < 0)
+            goto done;
+    }
+    const float *logits = (const float *)lv.buf;
+    for (Py_ssize_t i = 0; i < t * e; i++)
+        if (!isfinite(logits[i])) {
+            result = Py_NewRef(Py_False);
+            goto done;
+        }
+    for (Py_ssize_t r = 0; r < t; r++) {
+        const float *l = logits + r * e;
+        float *p = (float *)pv.buf + r * e, *w = (float *)wv.buf + r * k;
+        int64_t *ids = (int64_t *)iv.buf + r * k;
+        float top = l[0];
+        for (Py_ssize_t i = 1; i < e; i++) top = l[i] > top ? l[i] : top;
+        double sum = 0;
+        for (Py_ssize_t i = 0; i < e; i++) {
+            p[i] = expf(l[i] - top); /* <= 1, and 1 at the largest: the sum is in [1, e] */
+            sum += p[i];
+        }
+        const float total = (float)sum;
+        Py_ssize_t have = 0; /* ids[0..have) sorted: larger first, a tie to the lower id (seen first) */
+        for (Py_ssize_t i = 0; i < e; i++) {
+            p[i] /= total;
+            if (have == k && !(p[i] > p[ids[k - 1]])) continue;
+            Py_ssize_t at = have < k ? have++ : k - 1;
+            while (at > 0 && p[i] > p[ids[at - 1]]) {
+                ids[at] = ids[at - 1];
+                at--;
+            }
+            ids[at] = i;
+        }
+        float picked = 0.0f;
+        for (Py_ssize_t j = 0; j < k; j++) {
+            w[j] = p[ids[j]];
+            picked += w[j];
+        }
+        if (norm)
+            for (Py_ssize_t j = 0; j < k; j++) w[j] /= picked;
+    }
+    result = Py_NewRef(Py_True);
+done:
+    if (have_l) PyBuffer_Release(&lv);
+    if (have_p) PyBuffer_Release(&pv);
+    if (have_w) PyBuffer_Release(&wv);
+    if (have_i) PyBuffer_Release(&iv);
+    return result;
+}
+
 PyDoc_STRVAR(attend_row_doc,
              "attend_row(q, k, v, scale, out) -> None\n\n"
              "One query row against every cached key (a decode step): q [nh, d], k [kvh, S, d], v [kvh, S, dv] "
@@ -2052,6 +2145,7 @@ static PyMethodDef methods[] = {
     {"product", (PyCFunction)(void (*)(void))py_product, METH_FASTCALL, product_doc},
     {"swiglu", (PyCFunction)(void (*)(void))py_swiglu, METH_FASTCALL, swiglu_doc},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, rms_norm_doc},
+    {"route_softmax", (PyCFunction)(void (*)(void))py_route_softmax, METH_FASTCALL, route_softmax_doc},
     {"attend_row", (PyCFunction)(void (*)(void))py_attend_row, METH_FASTCALL, attend_row_doc},
     {"rope", (PyCFunction)(void (*)(void))py_rope, METH_FASTCALL, rope_doc},
     {"nonfinite", py_nonfinite, METH_VARARGS, nonfinite_doc},

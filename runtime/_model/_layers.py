@@ -256,6 +256,9 @@ def route_softmax_topk(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tupl
 
 def _route_softmax_topk(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.ndarray, ...]:
     """# -> weights [T, k], expert ids [T, k], selection scores [T, E] (the probabilities)"""
+    fused = _fused.route_softmax_topk(logits, k, norm_topk_prob)
+    if fused is not None:
+        return fused
     probs = softmax(logits)
     idx = _top_k(probs, k)
     weights = picked(probs, idx)

@@ -1,6 +1,6 @@
-"""The fused native steps (`_fused`: RMSNorm, one-row attention, the SwiGLU expert) against their numpy definitions in
-`_layers` (run with the extension switched off): every stored kind, a KV cache's strided views, both instruction
-sets; hostile arguments refused with an exception, never read out of bounds."""
+"""The fused native steps (`_fused`: RMSNorm, one-row attention, the SwiGLU expert, the softmax router) against their
+numpy definitions in `_layers` (run with the extension switched off): every stored kind, a KV cache's strided views,
+both instruction sets; hostile arguments refused with an exception, never read out of bounds."""
 
 from __future__ import annotations
 
@@ -235,3 +235,65 @@ def test_rope_row_matches_apply_rope(monkeypatch, nh, kvh, d):
     k.flags.writeable = False  # a read-only k: q is not rotated alone either
     assert not _fused.rope_row(q, k, cos, sin)
     np.testing.assert_array_equal(q, before)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (1, 8, 8), (3, 64, 6), (2, 256, 8), (1, 5, 1)])
+def test_route_softmax_topk_matches_numpy(monkeypatch, t, e, k, norm):
+    """The native softmax router against numpy's: the same experts (largest first), probabilities and weights
+    within float32 rounding."""
+    rng = np.random.default_rng(t * 1000 + e + k)
+    logits = (rng.standard_normal((t, e)) * 4).astype(np.float32)
+    assert _fused.route_softmax_topk(logits, k, norm) is not None
+    weights, ids, probs = _layers._route_softmax_topk(logits, k, norm)
+    want_w, want_ids, want_p = reference(monkeypatch, _layers._route_softmax_topk, logits, k, norm)
+    assert ids.dtype == np.int64 and ids.shape == (t, k)
+    order = np.argsort(-want_p, axis=-1, kind="stable")[:, :k]  # numpy's picks, largest first
+    np.testing.assert_array_equal(np.sort(ids, axis=-1), np.sort(want_ids, axis=-1))
+    np.testing.assert_array_equal(ids, order)
+    close(probs, want_p, 1e-6)
+    close(weights, np.take_along_axis(want_p, order, -1) / (np.take_along_axis(want_p, order, -1).sum(-1, keepdims=True)
+                                                           if norm else 1), 1e-6)
+
+
+def test_route_softmax_topk_ties_and_non_finite_logits(monkeypatch):
+    ids = _fused.route_softmax_topk(np.zeros((1, 6), np.float32), 3, True)[1]
+    np.testing.assert_array_equal(ids, [[0, 1, 2]])  # a tie goes to the lower id, whatever the order seen
+    tied = np.array([[0.0, 2.0, 1.0, 2.0, 2.0]], np.float32)
+    np.testing.assert_array_equal(_fused.route_softmax_topk(tied, 2, False)[1], [[1, 3]])
+    for bad in (np.nan, np.inf, -np.inf):
+        logits = np.array([[0.5, bad, 1.0, -2.0]], np.float32)
+        assert _fused.route_softmax_topk(logits, 2, True) is None  # numpy's path defines it
+        with np.errstate(invalid="ignore"):  # (inf - inf in numpy's softmax)
+            got = _layers._route_softmax_topk(logits, 2, True)
+            want = reference(monkeypatch, _layers._route_softmax_topk, logits, 2, True)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_route_softmax_refuses_hostile_arguments():
+    logits = np.zeros((2, 8), np.float32)
+    probs, weights, ids = np.empty((2, 8), np.float32), np.empty((2, 2), np.float32), np.empty((2, 2), np.int64)
+    assert _kernels.route_softmax(logits, 2, True, probs, weights, ids) is True
+    with pytest.raises(ValueError, match="k=0"):
+        _kernels.route_softmax(logits, 0, True, probs, weights, ids)
+    with pytest.raises(ValueError, match="logits"):  # k larger than the experts
+        _kernels.route_softmax(logits[:, :1].copy(), 2, True, probs[:, :1].copy(), weights, ids)
+    with pytest.raises(ValueError, match="ids"):
+        _kernels.route_softmax(logits, 2, True, probs, weights, ids.astype(np.int32))
+    with pytest.raises(ValueError, match="probs"):
+        _kernels.route_softmax(logits, 2, True, np.empty((2, 7), np.float32), weights, ids)
+    with pytest.raises(ValueError, match="overlaps"):
+        _kernels.route_softmax(logits, 2, True, logits, weights, ids)
+    with pytest.raises(ValueError, match="overlaps"):
+        _kernels.route_softmax(logits, 2, True, probs, probs[0, :4], ids)
+    with pytest.raises((ValueError, BufferError, TypeError)):  # a read-only output
+        _kernels.route_softmax(logits, 2, True, probs, weights, _readonly(ids))
+    with pytest.raises(TypeError):
+        _kernels.route_softmax(logits, 2.0, True, probs, weights, ids)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a = a.copy()
+    a.flags.writeable = False
+    return a
