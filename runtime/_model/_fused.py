@@ -66,9 +66,10 @@ def route_softmax_topk(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tupl
     `_route_softmax_topk`: the softmax, its top k and their weights in one call; a decode step's numpy route took
     about as long as an expert's product). None for a non-finite logit, whose numpy result defines it."""
     native = _packed._native
-    if native is None or logits.ndim != 2 or not plain(logits) or not 1 <= k <= min(logits.shape[1], 1024):
-        return None
-    t, e = logits.shape
+    if (native is None or logits.ndim != 2 or not plain(logits) or not isinstance(k, (int, np.integer))
+            or not 1 <= k <= min(logits.shape[1], 1024) or not 1 <= logits.shape[0] or logits.shape[1] > 1 << 20):
+        return None  # (the extension's limits: k <= 1024, E <= 2^20)
+    t, e, k = *logits.shape, int(k)
     probs, weights, ids = np.empty((t, e), _F32), np.empty((t, k), _F32), np.empty((t, k), np.int64)
     if not native.route_softmax(logits, k, bool(norm_topk_prob), probs, weights, ids):
         return None

@@ -615,8 +615,8 @@ TARGET_AVX2 static int quantize_x16(const float *x, Py_ssize_t n, int16_t *xq, f
  * operations in the same order, so the results are bit-identical whatever the grouping. Each weight row is
  * prefetched `ahead` bytes beyond its reads (a hint, which never faults), so memory is read while the blocks before
  * it are multiplied: for four rows, the same place in the next four rows (4 row lengths), at least X16_PREFETCH. A
- * fixed 2048 bytes fell inside the four rows being read once rows were over 512 bytes (hidden 1024 and up), and left
- * the next group unfetched: with one group ahead, 2048 x 1024 q8 products took 0.72 x the time (266 against 367 us,
+ * fixed 2048 bytes fell inside the four rows being read once rows were over 512 bytes (q8 rows of 1024 weights and
+ * more; q4 and mxfp4 rows hold two weights a byte), and left the next group unfetched: with one group ahead, 2048 x 1024 q8 products took 0.72 x the time (266 against 367 us,
  * weights streamed from memory, 1 thread). */
 #define X16_PREFETCH 2048
 
@@ -1899,8 +1899,9 @@ PyDoc_STRVAR(route_softmax_doc,
              "The softmax top-k router (Mixtral, Qwen, OLMoE) on T rows of E logits, float32: probs[T, E] = "
              "softmax(logits) (exp of each logit minus its row's largest, over their sum taken in double); ids[T, k] "
              "(int64) the k largest probabilities' experts, largest first, a tie to the lower id; weights[T, k] their "
-             "probabilities, over their sum when `norm` (taken in float32, in ids' order). False, with nothing "
-             "written, when a logit is not finite (numpy's path then defines the result).");
+             "probabilities, over their sum when `norm` (taken in float32, in ids' order). Every buffer 2-D of those "
+             "shapes. False, with nothing written, when a logit is not finite (numpy's path then defines the "
+             "result).");
 
 static PyObject *py_route_softmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -1934,6 +1935,13 @@ static PyObject *py_route_softmax(PyObject *self, PyObject *const *args, Py_ssiz
     if (get_buffer(args[5], &iv, "ids", 1) < 0) goto done;
     have_i = 1;
     if (check_buffer(&iv, "ids", iv.format && strchr(iv.format, 'q') ? 'q' : 'l', 8, t * k) < 0) goto done; /* int64 */
+    if (lv.ndim != 2 || pv.ndim != 2 || wv.ndim != 2 || iv.ndim != 2 || lv.shape[0] != t || pv.shape[0] != t ||
+        wv.shape[0] != t || iv.shape[0] != t || lv.shape[1] != e || pv.shape[1] != e || wv.shape[1] != k ||
+        iv.shape[1] != k) {
+        PyErr_Format(PyExc_ValueError, "route_softmax: expected logits and probs [%zd, %zd], weights and ids [%zd, %zd]",
+                     t, e, t, k);
+        goto done;
+    }
     {
         const Py_buffer *ins[1] = {&lv};
         const Py_buffer *outs[2] = {&pv, &wv};

@@ -286,11 +286,34 @@ def test_route_softmax_refuses_hostile_arguments():
     with pytest.raises(ValueError, match="overlaps"):
         _kernels.route_softmax(logits, 2, True, logits, weights, ids)
     with pytest.raises(ValueError, match="overlaps"):
-        _kernels.route_softmax(logits, 2, True, probs, probs[0, :4], ids)
+        _kernels.route_softmax(logits, 2, True, probs, probs[0, :4].reshape(2, 2), ids)
     with pytest.raises((ValueError, BufferError, TypeError)):  # a read-only output
         _kernels.route_softmax(logits, 2, True, probs, weights, _readonly(ids))
+    with pytest.raises(ValueError, match="overlaps"):
+        shared = np.zeros(4, np.int64)  # ids over the bytes of weights
+        _kernels.route_softmax(logits, 2, True, probs, shared[:2].view(np.float32).reshape(2, 2), shared.reshape(2, 2))
+    with pytest.raises(ValueError, match=r"expected logits and probs \[4, 4\]"):  # flat sizes agree, shapes do not
+        _kernels.route_softmax(logits, 2, True, probs, np.empty((4, 2), np.float32), np.empty((4, 2), np.int64))
     with pytest.raises(TypeError):
         _kernels.route_softmax(logits, 2.0, True, probs, weights, ids)
+    logits[1, 3] = np.nan  # a non-finite logit: False, and nothing written
+    probs[...], weights[...], ids[...] = 7.0, 7.0, 7
+    assert _kernels.route_softmax(logits, 2, True, probs, weights, ids) is False
+    assert (probs == 7.0).all() and (weights == 7.0).all() and (ids == 7).all()
+
+
+def test_route_softmax_topk_leaves_to_numpy_what_the_extension_does_not_take(monkeypatch):
+    rng = np.random.default_rng(9)
+    logits = rng.standard_normal((2, 8)).astype(np.float32)
+    assert _fused.route_softmax_topk(logits, np.int64(2), True) is not None  # a numpy integer k is taken
+    for args in ((np.empty((0, 8), np.float32), 2), (logits[:, ::2], 2), (logits.astype(np.float64), 2), (logits, 9),
+                 (logits, 0), (np.zeros((1, 1025), np.float32), 1025), (np.zeros((1, (1 << 20) + 1), np.float32), 2)):
+        assert _fused.route_softmax_topk(*args, True) is None
+        got = _layers._route_softmax_topk(*args, True) if args[1] <= args[0].shape[1] and args[1] > 0 else None
+        if got is not None:  # numpy's path ran and gave numpy's result
+            want = reference(monkeypatch, _layers._route_softmax_topk, *args, True)
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(a, b)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
