@@ -9,8 +9,8 @@ Weights rotate through copies totalling >= --pool-mib so each product streams it
 OPENBLAS_NUM_THREADS set to it. Per round, kernel and numpy alternate; medians of --rounds rounds; ratio = numpy
 time / kernel time (> 1: the kernel is faster), GB/s = stored bytes of the weight (data + scales) per second; at
 1 thread also the ratio of the calling thread's CPU times (both run there), steadier on a shared machine.
-Where the kernels run on AVX-512 (the one-row products of q8, q4, mxfp4, f32, f16 and bf16 weights), the same products on the
-AVX2 kernels alternate with them too: "avx2 us" and "512 gain" = AVX2 time / AVX-512 time.
+Where the kernels run on AVX-512 (the one-row products of q8, q4, mxfp4, f32, f16 and bf16 weights), the same products
+on the AVX2 kernels alternate with them too: "avx2 us" and "512 gain" = AVX2 time / AVX-512 time.
 Also the Python cost of one `matmul_t` call on a tiny weight (what a decode step pays per product besides the math).
 
 Usage: python benchmarks/bench_kernels.py [--rounds 5] [--pool-mib 96] [--threads 1,2] [--kinds f32,bf16,...]

@@ -616,8 +616,8 @@ TARGET_AVX2 static int quantize_x16(const float *x, Py_ssize_t n, int16_t *xq, f
  * prefetched `ahead` bytes beyond its reads (a hint, which never faults), so memory is read while the blocks before
  * it are multiplied: for four rows, the same place in the next four rows (4 row lengths), at least X16_PREFETCH. A
  * fixed 2048 bytes fell inside the four rows being read once rows were over 512 bytes (q8 rows of 1024 weights and
- * more; q4 and mxfp4 rows hold two weights a byte), and left the next group unfetched: with one group ahead, 2048 x 1024 q8 products took 0.72 x the time (266 against 367 us,
- * weights streamed from memory, 1 thread). */
+ * more; q4 and mxfp4 rows hold two weights a byte), and left the next group unfetched: with one group ahead, a
+ * 2048 x 1024 q8 product took 0.72 x the time (266 against 367 us, weights streamed from memory, 1 thread). */
 #define X16_PREFETCH 2048
 
 /* Block b of q8 row w against x's block (x0..x3: elements 0..7, 8..15, 16..23, 24..31): four int32 sums. */
@@ -1938,8 +1938,8 @@ static PyObject *py_route_softmax(PyObject *self, PyObject *const *args, Py_ssiz
     if (lv.ndim != 2 || pv.ndim != 2 || wv.ndim != 2 || iv.ndim != 2 || lv.shape[0] != t || pv.shape[0] != t ||
         wv.shape[0] != t || iv.shape[0] != t || lv.shape[1] != e || pv.shape[1] != e || wv.shape[1] != k ||
         iv.shape[1] != k) {
-        PyErr_Format(PyExc_ValueError, "route_softmax: expected logits and probs [%zd, %zd], weights and ids [%zd, %zd]",
-                     t, e, t, k);
+        PyErr_Format(PyExc_ValueError,
+                     "route_softmax: expected logits and probs [%zd, %zd], weights and ids [%zd, %zd]", t, e, t, k);
         goto done;
     }
     {
