@@ -5,7 +5,8 @@ hidden 1024 / moe-intermediate 2048: gate/up [inter, hidden], down [hidden, inte
   kernel  `_packed.matmul_t(x, packed)` with the weight in its stored dtype, `set_threads(t)`
   numpy   `w_f32 @ x[0]`, the same shape in float32 (the reference path's product once a weight is float32)
 Weights rotate through copies totalling >= --pool-mib so each product streams its weight from memory, as decode does
-(one use of each expert per token), not from cache. Threads 1 and 2: each count runs in its own process with
+(one use of each expert per token), not from cache (default: twice the CPU's last-level cache, at least 96 MiB; a
+96 MiB pool fits in a 105 MiB L3). Threads 1 and 2: each count runs in its own process with
 OPENBLAS_NUM_THREADS set to it. Per round, kernel and numpy alternate; medians of --rounds rounds; ratio = numpy
 time / kernel time (> 1: the kernel is faster), GB/s = stored bytes of the weight (data + scales) per second; at
 1 thread also the ratio of the calling thread's CPU times (both run there), steadier on a shared machine.
@@ -13,7 +14,7 @@ Where the kernels run on AVX-512 (the one-row products of q8, q4, mxfp4, f32, f1
 on the AVX2 kernels alternate with them too: "avx2 us" and "512 gain" = AVX2 time / AVX-512 time.
 Also the Python cost of one `matmul_t` call on a tiny weight (what a decode step pays per product besides the math).
 
-Usage: python benchmarks/bench_kernels.py [--rounds 5] [--pool-mib 96] [--threads 1,2] [--kinds f32,bf16,...]
+Usage: python benchmarks/bench_kernels.py [--rounds 5] [--pool-mib N] [--threads 1,2] [--kinds f32,bf16,...]
 """
 
 from __future__ import annotations
@@ -113,15 +114,30 @@ def child(args) -> None:
     print(json.dumps(dict(threads=args.threads_one, call_us=statistics.median(calls) * 1e6)), flush=True)
 
 
+def default_pool_mib() -> int:
+    """Twice the largest CPU cache sysfs reports (the last level), at least 96 MiB: a pool that fits in the cache
+    would time cache reads, not memory."""
+    largest = 0
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = size.read_text().strip()
+        try:
+            largest = max(largest, int(text[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[text[-1]])
+        except (ValueError, KeyError, IndexError):
+            continue
+    return max(96, -(-2 * largest // 2**20))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--pool-mib", type=int, default=96)
+    ap.add_argument("--pool-mib", type=int, default=None, help="default: twice the last-level cache, >= 96")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--kinds", default="f32,f16,bf16,fp8,q8,q4,mxfp4")
     ap.add_argument("--threads-one", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.kinds = args.kinds.split(",")
+    if args.pool_mib is None:
+        args.pool_mib = default_pool_mib()
     if args.threads_one:
         child(args)
         return
