@@ -311,6 +311,10 @@ TARGET_AVX512 static void dot4_f32_avx512(const float *x, const float *w, Py_ssi
     DOT4_Z_BODY(float, _mm512_loadu_ps, F32_TAIL)
 }
 
+TARGET_AVX512 static inline __m512 load16_bf16(const uint16_t *p) { /* load_bf16's widening, 16 at a time */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
 TARGET_AVX512 static inline __m512 load16_f16(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
@@ -325,6 +329,16 @@ TARGET_AVX512 static inline __m512 tail16_f16(__mmask16 m, const uint16_t *p, Py
 
 TARGET_AVX512 static void dot4_f16_avx512(const float *x, const uint16_t *w, Py_ssize_t n, float *y) {
     DOT4_Z_BODY(uint16_t, load16_f16, tail16_f16)
+}
+
+/* The bf16 four-row kernels' end: elements [i, n) of rows w, w + n, w + 2n, w + 3n one by one into their sums s
+ * (each in element order), then y = s. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void finish4_bf16(const float *x, const uint16_t *w,
+                                                                           Py_ssize_t n, Py_ssize_t i, float *s,
+                                                                           float *y) {
+    for (; i < n; i++)
+        for (int k = 0; k < 4; k++) s[k] += x[i] * bf16_to_float(w[k * n + i]);
+    memcpy(y, s, 4 * sizeof(float));
 }
 
 /* bf16 without widening: a 256-bit load holds 16 bf16 as 8 pairs; shifted left 16 each pair's first element is a
@@ -360,18 +374,9 @@ TARGET_AVX2 static void dot4_bf16_avx2(const float *x, const uint16_t *w, Py_ssi
         e2 = _mm256_fmadd_ps(load_bf16(w2 + i), xv, e2);
         e3 = _mm256_fmadd_ps(load_bf16(w3 + i), xv, e3);
     }
-    float s0 = hsum8(_mm256_add_ps(e0, o0)), s1 = hsum8(_mm256_add_ps(e1, o1));
-    float s2 = hsum8(_mm256_add_ps(e2, o2)), s3 = hsum8(_mm256_add_ps(e3, o3));
-    for (; i < n; i++) {
-        s0 += x[i] * bf16_to_float(w0[i]);
-        s1 += x[i] * bf16_to_float(w1[i]);
-        s2 += x[i] * bf16_to_float(w2[i]);
-        s3 += x[i] * bf16_to_float(w3[i]);
-    }
-    y[0] = s0;
-    y[1] = s1;
-    y[2] = s2;
-    y[3] = s3;
+    float s[4] = {hsum8(_mm256_add_ps(e0, o0)), hsum8(_mm256_add_ps(e1, o1)), hsum8(_mm256_add_ps(e2, o2)),
+                  hsum8(_mm256_add_ps(e3, o3))};
+    finish4_bf16(x, w, n, i, s, y);
 }
 
 /* The same pairs on AVX-512: 32 bf16 a step in one 512-bit load, x's 32 floats split into evens and odds by one
@@ -400,26 +405,14 @@ TARGET_AVX512 static void dot4_bf16_avx512(const float *x, const uint16_t *w, Py
     }
     for (; i + 16 <= n; i += 16) {
         const __m512 xv = _mm512_loadu_ps(x + i);
-#define LOAD16_BF16(p)                                                                                             \
-    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
-        e0 = _mm512_fmadd_ps(LOAD16_BF16(w0 + i), xv, e0);
-        e1 = _mm512_fmadd_ps(LOAD16_BF16(w1 + i), xv, e1);
-        e2 = _mm512_fmadd_ps(LOAD16_BF16(w2 + i), xv, e2);
-        e3 = _mm512_fmadd_ps(LOAD16_BF16(w3 + i), xv, e3);
-#undef LOAD16_BF16
+        e0 = _mm512_fmadd_ps(load16_bf16(w0 + i), xv, e0);
+        e1 = _mm512_fmadd_ps(load16_bf16(w1 + i), xv, e1);
+        e2 = _mm512_fmadd_ps(load16_bf16(w2 + i), xv, e2);
+        e3 = _mm512_fmadd_ps(load16_bf16(w3 + i), xv, e3);
     }
-    float s0 = _mm512_reduce_add_ps(_mm512_add_ps(e0, o0)), s1 = _mm512_reduce_add_ps(_mm512_add_ps(e1, o1));
-    float s2 = _mm512_reduce_add_ps(_mm512_add_ps(e2, o2)), s3 = _mm512_reduce_add_ps(_mm512_add_ps(e3, o3));
-    for (; i < n; i++) {
-        s0 += x[i] * bf16_to_float(w0[i]);
-        s1 += x[i] * bf16_to_float(w1[i]);
-        s2 += x[i] * bf16_to_float(w2[i]);
-        s3 += x[i] * bf16_to_float(w3[i]);
-    }
-    y[0] = s0;
-    y[1] = s1;
-    y[2] = s2;
-    y[3] = s3;
+    float s[4] = {_mm512_reduce_add_ps(_mm512_add_ps(e0, o0)), _mm512_reduce_add_ps(_mm512_add_ps(e1, o1)),
+                  _mm512_reduce_add_ps(_mm512_add_ps(e2, o2)), _mm512_reduce_add_ps(_mm512_add_ps(e3, o3))};
+    finish4_bf16(x, w, n, i, s, y);
 }
 
 TARGET_AVX2 static void dot4_f16_avx2(const float *x, const uint16_t *w, Py_ssize_t n, float *y) {
