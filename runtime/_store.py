@@ -22,10 +22,15 @@ from shardtool.manifest import Entry, read_verified_timed
 from shardtool.runtime._cache_policy import DEFAULT_POLICY, CacheIndex
 from shardtool.runtime._readers import ReaderPool
 from shardtool.runtime._model._weights import Tensors
+from shardtool.safetensors_format import HeaderMemo
 
 Arrays = Mapping[str, np.ndarray]
 # Each chunk is hashed right after it is read, while it is still in the CPU cache: one pass over memory
 # instead of two (read all, then hash all), measured ~30% faster on 6 MB experts (benchmarks/bench_runtime.py).
+
+# Parsed shard headers a store keeps for the shards it reads again (`HeaderMemo`): about a thousand experts' worth.
+# Counted in the memory plan's working buffers (`_plan.plan_budget`).
+HEADER_MEMO_BYTES = 4 * 2**20
 
 
 @dataclass
@@ -68,15 +73,16 @@ def _count(counts: dict[str, int], kind: str) -> None:
     counts[kind] = counts.get(kind, 0) + 1
 
 
-def parse_shard(entry: Entry, data: np.ndarray | bytes) -> Tensors:
-    """Parse verified bytes. Malformed-but-signed shards fail cleanly as a verification error.
+def parse_shard(entry: Entry, data: np.ndarray | bytes, headers: HeaderMemo | None = None) -> Tensors:
+    """Parse verified bytes (`headers`: headers parsed before). Malformed-but-signed shards fail cleanly as a
+    verification error.
 
     One `Tensors` per load: the forward pass packs its weights once (views, no copies) and keeps them on it, so
     they are dropped with the shard when it is evicted."""
     from shardtool.safetensors_format import parse_safetensors
 
     try:
-        arrays, _ = parse_safetensors(data)
+        arrays, _ = parse_safetensors(data, headers=headers)
     except CheckpointFormatError as e:
         raise ShardFormatError(f"signed shard is not valid safetensors: {e.message}", path=entry.path) from None
     return Tensors(arrays)
@@ -107,6 +113,7 @@ class ShardStore:
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._pool = ReaderPool(readers, "shard-reader")  # loads the forward pass waits for before prefetches
+        self._headers = HeaderMemo(HEADER_MEMO_BYTES)  # a shard read again is not parsed again
 
     def close(self) -> None:
         self._pool.shutdown()
@@ -134,7 +141,7 @@ class ShardStore:
                     self.stats.fetch_seconds += time.perf_counter() - t0
                 loaded = read_verified_timed(self.root, entry)  # what is used is what this read verifies
             t0 = time.perf_counter()
-            arrays = parse_shard(entry, loaded.data)
+            arrays = parse_shard(entry, loaded.data, self._headers)
             if self._prepare is not None:
                 self._prepare(entry, arrays)
             parse_seconds = time.perf_counter() - t0

@@ -12,6 +12,8 @@ import functools
 import json
 import os
 import struct
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from math import prod
 from types import MappingProxyType
@@ -218,13 +220,56 @@ def _pread_exact(fd: int, n: int, offset: int) -> bytes:
     return b"".join(parts)
 
 
-def parse_safetensors(data: bytes | bytearray | memoryview) -> tuple[dict[str, np.ndarray], Mapping[str, str] | None]:
-    """Parse a whole file held in memory (already verified) into zero-copy, read-only numpy views."""
+class HeaderMemo:
+    """Headers already parsed, by their exact bytes and file size: a shard read again (evicted from a cache, then
+    needed again) skips the JSON and its checks, which cost about as much as hashing a quarter of a small expert.
+
+    Sound because `parse_header` is a pure function of those two: a remembered `Header` (frozen, its metadata a
+    read-only view) is what parsing the same bytes again would return, and an error is never remembered. Bounded:
+    at most `max_bytes`, each header counted at `cost` (its bytes twice, for the key and the parsed copy, plus
+    fixed overhead per tensor), least recently used dropped first; a header above 1/64 of the bound is parsed
+    every time. Thread-safe (a store's reader threads share one)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.used = 0
+        self._lock = threading.Lock()
+        self._headers: OrderedDict[tuple[bytes, int], tuple[Header, int]] = OrderedDict()
+
+    @staticmethod
+    def cost(header: bytes, parsed: Header) -> int:
+        return 2 * len(header) + 512 * (len(parsed.tensors) + 1)
+
+    def parse(self, header: bytes, *, file_size: int) -> Header:
+        key = (header, file_size)
+        with self._lock:
+            hit = self._headers.get(key)
+            if hit is not None:
+                self._headers.move_to_end(key)
+                return hit[0]
+        parsed = parse_header(header, file_size=file_size)
+        cost = self.cost(header, parsed)
+        if cost * 64 <= self.max_bytes:
+            with self._lock:
+                if key not in self._headers:
+                    self._headers[key] = (parsed, cost)
+                    self.used += cost
+                    while self.used > self.max_bytes:
+                        _, (_, dropped) = self._headers.popitem(last=False)
+                        self.used -= dropped
+        return parsed
+
+
+def parse_safetensors(data: bytes | bytearray | memoryview, *, headers: HeaderMemo | None = None
+                      ) -> tuple[dict[str, np.ndarray], Mapping[str, str] | None]:
+    """Parse a whole file held in memory (already verified) into zero-copy, read-only numpy views. `headers`:
+    where a header parsed before is found (its views are made again on these bytes)."""
     import numpy as np
 
     view = memoryview(data).cast("B")
     n = header_length(bytes(view[:8]), len(view))
-    header = parse_header(bytes(view[8:8 + n]), file_size=len(view))
+    raw = bytes(view[8:8 + n])
+    header = headers.parse(raw, file_size=len(view)) if headers is not None else parse_header(raw, file_size=len(view))
     arrays: dict[str, np.ndarray] = {}
     for t in header.tensors:
         arr = np.frombuffer(view[t.start:t.end], dtype=numpy_dtype(t.dtype)).reshape(t.shape)

@@ -243,7 +243,10 @@ class Float32Weights:
                          lambda t: prepare_layer(self.cfg, layer, t, only=ROUTER_TENSORS))
         predicted = predict_experts(hidden, router, self.cfg)  # [T, k]
         self._predicted[layer] = predicted
-        ids, rows = np.unique(predicted, return_counts=True)
+        if len(predicted) == 1:  # a decode row: its k distinct ids, each wanted once (np.unique's order: ascending)
+            self.provider.prefetch_experts(layer, sorted(predicted[0].tolist()))
+            return
+        ids, rows = np.unique(predicted, return_counts=True)  # most rows first, ties by id
         self.provider.prefetch_experts(layer, [int(e) for e in ids[np.argsort(-rows, kind="stable")]])
 
     def observer(self, layer: int, observe: ObserveRoute | None) -> ObserveRoute | None:

@@ -45,6 +45,38 @@ def test_recall_with_more_guesses_than_chosen_and_nothing_yet():
         stats.add(np.array([[0, 1]]), np.array([[0, 1], [2, 3]]))
 
 
+def test_the_prefetch_asks_first_for_the_experts_most_rows_predicted_ties_by_id(monkeypatch):
+    """One decode row (its own fast path) and several rows ask in the same order: most rows first, then by id."""
+    from types import SimpleNamespace
+
+    import shardtool.runtime._model._forward as fw
+
+    asked = []
+
+    class Provider:
+        lookahead = True
+
+        def layer(self, layer):
+            return {}
+
+        def prefetch_experts(self, layer, ids):
+            asked.append((layer, ids))
+
+    predicted = {}
+    monkeypatch.setattr(fw, "prepare_layer", lambda *a, **k: {})
+    monkeypatch.setattr(fw, "predict_experts", lambda hidden, router, cfg: predicted["ids"])
+    cfg = SimpleNamespace(num_layers=3, moe_layers=(True, True, False), vocab_size=4, hidden_size=2)
+    weights = fw.Float32Weights(cfg, Provider())
+    for ids, want in (([[7, 2, 5]], [2, 5, 7]), ([[7, 2], [2, 9], [9, 2]], [2, 9, 7])):
+        predicted["ids"] = np.array(ids)
+        asked.clear()
+        weights.lookahead(1, np.zeros((len(ids), 2), np.float32))
+        assert asked == [(1, want)]
+    weights.lookahead(2, np.zeros((1, 2), np.float32))  # a dense layer: nothing predicted
+    weights.lookahead(3, np.zeros((1, 2), np.float32))  # past the last layer
+    assert asked == [(1, [2, 9, 7])]
+
+
 # --- the store's prefetch accounting ------------------------------------------------------------------------
 
 def _shards(root: Path, n: int) -> list[Entry]:

@@ -15,6 +15,7 @@ from safetensors.numpy import save as st_save
 
 import shardtool.manifest._files as files_mod
 import shardtool.runtime._store as store_mod
+import shardtool.safetensors_format as sf
 from shardtool.errors import DigestMismatchError
 from shardtool.manifest import Entry, build_manifest
 from shardtool.errors import MissingFileError, NotARegularFileError
@@ -357,6 +358,28 @@ def test_evicted_shard_is_read_and_verified_again(model, raises_exactly):
     store.close()
 
 
+def test_a_shard_read_again_is_verified_again_and_its_header_not_parsed_again(model, monkeypatch, reads,
+                                                                             raises_exactly):
+    root, e = model
+    parsed = []
+    real = sf.parse_header
+
+    def counted(header, *, file_size):
+        parsed.append(header)
+        return real(header, file_size=file_size)
+    monkeypatch.setattr(sf, "parse_header", counted)
+    store = make_store(root, budget_shards=1.5)  # one shard
+    for _ in range(2):
+        assert_arrays(store.get(e[0]), 0)
+        assert_arrays(store.get(e[1]), 1)  # evicts e[0]
+    # four reads, every one verified; the test shards all have the same header bytes: parsed once
+    assert reads == {e[0].path: 2, e[1].path: 2} and len(parsed) == 1
+    flip_byte(root / e[0].path)  # a data byte: the header is the remembered one, the digest is not the signed one
+    with raises_exactly(DigestMismatchError):
+        store.get(e[0])
+    store.close()
+
+
 def test_tamper_while_cached_serves_the_verified_arrays_not_the_new_bytes(model, reads):
     root, e = model
     store = make_store(root)
@@ -380,9 +403,9 @@ def test_bytes_are_read_once_and_the_verified_bytes_are_the_parsed_bytes(model, 
         verified[entry.path] = real_read(r, entry)
         return verified[entry.path]
 
-    def parse(entry, data):
+    def parse(entry, data, headers):
         parsed[entry.path] = data
-        return real_parse(entry, data)
+        return real_parse(entry, data, headers)
 
     monkeypatch.setattr(store_mod, "read_verified_timed", read)
     monkeypatch.setattr(store_mod, "parse_shard", parse)
