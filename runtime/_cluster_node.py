@@ -28,7 +28,7 @@ from shardtool.runtime._model import ModelConfig, run_expert
 from shardtool.runtime._cluster_plan import ClusterPlan, node_memory_floor
 from shardtool.runtime._signed import unusable_shards, verified_config
 from shardtool.runtime._cache_policy import DEFAULT_POLICY
-from shardtool.runtime._store import ShardStore
+from shardtool.runtime._store import ShardStore, header_memo_bytes
 
 NAMESPACE = "shardtool"
 ACTOR_PREFIX = "shardtool-node-"
@@ -107,7 +107,7 @@ class NodeService:
         self.fetcher = RemoteFiles(Path(setup.directory), setup.remote) if setup.remote is not None else None
         self.store = ShardStore(Path(setup.directory), budget_bytes=setup.budget, readers=setup.readers,
                                 fetch_missing=self.fetcher.fetch if self.fetcher is not None else None,
-                                policy=setup.cache_policy)
+                                policy=setup.cache_policy, header_memo=header_memo_bytes(len(setup.entries)))
         self.failed: dict[tuple[int, int], str] = {}
         self.calls = 0
         self._lock = threading.Lock()

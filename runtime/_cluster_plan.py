@@ -35,7 +35,7 @@ from shardtool import layout
 from shardtool.errors import ShardtoolError, UsageError, VerificationError
 from shardtool.manifest import MAX_EXPERT, MAX_LAYER, VerifiedManifest
 from shardtool.runtime._plan import MIN_ACTIVATION_RESERVE
-from shardtool.runtime._store import HEADER_MEMO_BYTES
+from shardtool.runtime._store import header_memo_bytes
 from shardtool.strict_json import loads_strict
 
 NODE_CONFIG = "config.json"  # the one small file a node reads besides its experts
@@ -258,9 +258,10 @@ def node_memory_floor(sizes: Iterable[int], per_layer: int, top_k: int) -> int:
     no trunk and no KV cache: a shard cache of k + 1 of its largest expert, float32 copies of the k in use
     (4x, FP8 worst case), one read in flight, the store's parsed headers and the activation reserve. k is the contract's experts per
     token, capped by the most experts the node holds in one layer (it never computes more at once)."""
+    sizes = list(sizes)
     largest = max(sizes, default=0)
     k = min(top_k, per_layer)
-    return largest * (k + 1) + 4 * k * largest + largest + HEADER_MEMO_BYTES + MIN_ACTIVATION_RESERVE
+    return largest * (k + 1) + 4 * k * largest + largest + header_memo_bytes(len(sizes)) + MIN_ACTIVATION_RESERVE
 
 
 def _node_floor(node: NodePlan, experts: Mapping[tuple[int, int], int], top_k: int) -> int:

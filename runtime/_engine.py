@@ -50,7 +50,7 @@ from shardtool.runtime._record import RunRecord
 from shardtool.runtime._provider import VerifiedWeights
 from shardtool.runtime._signed import load_tokenizer, signed_json, unusable_shards, verified_config
 from shardtool.runtime._cache_policy import DEFAULT_POLICY
-from shardtool.runtime._store import ShardStore
+from shardtool.runtime._store import ShardStore, header_memo_bytes
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,8 @@ class Engine:
         self.plan: BudgetPlan = plan_budget(budget, self.config, manifest, max_tokens=max_context, readers=readers,
                                             max_batch=max_batch, kv_cache=kv_cache)
         self.store = ShardStore(self.root, budget_bytes=self.plan.shard_cache, readers=readers,
-                                fetch_missing=fetch_missing, policy=cache_policy, prepare=self._prepare_shard)
+                                fetch_missing=fetch_missing, policy=cache_policy, prepare=self._prepare_shard,
+                                header_memo=header_memo_bytes(len(manifest.entries)))
         self.weights = VerifiedWeights(self.store, manifest, self.config.num_layers, window=self.config.top_k,
                                        lookahead=lookahead and remote is None)
         self.remote = remote

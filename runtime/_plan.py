@@ -14,7 +14,7 @@ from shardtool.runtime._model import ModelConfig, bytes_per_token
 from shardtool.runtime._model._activations import step_bytes
 from shardtool.runtime._model import _packed
 from shardtool.runtime._model._forward import trunk_shapes
-from shardtool.runtime._store import HEADER_MEMO_BYTES
+from shardtool.runtime._store import header_memo_bytes
 
 # The least the budget keeps for one forward step's temporaries; more when the step's queries over the whole
 # sequence need more (`step_bytes`). A step takes as many rows as fit (`step_rows`, `prefill_chunk`).
@@ -53,7 +53,8 @@ def plan_budget(budget: int, cfg: ModelConfig, manifest: VerifiedManifest, max_t
     f32 = expanded_bytes(cfg)
     inflight = readers * max(largest_expert, largest_trunk)
     activations = max(MIN_ACTIVATION_RESERVE, step_bytes(cfg, max_batch, max_tokens))
-    working = f32 + inflight + HEADER_MEMO_BYTES + activations
+    headers = header_memo_bytes(len(manifest.entries))
+    working = f32 + inflight + headers + activations
     need = max(largest_expert, largest_trunk) * (k + 1)
     one_sequence = bytes_per_token(cfg) * max_tokens
     if kv_cache is None:
@@ -66,7 +67,8 @@ def plan_budget(budget: int, cfg: ModelConfig, manifest: VerifiedManifest, max_t
                 f"a batch of {max_batch} with a KV cache of {wanted / MIB:.1f} MiB")
         raise UsageError(f"memory budget {budget / MIB:.1f} MiB cannot run {what} of this model: KV cache "
                          f"{wanted / MIB:.1f} MiB + activations {activations / MIB:.1f} MiB + other working buffers "
-                         f"{(f32 + inflight + HEADER_MEMO_BYTES) / MIB:.1f} MiB + shard cache {need / MIB:.1f} MiB (top-k + 1 shards) "
+                         f"{(f32 + inflight + headers) / MIB:.1f} MiB + shard cache {need / MIB:.1f} MiB "
+                         f"(top-k + 1 shards) "
                          f"need {(wanted + working + need) / MIB:.1f} MiB",
                          hint=f"raise --memory-budget to at least {math.ceil((wanted + working + need) / MIB)}MiB, "
                               f"or shorten the prompt or --max-new-tokens" if max_batch == 1 else

@@ -28,9 +28,17 @@ Arrays = Mapping[str, np.ndarray]
 # Each chunk is hashed right after it is read, while it is still in the CPU cache: one pass over memory
 # instead of two (read all, then hash all), measured ~30% faster on 6 MB experts (benchmarks/bench_runtime.py).
 
-# Parsed shard headers a store keeps for the shards it reads again (`HeaderMemo`): about a thousand experts' worth.
-# Counted in the memory plan's working buffers (`_plan.plan_budget`).
-HEADER_MEMO_BYTES = 4 * 2**20
+# Parsed shard headers a store keeps for the shards it reads again (`HeaderMemo`): room for every shard of the model
+# (a typical expert's header costs about 4 KiB remembered), at least 1 MiB and at most 96 MiB (about 19,000 shards:
+# DeepSeek-V3 has about 14,900).
+HEADER_MEMO_PER_SHARD = 5 * 1024
+HEADER_MEMO_MIN, HEADER_MEMO_MAX = 2**20, 96 * 2**20
+
+
+def header_memo_bytes(shards: int) -> int:
+    """The memory a store of `shards` shards keeps for parsed headers: the memory plan counts it among the working
+    buffers (`_plan.plan_budget`, `_cluster_plan.node_memory_floor`)."""
+    return min(HEADER_MEMO_MAX, max(HEADER_MEMO_MIN, shards * HEADER_MEMO_PER_SHARD))
 
 
 @dataclass
@@ -93,13 +101,14 @@ class ShardStore:
 
     def __init__(self, root: Path, *, budget_bytes: int, readers: int = 2,
                  fetch_missing: Callable[[Entry], None] | None = None, policy: str = DEFAULT_POLICY,
-                 prepare: Callable[[Entry, Arrays], None] | None = None):
+                 prepare: Callable[[Entry, Arrays], None] | None = None, header_memo: int = HEADER_MEMO_MIN):
         """`fetch_missing(entry)`: brings a listed shard that `root` does not hold into `root` (`--remote`: fetched
         from mirrors, verified, renamed into place); the store then reads it through the same entry check.
         `policy`: which cached shard is evicted first (`_cache_policy.POLICIES`); trunk shards go only when
         no expert is left (`CacheIndex`). `prepare(entry, arrays)`: run by the reader thread on a shard it verified
         and parsed, before anyone is handed it (the forward pass checks and packs an expert's weights there, off its
-        own thread); an error it raises fails that load like a format error."""
+        own thread); an error it raises fails that load like a format error. `header_memo`: bytes for the headers of
+        shards read again (`header_memo_bytes`), outside `budget_bytes`."""
         if budget_bytes <= 0:
             raise ValueError(f"budget must be positive, got {budget_bytes}")
         self.root = Path(root)
@@ -113,7 +122,7 @@ class ShardStore:
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._pool = ReaderPool(readers, "shard-reader")  # loads the forward pass waits for before prefetches
-        self._headers = HeaderMemo(HEADER_MEMO_BYTES)  # a shard read again is not parsed again
+        self._headers = HeaderMemo(header_memo)  # a shard read again is not parsed again
 
     def close(self) -> None:
         self._pool.shutdown()

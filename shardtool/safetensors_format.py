@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import struct
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -226,9 +227,9 @@ class HeaderMemo:
 
     Sound because `parse_header` is a pure function of those two: a remembered `Header` (frozen, its metadata a
     read-only view) is what parsing the same bytes again would return, and an error is never remembered. Bounded:
-    at most `max_bytes`, each header counted at `cost` (its bytes twice, for the key and the parsed copy, plus
-    fixed overhead per tensor), least recently used dropped first; a header above 1/64 of the bound is parsed
-    every time. Thread-safe (a store's reader threads share one)."""
+    the objects it keeps (`cost`: the key's bytes and every object of the parsed header) stay at most `max_bytes`,
+    least recently used dropped first; a header costing over 1/64 of the bound is parsed every time. Thread-safe (a
+    store's reader threads share one)."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
@@ -238,7 +239,14 @@ class HeaderMemo:
 
     @staticmethod
     def cost(header: bytes, parsed: Header) -> int:
-        return 2 * len(header) + 512 * (len(parsed.tensors) + 1)
+        """Bytes held for one remembered header, an upper bound: Python's own sizes of the key and of the strings,
+        containers and numbers of the parsed header (each object's allocator rounding included)."""
+        size = _held(header) + _ENTRY_BYTES + _held(parsed.tensors)
+        for t in parsed.tensors:
+            size += _TENSOR_BYTES + _held(t.name) + _held(t.dtype) + _held(t.shape) + _INT_BYTES * (len(t.shape) + 2)
+        if parsed.metadata is not None:
+            size += _held(dict(parsed.metadata)) + sum(_held(k) + _held(v) for k, v in parsed.metadata.items())
+        return size
 
     def parse(self, header: bytes, *, file_size: int) -> Header:
         key = (header, file_size)
@@ -258,6 +266,18 @@ class HeaderMemo:
                         _, (_, dropped) = self._headers.popitem(last=False)
                         self.used -= dropped
         return parsed
+
+
+def _held(obj: object) -> int:
+    """`sys.getsizeof(obj)` rounded up to the allocator's 16-byte blocks, plus a block of slack."""
+    return (sys.getsizeof(obj) + 31) // 16 * 16
+
+
+# Per remembered header: the key tuple, the file size, the memo's entry (ordered-dict node, value tuple, cost) and
+# the Header with its __dict__ and metadata view. Per tensor: the TensorInfo with its __dict__. Per number: an int.
+_ENTRY_BYTES = 640
+_TENSOR_BYTES = 384
+_INT_BYTES = 48
 
 
 def parse_safetensors(data: bytes | bytearray | memoryview, *, headers: HeaderMemo | None = None

@@ -243,7 +243,7 @@ class Float32Weights:
                          lambda t: prepare_layer(self.cfg, layer, t, only=ROUTER_TENSORS))
         predicted = predict_experts(hidden, router, self.cfg)  # [T, k]
         self._predicted[layer] = predicted
-        if len(predicted) == 1:  # a decode row: its k distinct ids, each wanted once (np.unique's order: ascending)
+        if len(predicted) == 1:  # a decode row: its k ids (distinct: every router's top-k), np.unique's order
             self.provider.prefetch_experts(layer, sorted(predicted[0].tolist()))
             return
         ids, rows = np.unique(predicted, return_counts=True)  # most rows first, ties by id

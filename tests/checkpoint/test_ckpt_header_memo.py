@@ -97,3 +97,52 @@ def test_a_header_too_large_for_the_bound_is_parsed_every_time(parses):
     for _ in range(3):
         parse_safetensors(shard, headers=memo)
     assert len(parses) == 3 and memo.used == 0
+
+
+def _big_shard(i: int, case: str) -> bytes:
+    """Headers whose parse holds far more memory than their bytes: names and metadata with a character outside
+    Latin-1 (4 bytes a character in Python), many small metadata strings."""
+    w = {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}
+    if case == "wide names":
+        header = {f"{i}" + "a" * 1000 + "\U0001F600": w}
+    elif case == "long metadata":
+        header = {"__metadata__": {"m": f"{i}" + "x" * 20000 + "\U0001F600"}, "w": w}
+    else:  # many one-character keys and values outside Latin-1
+        header = {"__metadata__": {chr(0x4E00 + j) + str(i): chr(0x4E00 + j) for j in range(400)}, "w": w}
+    body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    return struct.pack("<Q", len(body)) + body + b"\0"
+
+
+@pytest.mark.parametrize("case", ["wide names", "long metadata", "many metadata strings"])
+def test_what_the_memo_holds_stays_within_its_bound(case):
+    """`cost` is an upper bound on the memory a remembered header holds (measured by tracemalloc), so a memo filled to
+    its bound holds at most that."""
+    import gc
+    import tracemalloc
+
+    parse_safetensors(_big_shard(-1, case))  # numpy and the dtype table imported before measuring
+    memo = HeaderMemo(8 << 20)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(5000):
+            parse_safetensors(_big_shard(i, case), headers=memo)
+            if memo.used >= 0.9 * memo.max_bytes:  # full (each header is kept: it costs under 1/64 of the bound)
+                break
+        else:
+            pytest.fail(f"the memo did not fill: {memo.used} bytes")
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert held <= memo.used <= memo.max_bytes, (held, memo.used)
+
+
+def test_a_store_has_room_for_every_shard_header_within_its_limits():
+    from shardtool.runtime._store import HEADER_MEMO_MAX, HEADER_MEMO_MIN, HEADER_MEMO_PER_SHARD, header_memo_bytes
+
+    assert header_memo_bytes(0) == header_memo_bytes(10) == HEADER_MEMO_MIN
+    assert header_memo_bytes(1000) == 1000 * HEADER_MEMO_PER_SHARD
+    assert header_memo_bytes(15_000) == 15_000 * HEADER_MEMO_PER_SHARD  # DeepSeek-V3's ~14,900 experts: every one
+    assert header_memo_bytes(10**6) == HEADER_MEMO_MAX

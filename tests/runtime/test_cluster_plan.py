@@ -14,7 +14,7 @@ from shardtool.runtime import (ClusterPlan, NodePlan, decode_plan, encode_plan, 
                                summarize)
 from shardtool.runtime._cluster_plan import MAX_PLAN_BYTES
 from shardtool.runtime._plan import MIN_ACTIVATION_RESERVE
-from shardtool.runtime._store import HEADER_MEMO_BYTES
+from shardtool.runtime._store import HEADER_MEMO_MIN
 
 MIB = 2**20
 WHAT = "cluster.plan"
@@ -114,7 +114,7 @@ def test_a_node_short_of_disk_is_named_with_the_bytes():
 
 def test_a_node_short_of_memory_is_named_with_the_bytes():
     floor = node_memory_floor([1000], 8, 2)
-    assert floor == 1000 * 3 + 4 * 2 * 1000 + 1000 + HEADER_MEMO_BYTES + MIN_ACTIVATION_RESERVE
+    assert floor == 1000 * 3 + 4 * 2 * 1000 + 1000 + HEADER_MEMO_MIN + MIN_ACTIVATION_RESERVE
     with pytest.raises(UsageError) as e:
         make_plan(M, [("a", BUDGET, None), ("tiny", floor - 123, None)], replicas=1)
     assert "node tiny is short of memory by 123 bytes" in str(e.value) and "\n" not in str(e.value)
