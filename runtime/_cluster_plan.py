@@ -256,8 +256,9 @@ def experts_per_token(manifest: VerifiedManifest) -> int:
 def node_memory_floor(sizes: Iterable[int], per_layer: int, top_k: int) -> int:
     """The least memory an expert node needs to compute one step, after runtime/_plan.py's plan_budget with
     no trunk and no KV cache: a shard cache of k + 1 of its largest expert, float32 copies of the k in use
-    (4x, FP8 worst case), one read in flight, the store's parsed headers and the activation reserve. k is the contract's experts per
-    token, capped by the most experts the node holds in one layer (it never computes more at once)."""
+    (4x, FP8 worst case), one read in flight, the store's parsed headers (`header_memo_bytes` of its experts) and the
+    activation reserve. k is the contract's experts per token, capped by the most experts the node holds in one layer
+    (it never computes more at once)."""
     sizes = list(sizes)
     largest = max(sizes, default=0)
     k = min(top_k, per_layer)

@@ -68,8 +68,7 @@ def plan_budget(budget: int, cfg: ModelConfig, manifest: VerifiedManifest, max_t
         raise UsageError(f"memory budget {budget / MIB:.1f} MiB cannot run {what} of this model: KV cache "
                          f"{wanted / MIB:.1f} MiB + activations {activations / MIB:.1f} MiB + other working buffers "
                          f"{(f32 + inflight + headers) / MIB:.1f} MiB + shard cache {need / MIB:.1f} MiB "
-                         f"(top-k + 1 shards) "
-                         f"need {(wanted + working + need) / MIB:.1f} MiB",
+                         f"(top-k + 1 shards) need {(wanted + working + need) / MIB:.1f} MiB",
                          hint=f"raise --memory-budget to at least {math.ceil((wanted + working + need) / MIB)}MiB, "
                               f"or shorten the prompt or --max-new-tokens" if max_batch == 1 else
                               f"raise --memory-budget to at least {math.ceil((wanted + working + need) / MIB)}MiB, "
