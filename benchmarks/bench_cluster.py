@@ -233,7 +233,7 @@ LOOP_MODEL = dict(layers=4, experts=8, experts_per_tok=2, hidden=256, moe_interm
 LOOP_NODES = ("n1", "n2")
 # The same total: one process gets all of it; the coordinator (trunk, KV cache, working buffers) and each node
 # (its experts' cache and working buffers) share it.
-LOOP_TOTAL_BUDGET = 176 * MIB
+LOOP_TOTAL_BUDGET = 180 * MIB
 LOOP_COORDINATOR_BUDGET = 72 * MIB
 LOOP_NODE_BUDGET = (LOOP_TOTAL_BUDGET - LOOP_COORDINATOR_BUDGET) // len(LOOP_NODES)
 LOOP_PROMPT_IDS = "5,77,300,12,9,41,600,8"

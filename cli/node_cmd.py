@@ -33,7 +33,8 @@ def node(
     address: str = typer.Option(..., "--address", help="The Ray cluster to join, HOST:PORT of its head (run "
                                                        "`ray start --address HOST:PORT` on this machine first when it "
                                                        "is not the head's)."),
-    readers: int = typer.Option(2, "--readers", min=1, max=64, help="Reader/verifier threads."),
+    readers: int = typer.Option(2, "--readers", min=1, max=64,  # runtime's NODE_READERS: the plan's floors assume it
+                                help="Reader/verifier threads."),
     cache_policy: Optional[str] = typer.Option(None, "--cache-policy", help=CACHE_POLICY_HELP),
     join_timeout: float = typer.Option(60.0, "--join-timeout", min=0.1, max=3600.0,
                                        help="Seconds to wait for the node's actor to start."),

@@ -25,7 +25,7 @@ from shardtool.manifest import Entry, VerifiedManifest
 from shardtool.manifest.audit import check_file
 from shardtool.remote import RemoteFiles, RemoteSource
 from shardtool.runtime._model import ModelConfig, run_expert
-from shardtool.runtime._cluster_plan import ClusterPlan, node_memory_floor
+from shardtool.runtime._cluster_plan import NODE_READERS, ClusterPlan, node_memory_floor
 from shardtool.runtime._signed import unusable_shards, verified_config
 from shardtool.runtime._cache_policy import DEFAULT_POLICY
 from shardtool.runtime._store import ShardStore, header_memo_bytes
@@ -255,7 +255,7 @@ def leave_cluster(actor) -> None:
 
 
 def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan, name: str, *, budget: int,
-                 readers: int = 2, remote: RemoteSource | None = None,
+                 readers: int = NODE_READERS, remote: RemoteSource | None = None,
                  cache_policy: str = DEFAULT_POLICY) -> NodeSetup:
     """Check this node before it may join. The signed config.json (the experts' shapes) is read through
     verification; `budget` must hold a step over this node's experts; then every file the plan gives node `name`
@@ -274,7 +274,7 @@ def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan,
     root = Path(directory)
     config = verified_config(root, manifest)
     per_layer = max((len(ids) for ids in node.experts.values()), default=0)
-    need = node_memory_floor([e.size for e in entries], per_layer, config.top_k)
+    need = node_memory_floor([e.size for e in entries], per_layer, config.top_k, readers)
     if budget < need:
         raise UsageError(f"--memory-budget {budget} bytes cannot hold a step of node {name}: it needs {need} bytes "
                          f"(a shard cache of top-k + 1 of its experts and working buffers)",

@@ -253,16 +253,22 @@ def experts_per_token(manifest: VerifiedManifest) -> int:
     return k
 
 
-def node_memory_floor(sizes: Iterable[int], per_layer: int, top_k: int) -> int:
+# A node's reader threads when `shardtool node --readers` is not given: a plan's memory floors assume it.
+NODE_READERS = 2
+
+
+def node_memory_floor(sizes: Iterable[int], per_layer: int, top_k: int, readers: int = NODE_READERS) -> int:
     """The least memory an expert node needs to compute one step, after runtime/_plan.py's plan_budget with
     no trunk and no KV cache: a shard cache of k + 1 of its largest expert, float32 copies of the k in use
-    (4x, FP8 worst case), one read in flight, the store's parsed headers (`header_memo_bytes` of its experts) and the
-    activation reserve. k is the contract's experts per token, capped by the most experts the node holds in one layer
-    (it never computes more at once)."""
+    (4x, FP8 worst case), a read in flight on each of its `readers` threads, the store's parsed headers
+    (`header_memo_bytes` of its experts) and the activation reserve. k is the contract's experts per token, capped by
+    the most experts the node holds in one layer (it never computes more at once). A plan checks each node with the
+    default readers; a node started with more checks its own budget against its own floor."""
     sizes = list(sizes)
     largest = max(sizes, default=0)
     k = min(top_k, per_layer)
-    return largest * (k + 1) + 4 * k * largest + largest + header_memo_bytes(len(sizes)) + MIN_ACTIVATION_RESERVE
+    return (largest * (k + 1) + 4 * k * largest + readers * largest + header_memo_bytes(len(sizes))
+            + MIN_ACTIVATION_RESERVE)
 
 
 def _node_floor(node: NodePlan, experts: Mapping[tuple[int, int], int], top_k: int) -> int:

@@ -23,8 +23,8 @@ PROMPT_IDS = "5,77,300,12"
 
 
 def _budget(model: kit.Model) -> str:
-    """The least --memory-budget a node of this model runs with: its shard cache holds only top-k + 1 experts,
-    so experts are evicted and read (and verified) again all the time."""
+    """The least --memory-budget a node of this model runs with (`--readers 1`, as every node here): its shard cache
+    holds only top-k + 1 experts, so experts are evicted and read (and verified) again all the time."""
     from shardtool.keys import load_public_key
     from shardtool.manifest import load_trusted_manifest
     from shardtool.runtime import load_plan, node_memory_floor
@@ -34,7 +34,7 @@ def _budget(model: kit.Model) -> str:
     plan = load_plan(model.plan, verified)
     sizes = {e.path: e.size for e in verified.entries}
     k = verified.head.contract["experts_per_token"]
-    return str(max(node_memory_floor([sizes[p] for p in n.files()], max(map(len, n.experts.values())), k)
+    return str(max(node_memory_floor([sizes[p] for p in n.files()], max(map(len, n.experts.values())), k, readers=1)
                    for n in plan.nodes))
 
 

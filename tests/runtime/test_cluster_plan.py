@@ -114,7 +114,8 @@ def test_a_node_short_of_disk_is_named_with_the_bytes():
 
 def test_a_node_short_of_memory_is_named_with_the_bytes():
     floor = node_memory_floor([1000], 8, 2)
-    assert floor == 1000 * 3 + 4 * 2 * 1000 + 1000 + HEADER_MEMO_MIN + MIN_ACTIVATION_RESERVE
+    assert floor == 1000 * 3 + 4 * 2 * 1000 + 2 * 1000 + HEADER_MEMO_MIN + MIN_ACTIVATION_RESERVE  # 2 reads in flight
+    assert node_memory_floor([1000], 8, 2, readers=5) == floor + 3 * 1000
     with pytest.raises(UsageError) as e:
         make_plan(M, [("a", BUDGET, None), ("tiny", floor - 123, None)], replicas=1)
     assert "node tiny is short of memory by 123 bytes" in str(e.value) and "\n" not in str(e.value)
@@ -273,3 +274,15 @@ def test_nodeplan_and_plan_are_values():
     node = NodePlan("a", 1, None, {0: (1, 2)})
     assert node.files() == [layout.expert_path(0, 1), layout.expert_path(0, 2)]
     assert hash(node) == hash(NodePlan("a", 1, None, {0: (3,)}))  # experts are not hashed (a dict)
+
+
+def test_a_plan_assumes_the_readers_a_node_starts_with_by_default():
+    """The plan checks each node's budget with NODE_READERS reads in flight: `shardtool node`'s own default."""
+    import typer.main
+
+    from shardtool.cli import build_app
+    from shardtool.runtime._cluster_plan import NODE_READERS
+
+    command = typer.main.get_command(build_app(("node_cmd",)))
+    readers = next(p for p in command.params if p.name == "readers")
+    assert readers.default == NODE_READERS
