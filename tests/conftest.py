@@ -69,3 +69,18 @@ def ed25519_keys() -> list:
     from shardtool.keys import PrivateKey
 
     return [PrivateKey(Ed25519PrivateKey.from_private_bytes(bytes([i]) * 32)) for i in range(1, 6)]
+
+
+@pytest.fixture
+def header_parses(monkeypatch) -> list[bytes]:
+    """The safetensors headers really parsed from here on (a header memo's misses), in order."""
+    import shardtool.safetensors_format as sf
+
+    calls: list[bytes] = []
+    real = sf.parse_header
+
+    def counted(header: bytes, *, file_size: int):
+        calls.append(header)
+        return real(header, file_size=file_size)
+    monkeypatch.setattr(sf, "parse_header", counted)
+    return calls

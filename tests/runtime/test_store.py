@@ -15,7 +15,6 @@ from safetensors.numpy import save as st_save
 
 import shardtool.manifest._files as files_mod
 import shardtool.runtime._store as store_mod
-import shardtool.safetensors_format as sf
 from shardtool.errors import DigestMismatchError
 from shardtool.manifest import Entry, build_manifest
 from shardtool.errors import MissingFileError, NotARegularFileError
@@ -358,16 +357,10 @@ def test_evicted_shard_is_read_and_verified_again(model, raises_exactly):
     store.close()
 
 
-def test_a_shard_read_again_is_verified_again_and_its_header_not_parsed_again(model, monkeypatch, reads,
+def test_a_shard_read_again_is_verified_again_and_its_header_not_parsed_again(model, reads, header_parses,
                                                                              raises_exactly):
     root, e = model
-    parsed = []
-    real = sf.parse_header
-
-    def counted(header, *, file_size):
-        parsed.append(header)
-        return real(header, file_size=file_size)
-    monkeypatch.setattr(sf, "parse_header", counted)
+    parsed = header_parses
     store = make_store(root, budget_shards=1.5)  # one shard
     for _ in range(2):
         assert_arrays(store.get(e[0]), 0)
