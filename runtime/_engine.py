@@ -50,7 +50,7 @@ from shardtool.runtime._record import RunRecord
 from shardtool.runtime._provider import VerifiedWeights
 from shardtool.runtime._signed import load_tokenizer, signed_json, unusable_shards, verified_config
 from shardtool.runtime._cache_policy import DEFAULT_POLICY
-from shardtool.runtime._store import ShardStore, header_memo_bytes
+from shardtool.runtime._store import ShardStore
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ class Engine:
                                             max_batch=max_batch, kv_cache=kv_cache)
         self.store = ShardStore(self.root, budget_bytes=self.plan.shard_cache, readers=readers,
                                 fetch_missing=fetch_missing, policy=cache_policy, prepare=self._prepare_shard,
-                                header_memo=header_memo_bytes(len(manifest.entries)))
+                                header_memo=self.plan.headers)
         self.weights = VerifiedWeights(self.store, manifest, self.config.num_layers, window=self.config.top_k,
                                        lookahead=lookahead and remote is None)
         self.remote = remote

@@ -28,6 +28,7 @@ class BudgetPlan:
     kv_cache: int  # shared by every running sequence; each reserves prompt + max_new_tokens of it
     working: int  # reads in flight, weights expanded for one use, the store's parsed headers, plus `activations`
     activations: int
+    headers: int  # of `working`: the shard store's parsed headers (`header_memo_bytes`), which the store is given
     shard_cache: int
 
     def as_dict(self) -> dict:
@@ -73,7 +74,7 @@ def plan_budget(budget: int, cfg: ModelConfig, manifest: VerifiedManifest, max_t
                               f"or shorten the prompt or --max-new-tokens" if max_batch == 1 else
                               f"raise --memory-budget to at least {math.ceil((wanted + working + need) / MIB)}MiB, "
                               f"or lower --max-batch, --max-context or --kv-cache")
-    return BudgetPlan(budget, kv_cache, working, activations, shard_cache)
+    return BudgetPlan(budget, kv_cache, working, activations, headers, shard_cache)
 
 
 def expanded_bytes(cfg: ModelConfig) -> int:

@@ -22,7 +22,7 @@ from shardtool.manifest import Entry, read_verified_timed
 from shardtool.runtime._cache_policy import DEFAULT_POLICY, CacheIndex
 from shardtool.runtime._readers import ReaderPool
 from shardtool.runtime._model._weights import Tensors
-from shardtool.safetensors_format import HeaderMemo
+from shardtool.safetensors_format import HeaderMemo, parse_safetensors
 
 Arrays = Mapping[str, np.ndarray]
 # Each chunk is hashed right after it is read, while it is still in the CPU cache: one pass over memory
@@ -87,8 +87,6 @@ def parse_shard(entry: Entry, data: np.ndarray | bytes, headers: HeaderMemo | No
 
     One `Tensors` per load: the forward pass packs its weights once (views, no copies) and keeps them on it, so
     they are dropped with the shard when it is evicted."""
-    from shardtool.safetensors_format import parse_safetensors
-
     try:
         arrays, _ = parse_safetensors(data, headers=headers)
     except CheckpointFormatError as e:
