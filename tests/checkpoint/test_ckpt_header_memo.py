@@ -25,46 +25,41 @@ def _shard(values: list[float], name: str = "w", pad: str = "") -> bytes:
     return struct.pack("<Q", len(body)) + body + data
 
 
-@pytest.fixture
-def parses(header_parses):
-    return header_parses
-
-
-def test_a_shard_read_again_is_parsed_once_and_its_views_are_on_the_new_bytes(parses):
+def test_a_shard_read_again_is_parsed_once_and_its_views_are_on_the_new_bytes(header_parses):
     memo = HeaderMemo(1 << 20)
     first = bytearray(_shard([1.0, 2.0]))
     again = bytearray(first)
     again[-4:] = np.float32(7.0).tobytes()  # same header, other tensor bytes: a view must read these
     a, _ = parse_safetensors(first, headers=memo)
     b, _ = parse_safetensors(again, headers=memo)
-    assert len(parses) == 1
+    assert len(header_parses) == 1
     assert a["w"].tolist() == [1.0, 2.0] and b["w"].tolist() == [1.0, 7.0]
     assert not b["w"].flags.writeable
 
 
-def test_other_header_bytes_or_another_file_size_are_parsed_for_themselves(parses):
+def test_other_header_bytes_or_another_file_size_are_parsed_for_themselves(header_parses):
     memo = HeaderMemo(1 << 20)
     one, two = _shard([1.0], name="a"), _shard([1.0], name="b")  # headers of the same length, other bytes
     assert len(one) == len(two)
     assert list(parse_safetensors(one, headers=memo)[0]) == ["a"]
     assert list(parse_safetensors(two, headers=memo)[0]) == ["b"]
-    assert len(parses) == 2
+    assert len(header_parses) == 2
     # the same header bytes in a file one byte longer: not the remembered parse, which would accept it
     with pytest.raises(CheckpointFormatError, match="1 bytes after the last tensor"):
         parse_safetensors(one + b"\0", headers=memo)
-    assert len(parses) == 3
+    assert len(header_parses) == 3
 
 
-def test_an_error_is_not_remembered(parses):
+def test_an_error_is_not_remembered(header_parses):
     memo = HeaderMemo(1 << 20)
     bad = _shard([1.0])[:-1]  # the header promises 4 bytes of data, 3 follow
     for _ in range(2):
         with pytest.raises(CheckpointFormatError, match="truncated"):
             parse_safetensors(bad, headers=memo)
-    assert len(parses) == 2 and memo.used == 0
+    assert len(header_parses) == 2 and memo.used == 0
 
 
-def test_the_memo_stays_under_its_bound_dropping_the_least_recently_used(parses):
+def test_the_memo_stays_under_its_bound_dropping_the_least_recently_used(header_parses):
     shards = [_shard([float(i)], name=f"t{i:03d}") for i in range(70)]  # headers of one length, so one cost
     header = shards[0][8:8 + struct.unpack("<Q", shards[0][:8])[0]]
     cost = HeaderMemo.cost(header, sf.parse_header(header, file_size=len(shards[0])))
@@ -74,21 +69,21 @@ def test_the_memo_stays_under_its_bound_dropping_the_least_recently_used(parses)
     assert memo.used == 64 * cost
     parse_safetensors(shards[1], headers=memo)  # kept; now the most recently used
     parse_safetensors(shards[65], headers=memo)  # a new one drops the least recently used: shards[2]
-    parses.clear()
+    header_parses.clear()
     parse_safetensors(shards[1], headers=memo)
     parse_safetensors(shards[64], headers=memo)
-    assert parses == []
+    assert header_parses == []
     parse_safetensors(shards[2], headers=memo)
     parse_safetensors(shards[0], headers=memo)  # dropped by the 65th
-    assert len(parses) == 2 and memo.used <= memo.max_bytes
+    assert len(header_parses) == 2 and memo.used <= memo.max_bytes
 
 
-def test_a_header_too_large_for_the_bound_is_parsed_every_time(parses):
+def test_a_header_too_large_for_the_bound_is_parsed_every_time(header_parses):
     shard = _shard([1.0], pad="x" * 4000)
     memo = HeaderMemo(64 * 1000)  # a header is kept only when 64 of it fit: this one costs over 8000
     for _ in range(3):
         parse_safetensors(shard, headers=memo)
-    assert len(parses) == 3 and memo.used == 0
+    assert len(header_parses) == 3 and memo.used == 0
 
 
 def _big_shard(i: int, case: str) -> bytes:
