@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
+from shardtool.checkpoint._expert_check import check_forms
 from shardtool.checkpoint._plan import Piece, ShardPlan
 from shardtool.errors import CheckpointFormatError, UsageError
 from shardtool.families import EXPERT_PROJECTIONS
@@ -84,30 +85,15 @@ def _projection(name: str) -> str | None:
     return proj if suffix == "weight" and proj in EXPERT_PROJECTIONS else None
 
 
-def expected_shapes(config: Mapping[str, Any], family: str) -> dict[str, tuple[int | None, int | None]]:
-    """[out, in] of each routed-expert projection as config.json states it (hidden size H, the family's expert
-    intermediate size I: gate/up [I, H], down [H, I]); None where config.json does not say (a custom layout)."""
-    from shardtool.checkpoint._families import config_reader
-    from shardtool.families import BY_NAME
-
-    r = config_reader(config)
-    h = r.int("hidden_size", None, minimum=1)
-    fam = BY_NAME.get(family)
-    i = r.int(fam.expert_size_key, None, minimum=1) if fam is not None else None
-    return {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
-
-
-def quantize_plans(plans: Sequence[ShardPlan], method: str,
-                   shapes: Mapping[str, tuple[int | None, int | None]] | None = None, *, trunk: bool = False,
+def quantize_plans(plans: Sequence[ShardPlan], method: str, *, trunk: bool = False,
                    ) -> tuple[list[ShardPlan], QuantizeReport]:
     """The plans with every float routed-expert projection replaced by its quantized data + scale pieces (with
     `trunk`, the trunk's float linear weights too, `_trunk_weight`).
 
-    Refuses (CheckpointFormatError, before anything is written) a projection that is not 2-D, has no rows or no
-    columns, differs from config.json's shape (`shapes`, from `expected_shapes`), or whose input width is not a
-    multiple of the block."""
+    Refuses (CheckpointFormatError, before anything is written) a projection in more than one form, not 2-D, with
+    no rows or no columns, or whose input width is not a multiple of the block. Its shape against config.json is
+    every split's check (`_expert_check.check_expert_plans`), made before this."""
     check_method(method, trunk)
-    shapes = shapes or {}
     out: list[ShardPlan] = []
     done = trunk_done = trunk_kept = 0
     kept: Counter[str] = Counter()
@@ -118,7 +104,7 @@ def quantize_plans(plans: Sequence[ShardPlan], method: str,
                 trunk_done, trunk_kept = trunk_done + n, trunk_kept + k
             out.append(plan)
             continue
-        _check_forms(plan)
+        check_forms(plan)
         pieces: list[Piece] = []
         for p in plan.pieces:
             proj = _projection(p.name)
@@ -136,7 +122,7 @@ def quantize_plans(plans: Sequence[ShardPlan], method: str,
                 kept[_KEPT[p.dtype]] += 1
                 pieces.append(p)
                 continue
-            pieces += _quantized_pieces(plan, p, proj, method, shapes.get(proj, (None, None)))
+            pieces += _quantized_pieces(plan, p, proj, method)
             done += 1
         out.append(replace(plan, pieces=tuple(pieces)))
     return out, QuantizeReport(method, done, dict(kept), trunk_done, trunk_kept)
@@ -167,40 +153,7 @@ def _quantized_trunk(plan: ShardPlan, method: str) -> tuple[ShardPlan, int, int]
     return replace(plan, pieces=tuple(pieces)), done, kept
 
 
-def _check_forms(plan: ShardPlan) -> None:
-    """Each routed-expert projection of `plan` in exactly one stored form (`blockquant.form_tensors`, the rule the
-    runtime applies when it loads the shard): refused here, before anything is written or signed."""
-    from shardtool import blockquant
-
-    by_proj: dict[str, dict[str, Piece]] = {}
-    for p in plan.pieces:
-        proj, _, suffix = p.name.partition(".")
-        if proj in EXPERT_PROJECTIONS and suffix in blockquant.FORM_SUFFIXES:
-            by_proj.setdefault(proj, {})[suffix] = p
-    where = f"layer {plan.layer} expert {plan.expert}"
-    for proj, have in by_proj.items():
-        forms = [s for s in blockquant.FORM_DATA if s in have]
-        if len(forms) != 1:
-            names = ", ".join(repr(p.source.name) for p in have.values())
-            raise CheckpointFormatError(f"{where}: {proj} is stored in {'more than one form' if forms else 'no form'} "
-                                        f"({', '.join(forms) or 'no data tensor'}): {names}; expected exactly one")
-        form = forms[0]
-        w = have.get("weight")
-        kind = "int8" if w is not None and w.dtype == "I8" else "fp8" if w is not None and w.dtype == "F8_E4M3" \
-            else "float"
-        uses = blockquant.form_tensors(form, kind)
-        for s in blockquant.FORM_SUFFIXES:
-            if s in have and s not in uses:
-                raise CheckpointFormatError(f"{where}: {have[s].source.name!r} beside {proj}.{form} of dtype "
-                                            f"{have[form].dtype}: that form has "
-                                            f"{' and '.join(f'{proj}.{u}' for u in uses)} only")
-            if s in uses and s not in have:
-                raise CheckpointFormatError(f"{where}: {have[form].source.name!r} ({have[form].dtype}) without "
-                                            f"{proj}.{s}")
-
-
-def _quantized_pieces(plan: ShardPlan, p: Piece, proj: str, method: str,
-                      expected: tuple[int | None, int | None]) -> list[Piece]:
+def _quantized_pieces(plan: ShardPlan, p: Piece, proj: str, method: str) -> list[Piece]:
     from shardtool import blockquant
 
     if len(p.shape) != 2:
@@ -210,11 +163,6 @@ def _quantized_pieces(plan: ShardPlan, p: Piece, proj: str, method: str,
     if rows == 0 or cols == 0:
         raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {p.source.name!r} has shape "
                                     f"{list(p.shape)}, an empty projection cannot be quantized")
-    if any(want is not None and got != want for got, want in zip((rows, cols), expected)):
-        want = [w if w is not None else "any" for w in expected]
-        raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {p.source.name!r} has shape "
-                                    f"{list(p.shape)}, config.json's hidden and expert intermediate sizes give "
-                                    f"{want} for {proj}")
     if cols % blockquant.QBLOCK:
         raise CheckpointFormatError(f"cannot quantize {p.source.name!r} (layer {plan.layer} expert {plan.expert} "
                                     f"{p.name}): its input width {cols} is not a multiple of the block of "

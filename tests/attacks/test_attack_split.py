@@ -434,6 +434,36 @@ def test_split_config_beyond_caps_refused(ckpt, tmp_path):
     assert not os.path.lexists(out)
 
 
+def _config_wider_experts(ck: Path) -> None:
+    config = json.loads((ck / "config.json").read_text())
+    config["intermediate_size"] *= 2  # Mixtral's expert width
+    (ck / "config.json").write_text(json.dumps(config))
+
+
+def _gate_transposed(ck: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    weights = ck / "model.safetensors"
+    t = load_file(weights)
+    for name in [n for n in t if n.endswith(".w1.weight")]:  # every expert alike: a layer's experts still agree
+        t[name] = t[name].T.copy()
+    save_file(t, weights, metadata={"format": "pt"})
+
+
+EXPERT_SHAPE_ATTACKS = {"config-says-wider-experts": _config_wider_experts, "gate-proj-transposed": _gate_transposed}
+
+
+@pytest.mark.parametrize("case", sorted(EXPERT_SHAPE_ATTACKS))
+def test_split_expert_shape_config_does_not_describe_refused(case, ckpt, tmp_path):
+    """Expert tensors that disagree with config.json: a plain split used to sign them (and write a contract from
+    config.json's sizes), and every run then refused the shard at its first use."""
+    EXPERT_SHAPE_ATTACKS[case](ckpt)
+    out = tmp_path / "out"
+    r = split(ckpt, out)
+    assert_refused(r, "CheckpointFormatError", "config.json's hidden and expert intermediate sizes give")
+    assert "w1.weight" in r.err and not os.path.lexists(out)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Permissions and names
 

@@ -203,21 +203,22 @@ def _fused_join_round_trip(root: Path, tmp_path: Path) -> dict[str, np.ndarray]:
 
 
 def test_gpt_oss_mxfp4_blocks_are_cut_per_expert(tmp_path: Path) -> None:
-    """The released gpt-oss layout: U8 MXFP4 blocks/scales [E, out, in/32(, 16)], gate/up rows interleaved."""
+    """The released gpt-oss layout: U8 MXFP4 blocks/scales [E, out, in/32(, 16)], gate/up rows interleaved. The
+    widths are one block of 32 (hidden and intermediate), so the blocks stand for the config's shapes."""
     rng = np.random.default_rng(0)
-    g = H // 32 or 1
+    h = i = 32  # one MXFP4 block per row
     t = {
-        "model.embed_tokens.weight": np.zeros((16, H), np.float32),
-        "model.layers.0.mlp.router.weight": np.zeros((E, H), np.float32),
-        "model.layers.0.mlp.experts.gate_up_proj_blocks": rng.integers(0, 255, (E, 2 * I, g, 16), dtype=np.uint8),
-        "model.layers.0.mlp.experts.gate_up_proj_scales": rng.integers(0, 255, (E, 2 * I, g), dtype=np.uint8),
-        "model.layers.0.mlp.experts.gate_up_proj_bias": rng.standard_normal((E, 2 * I)).astype(np.float32),
-        "model.layers.0.mlp.experts.down_proj_blocks": rng.integers(0, 255, (E, H, 1, 16), dtype=np.uint8),
-        "model.layers.0.mlp.experts.down_proj_scales": rng.integers(0, 255, (E, H, 1), dtype=np.uint8),
-        "model.layers.0.mlp.experts.down_proj_bias": rng.standard_normal((E, H)).astype(np.float32),
+        "model.embed_tokens.weight": np.zeros((16, h), np.float32),
+        "model.layers.0.mlp.router.weight": np.zeros((E, h), np.float32),
+        "model.layers.0.mlp.experts.gate_up_proj_blocks": rng.integers(0, 255, (E, 2 * i, h // 32, 16), dtype=np.uint8),
+        "model.layers.0.mlp.experts.gate_up_proj_scales": rng.integers(0, 255, (E, 2 * i, h // 32), dtype=np.uint8),
+        "model.layers.0.mlp.experts.gate_up_proj_bias": rng.standard_normal((E, 2 * i)).astype(np.float32),
+        "model.layers.0.mlp.experts.down_proj_blocks": rng.integers(0, 255, (E, h, i // 32, 16), dtype=np.uint8),
+        "model.layers.0.mlp.experts.down_proj_scales": rng.integers(0, 255, (E, h, i // 32), dtype=np.uint8),
+        "model.layers.0.mlp.experts.down_proj_bias": rng.standard_normal((E, h)).astype(np.float32),
     }
-    config = {"model_type": "gpt_oss", "num_hidden_layers": 1, "hidden_size": H, "num_local_experts": E,
-              "num_experts_per_tok": 2, "intermediate_size": I, "num_attention_heads": 2, "num_key_value_heads": 1,
+    config = {"model_type": "gpt_oss", "num_hidden_layers": 1, "hidden_size": h, "num_local_experts": E,
+              "num_experts_per_tok": 2, "intermediate_size": i, "num_attention_heads": 2, "num_key_value_heads": 1,
               "head_dim": 4, "vocab_size": 16}
     root = write(tmp_path / "ckpt", {"model.safetensors": t}, config=config)
     shard = _fused_join_round_trip(root, tmp_path)

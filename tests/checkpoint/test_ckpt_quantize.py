@@ -191,8 +191,9 @@ def altered(src: Path, tmp_path: Path, change) -> Path:
     return ck
 
 
-def refused(ck: Path, tmp_path: Path, method: str, *words: str) -> str:
-    r = cli("split", ck, tmp_path / "out", "-q", "--quantize", method, cwd=tmp_path)
+def refused(ck: Path, tmp_path: Path, method: str | None, *words: str) -> str:
+    """split (with --quantize `method`, None: without) exits 2 before writing, one line with each of `words`."""
+    r = cli("split", ck, tmp_path / "out", "-q", *(("--quantize", method) if method else ()), cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and all(w in lines[0] for w in words), r.stderr
@@ -218,11 +219,40 @@ def test_split_refuses_an_empty_projection_while_planning(make_tiny, tmp_path, s
     refused(ck, tmp_path, method, W1, str(list(shape)))
 
 
+@pytest.mark.parametrize("method", [None, *METHODS])
 @pytest.mark.parametrize("shape", [(160, 128), (192, 64), (64, 160)])
-def test_split_refuses_a_projection_config_does_not_describe(make_tiny, tmp_path, shape):
-    """A hostile source cannot hand --quantize a projection of any size: config.json's sizes bound each one."""
+def test_split_refuses_a_projection_config_does_not_describe(make_tiny, tmp_path, shape, method):
+    """A hostile source cannot hand split a projection of any size, quantized or not: config.json's sizes bound
+    each one (the runtime would refuse the shard at its first use, after the publisher signed it)."""
     ck = altered(make_tiny("mixtral", **KNOBS), tmp_path, every_w1(shape))
-    refused(ck, tmp_path, "int8", W1, str(list(shape)), "[160, 64]", "config.json")
+    refused(ck, tmp_path, method, W1, str(list(shape)), "[160, 64]", "config.json")
+
+
+def _mxfp4_down(blocks: int, codes: int):
+    """gpt-oss's fused MXFP4 down_proj with `blocks` blocks of `codes` bytes per row (the config gives 5 of 16)."""
+    def change(t):
+        for name in [n for n in t if n.endswith("experts.down_proj_blocks")]:
+            e, rows = t[name].shape[:2]
+            t[name] = np.zeros((e, rows, blocks, codes), np.uint8)
+            t[name.replace("_blocks", "_scales")] = np.full((e, rows, blocks), 127, np.uint8)
+    return change
+
+
+def test_the_shape_check_reads_every_stored_form_blockquant_names():
+    from shardtool.checkpoint._expert_check import _WEIGHT_OF_FORM
+    from shardtool.families import MXFP4_GROUP
+
+    assert set(_WEIGHT_OF_FORM) == set(blockquant.FORM_DATA)
+    assert _WEIGHT_OF_FORM[blockquant.Q4_SUFFIX]((3, 16)) == (3, blockquant.QBLOCK)  # int4: two weights a byte
+    assert _WEIGHT_OF_FORM["weight_blocks"]((3, 2, MXFP4_GROUP // 2)) == (3, 2 * MXFP4_GROUP)
+
+
+@pytest.mark.parametrize("blocks, codes", [(4, 16), (5, 8)])
+def test_split_refuses_an_mxfp4_projection_config_does_not_describe(make_tiny, tmp_path, blocks, codes):
+    """The shape check reads each stored form as the weight it stands for: MXFP4's [out, in/32, 16] blocks."""
+    ck = altered(make_tiny("gpt_oss", **KNOBS, mxfp4=True), tmp_path, _mxfp4_down(blocks, codes))
+    line = refused(ck, tmp_path, None, "down_proj_blocks", str([64, blocks, codes]), "[64, 160]", "config.json")
+    assert "layer 0 expert 0" in line
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -283,9 +313,10 @@ def test_split_refuses_a_second_stored_form_beside_a_float_weight(make_tiny, tmp
 
 def test_the_one_form_rule_has_one_home():
     from runtime._model import _packed
-    from shardtool.checkpoint import _quantize
+    from shardtool.checkpoint import _expert_check, _quantize
 
-    for module in (_packed, _quantize):
+    assert "blockquant.form_tensors(" not in Path(_quantize.__file__).read_text()  # it asks _expert_check
+    for module in (_packed, _expert_check):
         source = Path(module.__file__).read_text()
         assert "blockquant.form_tensors(" in source and '"weight_scale_inv", ' not in source
 

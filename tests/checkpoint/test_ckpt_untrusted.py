@@ -156,7 +156,9 @@ def test_contract_beyond_63_bits_is_a_usage_error_before_out_exists(src: Path, t
     """Values within the config caps whose products outgrow the manifest's contract: refused by the manifest dry
     run (a usage error), not after the shards are written."""
     config = json.loads((src / "config.json").read_text())
-    config.update(hidden_size=2**40, num_key_value_heads=2**20)  # KV cache bytes per token alone pass 2^63
+    # KV cache bytes per token alone pass 2^63 (sizes the expert tensors do not carry: split checks those against
+    # config.json before the contract)
+    config.update(head_dim=2**40, num_key_value_heads=2**20)
     (src / "config.json").write_text(json.dumps(config))
     job = prepare_split(src)
     with raises_exactly(UsageError, match="contract"):

@@ -1,0 +1,96 @@
+"""A routed expert's projections checked while planning a split, before anything is written or signed.
+
+Every split: each `gate_proj`/`up_proj`/`down_proj` data tensor (float, FP8 or int8 `weight`, int4 `weight_q4`,
+MXFP4 `weight_blocks`) must stand for the [out, in] that config.json's hidden and expert intermediate sizes give
+(`check_expert_plans`); otherwise the publisher would sign shards that every run then refuses at their first use.
+`split --quantize` also holds each projection to exactly one stored form (`check_forms`, the rule the runtime's
+loader applies to what it writes); a plain split keeps the source's tensors as they are (some FP8 checkpoints name
+their block scales `weight_scale`), so only their shapes are its concern.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from shardtool.checkpoint._plan import Piece, ShardPlan
+from shardtool.errors import CheckpointFormatError
+from shardtool.families import EXPERT_PROJECTIONS, MXFP4_GROUP
+
+
+def expected_shapes(config: Mapping[str, Any], family: str) -> dict[str, tuple[int | None, int | None]]:
+    """[out, in] of each routed-expert projection as config.json states it (hidden size H, the family's expert
+    intermediate size I: gate/up [I, H], down [H, I]); None where config.json does not say (a custom layout)."""
+    from shardtool.checkpoint._families import config_reader
+    from shardtool.families import BY_NAME
+
+    r = config_reader(config)
+    h = r.int("hidden_size", None, minimum=1)
+    fam = BY_NAME.get(family)
+    i = r.int(fam.expert_size_key, None, minimum=1) if fam is not None else None
+    return {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+
+def check_expert_plans(plans: Sequence[ShardPlan], shapes: Mapping[str, tuple[int | None, int | None]]) -> None:
+    """Every routed-expert projection's data tensor of the shape `shapes` (from `expected_shapes`) gives, read as
+    the weight its form stands for. Raises CheckpointFormatError naming the source tensor."""
+    for plan in plans:
+        if plan.kind != "expert":
+            continue
+        for p in plan.pieces:
+            proj, _, form = p.name.partition(".")
+            if proj in EXPERT_PROJECTIONS and form in _WEIGHT_OF_FORM:
+                check_shape(plan, p, proj, _WEIGHT_OF_FORM[form](p.shape), shapes.get(proj, (None, None)))
+
+
+def check_shape(plan: ShardPlan, p: Piece, proj: str, shape: tuple[int, ...] | None,
+                expected: tuple[int | None, int | None]) -> None:
+    """`p`, projection `proj` of an expert, standing for a weight of `shape` ([out, in]; None: its stored shape is
+    no weight's), agrees with `expected` wherever config.json states a size."""
+    if shape is not None and all(want is None or got == want for got, want in zip(shape, expected)):
+        return
+    want = [w if w is not None else "any" for w in expected]
+    raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {p.source.name!r} has shape "
+                                f"{list(p.shape)}, config.json's hidden and expert intermediate sizes give {want} "
+                                f"for {proj}")
+
+
+# blockquant.FORM_DATA, each read as the [out, in] weight it stands for (a unit test holds the names equal;
+# blockquant imports numpy, which a plain split never loads). None: a stored shape that is no weight's.
+_WEIGHT_OF_FORM = {
+    "weight": lambda s: (s[0], s[1]) if len(s) == 2 else None,  # float, FP8 or int8 [out, in]
+    "weight_q4": lambda s: (s[0], 2 * s[1]) if len(s) == 2 else None,  # int4, two a byte [out, in/2]
+    # MXFP4: [out, in/32, 16], a group of 32 four-bit codes in 16 bytes
+    "weight_blocks": lambda s: (s[0], MXFP4_GROUP * s[1]) if len(s) == 3 and s[2] == MXFP4_GROUP // 2 else None,
+}
+
+
+def check_forms(plan: ShardPlan) -> None:
+    """Each routed-expert projection of `plan` in exactly one stored form (`blockquant.form_tensors`, the rule the
+    runtime applies when it loads the shard): refused here, before anything is written or signed."""
+    from shardtool import blockquant
+
+    by_proj: dict[str, dict[str, Piece]] = {}
+    for p in plan.pieces:
+        proj, _, suffix = p.name.partition(".")
+        if proj in EXPERT_PROJECTIONS and suffix in blockquant.FORM_SUFFIXES:
+            by_proj.setdefault(proj, {})[suffix] = p
+    where = f"layer {plan.layer} expert {plan.expert}"
+    for proj, have in by_proj.items():
+        forms = [s for s in blockquant.FORM_DATA if s in have]
+        if len(forms) != 1:
+            names = ", ".join(repr(p.source.name) for p in have.values())
+            raise CheckpointFormatError(f"{where}: {proj} is stored in {'more than one form' if forms else 'no form'} "
+                                        f"({', '.join(forms) or 'no data tensor'}): {names}; expected exactly one")
+        form = forms[0]
+        w = have.get("weight")
+        kind = "int8" if w is not None and w.dtype == "I8" else "fp8" if w is not None and w.dtype == "F8_E4M3" \
+            else "float"
+        uses = blockquant.form_tensors(form, kind)
+        for s in blockquant.FORM_SUFFIXES:
+            if s in have and s not in uses:
+                raise CheckpointFormatError(f"{where}: {have[s].source.name!r} beside {proj}.{form} of dtype "
+                                            f"{have[form].dtype}: that form has "
+                                            f"{' and '.join(f'{proj}.{u}' for u in uses)} only")
+            if s in uses and s not in have:
+                raise CheckpointFormatError(f"{where}: {have[form].source.name!r} ({have[form].dtype}) without "
+                                            f"{proj}.{s}")
