@@ -5,8 +5,9 @@ masks and an attention closure per layer, and each product of the attention goes
 convert what they are given. For the step a lone sequence takes while it decodes, that Python costs about as much
 as the layer's small products. `step` runs the same operations on that row in the same order: the attention's
 products, rotary embedding and cached-key attention straight through the native kernels, on arrays it allocated
-itself (so they are in the form the kernels take); the routed and shared experts through `_layers.moe_layer`. The
-result is the same float32 bits as the general path (tests compare them on every family).
+itself (so they are in the form the kernels take); the routed and shared experts as `_layers.moe_layer` runs them
+on one row, without its per-expert thunks and grouping (`_moe`). The result is the same float32 bits as the general
+path (tests compare them on every family).
 
 `applies` says when it may: one segment of one row, the native kernels in use, and plain attention on every layer
 (GQA with RoPE; no QK norm, clipping, sinks, MLA or chunked attention; no sliding window the sequence has outgrown).
@@ -21,9 +22,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from shardtool.errors import ShardtoolError
+
 from . import _fused, _packed
 from ._config import ModelConfig
-from ._layers import attention_row, expert_mlp, gqa_attention, matmul_t, moe_layer, rms_norm
+from ._layers import (ROW0, ExpertUnavailable, attention_row, expert_mlp, gqa_attention, matmul_t, moe_layer, rms_norm,
+                      route, shared_expert)
 from ._rope import apply_rope, cos_sin
 
 if TYPE_CHECKING:
@@ -58,7 +62,7 @@ def step(cfg: ModelConfig, weights: "Float32Weights", rope: tuple[np.ndarray, fl
         h = x + _attend(cfg, w, rms_norm(x, w["input_layernorm.weight"], eps), cos, sin, cache, layer)
         y = rms_norm(h, w["post_attention_layernorm.weight"], eps)
         if cfg.moe_layers[layer]:
-            x = h + moe_layer(y, w, cfg, weights.expert_fetch(layer), weights.observer(layer, observe))
+            x = h + _moe(cfg, w, y, weights, layer, weights.observer(layer, observe))
         else:
             x = h + expert_mlp(y, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
         weights.lookahead(layer + 1, x)
@@ -104,3 +108,34 @@ def _attend(cfg: ModelConfig, w: Mapping, xn: np.ndarray, cos: np.ndarray, sin: 
         out += b
     return out
 
+
+def _moe(cfg: ModelConfig, w: Mapping, y: np.ndarray, weights: "Float32Weights", layer: int, observe) -> np.ndarray:
+    """# normed row [1, H] -> [1, H]: `_layers.moe_layer` on one row, in its order (route, observe, the experts'
+    loads started, the shared expert, the routed sum in ascending expert order, the shared one added), without its
+    batch plumbing: each expert's packed weights straight into `expert_mlp`, its output weighted as `moe_experts`
+    weights a one-row step's. Llama 4's input-scaled experts, gpt-oss's clamped SwiGLU and a cluster's remote
+    experts take `moe_layer` itself."""
+    if weights.remote is not None or cfg.router == "sigmoid_input" or cfg.expert_act == "clamped_swiglu":
+        return moe_layer(y, w, cfg, weights.expert_fetch(layer), observe)
+    gate, idx, scores = route(y, w, cfg)  # [1, k] each, [1, E]
+    if observe is not None:
+        observe(idx, scores)
+    chosen = idx[0].tolist()
+    ids = sorted(chosen)  # distinct: every router's top-k
+    got = weights.experts(layer, ids)
+    shared = shared_expert(y, w, cfg)
+    gate = gate.astype(np.float32, copy=False)
+    out = None
+    for e in ids:
+        try:
+            out_e = expert_mlp(y, *weights.expert_projections(layer, e, got[e]))
+        except ShardtoolError as cause:  # a bug is not caught here: it fails the whole step
+            raise ExpertUnavailable(cause, ROW0) from cause
+        out_e *= gate[0, chosen.index(e)]
+        if out is None:
+            out = out_e
+        else:
+            out += out_e
+    if shared is not None:
+        out += shared
+    return out

@@ -267,13 +267,20 @@ class Float32Weights:
             return self.remote(layer)
 
         def fetch(x: np.ndarray, rows: Mapping[int, np.ndarray]) -> ExpertOutputs:
-            ids = list(rows)
-            got = self.provider.experts(layer, ids)
-            missing = [e for e in ids if e not in got]
-            if missing:
-                raise CheckpointFormatError(f"layer {layer}: provider returned no tensors for experts {missing}")
-            return _LocalExperts(self.cfg, layer, got, x, rows)
+            return _LocalExperts(self.cfg, layer, self.experts(layer, list(rows)), x, rows)
         return fetch
+
+    def expert_projections(self, layer: int, expert: int, t: Mapping[str, np.ndarray]) -> tuple[Packed, Packed, Packed]:
+        """# an expert shard's tensors -> gate [I, H], up [I, H], down [H, I] as stored (`expert_packed`)"""
+        return expert_packed(self.cfg, layer, expert, t)
+
+    def experts(self, layer: int, ids: list[int]) -> Mapping[int, Mapping[str, np.ndarray]]:
+        """The provider's experts `ids` of `layer` (their loads started), each a shard's tensors when it is reached."""
+        got = self.provider.experts(layer, ids)
+        missing = [e for e in ids if e not in got]
+        if missing:
+            raise CheckpointFormatError(f"layer {layer}: provider returned no tensors for experts {missing}")
+        return got
 
 
 def _unwrapped(tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:

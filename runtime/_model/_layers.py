@@ -324,7 +324,7 @@ def expert_groups(idx: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     if idx.shape[0] == 1:  # a decode step of one sequence: its k distinct experts, each on row 0
         row = idx[0].tolist()
         slots = _slots(len(row))
-        return {e: (_ROW0, slots[row.index(e)]) for e in sorted(row)}
+        return {e: (ROW0, slots[row.index(e)]) for e in sorted(row)}
     groups = {}
     for e in np.unique(idx):
         tokens, slots = np.nonzero(idx == e)
@@ -332,8 +332,8 @@ def expert_groups(idx: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     return groups
 
 
-_ROW0 = np.zeros(1, np.intp)
-_ROW0.flags.writeable = False
+ROW0 = np.zeros(1, np.intp)  # [1]: the token rows of a one-row step (read-only, shared)
+ROW0.flags.writeable = False
 
 
 @functools.cache
@@ -359,7 +359,7 @@ def moe_experts(x: np.ndarray, weights: np.ndarray, groups: Mapping[int, tuple[n
             raise ExpertUnavailable(cause, tokens) from cause
         if out is None:  # (0 + a is a: the same float32 sum, without the zeros and one addition; a zero keeps its sign)
             out = y * weights[0, slots[0]]
-        elif tokens is _ROW0:  # one decode row: the same float32 sum without fancy indexing
+        elif tokens is ROW0:  # one decode row: the same float32 sum without fancy indexing
             out += y * weights[0, slots[0]]
         else:
             out[tokens] += y * weights[tokens, slots, None]
@@ -397,6 +397,16 @@ def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch,
     if cfg.router == "sigmoid_input":  # Llama 4: the scores scale each expert's input; outputs summed unweighted
         x_in, rows, weights = _llama4.scale_expert_inputs(x, weights, groups)
     outputs = fetch(x_in, rows)
+    shared = shared_expert(x, w, cfg)
+    out = moe_experts(x, weights.astype(np.float32, copy=False), groups, outputs)
+    if shared is not None:
+        out += shared  # added after the routed sum, as before: the same float32 result
+    return out
+
+
+def shared_expert(x: np.ndarray, w: Weights, cfg: ModelConfig) -> np.ndarray | None:
+    """# [T, H] -> [T, H]: the family's shared expert on every row (None: the family has none). `moe_layer` adds it
+    after the routed sum."""
     shared = None
     if cfg.shared_expert in ("gated", "one"):  # Qwen2-MoE: behind sigmoid(shared_expert_gate x); Llama 4: plain
         shared = expert_mlp(x, w["mlp.shared_expert.gate_proj.weight"], w["mlp.shared_expert.up_proj.weight"],
@@ -406,10 +416,7 @@ def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch,
     elif cfg.shared_expert == "plain":  # DeepSeek-V3: shared experts always run
         shared = expert_mlp(x, w["mlp.shared_experts.gate_proj.weight"], w["mlp.shared_experts.up_proj.weight"],
                             w["mlp.shared_experts.down_proj.weight"])
-    out = moe_experts(x, weights.astype(np.float32, copy=False), groups, outputs)
-    if shared is not None:
-        out += shared  # added after the routed sum, as before: the same float32 result
-    return out
+    return shared
 
 
 def decoder_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, layer: int, attend: Attend,

@@ -8,8 +8,9 @@ import pytest
 
 from shardtool.runtime._model import DictWeightProvider, Model, _decode_row, _packed
 from shardtool.runtime._model._forward import Segment, StepTrace, forward_batch
+from shardtool.runtime._model._layers import ExpertUnavailable
 
-from test_model_numpy import CONFIGS, PROMPT, make
+from test_model_numpy import CONFIGS, PROMPT, FailingProvider, make
 
 # mixtral's window of 3 is outgrown by the prompt; the same model without it sees every key; qwen2_moe with the
 # optional attention biases (q, k, v as Qwen2 has them, and o)
@@ -37,9 +38,12 @@ def _make(case: str):
 def _decode(cfg, state, monkeypatch, *, general: bool, tokens=(4, 9, 17, 2, 30, 11)) -> tuple[np.ndarray, int]:
     """# -> logits [len(tokens), V] of decoding `tokens` after PROMPT, and how many steps `_decode_row` ran"""
     taken = []
-    real = _decode_row.step
+    real, real_moe = _decode_row.step, _decode_row.moe_layer
     with monkeypatch.context() as m:
         m.setattr(_decode_row, "step", lambda *args: taken.append(1) or real(*args))
+        # the row's experts run in `_decode_row._moe` itself: `moe_layer` is the general path's, and the fallback's
+        m.setattr(_decode_row, "moe_layer", lambda *args: pytest.fail("the row fell back to moe_layer") if not general
+                  else real_moe(*args))
         if general:
             m.setattr(_decode_row, "applies", lambda cfg, segments: False)
         model = Model(cfg, DictWeightProvider(state))
@@ -79,6 +83,26 @@ def test_traced_row_records_what_the_general_path_records(case, monkeypatch):
         assert len(mine) == len(theirs) == sum(cfg.moe_layers)
         for a, b in zip(mine, theirs):
             np.testing.assert_array_equal(a, b)
+
+
+@needs_kernels
+def test_an_expert_the_row_cannot_have_fails_its_rows_as_the_general_path_does(monkeypatch):
+    """ExpertUnavailable naming the row and carrying the provider's error, from either path: the engine fails only
+    the sequences whose rows chose that expert."""
+    cfg, state = _make("mixtral-no-window")
+    raised = []
+    for general in (False, True):
+        with monkeypatch.context() as m:
+            if general:
+                m.setattr(_decode_row, "applies", lambda cfg, segments: False)
+            provider = FailingProvider(state)
+            model = Model(cfg, provider)
+            model.prefill(PROMPT)
+            provider.fail = "expert"
+            with pytest.raises(ExpertUnavailable) as info:
+                forward_batch(cfg, model._weights, model._rope, [Segment(np.array([7]), model.cache, "last")])
+            raised.append((info.value.rows.tolist(), str(info.value.cause)))
+    assert raised[0] == raised[1] and raised[0][0] == [0] and "layer 2 expert" in raised[0][1], raised
 
 
 def test_declines_batches_prompts_outgrown_windows_and_other_layers(monkeypatch):
