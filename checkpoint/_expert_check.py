@@ -1,11 +1,15 @@
 """A routed expert's projections checked while planning a split, before anything is written or signed.
 
 Every split: each `gate_proj`/`up_proj`/`down_proj` data tensor (float, FP8 or int8 `weight`, int4 `weight_q4`,
-MXFP4 `weight_blocks`) must stand for the [out, in] that config.json's hidden and expert intermediate sizes give
-(`check_expert_plans`); otherwise the publisher would sign shards that every run then refuses at their first use.
-`split --quantize` also holds each projection to exactly one stored form (`check_forms`, the rule the runtime's
-loader applies to what it writes); a plain split keeps the source's tensors as they are (some FP8 checkpoints name
-their block scales `weight_scale`), so only their shapes are its concern.
+MXFP4 `weight_blocks`) must stand for the [out, in] that config.json's hidden and expert intermediate sizes give,
+and the tensors shaped by it must agree: an int8/int4 weight's float16 block scales `weight_scale` [out, in/32]
+(its input width a multiple of 32), MXFP4's `weight_scales` [out, in/32], FP8's `weight_scale_inv` [out/b0, in/b1]
+rounded up (config.json's `weight_block_size`, 128 x 128 unless it says), a `bias` [out] (`check_expert_plans`).
+Otherwise the publisher would sign shards that every run then refuses at their first use: these are the shapes the
+runtime's loader (`pack`) demands, and a unit test hands it tensors of exactly these shapes. Dtypes and values stay
+the loader's concern. `split --quantize` also holds each projection to exactly one stored form (`check_forms`, the
+rule the runtime's loader applies to what it writes); a plain split keeps the source's tensors as they are (some
+FP8 checkpoints name their block scales `weight_scale`), so only their shapes are its concern.
 """
 
 from __future__ import annotations
@@ -30,16 +34,58 @@ def expected_shapes(config: Mapping[str, Any], family: str) -> dict[str, tuple[i
     return {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
 
 
-def check_expert_plans(plans: Sequence[ShardPlan], shapes: Mapping[str, tuple[int | None, int | None]]) -> None:
+def fp8_block(config: Mapping[str, Any]) -> tuple[int, int] | None:
+    """config.json's FP8 `quantization_config.weight_block_size` (128 x 128 unless it says); None where it is not
+    two positive integers (the runtime refuses such a config when it loads it)."""
+    quant = config.get("quantization_config")
+    block = quant.get("weight_block_size", [128, 128]) if isinstance(quant, Mapping) else [128, 128]
+    if (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= 1 << 20 for b in block)):
+        return block[0], block[1]
+    return None
+
+
+def check_expert_plans(plans: Sequence[ShardPlan], shapes: Mapping[str, tuple[int | None, int | None]],
+                       block: tuple[int, int] | None = (128, 128)) -> None:
     """Every routed-expert projection's data tensor of the shape `shapes` (from `expected_shapes`) gives, read as
-    the weight its form stands for. Raises CheckpointFormatError naming the source tensor."""
+    the weight its form stands for, and the tensors beside it (`beside`) of the shapes that weight gives them;
+    `block`: FP8's scale block (`fp8_block`). Raises CheckpointFormatError naming the source tensor."""
     for plan in plans:
         if plan.kind != "expert":
             continue
+        named = {p.name: p for p in plan.pieces}
         for p in plan.pieces:
             proj, _, form = p.name.partition(".")
-            if proj in EXPERT_PROJECTIONS and form in _WEIGHT_OF_FORM:
-                check_shape(plan, p, proj, _WEIGHT_OF_FORM[form](p.shape), shapes.get(proj, (None, None)))
+            if proj not in EXPERT_PROJECTIONS or form not in _WEIGHT_OF_FORM:
+                continue
+            weight = _WEIGHT_OF_FORM[form](p.shape)
+            check_shape(plan, p, proj, weight, shapes.get(proj, (None, None)))
+            assert weight is not None  # (check_shape refused every other)
+            for suffix, want in beside(form, p.dtype, weight, block).items():
+                other = named.get(f"{proj}.{suffix}")
+                if want is None:
+                    raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {proj} (from "
+                                                f"{p.source.name!r}) has {weight[1]} inputs, not a multiple of the "
+                                                f"quantization block of {_BLOCK}")
+                if other is not None and tuple(other.shape) != want:
+                    raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {proj}.{suffix} (from "
+                                                f"{other.source.name!r}) has shape {list(other.shape)}, expected "
+                                                f"{list(want)} beside its {list(weight)} weight")
+
+
+def beside(form: str, dtype: str, weight: tuple[int, int],
+           block: tuple[int, int] | None) -> dict[str, tuple[int, ...] | None]:
+    """# a projection's form, its data tensor's dtype, the [out, in] weight it stands for -> {suffix: shape} of each
+    tensor beside it that the weight shapes (None: the weight cannot have it, an input width no block divides)"""
+    out, inputs = weight
+    shapes: dict[str, tuple[int, ...] | None] = {"bias": (out,)}
+    if form == "weight_q4" or (form == "weight" and dtype == "I8"):  # shardtool's int4 / int8 blocks
+        shapes["weight_scale"] = (out, inputs // _BLOCK) if inputs % _BLOCK == 0 else None
+    elif form == "weight_blocks":
+        shapes["weight_scales"] = (out, inputs // MXFP4_GROUP)
+    elif form == "weight" and dtype == "F8_E4M3" and block is not None:
+        shapes["weight_scale_inv"] = (-(-out // block[0]), -(-inputs // block[1]))
+    return shapes
 
 
 def check_shape(plan: ShardPlan, p: Piece, proj: str, shape: tuple[int, ...] | None,
@@ -49,9 +95,12 @@ def check_shape(plan: ShardPlan, p: Piece, proj: str, shape: tuple[int, ...] | N
     if shape is not None and all(want is None or got == want for got, want in zip(shape, expected)):
         return
     want = [w if w is not None else "any" for w in expected]
-    raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {p.source.name!r} has shape "
+    raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {proj} (from {p.source.name!r}) has shape "
                                 f"{list(p.shape)}, config.json's hidden and expert intermediate sizes give {want} "
                                 f"for {proj}")
+
+
+_BLOCK = 32  # blockquant.QBLOCK (a unit test holds them equal)
 
 
 # blockquant.FORM_DATA, each read as the [out, in] weight it stands for (a unit test holds the names equal;

@@ -32,7 +32,7 @@ from shardtool.checkpoint._contract import DEFAULT_CONTEXT_TOKENS, SplitSizes, c
 from shardtool.checkpoint._families import decoder_layers, plan_split
 from shardtool.outdir import OutDir
 from shardtool.checkpoint._plan import OutputFile, Piece, ShardPlan
-from shardtool.checkpoint._expert_check import check_expert_plans, expected_shapes
+from shardtool.checkpoint._expert_check import check_expert_plans, expected_shapes, fp8_block
 from shardtool.checkpoint._quantize import QuantizeReport, check_method, quantize_plans
 from shardtool.checkpoint._reuse import existing_digest
 from shardtool.checkpoint._writer import TensorSpec, encode_header
@@ -153,7 +153,7 @@ def prepare_split(src: Path, *, expert_pattern: str | None = None, quantize: str
     check_method(quantize, quantize_trunk)
     ckpt = open_checkpoint(Path(src))
     family, plans = plan_split(ckpt.config, ckpt.tensors, expert_pattern=expert_pattern)
-    check_expert_plans(plans, expected_shapes(ckpt.config, family))
+    check_expert_plans(plans, expected_shapes(ckpt.config, family), fp8_block(ckpt.config))
     report = None
     if quantize is not None:
         plans, report = quantize_plans(plans, quantize, trunk=quantize_trunk)

@@ -247,6 +247,68 @@ def test_the_shape_check_reads_every_stored_form_blockquant_names():
     assert _WEIGHT_OF_FORM["weight_blocks"]((3, 2, MXFP4_GROUP // 2)) == (3, 2 * MXFP4_GROUP)
 
 
+# (form, data dtype, the data tensor's stored shape for a [64, 96] weight, numpy dtype, the scale's numpy dtype)
+STORED_FORMS = [("weight", "I8", (64, 96), np.int8, np.float16), ("weight_q4", "U8", (64, 48), np.uint8, np.float16),
+                ("weight_blocks", "U8", (64, 3, 16), np.uint8, np.uint8), ("weight", "F8_E4M3", (64, 96), None, np.float32)]
+
+
+@pytest.mark.parametrize("form, dtype, stored, data_type, scale_type", STORED_FORMS)
+def test_the_shapes_split_demands_beside_a_weight_are_the_ones_the_runtime_loads(form, dtype, stored, data_type,
+                                                                                 scale_type):
+    """`_expert_check.beside` states, for split, the scale shapes the runtime's `pack` demands: tensors of exactly
+    those shapes load, and a scale one column off is refused by both."""
+    from runtime._model._dtypes import FLOAT8
+    from runtime._model._packed import pack
+    from shardtool.checkpoint._expert_check import _BLOCK, beside
+    from shardtool.errors import CheckpointFormatError
+
+    assert _BLOCK == blockquant.QBLOCK
+    if form != "weight_blocks" and dtype != "F8_E4M3":  # int8/int4: an input width no block divides has no scales
+        assert beside(form, dtype, (64, 40), None)["weight_scale"] is None
+    block = (32, 64)  # an FP8 block that divides neither side evenly into one
+    want = beside(form, dtype, (64, 96), block)
+    assert want.pop("bias") == (64,)
+    ((suffix, scale_shape),) = want.items()
+    data = np.zeros(stored, FLOAT8 if data_type is None else data_type)
+    scale = np.full(scale_shape, 127 if scale_type == np.uint8 else 1, scale_type)
+    pack({f"gate_proj.{form}": data, f"gate_proj.{suffix}": scale}, "gate_proj", (64, 96), "t", fp8_block=block,
+         mxfp4=True)
+    wider = np.full((scale_shape[0], scale_shape[1] + 1), scale.flat[0], scale_type)
+    with pytest.raises(CheckpointFormatError, match=suffix):
+        pack({f"gate_proj.{form}": data, f"gate_proj.{suffix}": wider}, "gate_proj", (64, 96), "t", fp8_block=block,
+             mxfp4=True)
+
+
+def _stored_int8_up_in_layer_1(scale_columns: int):
+    """Layer 1's up_proj (w3) of every expert stored int8 + float16 scales [160, scale_columns] (64 inputs: 2)."""
+    def change(t):
+        for name in [n for n in t if n.startswith("model.layers.1.") and n.endswith(".w3.weight")]:
+            rows, cols = t[name].shape
+            t[name] = np.zeros((rows, cols), np.int8)
+            t[name.replace(".weight", ".weight_scale")] = np.ones((rows, scale_columns), np.float16)
+    return change
+
+
+def test_split_refuses_a_stored_int8_weight_whose_scales_its_shape_does_not_give(make_tiny, tmp_path):
+    """A plain split of a source whose experts are already int8: the scales beside a weight are [out, in/32], in
+    any layer and projection; the same source with its scales right splits."""
+    (tmp_path / "ok").mkdir()
+    ok = altered(make_tiny("mixtral", **KNOBS), tmp_path / "ok", _stored_int8_up_in_layer_1(2))
+    assert split(ok, tmp_path / "ok" / "out").returncode == 0
+    ck = altered(make_tiny("mixtral", **KNOBS), tmp_path, _stored_int8_up_in_layer_1(3))
+    refused(ck, tmp_path, None, "layer 1 expert 0", "up_proj.weight_scale", "w3.weight_scale", "[160, 3]",
+            "[160, 2]")
+
+
+@pytest.mark.parametrize("name, width", [("gate_up_proj_bias", lambda w: w + 2), ("down_proj_bias", lambda w: 2 * w)])
+def test_split_refuses_a_gpt_oss_expert_bias_its_weight_does_not_give(make_tiny, tmp_path, name, width):
+    def change(t):
+        for n in [n for n in t if n.endswith(f"experts.{name}")]:
+            t[n] = np.zeros((t[n].shape[0], width(t[n].shape[1])), t[n].dtype)
+    ck = altered(make_tiny("gpt_oss", **KNOBS), tmp_path, change)
+    refused(ck, tmp_path, None, name, ".bias", "beside its")
+
+
 @pytest.mark.parametrize("blocks, codes", [(4, 16), (5, 8)])
 def test_split_refuses_an_mxfp4_projection_config_does_not_describe(make_tiny, tmp_path, blocks, codes):
     """The shape check reads each stored form as the weight it stands for: MXFP4's [out, in/32, 16] blocks."""
