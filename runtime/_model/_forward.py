@@ -270,7 +270,8 @@ class Float32Weights:
             return _LocalExperts(self.cfg, layer, self.experts(layer, list(rows)), x, rows)
         return fetch
 
-    def expert_projections(self, layer: int, expert: int, t: Mapping[str, np.ndarray]) -> tuple[Packed, Packed, Packed]:
+    def expert_projections(self, layer: int, expert: int,
+                           t: Mapping[str, np.ndarray]) -> tuple[Packed, Packed, Packed]:
         """# an expert shard's tensors -> gate [I, H], up [I, H], down [H, I] as stored (`expert_packed`)"""
         return expert_packed(self.cfg, layer, expert, t)
 

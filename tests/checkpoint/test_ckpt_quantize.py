@@ -248,8 +248,10 @@ def test_the_shape_check_reads_every_stored_form_blockquant_names():
 
 
 # (form, data dtype, the data tensor's stored shape for a [64, 96] weight, numpy dtype, the scale's numpy dtype)
-STORED_FORMS = [("weight", "I8", (64, 96), np.int8, np.float16), ("weight_q4", "U8", (64, 48), np.uint8, np.float16),
-                ("weight_blocks", "U8", (64, 3, 16), np.uint8, np.uint8), ("weight", "F8_E4M3", (64, 96), None, np.float32)]
+STORED_FORMS = [("weight", "I8", (64, 96), np.int8, np.float16),
+                ("weight_q4", "U8", (64, 48), np.uint8, np.float16),
+                ("weight_blocks", "U8", (64, 3, 16), np.uint8, np.uint8),
+                ("weight", "F8_E4M3", (64, 96), None, np.float32)]
 
 
 @pytest.mark.parametrize("form, dtype, stored, data_type, scale_type", STORED_FORMS)
