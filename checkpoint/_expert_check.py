@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from shardtool import blockquant
 from shardtool.checkpoint._plan import Piece, ShardPlan
 from shardtool.errors import CheckpointFormatError
 from shardtool.families import EXPERT_PROJECTIONS, MXFP4_GROUP
@@ -66,7 +67,7 @@ def check_expert_plans(plans: Sequence[ShardPlan], shapes: Mapping[str, tuple[in
                 if want is None:
                     raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {proj} (from "
                                                 f"{p.source.name!r}) has {weight[1]} inputs, not a multiple of the "
-                                                f"quantization block of {_BLOCK}")
+                                                f"quantization block of {blockquant.QBLOCK}")
                 if other is not None and tuple(other.shape) != want:
                     raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {proj}.{suffix} (from "
                                                 f"{other.source.name!r}) has shape {list(other.shape)}, expected "
@@ -79,8 +80,9 @@ def beside(form: str, dtype: str, weight: tuple[int, int],
     tensor beside it that the weight shapes (None: the weight cannot have it, an input width no block divides)"""
     out, inputs = weight
     shapes: dict[str, tuple[int, ...] | None] = {"bias": (out,)}
-    if form == "weight_q4" or (form == "weight" and dtype == "I8"):  # shardtool's int4 / int8 blocks
-        shapes["weight_scale"] = (out, inputs // _BLOCK) if inputs % _BLOCK == 0 else None
+    if form == blockquant.Q4_SUFFIX or (form == "weight" and dtype == "I8"):  # shardtool's int4 / int8 blocks
+        shapes[blockquant.SCALE_SUFFIX] = ((out, inputs // blockquant.QBLOCK) if inputs % blockquant.QBLOCK == 0
+                                           else None)
     elif form == "weight_blocks":
         shapes["weight_scales"] = (out, inputs // MXFP4_GROUP)
     elif form == "weight" and dtype == "F8_E4M3" and block is not None:
@@ -100,14 +102,11 @@ def check_shape(plan: ShardPlan, p: Piece, proj: str, shape: tuple[int, ...] | N
                                 f"for {proj}")
 
 
-_BLOCK = 32  # blockquant.QBLOCK (a unit test holds them equal)
-
-
-# blockquant.FORM_DATA, each read as the [out, in] weight it stands for (a unit test holds the names equal;
-# blockquant imports numpy, which a plain split never loads). None: a stored shape that is no weight's.
+# blockquant.FORM_DATA, each read as the [out, in] weight it stands for (a unit test holds the names equal). None: a
+# stored shape that is no weight's.
 _WEIGHT_OF_FORM = {
     "weight": lambda s: (s[0], s[1]) if len(s) == 2 else None,  # float, FP8 or int8 [out, in]
-    "weight_q4": lambda s: (s[0], 2 * s[1]) if len(s) == 2 else None,  # int4, two a byte [out, in/2]
+    blockquant.Q4_SUFFIX: lambda s: (s[0], 2 * s[1]) if len(s) == 2 else None,  # int4, two a byte [out, in/2]
     # MXFP4: [out, in/32, 16], a group of 32 four-bit codes in 16 bytes
     "weight_blocks": lambda s: (s[0], MXFP4_GROUP * s[1]) if len(s) == 3 and s[2] == MXFP4_GROUP // 2 else None,
 }
@@ -116,8 +115,6 @@ _WEIGHT_OF_FORM = {
 def check_forms(plan: ShardPlan) -> None:
     """Each routed-expert projection of `plan` in exactly one stored form (`blockquant.form_tensors`, the rule the
     runtime applies when it loads the shard): refused here, before anything is written or signed."""
-    from shardtool import blockquant
-
     by_proj: dict[str, dict[str, Piece]] = {}
     for p in plan.pieces:
         proj, _, suffix = p.name.partition(".")

@@ -261,10 +261,9 @@ def test_the_shapes_split_demands_beside_a_weight_are_the_ones_the_runtime_loads
     those shapes load, and a scale one column off is refused by both."""
     from runtime._model._dtypes import FLOAT8
     from runtime._model._packed import pack
-    from shardtool.checkpoint._expert_check import _BLOCK, beside
+    from shardtool.checkpoint._expert_check import beside
     from shardtool.errors import CheckpointFormatError
 
-    assert _BLOCK == blockquant.QBLOCK
     if form != "weight_blocks" and dtype != "F8_E4M3":  # int8/int4: an input width no block divides has no scales
         assert beside(form, dtype, (64, 40), None)["weight_scale"] is None
     block = (32, 64)  # an FP8 block that divides neither side evenly into one
