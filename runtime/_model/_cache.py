@@ -60,22 +60,33 @@ class KVCache:
 
     def append(self, layer: int, *new: np.ndarray) -> tuple[np.ndarray, ...]:
         """Write this step's entries for `layer`; return views of all entries so far (length + T)."""
-        bufs = self._buffers[layer]
         start = self.length
         views = []
-        for i, ((shape, axis), x) in enumerate(zip(self._shapes, new, strict=True)):
+        for i, ((_, axis), x) in enumerate(zip(self._shapes, new, strict=True)):
             stop = start + x.shape[axis]
-            if i == len(bufs):
-                capacity = self.max_tokens if self.max_tokens is not None else max(self._initial, stop)
-                bufs.append(np.empty(_with(shape, axis, capacity), np.float32))
-            buf = bufs[i]
-            if stop > buf.shape[axis]:
-                grown = np.empty(_with(shape, axis, max(2 * buf.shape[axis], stop)), np.float32)
-                _span(grown, axis, 0, start)[...] = _span(buf, axis, 0, start)
-                bufs[i] = buf = grown
+            buf = self._room(layer, i, stop)
             _span(buf, axis, start, stop)[...] = x
             views.append(_span(buf, axis, 0, stop))
         return tuple(views)
+
+    def row_buffers(self, layer: int) -> tuple[np.ndarray, ...]:
+        """`layer`'s whole buffers, with room for one more entry at position `length`: for a kernel that writes a
+        decode row's entries there itself (they count once `commit(1)` is called, as `append`'s)."""
+        return tuple(self._room(layer, i, self.length + 1) for i in range(len(self._shapes)))
+
+    def _room(self, layer: int, i: int, stop: int) -> np.ndarray:
+        """Buffer i of `layer`, allocated or grown (its entries kept) to hold at least `stop` along its time axis."""
+        bufs = self._buffers[layer]
+        shape, axis = self._shapes[i]
+        if i == len(bufs):
+            capacity = self.max_tokens if self.max_tokens is not None else max(self._initial, stop)
+            bufs.append(np.empty(_with(shape, axis, capacity), np.float32))
+        buf = bufs[i]
+        if stop > buf.shape[axis]:
+            grown = np.empty(_with(shape, axis, max(2 * buf.shape[axis], stop)), np.float32)
+            _span(grown, axis, 0, self.length)[...] = _span(buf, axis, 0, self.length)
+            bufs[i] = buf = grown
+        return buf
 
     def commit(self, new_tokens: int) -> None:
         self.length += new_tokens

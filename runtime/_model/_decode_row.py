@@ -3,11 +3,13 @@
 `forward_batch` serves any mix of sequences and prompt chunks: per step it builds every segment's positions and
 masks and an attention closure per layer, and each product of the attention goes through wrappers that check and
 convert what they are given. For the step a lone sequence takes while it decodes, that Python costs about as much
-as the layer's small products. `step` runs the same operations on that row in the same order: the attention's
-products, rotary embedding and cached-key attention straight through the native kernels, on arrays it allocated
-itself (so they are in the form the kernels take); the routed and shared experts as `_layers.moe_layer` runs them
-on one row, without its per-expert thunks and grouping (`_moe`). The result is the same float32 bits as the general
-path (tests compare them on every family).
+as the layer's small products. `step` runs the same operations on that row in the same order, a layer in two
+native calls where its weights are packed: `attention_step` (the norm, the attention's products and biases, rotary
+embedding, the row's keys and values written into the cache, cached-key attention, the output product, the
+residual and the next norm; `_attend`) and `moe_row` (every chosen expert's SwiGLU, their weighted sum, the shared
+expert's output and the residual; `_moe`, which routes and fetches the experts as `_layers.moe_layer` does, without
+its per-expert thunks and grouping). The result is the same float32 bits as the general path (tests compare them on
+every family).
 
 `applies` says when it may: one segment of one row, the native kernels in use, and plain attention on every layer
 (GQA with RoPE; no QK norm, clipping, sinks, MLA or chunked attention; no sliding window the sequence has outgrown).
@@ -26,15 +28,16 @@ from shardtool.errors import ShardtoolError
 
 from . import _fused, _packed
 from ._config import ModelConfig
-from ._layers import (ROW0, ExpertUnavailable, attention_row, expert_mlp, gqa_attention, matmul_t, moe_layer, rms_norm,
-                      route, shared_expert)
-from ._rope import apply_rope, cos_sin
+from ._layers import (ROW0, ExpertUnavailable, expert_mlp, gqa_attention, matmul_t, moe_layer, rms_norm, route,
+                      shared_expert)
+from ._rope import cos_sin
 
 if TYPE_CHECKING:
     from ._forward import Float32Weights, Segment
 
 _ATTENTION = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
               "self_attn.o_proj.weight")
+_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias", "self_attn.o_proj.bias")
 
 
 def applies(cfg: ModelConfig, segments: "Sequence[Segment]") -> bool:
@@ -59,10 +62,9 @@ def step(cfg: ModelConfig, weights: "Float32Weights", rope: tuple[np.ndarray, fl
     x = weights.embed_rows(seg.ids)  # [1, H]
     for layer in range(cfg.num_layers):
         w = weights.layer(layer)
-        h = x + _attend(cfg, w, rms_norm(x, w["input_layernorm.weight"], eps), cos, sin, cache, layer)
-        y = rms_norm(h, w["post_attention_layernorm.weight"], eps)
+        h, y = _attend(cfg, w, x, cos, sin, cache, layer)
         if cfg.moe_layers[layer]:
-            x = h + _moe(cfg, w, y, weights, layer, weights.observer(layer, observe))
+            x = _moe(cfg, w, y, h, weights, layer, weights.observer(layer, observe))
         else:
             x = h + expert_mlp(y, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
         weights.lookahead(layer + 1, x)
@@ -79,44 +81,38 @@ def step(cfg: ModelConfig, weights: "Float32Weights", rope: tuple[np.ndarray, fl
     return logits
 
 
-def _attend(cfg: ModelConfig, w: Mapping, xn: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache,
-            layer: int) -> np.ndarray:
-    """# normed row [1, H] -> [1, H]: `_layers.gqa_attention` on one row that sees every key: `linear`'s products
-    (native, into arrays made here) and bias additions, `_fused.rope_row`, the cache's append, `attention_row`.
-    Weights not packed (a provider's own arrays) take `gqa_attention` itself."""
-    nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+def _attend(cfg: ModelConfig, w: Mapping, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache,
+            layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """# row [1, H] -> h = x + attention(rms_norm(x)) [1, H], y = rms_norm(h) [1, H] for the MLP:
+    `_layers.gqa_attention` on one row that sees every key, with the norms and the residual around it, in one native
+    call (`attention_step`: the products, bias additions, rotary embedding, the row's keys and values written into
+    the cache's buffers, `attend_row`, in gqa_attention's order). Weights not packed (a provider's own arrays), a
+    rotary embedding over part of a head, or arrays in another form take `gqa_attention` itself."""
+    eps = cfg.rms_norm_eps
+    norm, post = w["input_layernorm.weight"], w["post_attention_layernorm.weight"]
     wq, wk, wv, wo = (w[name] for name in _ATTENTION)
-    if not (type(wq) is type(wk) is type(wv) is type(wo) is _packed.Packed and _fused.plain(xn)):
-        return gqa_attention(xn, w, cfg, cos, sin, None, partial(cache.append, layer))
-    native, threads = _packed._native, _packed._threads
-    q, k, v = np.empty((1, nh, hd), np.float32), np.empty((1, kvh, hd), np.float32), np.empty((1, kvh, hd), np.float32)
-    for weight, out, bias in ((wq, q, "self_attn.q_proj.bias"), (wk, k, "self_attn.k_proj.bias"),
-                              (wv, v, "self_attn.v_proj.bias")):
-        flat = out.reshape(1, -1)  # a view: [1, heads * hd]
-        native.product(weight.native, xn, flat, threads)
-        b = w.get(bias)
-        if b is not None:
-            flat += b
-    if not _fused.rope_row(q, k, cos, sin):
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    keys, values = cache.append(layer, k.transpose(1, 0, 2), v.transpose(1, 0, 2))  # [kvh, S, hd] each
-    attended = np.ascontiguousarray(attention_row(q, keys, values, cfg.attn_scale).reshape(1, nh * hd))
-    out = np.empty((1, cfg.hidden_size), np.float32)
-    native.product(wo.native, attended, out, threads)
-    b = w.get("self_attn.o_proj.bias")
-    if b is not None:
-        out += b
-    return out
+    biases = tuple(w.get(name) for name in _BIASES)
+    if not (type(wq) is type(wk) is type(wv) is type(wo) is _packed.Packed and cos.shape[-1] == cfg.head_dim
+            and all(_fused.plain(a) for a in (x, norm, post, cos, sin, *(b for b in biases if b is not None)))):
+        h = x + gqa_attention(rms_norm(x, norm, eps), w, cfg, cos, sin, None, partial(cache.append, layer))
+        return h, rms_norm(h, post, eps)
+    h, y = np.empty(x.shape, np.float32), np.empty(x.shape, np.float32)
+    _packed._native.attention_step(x, norm, eps, wq.native, wk.native, wv.native, wo.native, biases, cos, sin,
+                                   *cache.row_buffers(layer), cache.length, cfg.attn_scale, post, h, y,
+                                   _packed._threads)
+    return h, y
 
 
-def _moe(cfg: ModelConfig, w: Mapping, y: np.ndarray, weights: "Float32Weights", layer: int, observe) -> np.ndarray:
-    """# normed row [1, H] -> [1, H]: `_layers.moe_layer` on one row, in its order (route, observe, the experts'
-    loads started, the shared expert, the routed sum in ascending expert order, the shared one added), without its
-    batch plumbing: each expert's packed weights straight into `expert_mlp`, its output weighted as `moe_experts`
-    weights a one-row step's. Llama 4's input-scaled experts, gpt-oss's clamped SwiGLU and a cluster's remote
-    experts take `moe_layer` itself."""
+def _moe(cfg: ModelConfig, w: Mapping, y: np.ndarray, h: np.ndarray, weights: "Float32Weights", layer: int,
+         observe) -> np.ndarray:
+    """# normed row y [1, H], residual h [1, H] -> h + the MoE block's output [1, H]: `_layers.moe_layer` on one
+    row, in its order (route, observe, the experts' loads started, the shared expert, the routed sum in ascending
+    expert order, the shared one added), without its batch plumbing: each expert's output weighted as
+    `moe_experts` weights a one-row step's. Packed experts go through one native call (`moe_row`: every expert's
+    SwiGLU, the weighted sum, the shared output and the residual), others through `expert_mlp` one by one.
+    Llama 4's input-scaled experts, gpt-oss's clamped SwiGLU and a cluster's remote experts take `moe_layer`."""
     if weights.remote is not None or cfg.router == "sigmoid_input" or cfg.expert_act == "clamped_swiglu":
-        return moe_layer(y, w, cfg, weights.expert_fetch(layer), observe)
+        return h + moe_layer(y, w, cfg, weights.expert_fetch(layer), observe)
     gate, idx, scores = route(y, w, cfg)  # [1, k] each, [1, E]
     if observe is not None:
         observe(idx, scores)
@@ -124,18 +120,27 @@ def _moe(cfg: ModelConfig, w: Mapping, y: np.ndarray, weights: "Float32Weights",
     ids = sorted(chosen)  # distinct: every router's top-k
     got = weights.experts(layer, ids)
     shared = shared_expert(y, w, cfg)
-    gate = gate.astype(np.float32, copy=False)
-    out = None
+    gates = gate[0].astype(np.float32)[[chosen.index(e) for e in ids]]  # [k], in ids' order
+    projections = []
     for e in ids:
         try:
-            out_e = expert_mlp(y, *weights.expert_projections(layer, e, got[e]))
+            projections.append(weights.expert_projections(layer, e, got[e]))
         except ShardtoolError as cause:  # a bug is not caught here: it fails the whole step
             raise ExpertUnavailable(cause, ROW0) from cause
-        out_e *= gate[0, chosen.index(e)]
+    if (all(type(p) is _packed.Packed for three in projections for p in three) and _fused.plain(y) and _fused.plain(h)
+            and (shared is None or _fused.plain(shared))):
+        x = np.empty(h.shape, np.float32)
+        _packed._native.moe_row(y, tuple(tuple(p.native for p in three) for three in projections), gates,
+                                shared, h, x, _packed._threads)
+        return x
+    out = None
+    for three, g in zip(projections, gates):
+        out_e = expert_mlp(y, *three)
+        out_e *= g
         if out is None:
             out = out_e
         else:
             out += out_e
     if shared is not None:
         out += shared
-    return out
+    return h + out

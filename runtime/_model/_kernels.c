@@ -1517,6 +1517,24 @@ static void silu_mul(float *g, const float *u, Py_ssize_t n) {
     }
 }
 
+/* y[m, H] = down(silu(gate x) * up x) for opened weights w[3] that chain, the [m, I] intermediates its own;
+ * -1 when out of memory. Needs no GIL. */
+static int swiglu_rows(const weight_t *w, const float *x, float *y, Py_ssize_t m, int threads) {
+    const Py_ssize_t hid = w[0].in, inter = w[0].out;
+    float *g = (float *)malloc((size_t)(m * inter) * sizeof(float)), *u = (float *)malloc((size_t)(m * inter) * sizeof(float));
+    int rc = -1;
+    if (g && u) {
+        job_t jg = job_of(&w[0], m, x, g), ju = job_of(&w[1], m, x, u), jd = job_of(&w[2], m, g, y);
+        jg.up = &ju; /* one pool job: gate and up rows, then silu(gate) * up, chunk by chunk */
+        const int t = m * hid + 3 * inter * hid < GIL_WORK ? 1 : threads;
+        rc = run_job(&jg, t);
+        if (!rc) rc = run_job(&jd, t);
+    }
+    free(g);
+    free(u);
+    return rc;
+}
+
 PyDoc_STRVAR(swiglu_doc,
              "swiglu(gate, up, down, x, y, threads) -> None\n\n"
              "The SwiGLU expert in one call: y[m, H] = down(silu(gate x) * up x) for x [m, H], gate and up [I, H], "
@@ -1533,7 +1551,6 @@ static PyObject *py_swiglu(PyObject *self, PyObject *const *args, Py_ssize_t nar
     PyObject *result = NULL;
     Py_buffer xv, yv;
     int have_x = 0, have_y = 0;
-    float *g = NULL, *u = NULL;
     static const char *const names[3] = {"gate", "up", "down"};
     for (; opened < 3; opened++)
         if (weight_open_tuple(&w[opened], args[opened], names[opened]) < 0) goto done;
@@ -1558,22 +1575,11 @@ static PyObject *py_swiglu(PyObject *self, PyObject *const *args, Py_ssize_t nar
                                    w[1].have_s ? &w[1].sv : NULL, &w[2].wv, w[2].have_s ? &w[2].sv : NULL};
         if (check_disjoint(&yv, ins, 7) < 0) goto done;
     }
-    g = (float *)malloc((size_t)(m * inter) * sizeof(float));
-    u = (float *)malloc((size_t)(m * inter) * sizeof(float));
-    if (!g || !u) {
-        PyErr_NoMemory();
-        goto done;
-    }
     {
-        job_t jg = job_of(&w[0], m, (const float *)xv.buf, g), ju = job_of(&w[1], m, (const float *)xv.buf, u);
-        job_t jd = job_of(&w[2], m, g, (float *)yv.buf);
-        jg.up = &ju; /* one pool job: gate and up rows, then silu(gate) * up, chunk by chunk */
-        const int t = m * hid + 3 * inter * hid < GIL_WORK ? 1 : threads;
         int rc;
         pool_after_fork_check();
         Py_BEGIN_ALLOW_THREADS
-        rc = run_job(&jg, t);
-        if (!rc) rc = run_job(&jd, t);
+        rc = swiglu_rows(w, (const float *)xv.buf, (float *)yv.buf, m, threads);
         Py_END_ALLOW_THREADS
         if (rc) {
             PyErr_NoMemory();
@@ -1582,12 +1588,20 @@ static PyObject *py_swiglu(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     result = Py_NewRef(Py_None);
 done:
-    free(g);
-    free(u);
     if (have_x) PyBuffer_Release(&xv);
     if (have_y) PyBuffer_Release(&yv);
     for (int k = 0; k < opened; k++) weight_release(&w[k]);
     return result;
+}
+
+/* y[m, d] = w * x * rsqrt(mean(x^2) + eps) per row (the sum of squares in double) */
+static void rms_norm_rows(const float *x, const float *w, float eps, float *y, Py_ssize_t m, Py_ssize_t d) {
+    for (Py_ssize_t r = 0; r < m; r++, x += d, y += d) {
+        double ss = 0;
+        for (Py_ssize_t i = 0; i < d; i++) ss += (double)x[i] * x[i];
+        const float inv = 1.0f / sqrtf((float)(ss / d) + eps);
+        for (Py_ssize_t i = 0; i < d; i++) y[i] = x[i] * inv * w[i];
+    }
 }
 
 PyDoc_STRVAR(rms_norm_doc,
@@ -1622,22 +1636,24 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t n
         const Py_buffer *ins[2] = {&xv, &wv};
         if (check_disjoint(&yv, ins, 2) < 0) goto done;
     }
-    {
-        const float *x = (const float *)xv.buf, *w = (const float *)wv.buf;
-        float *y = (float *)yv.buf;
-        for (Py_ssize_t r = 0; r < m; r++, x += d, y += d) {
-            double ss = 0;
-            for (Py_ssize_t i = 0; i < d; i++) ss += (double)x[i] * x[i];
-            const float inv = 1.0f / sqrtf((float)(ss / d) + (float)eps);
-            for (Py_ssize_t i = 0; i < d; i++) y[i] = x[i] * inv * w[i];
-        }
-    }
+    rms_norm_rows((const float *)xv.buf, (const float *)wv.buf, (float)eps, (float *)yv.buf, m, d);
     result = Py_NewRef(Py_None);
 done:
     PyBuffer_Release(&wv);
     if (have_x) PyBuffer_Release(&xv);
     if (have_y) PyBuffer_Release(&yv);
     return result;
+}
+
+/* x[r, d] = x * cos + rotate_half(x) * sin in place, rotate_half pairing channel i with i + d/2 */
+static void rope_rows(float *x, const float *c, const float *sn, Py_ssize_t rows, Py_ssize_t d) {
+    const Py_ssize_t half = d / 2;
+    for (Py_ssize_t r = 0; r < rows; r++, x += d)
+        for (Py_ssize_t i = 0; i < half; i++) {
+            const float a = x[i], b = x[i + half];
+            x[i] = a * c[i] + -b * sn[i];
+            x[i + half] = b * c[i + half] + a * sn[i + half];
+        }
 }
 
 PyDoc_STRVAR(rope_doc,
@@ -1671,17 +1687,7 @@ static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_SetString(PyExc_ValueError, "x overlaps cos or sin");
         goto done;
     }
-    {
-        const float *c = (const float *)cv.buf, *sn = (const float *)sv.buf;
-        const Py_ssize_t half = d / 2;
-        float *x = (float *)xv.buf;
-        for (Py_ssize_t r = 0; r < rows; r++, x += d)
-            for (Py_ssize_t i = 0; i < half; i++) {
-                const float a = x[i], b = x[i + half];
-                x[i] = a * c[i] + -b * sn[i];
-                x[i + half] = b * c[i + half] + a * sn[i + half];
-            }
-    }
+    rope_rows((float *)xv.buf, (const float *)cv.buf, (const float *)sv.buf, rows, d);
     result = Py_NewRef(Py_None);
 done:
     PyBuffer_Release(&cv);
@@ -1693,10 +1699,11 @@ done:
 /* A [heads, S, d] float32 array whose rows are contiguous and heads evenly strided (a KV cache's view), its buffer
  * opened once: `heads` and `*d` of 0 take the array's own (at least 1). Returns -1 with a ValueError, nothing held,
  * otherwise. */
-static int get_heads(PyObject *o, Py_buffer *v, const char *name, Py_ssize_t heads, Py_ssize_t *s, Py_ssize_t *d) {
-    if (PyObject_GetBuffer(o, v, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+static int get_heads(PyObject *o, Py_buffer *v, const char *name, Py_ssize_t heads, Py_ssize_t *s, Py_ssize_t *d,
+                     int writable) {
+    if (PyObject_GetBuffer(o, v, PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
         PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "%s: expected a strided buffer", name);
+        PyErr_Format(PyExc_ValueError, "%s: expected a strided%s buffer", name, writable ? " writable" : "");
         return -1;
     }
     if (v->ndim != 3) {
@@ -2004,9 +2011,9 @@ static PyObject *py_attend_row(PyObject *self, PyObject *const *args, Py_ssize_t
     PyObject *result = NULL;
     float *p = NULL;
     Py_ssize_t s, s2, d = 0, dv = 0;
-    if (get_heads(args[1], &kv, "k", 0, &s, &d) < 0) return NULL;
+    if (get_heads(args[1], &kv, "k", 0, &s, &d, 0) < 0) return NULL;
     const Py_ssize_t kvh = kv.shape[0];
-    if (get_heads(args[2], &vv, "v", kvh, &s2, &dv) < 0) goto done;
+    if (get_heads(args[2], &vv, "v", kvh, &s2, &dv, 0) < 0) goto done;
     have_v = 1;
     if (s2 != s) {
         PyErr_Format(PyExc_ValueError, "k has %zd positions, v %zd", s, s2);
@@ -2055,6 +2062,321 @@ done:
     PyBuffer_Release(&kv);
     if (have_v) PyBuffer_Release(&vv);
     if (have_o) PyBuffer_Release(&ov);
+    return result;
+}
+
+/* ---------------------------------------------------------------- a decode row's layer in two calls */
+
+/* A float32 vector of exactly n items, opened (released by the caller when this returns 0). */
+static int get_vector(PyObject *o, Py_buffer *v, const char *name, Py_ssize_t n, int writable) {
+    if (get_buffer(o, v, name, writable) < 0) return -1;
+    if (check_buffer(v, name, 'f', 4, n) < 0) {
+        PyBuffer_Release(v);
+        return -1;
+    }
+    return 0;
+}
+
+typedef struct {
+    const void *p;
+    Py_ssize_t n;
+} span_t;
+
+/* -1 with a ValueError when an output span overlaps an input span or another output (each written while the
+ * others are read); NULL spans are skipped. */
+static int check_spans(const span_t *outs, int n_outs, const span_t *ins, int n_ins) {
+    for (int o = 0; o < n_outs; o++) {
+        if (!outs[o].p) continue;
+        const char *a0 = (const char *)outs[o].p, *a1 = a0 + outs[o].n;
+        for (int k = 0; k < n_ins + n_outs; k++) {
+            const span_t *b = k < n_ins ? &ins[k] : &outs[k - n_ins];
+            if (!b->p || b == &outs[o]) continue;
+            const char *b0 = (const char *)b->p, *b1 = b0 + b->n;
+            if (a0 < b1 && b0 < a1) {
+                PyErr_SetString(PyExc_ValueError, "an output overlaps another buffer");
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* y[m, out] = x[m, in] @ W.T, on one thread below GIL_WORK as `product` (needs no GIL); -1 when out of memory */
+static int product_rows(const weight_t *w, Py_ssize_t m, const float *x, float *y, int threads) {
+    job_t j = job_of(w, m, x, y);
+    return run_job(&j, m * w->in + w->out * w->in < GIL_WORK ? 1 : threads);
+}
+
+static void add_into(float *y, const float *b, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) y[i] += b[i];
+}
+
+/* The attention half of a decode row's layer (see attention_step_doc); scratch holds 2 H + 2 (nh + kvh) d + 4 s
+ * floats. Needs no GIL; -1 when out of memory. */
+static int attention_row_step(const weight_t *w, const float *const *bias, const float *x, const float *norm,
+                              float eps, const float *c, const float *sn, char *kc, Py_ssize_t kstride, char *vc,
+                              Py_ssize_t vstride, Py_ssize_t kvh, Py_ssize_t nh, Py_ssize_t d, Py_ssize_t pos,
+                              float scale, const float *post, float *h, float *y, float *scratch, int threads) {
+    const Py_ssize_t hid = w[0].in, qn = nh * d, kn = kvh * d, g = nh / kvh;
+    float *xn = scratch, *q = xn + hid, *k = q + qn, *v = k + kn, *a = v + kn, *o = a + qn, *p = o + hid;
+    float *const proj[3] = {q, k, v};
+    rms_norm_rows(x, norm, eps, xn, 1, hid);
+    for (int j = 0; j < 3; j++) {
+        if (product_rows(&w[j], 1, xn, proj[j], threads)) return -1;
+        if (bias[j]) add_into(proj[j], bias[j], w[j].out);
+    }
+    rope_rows(q, c, sn, nh, d);
+    rope_rows(k, c, sn, kvh, d);
+    for (Py_ssize_t kh = 0; kh < kvh; kh++) { /* this position's keys and values into the caches */
+        memcpy(kc + kh * kstride + pos * d * 4, k + kh * d, (size_t)d * 4);
+        memcpy(vc + kh * vstride + pos * d * 4, v + kh * d, (size_t)d * 4);
+    }
+    for (Py_ssize_t kh = 0; kh < kvh; kh++)
+        attend_group(q + kh * g * d, (const float *)(kc + kh * kstride), (const float *)(vc + kh * vstride), g, pos + 1,
+                     d, d, scale, p, a + kh * g * d);
+    if (product_rows(&w[3], 1, a, o, threads)) return -1;
+    if (bias[3]) add_into(o, bias[3], hid);
+    for (Py_ssize_t i = 0; i < hid; i++) h[i] = x[i] + o[i];
+    rms_norm_rows(h, post, eps, y, 1, hid);
+    return 0;
+}
+
+PyDoc_STRVAR(attention_step_doc,
+             "attention_step(x, norm, eps, wq, wk, wv, wo, biases, cos, sin, k_cache, v_cache, pos, scale, post_norm, "
+             "h, y, threads) -> None\n\n"
+             "One decode row through a layer's GQA self-attention with its norms and residual, the operations of "
+             "rms_norm, product, rope, a KV cache's append and attend_row in their order: xn = rms_norm(x, norm); "
+             "q, k, v = xn's products (plus their biases); RoPE on q and k; k and v written at position `pos` of the "
+             "caches; a = attention of q over positions [0, pos]; h = x + (wo a + its bias); y = rms_norm(h, "
+             "post_norm). x, norm, post_norm, h, y: float32 [H]; weights Packed.native tuples, wq [nh * d, H], "
+             "wk and wv [kvh * d, H], wo [H, nh * d]; biases a 4-tuple, each None or float32 of its product's width; "
+             "cos, sin float32 [d]; k_cache, v_cache writable float32 [kvh, capacity, d] with contiguous rows; "
+             "0 <= pos < capacity. Outputs must not overlap anything else: ValueError otherwise.");
+
+enum { AS_X, AS_NORM, AS_EPS, AS_WQ, AS_WK, AS_WV, AS_WO, AS_BIAS, AS_COS, AS_SIN, AS_KC, AS_VC, AS_POS, AS_SCALE,
+       AS_POST, AS_H, AS_Y, AS_THREADS, AS_COUNT };
+
+static PyObject *py_attention_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != AS_COUNT)
+        return PyErr_Format(PyExc_TypeError, "attention_step expects %d arguments, got %zd", AS_COUNT, nargs);
+    const double eps = PyFloat_AsDouble(args[AS_EPS]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    const double scale = PyFloat_AsDouble(args[AS_SCALE]);
+    if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    Py_ssize_t pos;
+    int threads;
+    if (get_int(args[AS_POS], "pos", &pos) < 0 || get_threads(args[AS_THREADS], &threads) < 0) return NULL;
+    PyObject *biases = args[AS_BIAS];
+    if (!PyTuple_Check(biases) || PyTuple_GET_SIZE(biases) != 4)
+        return PyErr_Format(PyExc_TypeError, "biases: expected a tuple of 4");
+    /* vectors: x, norm, post_norm, cos, sin, 4 biases (inputs), then h, y (outputs) */
+    enum { V_X, V_NORM, V_POST, V_COS, V_SIN, V_BQ, V_BK, V_BV, V_BO, V_H, V_Y, V_COUNT };
+    weight_t w[4];
+    Py_buffer vec[V_COUNT], kc, vc;
+    int held[V_COUNT] = {0}, opened = 0, have_kc = 0, have_vc = 0;
+    float *scratch = NULL;
+    PyObject *result = NULL;
+    static const char *const wnames[4] = {"wq", "wk", "wv", "wo"};
+    for (; opened < 4; opened++)
+        if (weight_open_tuple(&w[opened], args[AS_WQ + opened], wnames[opened]) < 0) goto done;
+    Py_ssize_t s, d = 0, cap2;
+    if (get_heads(args[AS_KC], &kc, "k_cache", 0, &s, &d, 1) < 0) goto done;
+    have_kc = 1;
+    const Py_ssize_t kvh = kc.shape[0], hid = w[0].in;
+    if (get_heads(args[AS_VC], &vc, "v_cache", kvh, &cap2, &d, 1) < 0) goto done;
+    have_vc = 1;
+    const Py_ssize_t nh = w[0].out / d;
+    if (cap2 != s || d < 2 || d % 2 || w[0].out % d || nh < kvh || nh % kvh || w[1].out != kvh * d ||
+        w[2].out != kvh * d || w[1].in != hid || w[2].in != hid || w[3].in != nh * d || w[3].out != hid ||
+        pos < 0 || pos >= s) {
+        PyErr_Format(PyExc_ValueError,
+                     "attention_step: wq [%zd, %zd], wk [%zd, %zd], wv [%zd, %zd], wo [%zd, %zd], caches of %zd and "
+                     "%zd positions of [%zd, %zd], pos %zd do not fit together",
+                     w[0].out, w[0].in, w[1].out, w[1].in, w[2].out, w[2].in, w[3].out, w[3].in, s, cap2, kvh, d,
+                     pos);
+        goto done;
+    }
+    {
+        static const char *const vnames[V_COUNT] = {"x", "norm", "post_norm", "cos", "sin", "bq", "bk", "bv", "bo",
+                                                    "h", "y"};
+        PyObject *const vobj[V_COUNT] = {args[AS_X], args[AS_NORM], args[AS_POST], args[AS_COS], args[AS_SIN],
+                                         PyTuple_GET_ITEM(biases, 0), PyTuple_GET_ITEM(biases, 1),
+                                         PyTuple_GET_ITEM(biases, 2), PyTuple_GET_ITEM(biases, 3), args[AS_H],
+                                         args[AS_Y]};
+        const Py_ssize_t vlen[V_COUNT] = {hid, hid, hid, d, d, w[0].out, w[1].out, w[2].out, w[3].out, hid, hid};
+        for (int k = 0; k < V_COUNT; k++) {
+            if (k >= V_BQ && k <= V_BO && vobj[k] == Py_None) continue;
+            if (get_vector(vobj[k], &vec[k], vnames[k], vlen[k], k >= V_H) < 0) goto done;
+            held[k] = 1;
+        }
+    }
+    {
+        span_t ins[V_H + 8], outs[4];
+        int n = 0;
+        for (int k = 0; k < V_H; k++) ins[n++] = (span_t){held[k] ? vec[k].buf : NULL, held[k] ? vec[k].len : 0};
+        for (int j = 0; j < 4; j++) {
+            ins[n++] = (span_t){w[j].wv.buf, w[j].wv.len};
+            ins[n++] = (span_t){w[j].have_s ? w[j].sv.buf : NULL, w[j].have_s ? w[j].sv.len : 0};
+        }
+        outs[0] = (span_t){vec[V_H].buf, vec[V_H].len};
+        outs[1] = (span_t){vec[V_Y].buf, vec[V_Y].len};
+        outs[2] = (span_t){kc.buf, (kvh - 1) * kc.strides[0] + s * d * 4};
+        outs[3] = (span_t){vc.buf, (kvh - 1) * vc.strides[0] + s * d * 4};
+        if (check_spans(outs, 4, ins, n) < 0) goto done;
+    }
+    scratch = (float *)malloc((size_t)(2 * hid + 2 * (nh + kvh) * d + 4 * (pos + 1)) * sizeof(float));
+    if (!scratch) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    {
+        const float *bias[4];
+        for (int j = 0; j < 4; j++) bias[j] = held[V_BQ + j] ? (const float *)vec[V_BQ + j].buf : NULL;
+        const int release = (nh + 2 * kvh) * d * hid + hid * nh * d >= GIL_WORK;
+        int rc;
+        pool_after_fork_check();
+        PyThreadState *ts = release ? PyEval_SaveThread() : NULL;
+        rc = attention_row_step(w, bias, (const float *)vec[V_X].buf, (const float *)vec[V_NORM].buf, (float)eps,
+                                (const float *)vec[V_COS].buf, (const float *)vec[V_SIN].buf, (char *)kc.buf,
+                                kc.strides[0], (char *)vc.buf, vc.strides[0], kvh, nh, d, pos, (float)scale,
+                                (const float *)vec[V_POST].buf, (float *)vec[V_H].buf, (float *)vec[V_Y].buf, scratch,
+                                threads);
+        if (release) PyEval_RestoreThread(ts);
+        if (rc) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    free(scratch);
+    for (int k = 0; k < V_COUNT; k++)
+        if (held[k]) PyBuffer_Release(&vec[k]);
+    if (have_kc) PyBuffer_Release(&kc);
+    if (have_vc) PyBuffer_Release(&vc);
+    for (int k = 0; k < opened; k++) weight_release(&w[k]);
+    return result;
+}
+
+#define MAX_ROW_EXPERTS 1024 /* a router's top k at most (route_softmax's limit) */
+
+PyDoc_STRVAR(moe_row_doc,
+             "moe_row(x, experts, gates, shared, h, out, threads) -> None\n\n"
+             "A decode row's routed experts, shared expert and residual, as the numpy path sums them: each expert's "
+             "swiglu(x) times its gate, summed in the order given (float32, the first as it is), plus `shared`, "
+             "then out = h + that sum. x, h, out: float32 [H]; experts a tuple of (gate, up, down) Packed.native "
+             "tuples as swiglu takes; gates float32 [len(experts)]; shared None or float32 [H]. out must not overlap "
+             "anything else: ValueError otherwise.");
+
+static PyObject *py_moe_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) return PyErr_Format(PyExc_TypeError, "moe_row expects 7 arguments, got %zd", nargs);
+    int threads;
+    if (get_threads(args[6], &threads) < 0) return NULL;
+    PyObject *experts = args[1];
+    if (!PyTuple_Check(experts) || PyTuple_GET_SIZE(experts) < 1 || PyTuple_GET_SIZE(experts) > MAX_ROW_EXPERTS)
+        return PyErr_Format(PyExc_TypeError, "experts: expected a tuple of 1 to %d (gate, up, down) tuples",
+                            MAX_ROW_EXPERTS);
+    const Py_ssize_t n = PyTuple_GET_SIZE(experts);
+    enum { V_X, V_GATES, V_SHARED, V_H, V_OUT, V_COUNT };
+    Py_buffer vec[V_COUNT];
+    int held[V_COUNT] = {0};
+    Py_ssize_t opened = 0;
+    float *acc = NULL, *tmp = NULL;
+    span_t *ins = NULL;
+    PyObject *result = NULL;
+    weight_t *w = (weight_t *)calloc((size_t)(3 * n), sizeof(weight_t));
+    if (!w) return PyErr_NoMemory();
+    static const char *const names[3] = {"gate", "up", "down"};
+    for (Py_ssize_t e = 0; e < n; e++) {
+        PyObject *t = PyTuple_GET_ITEM(experts, e);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 3) {
+            PyErr_Format(PyExc_TypeError, "experts[%zd]: expected a (gate, up, down) tuple", e);
+            goto done;
+        }
+        for (int j = 0; j < 3; j++, opened++)
+            if (weight_open_tuple(&w[opened], PyTuple_GET_ITEM(t, j), names[j]) < 0) goto done;
+        const weight_t *x = &w[3 * e];
+        if (x[1].in != x[0].in || x[1].out != x[0].out || x[2].in != x[0].out || x[2].out != x[0].in ||
+            x[0].in != w[0].in) {
+            PyErr_Format(PyExc_ValueError, "experts[%zd]: gate [%zd, %zd], up [%zd, %zd], down [%zd, %zd] do not chain "
+                         "from a width of %zd", e, x[0].out, x[0].in, x[1].out, x[1].in, x[2].out, x[2].in, w[0].in);
+            goto done;
+        }
+    }
+    const Py_ssize_t hid = w[0].in;
+    {
+        static const char *const vnames[V_COUNT] = {"x", "gates", "shared", "h", "out"};
+        const Py_ssize_t vlen[V_COUNT] = {hid, n, hid, hid, hid};
+        for (int k = 0; k < V_COUNT; k++) {
+            if (k == V_SHARED && args[3] == Py_None) continue;
+            if (get_vector(args[k == V_X ? 0 : k == V_GATES ? 2 : k == V_SHARED ? 3 : k == V_H ? 4 : 5], &vec[k],
+                           vnames[k], vlen[k], k == V_OUT) < 0)
+                goto done;
+            held[k] = 1;
+        }
+    }
+    ins = (span_t *)malloc((size_t)(6 * n + V_OUT) * sizeof(span_t));
+    if (!ins) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    {
+        Py_ssize_t m = 0;
+        for (int k = 0; k < V_OUT; k++) ins[m++] = (span_t){held[k] ? vec[k].buf : NULL, held[k] ? vec[k].len : 0};
+        for (Py_ssize_t j = 0; j < 3 * n; j++) {
+            ins[m++] = (span_t){w[j].wv.buf, w[j].wv.len};
+            ins[m++] = (span_t){w[j].have_s ? w[j].sv.buf : NULL, w[j].have_s ? w[j].sv.len : 0};
+        }
+        const span_t out = {vec[V_OUT].buf, vec[V_OUT].len};
+        if (check_spans(&out, 1, ins, (int)m) < 0) goto done;
+    }
+    acc = (float *)malloc((size_t)hid * sizeof(float));
+    tmp = (float *)malloc((size_t)hid * sizeof(float));
+    if (!acc || !tmp) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    {
+        const float *x = (const float *)vec[V_X].buf, *gates = (const float *)vec[V_GATES].buf;
+        const float *shared = held[V_SHARED] ? (const float *)vec[V_SHARED].buf : NULL, *h = (const float *)vec[V_H].buf;
+        float *out = (float *)vec[V_OUT].buf;
+        int rc = 0;
+        pool_after_fork_check();
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t e = 0; e < n && !rc; e++) {
+            rc = swiglu_rows(&w[3 * e], x, e ? tmp : acc, 1, threads);
+            if (rc) break;
+            const float ge = gates[e];
+            if (e == 0) {
+                for (Py_ssize_t i = 0; i < hid; i++) acc[i] *= ge;
+            } else {
+                for (Py_ssize_t i = 0; i < hid; i++) {
+                    const float t = tmp[i] * ge; /* rounded to float32 before the add, as numpy's two steps */
+                    acc[i] += t;
+                }
+            }
+        }
+        if (!rc) {
+            if (shared) add_into(acc, shared, hid);
+            for (Py_ssize_t i = 0; i < hid; i++) out[i] = h[i] + acc[i];
+        }
+        Py_END_ALLOW_THREADS
+        if (rc) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    free(acc);
+    free(tmp);
+    free(ins);
+    for (int k = 0; k < V_COUNT; k++)
+        if (held[k]) PyBuffer_Release(&vec[k]);
+    for (Py_ssize_t k = 0; k < opened; k++) weight_release(&w[k]);
+    free(w);
     return result;
 }
 
@@ -2149,6 +2471,8 @@ static PyMethodDef methods[] = {
     {"route_softmax", (PyCFunction)(void (*)(void))py_route_softmax, METH_FASTCALL, route_softmax_doc},
     {"attend_row", (PyCFunction)(void (*)(void))py_attend_row, METH_FASTCALL, attend_row_doc},
     {"rope", (PyCFunction)(void (*)(void))py_rope, METH_FASTCALL, rope_doc},
+    {"attention_step", (PyCFunction)(void (*)(void))py_attention_step, METH_FASTCALL, attention_step_doc},
+    {"moe_row", (PyCFunction)(void (*)(void))py_moe_row, METH_FASTCALL, moe_row_doc},
     {"nonfinite", py_nonfinite, METH_VARARGS, nonfinite_doc},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use: 'avx512', 'avx2' or 'plain'."},
     {"use_simd", py_set_isa, METH_O,

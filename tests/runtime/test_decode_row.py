@@ -3,6 +3,8 @@ every family it takes, and declines the rest. (A failed layer or expert in the r
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -35,11 +37,32 @@ def _make(case: str):
     return make(case)
 
 
-def _decode(cfg, state, monkeypatch, *, general: bool, tokens=(4, 9, 17, 2, 30, 11)) -> tuple[np.ndarray, int]:
-    """# -> logits [len(tokens), V] of decoding `tokens` after PROMPT, and how many steps `_decode_row` ran"""
+class _CountingKernels:
+    """The native module, counting the calls of the decode row's two fused kernels."""
+
+    def __init__(self, native):
+        self._native, self.calls = native, Counter()
+
+    def __getattr__(self, name):
+        kernel = getattr(self._native, name)
+        if name not in ("attention_step", "moe_row"):
+            return kernel
+
+        def counted(*args):
+            self.calls[name] += 1
+            return kernel(*args)
+        return counted
+
+
+def _decode(cfg, state, monkeypatch, *, general: bool, tokens=(4, 9, 17, 2, 30, 11),
+            fused: Counter | None = None) -> tuple[np.ndarray, int]:
+    """# -> logits [len(tokens), V] of decoding `tokens` after PROMPT, and how many steps `_decode_row` ran;
+    `fused` receives the decode steps' calls of the fused kernels"""
     taken = []
     real, real_moe = _decode_row.step, _decode_row.moe_layer
     with monkeypatch.context() as m:
+        kernels = _CountingKernels(_packed._native)
+        m.setattr(_packed, "_native", kernels)
         m.setattr(_decode_row, "step", lambda *args: taken.append(1) or real(*args))
         # the row's experts run in `_decode_row._moe` itself: `moe_layer` is the general path's, and the fallback's
         m.setattr(_decode_row, "moe_layer", lambda *args: pytest.fail("the row fell back to moe_layer") if not general
@@ -48,7 +71,10 @@ def _decode(cfg, state, monkeypatch, *, general: bool, tokens=(4, 9, 17, 2, 30, 
             m.setattr(_decode_row, "applies", lambda cfg, segments: False)
         model = Model(cfg, DictWeightProvider(state))
         model.prefill(PROMPT)
+        kernels.calls.clear()
         logits = np.stack([model.decode(t) for t in tokens])
+    if fused is not None:
+        fused.update(kernels.calls)
     return logits, len(taken)
 
 
@@ -56,10 +82,15 @@ def _decode(cfg, state, monkeypatch, *, general: bool, tokens=(4, 9, 17, 2, 30, 
 @pytest.mark.parametrize("case", CASES)
 def test_decode_row_equals_the_general_path_bit_for_bit(case, monkeypatch):
     cfg, state = _make(case)
-    fast, taken = _decode(cfg, state, monkeypatch, general=False)
-    general, none = _decode(cfg, state, monkeypatch, general=True)
+    fused, unfused = Counter(), Counter()
+    fast, taken = _decode(cfg, state, monkeypatch, general=False, fused=fused)
+    general, none = _decode(cfg, state, monkeypatch, general=True, fused=unfused)
     assert none == 0 and taken == (6 if case in TAKEN else 0)
     np.testing.assert_array_equal(fast, general)
+    # the row took its fused kernels on every layer (the others: its fallbacks), the general path never
+    steps = 6 if case in TAKEN else 0
+    assert fused == Counter({"attention_step": steps * cfg.num_layers, "moe_row": steps * sum(cfg.moe_layers)}) - Counter()
+    assert not unfused
 
 
 @needs_kernels
@@ -137,9 +168,10 @@ def test_a_growing_cache_and_unplain_inputs_give_the_same_bits(monkeypatch):
     assert taken == len(tokens)
     np.testing.assert_array_equal(fast, general)
     monkeypatch.setattr(_decode_row._fused, "plain", lambda a: False)  # (numpy's attention and rotary in both runs)
-    refused, taken = _decode(cfg, state, monkeypatch, general=False, tokens=tokens[:6])
+    fused = Counter()
+    refused, taken = _decode(cfg, state, monkeypatch, general=False, tokens=tokens[:6], fused=fused)
     general, _ = _decode(cfg, state, monkeypatch, general=True, tokens=tokens[:6])
-    assert taken == 6
+    assert taken == 6 and not fused  # (gqa_attention, and the experts one by one)
     np.testing.assert_array_equal(refused, general)
 
 

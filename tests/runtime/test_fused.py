@@ -320,3 +320,164 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     a = a.copy()
     a.flags.writeable = False
     return a
+
+
+def _attention_parts(kind: str, nh=8, kvh=2, d=16, hid=64, capacity=12, biased=True):
+    """A layer's attention weights packed as `kind`, its norms, biases, a rotary row and a half-filled cache."""
+    rng = np.random.default_rng(11)
+    def mat(o, i):
+        return _packed.from_float(rng.standard_normal((o, i)).astype(np.float32) / 4, kind)
+    w = (mat(nh * d, hid), mat(kvh * d, hid), mat(kvh * d, hid), mat(hid, nh * d))
+    biases = tuple(rng.standard_normal(n).astype(np.float32) if biased else None
+                   for n in (nh * d, kvh * d, kvh * d, hid))
+    norm, post = (rng.standard_normal(hid).astype(np.float32) for _ in range(2))
+    angle = rng.standard_normal(d // 2).astype(np.float32)
+    cos = np.concatenate([np.cos(angle)] * 2)[None].astype(np.float32)
+    sin = np.concatenate([np.sin(angle)] * 2)[None].astype(np.float32)
+    kc, vc = (rng.standard_normal((kvh, capacity, d)).astype(np.float32) for _ in range(2))
+    return w, biases, norm, post, cos, sin, kc, vc, rng.standard_normal((1, hid)).astype(np.float32)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("biased", [False, True])
+@pytest.mark.parametrize("kind", ["f32", "bf16", "q8", "q4"])
+def test_attention_step_is_the_separate_kernels_bit_for_bit(isa, kind, biased, threads):
+    """One call = rms_norm, the three products and their biases, rope, the cache write, attend_row over positions
+    [0, pos], the output product, its bias, the residual and the next norm, each as its own kernel computes it."""
+    w, biases, norm, post, cos, sin, kc, vc, x = _attention_parts(kind, biased=biased)
+    pos, eps, scale, (nh, kvh, d) = 5, 1e-5, 0.25, (8, 2, 16)
+    _packed.set_threads(threads)
+    want_kc, want_vc = kc.copy(), vc.copy()
+    xn = np.empty_like(x)
+    _kernels.rms_norm(x, norm, eps, xn)
+    q, k, v = (np.empty((1, n * d), np.float32) for n in (nh, kvh, kvh))
+    for weight, out, b in zip(w, (q, k, v), biases):
+        _kernels.product(weight.native, xn, out, threads)
+        if b is not None:
+            out += b
+    _kernels.rope(q, cos, sin)
+    _kernels.rope(k, cos, sin)
+    want_kc[:, pos], want_vc[:, pos] = k.reshape(kvh, d), v.reshape(kvh, d)
+    a = np.empty((1, nh * d), np.float32)
+    _kernels.attend_row(q, want_kc[:, :pos + 1], want_vc[:, :pos + 1], scale, a)
+    o = np.empty_like(x)
+    _kernels.product(w[3].native, a, o, threads)
+    if biases[3] is not None:
+        o += biases[3]
+    want_h = x + o
+    want_y = np.empty_like(x)
+    _kernels.rms_norm(want_h, post, eps, want_y)
+
+    h, y = np.empty_like(x), np.empty_like(x)
+    _kernels.attention_step(x, norm, eps, *(p.native for p in w), biases, cos, sin, kc, vc, pos, scale, post, h, y,
+                            threads)
+    np.testing.assert_array_equal(h, want_h)
+    np.testing.assert_array_equal(y, want_y)
+    np.testing.assert_array_equal(kc, want_kc)  # position pos written, the others untouched
+    np.testing.assert_array_equal(vc, want_vc)
+
+
+def test_attention_step_refuses_hostile_arguments():
+    w, biases, norm, post, cos, sin, kc, vc, x = _attention_parts("f32")
+    natives = tuple(p.native for p in w)
+    h, y = np.empty_like(x), np.empty_like(x)
+
+    def call(**change):
+        args = dict(x=x, norm=norm, eps=1e-5, wq=natives[0], wk=natives[1], wv=natives[2], wo=natives[3],
+                    biases=biases, cos=cos, sin=sin, kc=kc, vc=vc, pos=3, scale=0.5, post=post, h=h, y=y, threads=1)
+        args.update(change)
+        _kernels.attention_step(*args.values())
+
+    call()  # the valid call
+    before = kc.copy(), vc.copy(), h.copy(), y.copy()
+    for change, message in [
+        (dict(pos=12), "do not fit"), (dict(pos=-1), "do not fit"),  # the capacity is 12
+        (dict(wq=natives[1]), "do not fit"),  # wk as wq: 2 query heads, and wo wants 8
+        (dict(wo=natives[0]), "do not fit"),
+        (dict(vc=vc[:, :11]), "do not fit"),  # caches of different capacities
+        (dict(kc=kc[:1]), r"v_cache: expected float32 \[1, S, 16\]"),  # one kv head in k, two in v
+        (dict(cos=cos[:, :8]), "cos: expected 16 items"),
+        (dict(biases=(biases[0][:-1], *biases[1:])), "bq: expected 128 items"),
+        (dict(biases=biases[:3]), "a tuple of 4"),
+        (dict(x=x[:, :63].copy()), "x: expected 64 items"),
+        (dict(h=y), "overlaps"), (dict(h=x), "overlaps"), (dict(y=post), "overlaps"),
+        (dict(h=kc[0, 0:4].reshape(1, 64)), "overlaps"),  # an output inside the key cache
+        (dict(vc=kc), "overlaps"),
+        (dict(kc=kc[:, :10], vc=vc[:, :10]), None),  # heads strided beyond the positions given: taken
+        (dict(kc=kc.transpose(1, 0, 2).copy().transpose(1, 0, 2)), "k_cache: expected float32"),  # rows strided
+        (dict(kc=np.ascontiguousarray(kc[:, :, :8])), r"v_cache: expected float32 \[2, S, 8\]"),  # head widths differ
+        (dict(kc=np.ascontiguousarray(kc[:, :, :8]), vc=np.ascontiguousarray(vc[:, :, :8]),
+              cos=cos[:, :8].copy(), sin=sin[:, :8].copy()), "do not fit"),  # heads of 8: wk's width is 32
+        (dict(threads=0), "threads=0"),
+    ]:
+        if message is None:
+            call(**change)
+            continue
+        with pytest.raises((ValueError, TypeError), match=message):
+            call(**change)
+    readonly = kc.copy()
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="k_cache: expected a strided writable buffer"):
+        call(kc=readonly)
+    with pytest.raises(TypeError, match="expects 18 arguments"):
+        _kernels.attention_step(x)
+    call()
+    for a, b in zip(before, (kc, vc, h, y)):  # (the same valid call again: the same results)
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", ["f32", "q8", "q4"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_moe_row_sums_as_the_numpy_steps_do_bit_for_bit(isa, kind, shared, threads):
+    """Each expert's swiglu times its gate, added in the order given to the sum of those before, the shared output,
+    the residual: float32 steps whose bits the general path defines."""
+    rng = np.random.default_rng(12)
+    hid, inter = 64, 96
+    experts = [tuple(_packed.from_float(rng.standard_normal(shape).astype(np.float32) / 4, kind)
+                     for shape in ((inter, hid), (inter, hid), (hid, inter))) for _ in range(3)]
+    gates = rng.random(3).astype(np.float32)
+    x, h = (rng.standard_normal((1, hid)).astype(np.float32) for _ in range(2))
+    extra = rng.standard_normal((1, hid)).astype(np.float32) if shared else None
+    _packed.set_threads(threads)
+    total = None
+    for three, g in zip(experts, gates):
+        y = np.empty_like(x)
+        _kernels.swiglu(*(p.native for p in three), x, y, threads)
+        y *= g
+        total = y if total is None else total + y
+    if extra is not None:
+        total += extra
+    out = np.empty_like(x)
+    _kernels.moe_row(x, tuple(tuple(p.native for p in three) for three in experts), gates, extra, h, out, threads)
+    np.testing.assert_array_equal(out, h + total)
+
+
+def test_moe_row_refuses_hostile_arguments():
+    rng = np.random.default_rng(13)
+    gate = _packed.from_float(rng.standard_normal((32, 16)).astype(np.float32), "f32")
+    down = _packed.from_float(rng.standard_normal((16, 32)).astype(np.float32), "f32")
+    wide = _packed.from_float(rng.standard_normal((32, 24)).astype(np.float32), "f32")
+    one = (gate.native, gate.native, down.native)
+    x, h, out = np.ones((1, 16), np.float32), np.ones((1, 16), np.float32), np.empty((1, 16), np.float32)
+    gates = np.ones(2, np.float32)
+    _kernels.moe_row(x, (one, one), gates, None, h, out, 1)
+    for args, message in [
+        ((x, (), gates[:0], None, h, out, 1), "a tuple of 1 to 1024"),
+        ((x, (one,) * 1025, np.ones(1025, np.float32), None, h, out, 1), "a tuple of 1 to 1024"),
+        ((x, (one, one[:2]), gates, None, h, out, 1), r"experts\[1\]: expected a \(gate, up, down\)"),
+        ((x, (one, (gate.native, gate.native, gate.native)), gates, None, h, out, 1), "do not chain"),
+        ((x, (one, (wide.native, wide.native, _packed.from_float(np.ones((24, 32), np.float32), "f32").native)),
+          gates, None, h, out, 1), "do not chain"),  # an expert of another width than the first
+        ((x, (one, one), gates[:1], None, h, out, 1), "gates: expected 2 items"),
+        ((x, (one, one), gates, np.ones((1, 8), np.float32), h, out, 1), "shared: expected 16 items"),
+        ((x, (one, one), gates, None, h, x, 1), "overlaps"),
+        ((x, (one, one), gates, None, h, h, 1), "overlaps"),
+        ((x, (one, one), gates, None, h, gates.view(np.float32)[:0], 1), "out: expected 16 items"),
+        ((x, (one, one), gates, None, h, out, 65), "threads=65"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=message):
+            _kernels.moe_row(*args)
+    lying = ("f32", gate.data, None, 64, 16, 0, 0)  # claims 64 rows: more bytes than the buffer holds
+    with pytest.raises(ValueError, match="expected 1024 items"):
+        _kernels.moe_row(x, ((lying, gate.native, down.native),), gates[:1], None, h, out, 1)
