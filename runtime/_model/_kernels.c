@@ -1521,7 +1521,8 @@ static void silu_mul(float *g, const float *u, Py_ssize_t n) {
  * -1 when out of memory. Needs no GIL. */
 static int swiglu_rows(const weight_t *w, const float *x, float *y, Py_ssize_t m, int threads) {
     const Py_ssize_t hid = w[0].in, inter = w[0].out;
-    float *g = (float *)malloc((size_t)(m * inter) * sizeof(float)), *u = (float *)malloc((size_t)(m * inter) * sizeof(float));
+    float *g = (float *)malloc((size_t)(m * inter) * sizeof(float));
+    float *u = (float *)malloc((size_t)(m * inter) * sizeof(float));
     int rc = -1;
     if (g && u) {
         job_t jg = job_of(&w[0], m, x, g), ju = job_of(&w[1], m, x, u), jd = job_of(&w[2], m, g, y);
@@ -1717,7 +1718,7 @@ static int get_heads(PyObject *o, Py_buffer *v, const char *name, Py_ssize_t hea
     if (f[0] == '@' || f[0] == '=' || (f[0] == '<' && PY_LITTLE_ENDIAN)) f++;
     if (heads < 1 || *d < 1 || f[0] != 'f' || f[1] != '\0' || v->itemsize != 4 || v->shape[0] != heads ||
         v->shape[2] != *d || v->shape[1] < 1 || v->strides[2] != 4 || v->strides[1] != 4 * *d ||
-        v->strides[0] < 4 * *d * v->shape[1] || (uintptr_t)v->buf % 4) {
+        v->strides[0] < 4 * *d * v->shape[1] || v->strides[0] % 4 || (uintptr_t)v->buf % 4) {
         PyErr_Format(PyExc_ValueError, "%s: expected float32 [%zd, S, %zd] with contiguous rows", name, heads, *d);
         PyBuffer_Release(v);
         return -1;
@@ -2233,7 +2234,8 @@ static PyObject *py_attention_step(PyObject *self, PyObject *const *args, Py_ssi
     {
         const float *bias[4];
         for (int j = 0; j < 4; j++) bias[j] = held[V_BQ + j] ? (const float *)vec[V_BQ + j].buf : NULL;
-        const int release = (nh + 2 * kvh) * d * hid + hid * nh * d >= GIL_WORK;
+        /* the products' weights and the keys and values attended to */
+        const int release = (nh + 2 * kvh) * d * hid + hid * nh * d + nh * (pos + 1) * 2 * d >= GIL_WORK;
         int rc;
         pool_after_fork_check();
         PyThreadState *ts = release ? PyEval_SaveThread() : NULL;
@@ -2340,7 +2342,8 @@ static PyObject *py_moe_row(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     {
         const float *x = (const float *)vec[V_X].buf, *gates = (const float *)vec[V_GATES].buf;
-        const float *shared = held[V_SHARED] ? (const float *)vec[V_SHARED].buf : NULL, *h = (const float *)vec[V_H].buf;
+        const float *shared = held[V_SHARED] ? (const float *)vec[V_SHARED].buf : NULL;
+        const float *h = (const float *)vec[V_H].buf;
         float *out = (float *)vec[V_OUT].buf;
         int rc = 0;
         pool_after_fork_check();
@@ -2353,7 +2356,8 @@ static PyObject *py_moe_row(PyObject *self, PyObject *const *args, Py_ssize_t na
                 for (Py_ssize_t i = 0; i < hid; i++) acc[i] *= ge;
             } else {
                 for (Py_ssize_t i = 0; i < hid; i++) {
-                    const float t = tmp[i] * ge; /* rounded to float32 before the add, as numpy's two steps */
+                    const float t = tmp[i] * ge; /* rounded to float32 before the add, as numpy's two steps (the
+                                                  * build's -ffp-contract=off keeps the compiler from fusing them) */
                     acc[i] += t;
                 }
             }

@@ -4,6 +4,7 @@ every family it takes, and declines the rest. (A failed layer or expert in the r
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -89,7 +90,8 @@ def test_decode_row_equals_the_general_path_bit_for_bit(case, monkeypatch):
     np.testing.assert_array_equal(fast, general)
     # the row took its fused kernels on every layer (the others: its fallbacks), the general path never
     steps = 6 if case in TAKEN else 0
-    assert fused == Counter({"attention_step": steps * cfg.num_layers, "moe_row": steps * sum(cfg.moe_layers)}) - Counter()
+    want = Counter(attention_step=steps * cfg.num_layers, moe_row=steps * sum(cfg.moe_layers))
+    assert fused == +want  # (+: without the zero counts of a family the row declines)
     assert not unfused
 
 
@@ -173,6 +175,36 @@ def test_a_growing_cache_and_unplain_inputs_give_the_same_bits(monkeypatch):
     general, _ = _decode(cfg, state, monkeypatch, general=True, tokens=tokens[:6])
     assert taken == 6 and not fused  # (gqa_attention, and the experts one by one)
     np.testing.assert_array_equal(refused, general)
+
+
+@needs_kernels
+@pytest.mark.parametrize("refused", ["self_attn.q_proj.bias", "self_attn.o_proj.bias", "input_layernorm.weight",
+                                     "post_attention_layernorm.weight", "cos", "sin", "shared"])
+def test_each_input_a_fused_kernel_cannot_take_sends_its_half_to_numpy(refused, monkeypatch):
+    """One array in a form the kernels do not take (here: declared so) sends its layer half, and only that half, to
+    the numpy path (`gqa_attention`, or the experts one by one), with the same bits as the general path."""
+    cfg, state = _make("qwen2_moe-biased")
+    general, _ = _decode(cfg, state, monkeypatch, general=True)
+    seen = {}
+    real_attend, real_shared, real_plain = _decode_row._attend, _decode_row.shared_expert, _decode_row._fused.plain
+
+    def attend(cfg, w, x, cos, sin, cache, layer):
+        seen.update(w, cos=cos, sin=sin)
+        return real_attend(cfg, w, x, cos, sin, cache, layer)
+
+    def shared(*args):
+        seen["shared"] = out = real_shared(*args)
+        return out
+    monkeypatch.setattr(_decode_row, "_attend", attend)
+    monkeypatch.setattr(_decode_row, "shared_expert", shared)
+    monkeypatch.setattr(_decode_row, "_fused", SimpleNamespace(plain=lambda a: a is not seen.get(refused)
+                                                               and real_plain(a)))
+    fused = Counter()
+    fast, taken = _decode(cfg, state, monkeypatch, general=False, fused=fused)
+    kept = (Counter(attention_step=taken * cfg.num_layers) if refused == "shared"
+            else Counter(moe_row=taken * sum(cfg.moe_layers)))
+    assert taken == 6 and fused == kept
+    np.testing.assert_array_equal(fast, general)
 
 
 @needs_kernels

@@ -394,6 +394,13 @@ def test_attention_step_refuses_hostile_arguments():
         (dict(pos=12), "do not fit"), (dict(pos=-1), "do not fit"),  # the capacity is 12
         (dict(wq=natives[1]), "do not fit"),  # wk as wq: 2 query heads, and wo wants 8
         (dict(wo=natives[0]), "do not fit"),
+        # each shape clause alone: a wo with more outputs than H, a wv or wk of another width or input, a
+        # query width that is not whole heads
+        (dict(wo=_packed.from_float(np.ones((65, 128), np.float32), "f32").native), "do not fit"),
+        (dict(wv=_packed.from_float(np.ones((48, 64), np.float32), "f32").native), "do not fit"),
+        (dict(wk=_packed.from_float(np.ones((32, 65), np.float32), "f32").native), "do not fit"),
+        (dict(wv=_packed.from_float(np.ones((32, 65), np.float32), "f32").native), "do not fit"),
+        (dict(wq=_packed.from_float(np.ones((136, 64), np.float32), "f32").native), "do not fit"),
         (dict(vc=vc[:, :11]), "do not fit"),  # caches of different capacities
         (dict(kc=kc[:1]), r"v_cache: expected float32 \[1, S, 16\]"),  # one kv head in k, two in v
         (dict(cos=cos[:, :8]), "cos: expected 16 items"),
@@ -402,6 +409,7 @@ def test_attention_step_refuses_hostile_arguments():
         (dict(x=x[:, :63].copy()), "x: expected 64 items"),
         (dict(h=y), "overlaps"), (dict(h=x), "overlaps"), (dict(y=post), "overlaps"),
         (dict(h=kc[0, 0:4].reshape(1, 64)), "overlaps"),  # an output inside the key cache
+        (dict(y=vc[1, 4:8].reshape(1, 64)), "overlaps"),  # inside its second head
         (dict(vc=kc), "overlaps"),
         (dict(kc=kc[:, :10], vc=vc[:, :10]), None),  # heads strided beyond the positions given: taken
         (dict(kc=kc.transpose(1, 0, 2).copy().transpose(1, 0, 2)), "k_cache: expected float32"),  # rows strided
@@ -415,10 +423,17 @@ def test_attention_step_refuses_hostile_arguments():
             continue
         with pytest.raises((ValueError, TypeError), match=message):
             call(**change)
-    readonly = kc.copy()
-    readonly.flags.writeable = False
-    with pytest.raises(ValueError, match="k_cache: expected a strided writable buffer"):
-        call(kc=readonly)
+    for name in ("kc", "vc", "h", "y"):  # every output read-only
+        readonly = dict(kc=kc, vc=vc, h=h, y=y)[name].copy()
+        readonly.flags.writeable = False
+        with pytest.raises(ValueError, match="writable"):
+            call(**{name: readonly})
+    raw = np.zeros(1024, np.float32)  # heads 769 bytes apart (each 768 long): the second starts unaligned
+    unaligned = np.lib.stride_tricks.as_strided(raw, (2, 12, 16), (769, 64, 4))
+    with pytest.raises(ValueError, match="k_cache: expected float32"):
+        call(kc=unaligned)
+    with pytest.raises(ValueError, match="k: expected float32"):  # (attend_row takes its cache views the same way)
+        _kernels.attend_row(np.ones((1, 8, 16), np.float32), unaligned, vc, 1.0, np.empty((1, 8, 16), np.float32))
     with pytest.raises(TypeError, match="expects 18 arguments"):
         _kernels.attention_step(x)
     call()
@@ -462,7 +477,12 @@ def test_moe_row_refuses_hostile_arguments():
     x, h, out = np.ones((1, 16), np.float32), np.ones((1, 16), np.float32), np.empty((1, 16), np.float32)
     gates = np.ones(2, np.float32)
     _kernels.moe_row(x, (one, one), gates, None, h, out, 1)
+    long_down = _packed.from_float(rng.standard_normal((24, 32)).astype(np.float32), "f32")
+    readonly = out.copy()
+    readonly.flags.writeable = False
     for args, message in [
+        ((x, (one, (gate.native, gate.native, long_down.native)), gates, None, h, out, 1), "do not chain"),
+        ((x, (one, one), gates, None, h, readonly, 1), "out: expected a C-contiguous writable buffer"),
         ((x, (), gates[:0], None, h, out, 1), "a tuple of 1 to 1024"),
         ((x, (one,) * 1025, np.ones(1025, np.float32), None, h, out, 1), "a tuple of 1 to 1024"),
         ((x, (one, one[:2]), gates, None, h, out, 1), r"experts\[1\]: expected a \(gate, up, down\)"),
