@@ -103,9 +103,11 @@ class Session:
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float, top_p: float,
                  seed: int | None, on_token: Callable[[int], None], record: bool = False) -> RunReport:
-        """Generate; with `record`, `self.record` is then the RunRecord a receipt is made from."""
+        """Generate; with `record`, `self.record` is then the RunRecord a receipt is made from. The report (and
+        `summary()`'s token counts and rates) describes this call alone: a second call on the session starts a new
+        one, rather than adding its tokens to the first call's beside its own seconds."""
         check_sampling(temperature, top_p)
-        report = self.report
+        report = self.report = RunReport()
         report.prompt_tokens = len(prompt_ids)
         if max_new_tokens <= 0:
             return report

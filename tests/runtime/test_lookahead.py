@@ -216,6 +216,28 @@ def test_lookahead_on_gives_bit_identical_logits_and_tokens(signed, family):
     assert not off["lookahead"]["enabled"] and off["lookahead"]["actual"] == 0 and off["lookahead"]["prefetched"] == 0
 
 
+def test_a_second_generate_on_a_session_reports_itself_alone(signed):
+    """Each call's report counts its own tokens: a second call used to add them to the first call's while its
+    seconds replaced the first's, so its decode rate read twice as high."""
+    from shardtool.keys import load_public_key
+    from shardtool.manifest import load_verified_manifest
+    from shardtool.runtime import Session
+
+    model = _model(signed, "mixtral")
+    manifest = load_verified_manifest(model / "manifest.msgpack", [load_public_key(signed / "k.pub")], 1)
+    session = Session(model, manifest, budget=1 << 30, max_tokens=len(PROMPT) + 6)
+    try:
+        first = session.generate(PROMPT, 6, temperature=0.0, top_p=1.0, seed=None, on_token=lambda t: None)
+        tokens = list(first.generated)
+        second = session.generate(PROMPT, 4, temperature=0.0, top_p=1.0, seed=None, on_token=lambda t: None)
+        summary = session.summary()
+    finally:
+        session.close()
+    assert len(tokens) == 6 and second.new_tokens == 4 and second.generated == tokens[:4]  # greedy: the same start
+    assert summary["new_tokens"] == 4 and summary["generated_ids"] == tokens[:4]
+    assert summary["decode_tokens_per_s"] == pytest.approx(3 / second.decode_seconds)
+
+
 def test_verify_and_run_reports_lookahead_figures(signed, tmp_path):
     import json
 
