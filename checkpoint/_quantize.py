@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+from shardtool import blockquant
 from shardtool.checkpoint._expert_check import check_forms
 from shardtool.checkpoint._plan import Piece, ShardPlan
 from shardtool.errors import CheckpointFormatError, UsageError
@@ -28,8 +29,7 @@ from shardtool.families import EXPERT_PROJECTIONS
 if TYPE_CHECKING:
     import numpy as np
 
-# blockquant's Q8, Q4 (a unit test holds them equal): blockquant imports numpy, which a plain split never loads
-METHODS = ("int8", "int4")
+METHODS = (blockquant.Q8, blockquant.Q4)
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 DATA, SCALE = "data", "scale"
 _KEPT = {"F8_E4M3": "FP8 block-scaled"}  # stored dtype of a kept `<proj>.weight` -> what to call it (the runtime runs it)
@@ -46,8 +46,6 @@ class QuantizeReport:
     trunk_kept: int = 0              # trunk linear weights kept float: input width not a multiple of the block
 
     def lines(self) -> list[str]:
-        from shardtool import blockquant
-
         bits = blockquant.BITS_PER_WEIGHT[self.method]
         trunk = (f"{self.trunk} trunk linear weight(s) quantized too; routers, norms and the embedding kept as "
                  f"stored" if self.trunk else "trunk, routers and shared experts kept as stored")
@@ -62,7 +60,7 @@ class QuantizeReport:
         return out
 
 
-TRUNK_METHODS = ("int8",)  # a trunk at 4 bits loses too much of the attention (not offered)
+TRUNK_METHODS = (blockquant.Q8,)  # a trunk at 4 bits loses too much of the attention (not offered)
 
 
 def check_method(method: str | None, trunk: bool = False) -> None:
@@ -130,8 +128,6 @@ def quantize_plans(plans: Sequence[ShardPlan], method: str, *, trunk: bool = Fal
 
 def _quantized_trunk(plan: ShardPlan, method: str) -> tuple[ShardPlan, int, int]:
     """A trunk plan with its float 2-D linear weights quantized; (plan, weights quantized, weights kept float)."""
-    from shardtool import blockquant
-
     pieces: list[Piece] = []
     done = kept = 0
     names = {p.name for p in plan.pieces}
@@ -154,8 +150,6 @@ def _quantized_trunk(plan: ShardPlan, method: str) -> tuple[ShardPlan, int, int]
 
 
 def _quantized_pieces(plan: ShardPlan, p: Piece, proj: str, method: str) -> list[Piece]:
-    from shardtool import blockquant
-
     if len(p.shape) != 2:
         raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {p.source.name!r} has shape "
                                     f"{list(p.shape)}, expected a 2-D [out, in] projection to quantize")
@@ -173,8 +167,6 @@ def _quantized_pieces(plan: ShardPlan, p: Piece, proj: str, method: str) -> list
 def _block_pieces(p: Piece, base: str, method: str) -> list[Piece]:
     """# a float [out, in] piece -> its data (`<base>.weight` I8, or `<base>.weight_q4` U8 [out, in/2]) and scale
     (`<base>.weight_scale` F16 [out, in/32]) pieces in `method`, computed from the same source tensor."""
-    from shardtool import blockquant
-
     rows, cols = p.shape
     if method == blockquant.Q8:
         data = replace(p, name=f"{base}.weight", dtype="I8", shape=(rows, cols), quant=(method, DATA))
@@ -188,8 +180,6 @@ def _block_pieces(p: Piece, base: str, method: str) -> list[Piece]:
 
 def float_shape(p: Piece) -> tuple[int, int]:
     """[out, in] of the float projection a quantized data or scale piece is computed from."""
-    from shardtool import blockquant
-
     method, part = p.quant or ("", "")
     rows, width = p.shape
     per = blockquant.QBLOCK if part == SCALE else 2 if method == blockquant.Q4 else 1
@@ -200,8 +190,6 @@ def quantize(p: Piece, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """# [out, in] float32 -> (data, scale) in the piece's method; refuses a weight whose scales are not finite
     (a non-finite source weight, or a block too large for a float16 scale)"""
     import numpy as np
-
-    from shardtool import blockquant
 
     method = p.quant[0] if p.quant else ""
     with np.errstate(over="ignore", invalid="ignore"):  # a scale beyond float16 is refused below, not warned

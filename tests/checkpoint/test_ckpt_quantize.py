@@ -44,10 +44,6 @@ def digests(out: Path) -> dict[str, bytes]:
     return {e.path: e.digest for e in load_manifest(out / "manifest.msgpack").entries}
 
 
-def test_methods_are_blockquants():
-    assert METHODS == (blockquant.Q8, blockquant.Q4)
-
-
 @pytest.mark.parametrize("family", ["mixtral", "llama4", "gpt_oss", "qwen2_moe"])
 def test_quantized_split_is_blockquant_of_the_plain_splits_experts(make_tiny, tmp_path, family):
     """Per-expert (mixtral), fused [E, H, 2I] (llama4), fused interleaved with expert biases (gpt_oss), a shared
