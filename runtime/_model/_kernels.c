@@ -2083,6 +2083,24 @@ typedef struct {
     Py_ssize_t n;
 } span_t;
 
+/* Appends the spans of the held vectors among vec[0..n) and of n_w weights' data and scales to `to`; returns the
+ * number appended (n + 2 n_w). */
+static Py_ssize_t input_spans(span_t *to, const Py_buffer *vec, const int *held, int n, const weight_t *w,
+                              Py_ssize_t n_w) {
+    Py_ssize_t m = 0;
+    for (int k = 0; k < n; k++) to[m++] = (span_t){held[k] ? vec[k].buf : NULL, held[k] ? vec[k].len : 0};
+    for (Py_ssize_t j = 0; j < n_w; j++) {
+        to[m++] = (span_t){w[j].wv.buf, w[j].wv.len};
+        to[m++] = (span_t){w[j].have_s ? w[j].sv.buf : NULL, w[j].have_s ? w[j].sv.len : 0};
+    }
+    return m;
+}
+
+static void release_held(Py_buffer *vec, const int *held, int n) {
+    for (int k = 0; k < n; k++)
+        if (held[k]) PyBuffer_Release(&vec[k]);
+}
+
 /* -1 with a ValueError when an output span overlaps an input span or another output (each written while the
  * others are read); NULL spans are skipped. */
 static int check_spans(const span_t *outs, int n_outs, const span_t *ins, int n_ins) {
@@ -2214,12 +2232,7 @@ static PyObject *py_attention_step(PyObject *self, PyObject *const *args, Py_ssi
     }
     {
         span_t ins[V_H + 8], outs[4];
-        int n = 0;
-        for (int k = 0; k < V_H; k++) ins[n++] = (span_t){held[k] ? vec[k].buf : NULL, held[k] ? vec[k].len : 0};
-        for (int j = 0; j < 4; j++) {
-            ins[n++] = (span_t){w[j].wv.buf, w[j].wv.len};
-            ins[n++] = (span_t){w[j].have_s ? w[j].sv.buf : NULL, w[j].have_s ? w[j].sv.len : 0};
-        }
+        const int n = (int)input_spans(ins, vec, held, V_H, w, 4);
         outs[0] = (span_t){vec[V_H].buf, vec[V_H].len};
         outs[1] = (span_t){vec[V_Y].buf, vec[V_Y].len};
         outs[2] = (span_t){kc.buf, (kvh - 1) * kc.strides[0] + s * d * 4};
@@ -2253,8 +2266,7 @@ static PyObject *py_attention_step(PyObject *self, PyObject *const *args, Py_ssi
     result = Py_NewRef(Py_None);
 done:
     free(scratch);
-    for (int k = 0; k < V_COUNT; k++)
-        if (held[k]) PyBuffer_Release(&vec[k]);
+    release_held(vec, held, V_COUNT);
     if (have_kc) PyBuffer_Release(&kc);
     if (have_vc) PyBuffer_Release(&vc);
     for (int k = 0; k < opened; k++) weight_release(&w[k]);
@@ -2325,12 +2337,7 @@ static PyObject *py_moe_row(PyObject *self, PyObject *const *args, Py_ssize_t na
         goto done;
     }
     {
-        Py_ssize_t m = 0;
-        for (int k = 0; k < V_OUT; k++) ins[m++] = (span_t){held[k] ? vec[k].buf : NULL, held[k] ? vec[k].len : 0};
-        for (Py_ssize_t j = 0; j < 3 * n; j++) {
-            ins[m++] = (span_t){w[j].wv.buf, w[j].wv.len};
-            ins[m++] = (span_t){w[j].have_s ? w[j].sv.buf : NULL, w[j].have_s ? w[j].sv.len : 0};
-        }
+        const Py_ssize_t m = input_spans(ins, vec, held, V_OUT, w, 3 * n);
         const span_t out = {vec[V_OUT].buf, vec[V_OUT].len};
         if (check_spans(&out, 1, ins, (int)m) < 0) goto done;
     }
@@ -2377,8 +2384,7 @@ done:
     free(acc);
     free(tmp);
     free(ins);
-    for (int k = 0; k < V_COUNT; k++)
-        if (held[k]) PyBuffer_Release(&vec[k]);
+    release_held(vec, held, V_COUNT);
     for (Py_ssize_t k = 0; k < opened; k++) weight_release(&w[k]);
     free(w);
     return result;
