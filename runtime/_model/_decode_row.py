@@ -136,7 +136,10 @@ def _moe(cfg: ModelConfig, w: Mapping, y: np.ndarray, h: np.ndarray, weights: "F
         return x
     out = None
     for three, g in zip(projections, gates):
-        out_e = expert_mlp(y, *three)
+        try:
+            out_e = expert_mlp(y, *three)
+        except ShardtoolError as cause:  # (as around the fetch: the general path fails the row the same way)
+            raise ExpertUnavailable(cause, ROW0) from cause
         out_e *= g
         if out is None:
             out = out_e
