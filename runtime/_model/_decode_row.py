@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 _ATTENTION = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
               "self_attn.o_proj.weight")
-_MAX_ROW_EXPERTS = 1024  # the most experts one `moe_row` call takes (a router's top k is far fewer)
 _BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias", "self_attn.o_proj.bias")
 
 
@@ -121,15 +120,16 @@ def _moe(cfg: ModelConfig, w: Mapping, y: np.ndarray, h: np.ndarray, weights: "F
     ids = sorted(chosen)  # distinct: every router's top-k
     got = weights.experts(layer, ids)
     shared = shared_expert(y, w, cfg)
-    gates = gate[0].astype(np.float32)[[chosen.index(e) for e in ids]]  # [k], in ids' order
+    gates = gate[0, [chosen.index(e) for e in ids]].astype(np.float32, copy=False)  # [k], in ids' order
     projections = []
     for e in ids:
         try:
             projections.append(weights.expert_projections(layer, e, got[e]))
         except ShardtoolError as cause:  # a bug is not caught here: it fails the whole step
             raise ExpertUnavailable(cause, ROW0) from cause
-    if (len(projections) <= _MAX_ROW_EXPERTS and all(type(p) is _packed.Packed for three in projections for p in three)
-            and _fused.plain(y) and _fused.plain(h) and (shared is None or _fused.plain(shared))):
+    packed = all(type(p) is _packed.Packed for three in projections for p in three)
+    if (packed and len(projections) <= _packed._native.MAX_TOP_K and _fused.plain(y) and _fused.plain(h)
+            and (shared is None or _fused.plain(shared))):
         x = np.empty(h.shape, np.float32)
         _packed._native.moe_row(y, tuple(tuple(p.native for p in three) for three in projections), gates,
                                 shared, h, x, _packed._threads)

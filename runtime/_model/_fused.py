@@ -67,8 +67,9 @@ def route_softmax_topk(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tupl
     about as long as an expert's product). None for a non-finite logit, whose numpy result defines it."""
     native = _packed._native
     if (native is None or logits.ndim != 2 or not plain(logits) or not isinstance(k, (int, np.integer))
-            or not 1 <= k <= min(logits.shape[1], 1024) or not 1 <= logits.shape[0] or logits.shape[1] > 1 << 20):
-        return None  # (the extension's limits: k <= 1024, E <= 2^20)
+            or not 1 <= k <= min(logits.shape[1], native.MAX_TOP_K) or not 1 <= logits.shape[0]
+            or logits.shape[1] > 1 << 20):
+        return None  # (the extension's limits: k <= MAX_TOP_K, E <= 2^20)
     t, e, k = *logits.shape, int(k)
     probs, weights, ids = np.empty((t, e), _F32), np.empty((t, k), _F32), np.empty((t, k), np.int64)
     if not native.route_softmax(logits, k, bool(norm_topk_prob), probs, weights, ids):

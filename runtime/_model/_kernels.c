@@ -43,6 +43,7 @@ enum simd { SIMD_PLAIN, SIMD_AVX2, SIMD_AVX512 };
 static const char *const SIMD_NAMES[] = {"plain", "avx2", "avx512"};
 #define MAX_THREADS 64
 #define MIN_CHUNK_ROWS 16 /* rows of one thread's piece of a product, at least */
+#define MAX_TOP_K 1024 /* the most experts a row routes to that route_softmax and moe_row take (module MAX_TOP_K) */
 #define GIL_WORK 16384 /* weights + inputs below which a product runs on one thread, keeping the GIL */
 
 enum kind { K_F32, K_F16, K_BF16, K_FP8, K_Q8, K_Q4, K_MXFP4, K_COUNT };
@@ -1911,7 +1912,8 @@ static PyObject *py_route_softmax(PyObject *self, PyObject *const *args, Py_ssiz
     if (get_int(args[1], "k", &k) < 0) return NULL;
     const int norm = PyObject_IsTrue(args[2]);
     if (norm < 0) return NULL;
-    if (k < 1 || k > 1024) return PyErr_Format(PyExc_ValueError, "route_softmax: k=%zd, expected 1..1024", k);
+    if (k < 1 || k > MAX_TOP_K)
+        return PyErr_Format(PyExc_ValueError, "route_softmax: k=%zd, expected 1..%d", k, MAX_TOP_K);
     Py_buffer lv, pv, wv, iv;
     int have_l = 0, have_p = 0, have_w = 0, have_i = 0;
     PyObject *result = NULL;
@@ -2273,8 +2275,6 @@ done:
     return result;
 }
 
-#define MAX_ROW_EXPERTS 1024 /* a router's top k at most (route_softmax's limit) */
-
 PyDoc_STRVAR(moe_row_doc,
              "moe_row(x, experts, gates, shared, h, out, threads) -> None\n\n"
              "A decode row's routed experts, shared expert and residual, as the numpy path sums them: each expert's "
@@ -2289,9 +2289,9 @@ static PyObject *py_moe_row(PyObject *self, PyObject *const *args, Py_ssize_t na
     int threads;
     if (get_threads(args[6], &threads) < 0) return NULL;
     PyObject *experts = args[1];
-    if (!PyTuple_Check(experts) || PyTuple_GET_SIZE(experts) < 1 || PyTuple_GET_SIZE(experts) > MAX_ROW_EXPERTS)
+    if (!PyTuple_Check(experts) || PyTuple_GET_SIZE(experts) < 1 || PyTuple_GET_SIZE(experts) > MAX_TOP_K)
         return PyErr_Format(PyExc_TypeError, "experts: expected a tuple of 1 to %d (gate, up, down) tuples",
-                            MAX_ROW_EXPERTS);
+                            MAX_TOP_K);
     const Py_ssize_t n = PyTuple_GET_SIZE(experts);
     enum { V_X, V_GATES, V_SHARED, V_H, V_OUT, V_COUNT };
     Py_buffer vec[V_COUNT];
@@ -2323,10 +2323,10 @@ static PyObject *py_moe_row(PyObject *self, PyObject *const *args, Py_ssize_t na
     {
         static const char *const vnames[V_COUNT] = {"x", "gates", "shared", "h", "out"};
         const Py_ssize_t vlen[V_COUNT] = {hid, n, hid, hid, hid};
+        static const int argi[V_COUNT] = {0, 2, 3, 4, 5}; /* each vector's argument (1 is experts) */
         for (int k = 0; k < V_COUNT; k++) {
             if (k == V_SHARED && args[3] == Py_None) continue;
-            if (get_vector(args[k == V_X ? 0 : k == V_GATES ? 2 : k == V_SHARED ? 3 : k == V_H ? 4 : 5], &vec[k],
-                           vnames[k], vlen[k], k == V_OUT) < 0)
+            if (get_vector(args[argi[k]], &vec[k], vnames[k], vlen[k], k == V_OUT) < 0)
                 goto done;
             held[k] = 1;
         }
@@ -2502,5 +2502,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     __builtin_cpu_init();
 #endif
     cpu_simd = best_simd();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "MAX_TOP_K", MAX_TOP_K) < 0) Py_CLEAR(m);
+    return m;
 }
