@@ -250,9 +250,11 @@ TARGET_AVX2 static float dot_f16_avx2(const float *x, const uint16_t *w, Py_ssiz
     return s;
 }
 
-/* Four consecutive weight rows (stride n) against one x: x is loaded once for four rows, four streams run. */
+/* Four weight rows `step` rows apart (row length n) against one x: x is loaded once for four rows, four streams run;
+ * y[0], y[step], y[2 step], y[3 step] are theirs. Each row's sum is the same operations in the same order whatever
+ * `step`: run_rows picks it so that the four streams are long (see there). */
 #define DOT4_BODY(T, LOAD, SCALAR)                                                                                \
-    const T *w0 = w, *w1 = w + n, *w2 = w + 2 * n, *w3 = w + 3 * n;                                                \
+    const T *w0 = w, *w1 = w + step * n, *w2 = w + 2 * step * n, *w3 = w + 3 * step * n;                           \
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps(); \
     Py_ssize_t i = 0;                                                                                              \
     for (; i + 8 <= n; i += 8) {                                                                                   \
@@ -270,12 +272,12 @@ TARGET_AVX2 static float dot_f16_avx2(const float *x, const uint16_t *w, Py_ssiz
         s3 += x[i] * SCALAR(w3[i]);                                                                                \
     }                                                                                                              \
     y[0] = s0;                                                                                                     \
-    y[1] = s1;                                                                                                     \
-    y[2] = s2;                                                                                                     \
-    y[3] = s3;
+    y[step] = s1;                                                                                                  \
+    y[2 * step] = s2;                                                                                              \
+    y[3 * step] = s3;
 
 #define F32_SCALAR(v) (v)
-TARGET_AVX2 static void dot4_f32_avx2(const float *x, const float *w, Py_ssize_t n, float *y) {
+TARGET_AVX2 static void dot4_f32_avx2(const float *x, const float *w, Py_ssize_t n, Py_ssize_t step, float *y) {
     DOT4_BODY(float, _mm256_loadu_ps, F32_SCALAR)
 }
 
@@ -284,7 +286,7 @@ TARGET_AVX2 static void dot4_f32_avx2(const float *x, const float *w, Py_ssize_t
  * the masked-out floats) and the weights through LOAD_TAIL, zero beyond n. The sums are grouped differently from
  * DOT4_BODY's, so AVX-512 and AVX2 agree within float32 rounding, not bit for bit. */
 #define DOT4_Z_BODY(T, LOAD, LOAD_TAIL)                                                                             \
-    const T *w0 = w, *w1 = w + n, *w2 = w + 2 * n, *w3 = w + 3 * n;                                                 \
+    const T *w0 = w, *w1 = w + step * n, *w2 = w + 2 * step * n, *w3 = w + 3 * step * n;                            \
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                                     \
     Py_ssize_t i = 0;                                                                                               \
     for (; i + 16 <= n; i += 16) {                                                                                  \
@@ -303,12 +305,12 @@ TARGET_AVX2 static void dot4_f32_avx2(const float *x, const float *w, Py_ssize_t
         a3 = _mm512_fmadd_ps(LOAD_TAIL(m, w3 + i, n - i), xv, a3);                                                  \
     }                                                                                                               \
     y[0] = _mm512_reduce_add_ps(a0);                                                                                \
-    y[1] = _mm512_reduce_add_ps(a1);                                                                                \
-    y[2] = _mm512_reduce_add_ps(a2);                                                                                \
-    y[3] = _mm512_reduce_add_ps(a3);
+    y[step] = _mm512_reduce_add_ps(a1);                                                                             \
+    y[2 * step] = _mm512_reduce_add_ps(a2);                                                                         \
+    y[3 * step] = _mm512_reduce_add_ps(a3);
 
 #define F32_TAIL(m, p, count) _mm512_maskz_loadu_ps(m, p)
-TARGET_AVX512 static void dot4_f32_avx512(const float *x, const float *w, Py_ssize_t n, float *y) {
+TARGET_AVX512 static void dot4_f32_avx512(const float *x, const float *w, Py_ssize_t n, Py_ssize_t step, float *y) {
     DOT4_Z_BODY(float, _mm512_loadu_ps, F32_TAIL)
 }
 
@@ -328,25 +330,25 @@ TARGET_AVX512 static inline __m512 tail16_f16(__mmask16 m, const uint16_t *p, Py
     return load16_f16(part);
 }
 
-TARGET_AVX512 static void dot4_f16_avx512(const float *x, const uint16_t *w, Py_ssize_t n, float *y) {
+TARGET_AVX512 static void dot4_f16_avx512(const float *x, const uint16_t *w, Py_ssize_t n, Py_ssize_t step, float *y) {
     DOT4_Z_BODY(uint16_t, load16_f16, tail16_f16)
 }
 
-/* The bf16 four-row kernels' end: elements [i, n) of rows w, w + n, w + 2n, w + 3n one by one into their sums s
- * (each in element order), then y = s. */
+/* The bf16 four-row kernels' end: elements [i, n) of rows w + k step n (k < 4) one by one into their sums s (each in
+ * element order), then y[k step] = s[k]. */
 TARGET_AVX2 static inline __attribute__((always_inline)) void finish4_bf16(const float *x, const uint16_t *w,
-                                                                           Py_ssize_t n, Py_ssize_t i, float *s,
-                                                                           float *y) {
+                                                                           Py_ssize_t n, Py_ssize_t step, Py_ssize_t i,
+                                                                           float *s, float *y) {
     for (; i < n; i++)
-        for (int k = 0; k < 4; k++) s[k] += x[i] * bf16_to_float(w[k * n + i]);
-    memcpy(y, s, 4 * sizeof(float));
+        for (int k = 0; k < 4; k++) s[k] += x[i] * bf16_to_float(w[k * step * n + i]);
+    for (int k = 0; k < 4; k++) y[k * step] = s[k];
 }
 
 /* bf16 without widening: a 256-bit load holds 16 bf16 as 8 pairs; shifted left 16 each pair's first element is a
  * float32, masked to the high half its second one. x's 16 floats are split into evens and odds once for the four rows
  * (shuffle, then a quad permute to undo the per-lane order), and each row keeps an even and an odd accumulator. */
-TARGET_AVX2 static void dot4_bf16_avx2(const float *x, const uint16_t *w, Py_ssize_t n, float *y) {
-    const uint16_t *w0 = w, *w1 = w + n, *w2 = w + 2 * n, *w3 = w + 3 * n;
+TARGET_AVX2 static void dot4_bf16_avx2(const float *x, const uint16_t *w, Py_ssize_t n, Py_ssize_t step, float *y) {
+    const uint16_t *w0 = w, *w1 = w + step * n, *w2 = w + 2 * step * n, *w3 = w + 3 * step * n;
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
     Py_ssize_t i = 0;
@@ -377,13 +379,13 @@ TARGET_AVX2 static void dot4_bf16_avx2(const float *x, const uint16_t *w, Py_ssi
     }
     float s[4] = {hsum8(_mm256_add_ps(e0, o0)), hsum8(_mm256_add_ps(e1, o1)), hsum8(_mm256_add_ps(e2, o2)),
                   hsum8(_mm256_add_ps(e3, o3))};
-    finish4_bf16(x, w, n, i, s, y);
+    finish4_bf16(x, w, n, step, i, s, y);
 }
 
 /* The same pairs on AVX-512: 32 bf16 a step in one 512-bit load, x's 32 floats split into evens and odds by one
  * two-source permute each; a last step of 16 widens (as load_bf16 does) and the last n % 16 are scalar. */
-TARGET_AVX512 static void dot4_bf16_avx512(const float *x, const uint16_t *w, Py_ssize_t n, float *y) {
-    const uint16_t *w0 = w, *w1 = w + n, *w2 = w + 2 * n, *w3 = w + 3 * n;
+TARGET_AVX512 static void dot4_bf16_avx512(const float *x, const uint16_t *w, Py_ssize_t n, Py_ssize_t step, float *y) {
+    const uint16_t *w0 = w, *w1 = w + step * n, *w2 = w + 2 * step * n, *w3 = w + 3 * step * n;
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odds = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
@@ -413,10 +415,10 @@ TARGET_AVX512 static void dot4_bf16_avx512(const float *x, const uint16_t *w, Py
     }
     float s[4] = {_mm512_reduce_add_ps(_mm512_add_ps(e0, o0)), _mm512_reduce_add_ps(_mm512_add_ps(e1, o1)),
                   _mm512_reduce_add_ps(_mm512_add_ps(e2, o2)), _mm512_reduce_add_ps(_mm512_add_ps(e3, o3))};
-    finish4_bf16(x, w, n, i, s, y);
+    finish4_bf16(x, w, n, step, i, s, y);
 }
 
-TARGET_AVX2 static void dot4_f16_avx2(const float *x, const uint16_t *w, Py_ssize_t n, float *y) {
+TARGET_AVX2 static void dot4_f16_avx2(const float *x, const uint16_t *w, Py_ssize_t n, Py_ssize_t step, float *y) {
     DOT4_BODY(uint16_t, load_f16, _cvtsh_ss)
 }
 
@@ -607,11 +609,11 @@ TARGET_AVX2 static int quantize_x16(const float *x, Py_ssize_t n, int16_t *xq, f
  * Those scales are formed eight blocks at a time into a small array and broadcast from there. `DOT_X16_ROWS` runs
  * ROWS weight rows against each x block as it is loaded: four for most rows, one for the leftovers, each row's
  * operations in the same order, so the results are bit-identical whatever the grouping. Each weight row is
- * prefetched `ahead` bytes beyond its reads (a hint, which never faults), so memory is read while the blocks before
- * it are multiplied: for four rows, the same place in the next four rows (4 row lengths), at least X16_PREFETCH. A
- * fixed 2048 bytes fell inside the four rows being read once rows were over 512 bytes (q8 rows of 1024 weights and
- * more; q4 and mxfp4 rows hold two weights a byte), and left the next group unfetched: with one group ahead, a
- * 2048 x 1024 q8 product took 0.72 x the time (266 against 367 us, weights streamed from memory, 1 thread). */
+ * prefetched X16_PREFETCH bytes beyond its reads (a hint, which never faults), so memory is read while the blocks
+ * before it are multiplied: further down the row's own stream, since run_rows reads the rows as four quarters, each
+ * front to back. (When four adjacent rows were read together, the prefetch had to reach the next four rows, 4 row
+ * lengths on, to help; one group ahead took a 2048 x 1024 q8 product from 367 to 266 us, weights streamed from
+ * memory, 1 thread. A longer reach, one or four rows further, measured no faster with quarters.) */
 #define X16_PREFETCH 2048
 
 /* Block b of q8 row w against x's block (x0..x3: elements 0..7, 8..15, 16..23, 24..31): four int32 sums. */
@@ -710,7 +712,8 @@ TARGET_AVX2 static inline float hsum4(__m128 s) {
  * nb blocks of 32; xc: q4's corrections (see block_q4_x16; NULL for q8). */
 #define DOT_X16_ROWS(NAME, BLOCK, SCALES, ROWS, ROW_BYTES)                                                        \
     TARGET_AVX2 static void NAME(const int16_t *xq, const float *xs, const int32_t *xc, const void *const *w,   \
-                                 const void *const *d, Py_ssize_t nb, Py_ssize_t ahead, float *y) {             \
+                                 const void *const *d, Py_ssize_t nb, Py_ssize_t ahead, float *y,              \
+                                 Py_ssize_t step) {                                                             \
         __m128 acc[ROWS];                                                                                        \
         float sc[ROWS][8];                                                                                       \
         _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) acc[k] = _mm_setzero_ps();                       \
@@ -728,7 +731,7 @@ TARGET_AVX2 static inline float hsum4(__m128 s) {
                                           _mm_broadcast_ss(&sc[k][i]), acc[k]);                                  \
             }                                                                                                    \
         }                                                                                                        \
-        _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) y[k] = hsum4(acc[k]);                            \
+        _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) y[k * step] = hsum4(acc[k]);                     \
     }
 
 DOT_X16_ROWS(dot4_q8_x16, block_q8_x16, scales_f16, 4, QBLOCK)
@@ -767,7 +770,7 @@ TARGET_AVX512 static inline __attribute__((always_inline)) __m512i zblock_mxfp4(
 
 #define DOT_Z16_ROWS(NAME, BLOCK, SCALES, ROWS, ROW_BYTES)                                                        \
     TARGET_AVX512 static void NAME(const int16_t *xq, const float *xs, const void *const *w, const void *const *d, \
-                                   Py_ssize_t nb, Py_ssize_t ahead, float *y) {                                 \
+                                   Py_ssize_t nb, Py_ssize_t ahead, float *y, Py_ssize_t step) {               \
         __m512 acc[ROWS];                                                                                        \
         float sc[ROWS][8];                                                                                       \
         _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) acc[k] = _mm512_setzero_ps();                    \
@@ -782,7 +785,7 @@ TARGET_AVX512 static inline __attribute__((always_inline)) __m512i zblock_mxfp4(
                                              _mm512_set1_ps(sc[k][i]), acc[k]);                                  \
             }                                                                                                    \
         }                                                                                                        \
-        _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) y[k] = _mm512_reduce_add_ps(acc[k]);             \
+        _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) y[k * step] = _mm512_reduce_add_ps(acc[k]);      \
     }
 
 DOT_Z16_ROWS(dot4_q8_z16, zblock_q8, scales_f16, 4, QBLOCK)
@@ -792,32 +795,33 @@ DOT_Z16_ROWS(dot1_q4_z16, zblock_q4, scales_f16, 1, QBLOCK / 2)
 DOT_Z16_ROWS(dot4_mxfp4_z16, zblock_mxfp4, scales_e8m0, 4, QBLOCK / 2)
 DOT_Z16_ROWS(dot1_mxfp4_z16, zblock_mxfp4, scales_e8m0, 1, QBLOCK / 2)
 
-/* Rows [r, r + rows) of a q8, q4 or mxfp4 job with an int16 x (j->xq set), rows 4 or 1, on AVX-512 where the job
- * has it. */
-TARGET_AVX2 static void dot_quant_x16(const job_t *j, Py_ssize_t r, int rows) {
+/* Rows r + k step (k < rows) of a q8, q4 or mxfp4 job with an int16 x (j->xq set), rows 4 or 1, on AVX-512 where
+ * the job has it. */
+TARGET_AVX2 static void dot_quant_x16(const job_t *j, Py_ssize_t r, int rows, Py_ssize_t step) {
     const Py_ssize_t n = j->in, nb = n / QBLOCK;
     const Py_ssize_t row_bytes = j->kind == K_Q8 ? n : n / 2;
     const Py_ssize_t scale_bytes = j->kind == K_MXFP4 ? nb : 2 * nb; /* a row's: E8M0 bytes or float16 */
     const uint8_t *w = (const uint8_t *)j->w + r * row_bytes;
     const uint8_t *d = (const uint8_t *)j->scale + r * scale_bytes;
-    const void *const ws[4] = {w, w + row_bytes, w + 2 * row_bytes, w + 3 * row_bytes};
-    const void *const ds[4] = {d, d + scale_bytes, d + 2 * scale_bytes, d + 3 * scale_bytes};
-    const Py_ssize_t ahead = rows == 4 && 4 * row_bytes > X16_PREFETCH ? 4 * row_bytes : X16_PREFETCH;
+    const Py_ssize_t wk = step * row_bytes, dk = step * scale_bytes;
+    const void *const ws[4] = {w, w + wk, w + 2 * wk, w + 3 * wk};
+    const void *const ds[4] = {d, d + dk, d + 2 * dk, d + 3 * dk};
+    const Py_ssize_t ahead = X16_PREFETCH;
     if (j->simd == SIMD_AVX512) {
         if (j->kind == K_Q8)
-            (rows == 4 ? dot4_q8_z16 : dot1_q8_z16)(j->xq, j->xs, ws, ds, nb, ahead, j->y + r);
+            (rows == 4 ? dot4_q8_z16 : dot1_q8_z16)(j->xq, j->xs, ws, ds, nb, ahead, j->y + r, step);
         else if (j->kind == K_Q4)
-            (rows == 4 ? dot4_q4_z16 : dot1_q4_z16)(j->xq, j->xs, ws, ds, nb, ahead, j->y + r);
+            (rows == 4 ? dot4_q4_z16 : dot1_q4_z16)(j->xq, j->xs, ws, ds, nb, ahead, j->y + r, step);
         else
-            (rows == 4 ? dot4_mxfp4_z16 : dot1_mxfp4_z16)(j->xq, j->xs, ws, ds, nb, ahead, j->y + r);
+            (rows == 4 ? dot4_mxfp4_z16 : dot1_mxfp4_z16)(j->xq, j->xs, ws, ds, nb, ahead, j->y + r, step);
         return;
     }
     if (j->kind == K_Q8)
-        (rows == 4 ? dot4_q8_x16 : dot1_q8_x16)(j->xq, j->xs, NULL, ws, ds, nb, ahead, j->y + r);
+        (rows == 4 ? dot4_q8_x16 : dot1_q8_x16)(j->xq, j->xs, NULL, ws, ds, nb, ahead, j->y + r, step);
     else if (j->kind == K_Q4)
-        (rows == 4 ? dot4_q4_x16 : dot1_q4_x16)(j->xq, j->xs, j->xc, ws, ds, nb, ahead, j->y + r);
+        (rows == 4 ? dot4_q4_x16 : dot1_q4_x16)(j->xq, j->xs, j->xc, ws, ds, nb, ahead, j->y + r, step);
     else
-        (rows == 4 ? dot4_mxfp4_x16 : dot1_mxfp4_x16)(j->xq, j->xs, NULL, ws, ds, nb, ahead, j->y + r);
+        (rows == 4 ? dot4_mxfp4_x16 : dot1_mxfp4_x16)(j->xq, j->xs, NULL, ws, ds, nb, ahead, j->y + r, step);
 }
 
 /* One weight row's product with one x row, in the stored dtype. */
@@ -851,21 +855,29 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
 #if HAVE_X86_KERNELS
     if (j->simd && m == 1) {
         Py_ssize_t r = r0;
-        if (j->kind == K_F32)
-            for (; r + 4 <= r1; r += 4)
-                (j->simd == SIMD_AVX512 ? dot4_f32_avx512 : dot4_f32_avx2)(j->x, (const float *)j->w + r * n, n,
-                                                                           j->y + r);
-        else if (j->kind == K_BF16)
-            for (; r + 4 <= r1; r += 4)
-                (j->simd == SIMD_AVX512 ? dot4_bf16_avx512 : dot4_bf16_avx2)(j->x, (const uint16_t *)j->w + r * n, n,
-                                                                             j->y + r);
-        else if (j->kind == K_F16)
-            for (; r + 4 <= r1; r += 4)
-                (j->simd == SIMD_AVX512 ? dot4_f16_avx512 : dot4_f16_avx2)(j->x, (const uint16_t *)j->w + r * n, n,
-                                                                           j->y + r);
-        else if (j->xq) { /* q8, q4, mxfp4 */
-            for (; r + 4 <= r1; r += 4) dot_quant_x16(j, r, 4);
-            for (; r < r1; r++) dot_quant_x16(j, r, 1);
+        /* Float weights: the rows in four quarters, each read front to back as one stream, the kernel taking a row
+         * of each at a time (r0 + t + k q); the rest (r1 - r0 not a multiple of 4) one by one below. Four adjacent
+         * rows at a time made four streams as short as a row (2 KiB in a [1024, 512] float32 expert), which the
+         * hardware prefetcher barely follows before they end. */
+        const Py_ssize_t q = (r1 - r0) / 4;
+        if (j->kind == K_F32) {
+            for (Py_ssize_t t = 0; t < q; t++)
+                (j->simd == SIMD_AVX512 ? dot4_f32_avx512 : dot4_f32_avx2)(j->x, (const float *)j->w + (r0 + t) * n, n,
+                                                                           q, j->y + r0 + t);
+            r += 4 * q;
+        } else if (j->kind == K_BF16) {
+            for (Py_ssize_t t = 0; t < q; t++)
+                (j->simd == SIMD_AVX512 ? dot4_bf16_avx512 : dot4_bf16_avx2)(
+                    j->x, (const uint16_t *)j->w + (r0 + t) * n, n, q, j->y + r0 + t);
+            r += 4 * q;
+        } else if (j->kind == K_F16) {
+            for (Py_ssize_t t = 0; t < q; t++)
+                (j->simd == SIMD_AVX512 ? dot4_f16_avx512 : dot4_f16_avx2)(j->x, (const uint16_t *)j->w + (r0 + t) * n,
+                                                                           n, q, j->y + r0 + t);
+            r += 4 * q;
+        } else if (j->xq) { /* q8, q4, mxfp4 */
+            for (Py_ssize_t t = 0; t < q; t++) dot_quant_x16(j, r0 + t, 4, q);
+            for (r += 4 * q; r < r1; r++) dot_quant_x16(j, r, 1, 1);
         }
         for (; r < r1; r++) j->y[r] = dot_row_avx2(j, r, j->x);
         return 0;
@@ -889,7 +901,7 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
             Py_ssize_t i = 0;
             for (; i + 2 <= m; i += 2)
                 dot4x2_f32_avx2(j->x + i * n, j->x + (i + 1) * n, w4, n, j->y + i * out + r, j->y + (i + 1) * out + r);
-            for (; i < m; i++) dot4_f32_avx2(j->x + i * n, w4, n, j->y + i * out + r);
+            for (; i < m; i++) dot4_f32_avx2(j->x + i * n, w4, n, 1, j->y + i * out + r);
         }
 #endif
     for (; r < r1; r++) {
@@ -1110,9 +1122,12 @@ static int run_job_rows(const job_t *j, int threads) {
             pthread_mutex_unlock(&pool_mu);
             return run_chunk(j, 0, j->out);
         }
-        /* about 4 chunks a thread, at least MIN_CHUNK_ROWS rows each */
+        /* about 4 chunks a thread, at least MIN_CHUNK_ROWS rows each, a multiple of 4: run_rows takes rows four at a
+         * time and the rest one by one, with a kernel that sums in another order, so only the product's last
+         * out % 4 rows are left over, whatever the number of threads (a row's bits do not depend on it) */
         Py_ssize_t rows = (j->out + 4 * threads - 1) / (4 * threads);
         if (rows < MIN_CHUNK_ROWS) rows = MIN_CHUNK_ROWS;
+        rows = (rows + 3) / 4 * 4;
         const Py_ssize_t chunks = (j->out + rows - 1) / rows;
         pool_busy = 1;
         pool_job = j;

@@ -117,6 +117,22 @@ def test_one_row_block_products_do_not_depend_on_the_row_grouping(isa, kind):
         assert np.array_equal(_packed.matmul_t(x, w), np.concatenate(rows, axis=1)), (out, inp)
 
 
+@pytest.mark.parametrize("kind", _packed.KINDS)
+def test_a_products_bits_do_not_depend_on_the_thread_count(isa, kind):
+    """Rows are computed four at a time (each a quarter's stream) and the rest one by one by a kernel that sums in
+    another order; each thread's share of the rows is a multiple of four, so the same rows are left over, and every
+    output is the same bits, on one thread or two (row counts whose even split is not a multiple of four)."""
+    rng = np.random.default_rng(11)
+    for out, inp in [(1000, 64), (1027, 96), (130, 32)]:
+        w = make(kind, out, inp, rng)
+        for m in (1, 3):
+            x = rng.standard_normal((m, inp)).astype(np.float32)
+            _packed.set_threads(1)
+            one = _packed.matmul_t(x, w)
+            _packed.set_threads(2)
+            assert np.array_equal(_packed.matmul_t(x, w), one), (out, inp, m)
+
+
 @pytest.mark.parametrize("block", [(7, 24), (128, 128), (1, 1), (300, 5), (2, 300)])
 def test_fp8_ragged_blocks(isa, block):
     rng = np.random.default_rng(block[0] * 1000 + block[1])
