@@ -276,10 +276,26 @@ class ShardStore:
         return [wait() for wait in self.request(entries)]
 
     def get(self, entry: Entry) -> Arrays:
-        with self._lock:  # a cached shard no prefetch brought in (every warm trunk read): `request`'s hit, in short
-            hit = self._cache.get(entry.path)
-            if hit is not None and entry.path not in self._unused:
-                self._index.touch(entry.path, use=True)
-                self._count_request(entry, True, False)
-                return hit
-        return self.get_many([entry])[0]
+        with self._lock:
+            hit = self._take_hit(entry)
+        return hit if hit is not None else self.get_many([entry])[0]
+
+    def cached(self, entries: list[Entry]) -> list[Arrays] | None:
+        """Every shard's arrays when every one is cached now, each counted as `request` counts a hit; else None,
+        and nothing touched or counted (the caller then `request`s them). A warm decode step asks for its experts
+        here: one lock and no waiters."""
+        with self._lock:
+            if not all(entry.path in self._cache for entry in entries):
+                return None
+            return [self._take_hit(entry) for entry in entries]  # type: ignore[misc]
+
+    def _take_hit(self, entry: Entry) -> Arrays | None:
+        """Caller holds the lock. `_lookup` and `_count_request` for a shard that is cached: its arrays, the use
+        counted (a prefetched shard's first request is its admitted use, not another); None when not cached."""
+        hit = self._cache.get(entry.path)
+        if hit is not None:
+            prefetched = entry.path in self._unused
+            self._unused.discard(entry.path)
+            self._index.touch(entry.path, use=not prefetched)
+            self._count_request(entry, True, prefetched)
+        return hit

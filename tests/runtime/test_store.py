@@ -570,6 +570,72 @@ def test_request_hands_out_each_shard_as_soon_as_it_alone_is_verified(model, mon
     store.close()
 
 
+def _counts(store: ShardStore) -> tuple:
+    s = store.stats
+    return s.hits, s.misses, dict(s.requests), dict(s.request_hits), dict(s.prefetched), dict(s.prefetch_used)
+
+
+def _warm_with_a_prefetched_shard(store: ShardStore, e: list[Entry]) -> None:
+    """Shards 0 and 1 read for use, shard 2 read for a guess (cached, not yet asked for)."""
+    store.get_many([e[0], e[1]])
+    store.prefetch([e[2]])
+    loading = store._inflight.get(e[2].path)
+    if loading is not None:
+        loading.result(10)
+    assert e[2].path in store._cache
+
+
+def test_cached_hands_out_a_warm_set_counted_as_requests_or_nothing(model, reads):
+    """`cached` (a warm decode step's experts) counts each shard as `request` counts a hit, a guess's first use
+    included, and reads nothing; with one shard not cached it returns None and counts and touches nothing."""
+    root, e = model
+    fast, slow = make_store(root, budget_shards=4, policy="lfu"), make_store(root, budget_shards=4, policy="lfu")
+    for store in (fast, slow):
+        _warm_with_a_prefetched_shard(store, e)
+    before = _counts(fast)
+    assert fast.cached([e[0], e[3]]) is None  # shard 3 not cached
+    assert _counts(fast) == before and e[2].path in fast._unused
+    got = fast.cached([e[0], e[2]])
+    assert got is not None
+    assert_arrays(got[0], 0)
+    assert_arrays(got[1], 2)
+    for wait in slow.request([e[0], e[2]]):  # the same requests by the general path
+        wait()
+    assert _counts(fast) == _counts(slow)
+    assert fast.stats.prefetch_used == {"expert": 1} and e[2].path not in fast._unused
+    assert reads == {x.path: 2 for x in e[:3]}  # once by each store: no read for the warm set
+    # the same use counts: the next loads evict the same shards from both
+    for store in (fast, slow):
+        store.get(e[1])
+        store.get(e[3])
+        store.get(e[4])
+    assert sorted(fast._cache) == sorted(slow._cache)
+    fast.close()
+    slow.close()
+
+
+def test_provider_experts_of_a_warm_step_read_nothing(model, reads):
+    """VerifiedWeights.experts hands out cached experts at once and reads only the ones not cached."""
+    from shardtool.runtime._provider import VerifiedWeights
+
+    root, e = model
+    store = make_store(root, readers=2)
+    manifest = type("M", (), {"by_path": lambda self: {x.path: x for x in e}})()
+    weights = VerifiedWeights(store, manifest, num_layers=1)
+    store.get_many([e[0], e[1]])
+    warm = weights.experts(0, [0, 1])
+    assert list(warm) == [0, 1]
+    assert_arrays(warm[0], 0)
+    assert_arrays(warm[1], 1)
+    assert reads == {e[0].path: 1, e[1].path: 1}
+    mixed = weights.experts(0, [1, 3])
+    assert_arrays(mixed[3], 3)
+    assert_arrays(mixed[1], 1)
+    assert reads == {e[0].path: 1, e[1].path: 1, e[3].path: 1}
+    assert store.stats.requests == {"expert": 6} and store.stats.request_hits == {"expert": 3}
+    store.close()
+
+
 def test_provider_experts_index_waits_per_expert(model, monkeypatch):
     """VerifiedWeights.experts starts every load and blocks only on the expert being indexed."""
     from shardtool.runtime._provider import VerifiedWeights
