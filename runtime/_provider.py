@@ -92,10 +92,11 @@ class VerifiedWeights:
         A batch may select many more experts per layer than one sequence's top-k; loading at most `window`
         ahead keeps what is held in memory at once to the single-sequence figure the budget plans for. An
         expert whose shard is missing or fails verification raises when it is reached, not before, so the
-        caller knows which rows needed it. When every one is cached (a warm step), they are handed out at once."""
+        caller knows which rows needed it. When every one is cached and there are at most `window` (a warm decode
+        step), they are handed out at once: what the stream would hold, waiters for them all, with less Python."""
         ids = list(expert_ids)
         entries = [self.expert_entry(layer, e) for e in ids]
-        if None not in entries:
+        if len(ids) <= self.window and None not in entries:
             hits = self.store.cached(entries)  # type: ignore[arg-type]
             if hits is not None:
                 return dict(zip(ids, hits))

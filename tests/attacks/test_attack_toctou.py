@@ -51,7 +51,7 @@ def _rewrite_after_use(monkeypatch, model: Path) -> set[str]:
                 kit.flip(model / e.path)
 
     real_read_verified = signed_mod.read_verified
-    real_request = ShardStore.request
+    real_request, real_take_hit = ShardStore.request, ShardStore._take_hit
 
     def read_verified(root, entry):
         data = real_read_verified(root, entry)
@@ -59,8 +59,8 @@ def _rewrite_after_use(monkeypatch, model: Path) -> set[str]:
         return data
 
     def request(self, entries):
-        """Every shard goes out through a waiter of `request` (get/get_many use it too): rewrite the file
-        on disk the moment its verified arrays are handed to the forward pass."""
+        """Every shard goes out through a waiter of `request` (get_many uses it) or as a cached hit (`_take_hit`,
+        below): rewrite the file on disk the moment its verified arrays are handed to the forward pass."""
         def handed_out(entry, wait):
             def waiter():
                 arrays = wait()
@@ -69,8 +69,15 @@ def _rewrite_after_use(monkeypatch, model: Path) -> set[str]:
             return waiter
         return [handed_out(e, w) for e, w in zip(entries, real_request(self, entries))]
 
+    def take_hit(self, entry):  # a cached shard handed out by `get` or `cached` (a warm step's experts)
+        arrays = real_take_hit(self, entry)
+        if arrays is not None:
+            tamper([entry])
+        return arrays
+
     monkeypatch.setattr(signed_mod, "read_verified", read_verified)
     monkeypatch.setattr(ShardStore, "request", request)
+    monkeypatch.setattr(ShardStore, "_take_hit", take_hit)
     return rewritten
 
 

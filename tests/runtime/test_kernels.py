@@ -123,7 +123,7 @@ def test_a_products_bits_do_not_depend_on_the_thread_count(isa, kind):
     another order; each thread's share of the rows is a multiple of four, so the same rows are left over, and every
     output is the same bits, on one thread or two (row counts whose even split is not a multiple of four)."""
     rng = np.random.default_rng(11)
-    for out, inp in [(1000, 64), (1027, 96), (130, 32)]:
+    for out, inp in [(1000, 64), (1027, 96), (130, 160)]:  # (each above the size that splits a product)
         w = make(kind, out, inp, rng)
         for m in (1, 3):
             x = rng.standard_normal((m, inp)).astype(np.float32)

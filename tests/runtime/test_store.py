@@ -614,25 +614,32 @@ def test_cached_hands_out_a_warm_set_counted_as_requests_or_nothing(model, reads
     slow.close()
 
 
-def test_provider_experts_of_a_warm_step_read_nothing(model, reads):
-    """VerifiedWeights.experts hands out cached experts at once and reads only the ones not cached."""
+def test_provider_experts_of_a_warm_step_read_nothing(model, reads, monkeypatch):
+    """VerifiedWeights.experts hands out cached experts at once, without the stream's requests, when there are at
+    most `window` of them; otherwise (one not cached, or more than `window`) the stream reads only what is missing."""
     from shardtool.runtime._provider import VerifiedWeights
 
     root, e = model
     store = make_store(root, readers=2)
     manifest = type("M", (), {"by_path": lambda self: {x.path: x for x in e}})()
-    weights = VerifiedWeights(store, manifest, num_layers=1)
-    store.get_many([e[0], e[1]])
+    weights = VerifiedWeights(store, manifest, num_layers=1, window=2)
+    store.get_many([e[0], e[1], e[2]])
+    requests = []
+    real = store.request
+    monkeypatch.setattr(store, "request", lambda entries: requests.append(len(entries)) or real(entries))
     warm = weights.experts(0, [0, 1])
     assert list(warm) == [0, 1]
     assert_arrays(warm[0], 0)
     assert_arrays(warm[1], 1)
-    assert reads == {e[0].path: 1, e[1].path: 1}
+    assert requests == [] and reads == {x.path: 1 for x in e[:3]}
+    wide = weights.experts(0, [0, 1, 2])  # more than `window`: the stream, `window` ahead
+    assert [x for i in (0, 1, 2) for x in wide[i]["b"]] == [0] * 3 + [1] * 3 + [2] * 3
+    assert requests and reads == {x.path: 1 for x in e[:3]}
     mixed = weights.experts(0, [1, 3])
     assert_arrays(mixed[3], 3)
     assert_arrays(mixed[1], 1)
-    assert reads == {e[0].path: 1, e[1].path: 1, e[3].path: 1}
-    assert store.stats.requests == {"expert": 6} and store.stats.request_hits == {"expert": 3}
+    assert reads == {**{x.path: 1 for x in e[:3]}, e[3].path: 1}
+    assert store.stats.requests == {"expert": 10} and store.stats.request_hits == {"expert": 6}
     store.close()
 
 
