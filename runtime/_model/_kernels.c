@@ -859,8 +859,8 @@ static int run_rows(const job_t *j, Py_ssize_t r0, Py_ssize_t r1) {
 #if HAVE_X86_KERNELS
     if (j->simd && m == 1) {
         Py_ssize_t r = r0;
-        /* Float weights: the rows in four quarters, each read front to back as one stream, the kernel taking a row
-         * of each at a time (r0 + t + k q); the rest (r1 - r0 not a multiple of 4) one by one below. Four adjacent
+        /* Every kind's rows in four quarters, each read front to back as one stream, the four-row kernel taking a
+         * row of each at a time (r0 + t + k q); the rest (r1 - r0 not a multiple of 4) one by one. Four adjacent
          * rows at a time made four streams as short as a row (2 KiB in a [1024, 512] float32 expert), which the
          * hardware prefetcher barely follows before they end. */
         const Py_ssize_t q = (r1 - r0) / 4;
