@@ -602,24 +602,23 @@ TARGET_AVX2 static int quantize_x16(const float *x, Py_ssize_t n, int16_t *xq, f
     return 0;
 }
 
-/* One-row q8, q4 and mxfp4 products with an int16 x (a decode step). A block's 32 weights are widened to int16 and
- * multiplied with x's block by madd into four exact int32 lane sums, lane j summing elements 8q + 2j and 8q + 2j + 1
- * (q < 4); those sums, converted to float, are scaled by the block's scale times xs into the row's accumulator. Those
- * scales are formed eight blocks at a time into a small array and broadcast from there. `DOT_X16_ROWS` runs
- * ROWS weight rows against each x block as it is loaded: four for most rows, one for the leftovers, each row's
- * operations in the same order, so the results are bit-identical whatever the grouping. Each weight row is
- * prefetched X16_PREFETCH bytes beyond its reads (a hint, which never faults), so memory is read while the blocks
- * before it are multiplied: further down the row's own stream, since run_rows reads the rows as four quarters, each
- * front to back. (When four adjacent rows were read together, the prefetch had to reach the next four rows, 4 row
+/* One-row q8, q4 and mxfp4 products with an int16 x (a decode step). A block's 32 weights are widened to int16
+ * sixteen at a time (256-bit) and multiplied with x's block by two madd; the two halves of their eight lane sums are
+ * added into four exact int32 lane sums, lane j summing elements 8q + 2j and 8q + 2j + 1 (q < 4): the integers of
+ * eight at a time with 128-bit operations, in half the widenings and madds (on a 2-vCPU AMD EPYC without AVX-512, an
+ * int8 model's moe_row 0.79-0.83 -> 0.71-0.78 ms a token on 1 thread, 0.54-0.63 -> 0.49-0.51 on 2; int4 0.85-0.88 ->
+ * 0.73-0.74 and 0.55-0.60 -> 0.46-0.49). Those sums, converted to float, are scaled by the block's scale times xs into
+ * the row's accumulator; the scales are formed eight blocks at a time into a small array and broadcast from there.
+ * `DOT_X16_ROWS` runs ROWS weight rows against each x block as it is loaded: four for most rows, one for the
+ * leftovers, each row's operations in the same order, so the results are bit-identical whatever the grouping. Each
+ * weight row is prefetched X16_PREFETCH bytes beyond its reads (a hint, which never faults), so memory is read while
+ * the blocks before it are multiplied: further down the row's own stream, since run_rows reads the rows as four
+ * quarters, each front to back. (When four adjacent rows were read together, the prefetch had to reach the next four rows, 4 row
  * lengths on, to help; one group ahead took a 2048 x 1024 q8 product from 367 to 266 us, weights streamed from
  * memory, 1 thread. A longer reach, one or four rows further, measured no faster with quarters.) */
 #define X16_PREFETCH 2048
 
-/* Block b of q8 row w against x's block (x0..x3: elements 0..7, 8..15, 16..23, 24..31): four int32 sums. The
- * weights are widened sixteen at a time (256-bit) and the two halves of the eight lane sums added: the same four
- * integers as eight at a time with 128-bit operations, in half the widenings and madds (int8 products on a 2-vCPU
- * AMD EPYC without AVX-512: the moe_row of an int8 model 0.79-0.83 -> 0.71-0.78 ms a token on 1 thread, 0.54-0.63
- * -> 0.49-0.51 on 2). */
+/* Block b of q8 row w against x's block (x0..x3: elements 0..7, 8..15, 16..23, 24..31): four int32 sums. */
 TARGET_AVX2 static inline __attribute__((always_inline)) __m128i block_q8_x16(const void *w, Py_ssize_t b, __m128i x0,
                                                                               __m128i x1, __m128i x2, __m128i x3,
                                                                               const int32_t *xc) {
@@ -639,15 +638,11 @@ TARGET_AVX2 static inline __attribute__((always_inline)) __m128i block_q8_x16(co
 TARGET_AVX2 static inline __attribute__((always_inline)) __m128i block_q4_x16(const void *w, Py_ssize_t b, __m128i x0,
                                                                               __m128i x1, __m128i x2, __m128i x3,
                                                                               const int32_t *xc) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + b * (QBLOCK / 2)));
-    const __m128i u0 = _mm_unpacklo_epi8(v, _mm_setzero_si128()); /* bytes 0..7 as int16 */
-    const __m128i u1 = _mm_unpackhi_epi8(v, _mm_setzero_si128()); /* bytes 8..15 */
-    const __m128i low = _mm_set1_epi16(0x0F);
-    const __m128i s0 = _mm_madd_epi16(_mm_and_si128(u0, low), x0);  /* elements 0..7 */
-    const __m128i s1 = _mm_madd_epi16(_mm_and_si128(u1, low), x1);  /* 8..15 */
-    const __m128i s2 = _mm_madd_epi16(_mm_srli_epi16(u0, 4), x2);   /* 16..23 */
-    const __m128i s3 = _mm_madd_epi16(_mm_srli_epi16(u1, 4), x3);   /* 24..31 */
-    const __m128i sum = _mm_add_epi32(_mm_add_epi32(s0, s1), _mm_add_epi32(s2, s3));
+    const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)w + b * (QBLOCK / 2))));
+    const __m256i lo = _mm256_madd_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x0F)), _mm256_set_m128i(x1, x0));
+    const __m256i hi = _mm256_madd_epi16(_mm256_srli_epi16(u, 4), _mm256_set_m128i(x3, x2)); /* elements 16..31 */
+    const __m256i s = _mm256_add_epi32(lo, hi);
+    const __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
     return _mm_sub_epi32(sum, _mm_loadu_si128((const __m128i *)(xc + 4 * b)));
 }
 
@@ -671,11 +666,10 @@ TARGET_AVX2 static inline __attribute__((always_inline)) __m128i block_mxfp4_x16
     __m128i c0, c1;
     mxfp4_twice(w, b, &c0, &c1);
     (void)xc;
-    const __m128i s0 = _mm_madd_epi16(_mm_cvtepi8_epi16(c0), x0);
-    const __m128i s1 = _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_srli_si128(c0, 8)), x1);
-    const __m128i s2 = _mm_madd_epi16(_mm_cvtepi8_epi16(c1), x2);
-    const __m128i s3 = _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_srli_si128(c1, 8)), x3);
-    return _mm_add_epi32(_mm_add_epi32(s0, s1), _mm_add_epi32(s2, s3));
+    const __m256i lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(c0), _mm256_set_m128i(x1, x0)); /* elements 0..15 */
+    const __m256i hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(c1), _mm256_set_m128i(x3, x2)); /* 16..31 */
+    const __m256i s = _mm256_add_epi32(lo, hi);
+    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
 }
 
 /* sc[i] = d[b + i] * xs[b + i] for the blocks [b, min(b + 8, nb)), d float16 (q8, q4). */
