@@ -24,7 +24,7 @@ $(VENV)/.oracle: $(VENV)/.installed
 oracle: $(VENV)/.oracle
 
 test: install oracle
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: install
 	$(PY) -m pytest -q -m "not oracle and not slow"
