@@ -613,23 +613,28 @@ TARGET_AVX2 static int quantize_x16(const float *x, Py_ssize_t n, int16_t *xq, f
  * leftovers, each row's operations in the same order, so the results are bit-identical whatever the grouping. Each
  * weight row is prefetched X16_PREFETCH bytes beyond its reads (a hint, which never faults), so memory is read while
  * the blocks before it are multiplied: further down the row's own stream, since run_rows reads the rows as four
- * quarters, each front to back. (When four adjacent rows were read together, the prefetch had to reach the next four rows, 4 row
- * lengths on, to help; one group ahead took a 2048 x 1024 q8 product from 367 to 266 us, weights streamed from
- * memory, 1 thread. A longer reach, one or four rows further, measured no faster with quarters.) */
+ * quarters, each front to back. (When four adjacent rows were read together, the prefetch had to reach the next four
+ * rows, 4 row lengths on, to help; one group ahead took a 2048 x 1024 q8 product from 367 to 266 us, weights streamed
+ * from memory, 1 thread. A longer reach, one or four rows further, measured no faster with quarters.) */
 #define X16_PREFETCH 2048
 
-/* Block b of q8 row w against x's block (x0..x3: elements 0..7, 8..15, 16..23, 24..31): four int32 sums. */
+/* A block's weights widened to int16, elements 0..15 (w0) and 16..31 (w1), against x's block (x0..x3: elements
+ * 0..7, 8..15, 16..23, 24..31): the four int32 lane sums, lane j summing elements 8q + 2j and 8q + 2j + 1. */
+TARGET_AVX2 static inline __attribute__((always_inline)) __m128i madd_block(__m256i w0, __m256i w1, __m128i x0,
+                                                                            __m128i x1, __m128i x2, __m128i x3) {
+    const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_set_m128i(x1, x0)),
+                                       _mm256_madd_epi16(w1, _mm256_set_m128i(x3, x2)));
+    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+/* Block b of q8 row w against x's block: four int32 sums. */
 TARGET_AVX2 static inline __attribute__((always_inline)) __m128i block_q8_x16(const void *w, Py_ssize_t b, __m128i x0,
                                                                               __m128i x1, __m128i x2, __m128i x3,
                                                                               const int32_t *xc) {
     const int8_t *p = (const int8_t *)w + b * QBLOCK;
     (void)xc;
-    const __m256i lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)),
-                                         _mm256_set_m128i(x1, x0));
-    const __m256i hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16))),
-                                         _mm256_set_m128i(x3, x2));
-    const __m256i s = _mm256_add_epi32(lo, hi);
-    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    return madd_block(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)),
+                      _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16))), x0, x1, x2, x3);
 }
 
 /* The same for q4: byte i of the block holds element i (low nibble) and element 16 + i (high nibble), each + 8.
@@ -639,10 +644,8 @@ TARGET_AVX2 static inline __attribute__((always_inline)) __m128i block_q4_x16(co
                                                                               __m128i x1, __m128i x2, __m128i x3,
                                                                               const int32_t *xc) {
     const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)w + b * (QBLOCK / 2))));
-    const __m256i lo = _mm256_madd_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x0F)), _mm256_set_m128i(x1, x0));
-    const __m256i hi = _mm256_madd_epi16(_mm256_srli_epi16(u, 4), _mm256_set_m128i(x3, x2)); /* elements 16..31 */
-    const __m256i s = _mm256_add_epi32(lo, hi);
-    const __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    const __m128i sum = madd_block(_mm256_and_si256(u, _mm256_set1_epi16(0x0F)), _mm256_srli_epi16(u, 4), x0, x1, x2,
+                                   x3); /* low nibbles: elements 0..15, high: 16..31 */
     return _mm_sub_epi32(sum, _mm_loadu_si128((const __m128i *)(xc + 4 * b)));
 }
 
@@ -666,10 +669,7 @@ TARGET_AVX2 static inline __attribute__((always_inline)) __m128i block_mxfp4_x16
     __m128i c0, c1;
     mxfp4_twice(w, b, &c0, &c1);
     (void)xc;
-    const __m256i lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(c0), _mm256_set_m128i(x1, x0)); /* elements 0..15 */
-    const __m256i hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(c1), _mm256_set_m128i(x3, x2)); /* 16..31 */
-    const __m256i s = _mm256_add_epi32(lo, hi);
-    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    return madd_block(_mm256_cvtepi8_epi16(c0), _mm256_cvtepi8_epi16(c1), x0, x1, x2, x3);
 }
 
 /* sc[i] = d[b + i] * xs[b + i] for the blocks [b, min(b + 8, nb)), d float16 (q8, q4). */
@@ -698,20 +698,19 @@ TARGET_AVX2 static inline float hsum4(__m128 s) {
 }
 
 /* In DOT_X16_ROWS and DOT_Z16_ROWS, before blocks [c, c + 8) of each row k: their scales times x's into sc[k], and
- * the row's lines `ahead` bytes on prefetched. */
+ * the row's lines X16_PREFETCH bytes on prefetched. */
 #define EIGHT_BLOCKS_AHEAD(SCALES, ROWS, ROW_BYTES)                                                              \
     _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) {                                                     \
         SCALES(d[k], xs, c, nb, sc[k]);                                                                          \
         for (int line = 0; line < 8 * (ROW_BYTES) / 64; line++)                                                  \
-            _mm_prefetch((const char *)w[k] + c * (ROW_BYTES) + ahead + 64 * line, _MM_HINT_T0);                \
+            _mm_prefetch((const char *)w[k] + c * (ROW_BYTES) + X16_PREFETCH + 64 * line, _MM_HINT_T0);         \
     }
 
 /* y[k] = row k's product, k < ROWS, for weight rows w[k] (ROW_BYTES bytes a block) with float16 block scales d[k];
  * nb blocks of 32; xc: q4's corrections (see block_q4_x16; NULL for q8). */
 #define DOT_X16_ROWS(NAME, BLOCK, SCALES, ROWS, ROW_BYTES)                                                        \
     TARGET_AVX2 static void NAME(const int16_t *xq, const float *xs, const int32_t *xc, const void *const *w,   \
-                                 const void *const *d, Py_ssize_t nb, Py_ssize_t ahead, float *y,              \
-                                 Py_ssize_t step) {                                                             \
+                                 const void *const *d, Py_ssize_t nb, float *y, Py_ssize_t step) {              \
         __m128 acc[ROWS];                                                                                        \
         float sc[ROWS][8];                                                                                       \
         _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) acc[k] = _mm_setzero_ps();                       \
@@ -768,7 +767,7 @@ TARGET_AVX512 static inline __attribute__((always_inline)) __m512i zblock_mxfp4(
 
 #define DOT_Z16_ROWS(NAME, BLOCK, SCALES, ROWS, ROW_BYTES)                                                        \
     TARGET_AVX512 static void NAME(const int16_t *xq, const float *xs, const void *const *w, const void *const *d, \
-                                   Py_ssize_t nb, Py_ssize_t ahead, float *y, Py_ssize_t step) {               \
+                                   Py_ssize_t nb, float *y, Py_ssize_t step) {                                 \
         __m512 acc[ROWS];                                                                                        \
         float sc[ROWS][8];                                                                                       \
         _Pragma("GCC unroll 4") for (int k = 0; k < ROWS; k++) acc[k] = _mm512_setzero_ps();                    \
@@ -804,22 +803,21 @@ TARGET_AVX2 static void dot_quant_x16(const job_t *j, Py_ssize_t r, int rows, Py
     const Py_ssize_t wk = step * row_bytes, dk = step * scale_bytes;
     const void *const ws[4] = {w, w + wk, w + 2 * wk, w + 3 * wk};
     const void *const ds[4] = {d, d + dk, d + 2 * dk, d + 3 * dk};
-    const Py_ssize_t ahead = X16_PREFETCH;
     if (j->simd == SIMD_AVX512) {
         if (j->kind == K_Q8)
-            (rows == 4 ? dot4_q8_z16 : dot1_q8_z16)(j->xq, j->xs, ws, ds, nb, ahead, j->y + r, step);
+            (rows == 4 ? dot4_q8_z16 : dot1_q8_z16)(j->xq, j->xs, ws, ds, nb, j->y + r, step);
         else if (j->kind == K_Q4)
-            (rows == 4 ? dot4_q4_z16 : dot1_q4_z16)(j->xq, j->xs, ws, ds, nb, ahead, j->y + r, step);
+            (rows == 4 ? dot4_q4_z16 : dot1_q4_z16)(j->xq, j->xs, ws, ds, nb, j->y + r, step);
         else
-            (rows == 4 ? dot4_mxfp4_z16 : dot1_mxfp4_z16)(j->xq, j->xs, ws, ds, nb, ahead, j->y + r, step);
+            (rows == 4 ? dot4_mxfp4_z16 : dot1_mxfp4_z16)(j->xq, j->xs, ws, ds, nb, j->y + r, step);
         return;
     }
     if (j->kind == K_Q8)
-        (rows == 4 ? dot4_q8_x16 : dot1_q8_x16)(j->xq, j->xs, NULL, ws, ds, nb, ahead, j->y + r, step);
+        (rows == 4 ? dot4_q8_x16 : dot1_q8_x16)(j->xq, j->xs, NULL, ws, ds, nb, j->y + r, step);
     else if (j->kind == K_Q4)
-        (rows == 4 ? dot4_q4_x16 : dot1_q4_x16)(j->xq, j->xs, j->xc, ws, ds, nb, ahead, j->y + r, step);
+        (rows == 4 ? dot4_q4_x16 : dot1_q4_x16)(j->xq, j->xs, j->xc, ws, ds, nb, j->y + r, step);
     else
-        (rows == 4 ? dot4_mxfp4_x16 : dot1_mxfp4_x16)(j->xq, j->xs, NULL, ws, ds, nb, ahead, j->y + r, step);
+        (rows == 4 ? dot4_mxfp4_x16 : dot1_mxfp4_x16)(j->xq, j->xs, NULL, ws, ds, nb, j->y + r, step);
 }
 
 /* One weight row's product with one x row, in the stored dtype. */
