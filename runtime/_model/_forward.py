@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import accumulate, chain
+from typing import TypeVar
 
 import numpy as np
 
@@ -29,6 +30,7 @@ from ._rope import cos_sin, inv_freq
 from ._weights import WeightProvider, derived
 
 Shapes = dict[str, tuple[int, ...]]
+_T = TypeVar("_T")
 
 
 def trunk_shapes(cfg: ModelConfig, layer: int) -> tuple[Shapes, Shapes]:
@@ -227,6 +229,13 @@ class Float32Weights:
 
     def layer(self, layer: int) -> dict[str, Packed | np.ndarray]:
         return derived(self.provider.layer(layer), "trunk", self.cfg, lambda t: prepare_layer(self.cfg, layer, t))
+
+    def layer_derived(self, layer: int, key: str, make: Callable[[dict[str, Packed | np.ndarray]], _T]) -> _T:
+        """`make(self.layer(layer))`, computed once per trunk shard the provider hands out (`derived`, under `key`)
+        and found again with one request to the provider: what a decode step works out of a layer's weights."""
+        cfg = self.cfg
+        return derived(self.provider.layer(layer), key, cfg,
+                       lambda t: make(derived(t, "trunk", cfg, lambda t: prepare_layer(cfg, layer, t))))
 
     @property
     def lookahead_on(self) -> bool:

@@ -97,6 +97,60 @@ def test_decode_row_equals_the_general_path_bit_for_bit(case, monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("case", sorted(TAKEN))
+def test_a_softmax_router_is_applied_by_the_row_itself(case, monkeypatch):
+    """A layer's plan keeps its packed router: each decode step's MoE layer calls the router's product and
+    `route_softmax` directly, without `route` (the bits: the test above)."""
+    cfg, state = _make(case)
+    routed = Counter()
+    real_softmax = _packed._native.route_softmax
+    monkeypatch.setattr(_decode_row, "route", lambda *args: pytest.fail("the row called route"))
+    monkeypatch.setattr(_packed, "_native", SimpleNamespace(**{
+        name: getattr(_packed._native, name) for name in dir(_packed._native) if not name.startswith("__")}))
+    monkeypatch.setattr(_packed._native, "route_softmax", lambda *args: routed.update(["route_softmax"])
+                        or real_softmax(*args))
+    model = Model(cfg, DictWeightProvider(state))
+    model.prefill(PROMPT)
+    routed.clear()
+    for token in (4, 9, 17):
+        model.decode(token)
+    assert routed == Counter(route_softmax=3 * sum(cfg.moe_layers))
+
+
+@needs_kernels
+def test_a_layers_plan_is_made_once_per_trunk_shard(monkeypatch):
+    cfg, state = _make("mixtral-no-window")
+    made = Counter()
+
+    class Layer(_decode_row._Layer):
+        __slots__ = ()
+
+        def __init__(self, cfg, w):
+            made[id(w)] += 1
+            super().__init__(cfg, w)
+    monkeypatch.setattr(_decode_row, "_Layer", Layer)
+    _, taken = _decode(cfg, state, monkeypatch, general=False)
+    assert taken == 6 and sorted(made.values()) == [1] * cfg.num_layers
+
+
+@needs_kernels
+def test_a_router_the_kernel_declines_is_routed_by_route_with_the_same_bits(monkeypatch):
+    """`route_softmax` declines (as for a non-finite logit): the row then calls `route`, whose numpy softmax
+    defines the result, as on the general path."""
+    cfg, state = _make("qwen2_moe")
+    monkeypatch.setattr(_packed, "_native", SimpleNamespace(**{
+        name: getattr(_packed._native, name) for name in dir(_packed._native) if not name.startswith("__")}))
+    monkeypatch.setattr(_packed._native, "route_softmax", lambda *args: False)
+    calls = []
+    real_route = _decode_row.route
+    monkeypatch.setattr(_decode_row, "route", lambda *args: calls.append(1) or real_route(*args))
+    fast, taken = _decode(cfg, state, monkeypatch, general=False)
+    general, _ = _decode(cfg, state, monkeypatch, general=True)
+    assert taken == 6 and len(calls) == 6 * sum(cfg.moe_layers)
+    np.testing.assert_array_equal(fast, general)
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", sorted(TAKEN))
 def test_traced_row_records_what_the_general_path_records(case, monkeypatch):
     cfg, state = _make(case)
     results = []
@@ -188,9 +242,17 @@ def test_each_input_a_fused_kernel_cannot_take_sends_its_half_to_numpy(refused, 
     seen = {}
     real_attend, real_shared, real_plain = _decode_row._attend, _decode_row.shared_expert, _decode_row._fused.plain
 
-    def attend(cfg, w, x, cos, sin, cache, layer):
-        seen.update(w, cos=cos, sin=sin)
-        return real_attend(cfg, w, x, cos, sin, cache, layer)
+    class Layer(_decode_row._Layer):  # a layer's weights are looked at once, when its plan is made
+        __slots__ = ()
+
+        def __init__(self, cfg, w):
+            seen.update(w)
+            super().__init__(cfg, w)
+
+    def attend(cfg, row, x, cos, sin, cache, layer):
+        seen.update(cos=cos, sin=sin)
+        return real_attend(cfg, row, x, cos, sin, cache, layer)
+    monkeypatch.setattr(_decode_row, "_Layer", Layer)
 
     def shared(*args):
         seen["shared"] = out = real_shared(*args)
