@@ -106,8 +106,7 @@ class _Layer:
         router = w.get("mlp.gate.weight")
         self.router = None
         if (cfg.router == "softmax" and type(router) is _packed.Packed and w.get("mlp.gate.bias") is None
-                and _packed._native is not None and 1 <= cfg.top_k <= min(router.shape[0], _packed._native.MAX_TOP_K)
-                and router.shape[0] <= 1 << 20):
+                and _fused.route_softmax_takes(router.shape[0], cfg.top_k)):
             self.router = router
 
 

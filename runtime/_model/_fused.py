@@ -61,15 +61,21 @@ def attend_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.
     return out
 
 
+def route_softmax_takes(experts: int, k: int) -> bool:
+    """Whether the extension's `route_softmax` routes `experts` logits a row to their top `k` (its limits:
+    k <= MAX_TOP_K, E <= 2^20); False when the native kernels are not in use."""
+    native = _packed._native
+    return (native is not None and isinstance(k, (int, np.integer)) and 1 <= k <= min(experts, native.MAX_TOP_K)
+            and experts <= 1 << 20)
+
+
 def route_softmax_topk(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.ndarray, ...] | None:
     """# [T, E] -> weights [T, k], expert ids [T, k] (largest first), probabilities [T, E]  (`_layers`'
     `_route_softmax_topk`: the softmax, its top k and their weights in one call; a decode step's numpy route took
     about as long as an expert's product). None for a non-finite logit, whose numpy result defines it."""
     native = _packed._native
-    if (native is None or logits.ndim != 2 or not plain(logits) or not isinstance(k, (int, np.integer))
-            or not 1 <= k <= min(logits.shape[1], native.MAX_TOP_K) or not 1 <= logits.shape[0]
-            or logits.shape[1] > 1 << 20):
-        return None  # (the extension's limits: k <= MAX_TOP_K, E <= 2^20)
+    if logits.ndim != 2 or not plain(logits) or not 1 <= logits.shape[0] or not route_softmax_takes(logits.shape[1], k):
+        return None
     t, e, k = *logits.shape, int(k)
     probs, weights, ids = np.empty((t, e), _F32), np.empty((t, k), _F32), np.empty((t, k), np.int64)
     if not native.route_softmax(logits, k, bool(norm_topk_prob), probs, weights, ids):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from shardtool.runtime._model import DictWeightProvider, Model, _decode_row, _packed
+from shardtool.runtime._model import DictWeightProvider, Model, _decode_row, _fused, _packed
 from shardtool.runtime._model._forward import Segment, StepTrace, forward_batch
 from shardtool.runtime._model._layers import ExpertUnavailable
 
@@ -260,7 +260,8 @@ def test_each_input_a_fused_kernel_cannot_take_sends_its_half_to_numpy(refused, 
     monkeypatch.setattr(_decode_row, "_attend", attend)
     monkeypatch.setattr(_decode_row, "shared_expert", shared)
     monkeypatch.setattr(_decode_row, "_fused", SimpleNamespace(plain=lambda a: a is not seen.get(refused)
-                                                               and real_plain(a)))
+                                                               and real_plain(a),
+                                                               route_softmax_takes=_fused.route_softmax_takes))
     fused = Counter()
     fast, taken = _decode(cfg, state, monkeypatch, general=False, fused=fused)
     kept = (Counter(attention_step=taken * cfg.num_layers) if refused == "shared"

@@ -237,6 +237,19 @@ def test_rope_row_matches_apply_rope(monkeypatch, nh, kvh, d):
     np.testing.assert_array_equal(q, before)
 
 
+def test_route_softmax_takes_only_what_the_extension_routes(monkeypatch):
+    """The one statement of route_softmax's limits (k from 1 to min(E, MAX_TOP_K), E <= 2^20, an integer k), which
+    both the general path's router and the decode row's plan ask."""
+    top = _packed._native.MAX_TOP_K
+    assert _fused.route_softmax_takes(8, 2) and _fused.route_softmax_takes(8, np.int64(8))
+    assert _fused.route_softmax_takes(1 << 20, top) and _fused.route_softmax_takes(top + 1, top)
+    for experts, k in [(8, 0), (8, 9), (top + 1, top + 1), ((1 << 20) + 1, 2), (8, 2.0)]:
+        assert not _fused.route_softmax_takes(experts, k), (experts, k)
+    assert _fused.route_softmax_topk(np.zeros((1, 8), np.float32), 9, True) is None
+    monkeypatch.setattr(_packed, "_native", None)
+    assert not _fused.route_softmax_takes(8, 2)
+
+
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("t,e,k", [(1, 8, 2), (1, 8, 8), (3, 64, 6), (2, 256, 8), (1, 5, 1)])
 def test_route_softmax_topk_matches_numpy(monkeypatch, t, e, k, norm):
