@@ -10,7 +10,7 @@ residual and the next norm; `_attend`) and `moe_row` (every chosen expert's SwiG
 expert's output and the residual; `_moe`, which routes and fetches the experts as `_layers.moe_layer` does, without
 its per-expert thunks and grouping). The result is the same float32 bits as the general path (tests compare them on
 every family). What a step needs of a layer's weights besides the arrays (the attention's native arguments, checked;
-the router when the row applies it itself) is worked out once per trunk shard (`_Layer`), not at every step.
+the router when the row applies it itself) is worked out once per trunk shard (`_LayerPlan`), not at every step.
 
 `applies` says when it may: one segment of one row, the native kernels in use, and plain attention on every layer
 (GQA with RoPE; no QK norm, clipping, sinks, MLA or chunked attention; no sliding window the sequence has outgrown).
@@ -30,7 +30,7 @@ from shardtool.errors import ShardtoolError
 from . import _fused, _packed
 from ._config import ModelConfig
 from ._layers import (ROW0, ExpertUnavailable, expert_mlp, gqa_attention, matmul_t, moe_layer, rms_norm, route,
-                      shared_expert)
+                      shared_expert, softmax_route, softmax_router)
 from ._rope import cos_sin
 
 if TYPE_CHECKING:
@@ -61,14 +61,14 @@ def step(cfg: ModelConfig, weights: "Float32Weights", rope: tuple[np.ndarray, fl
     observe = seg.trace.observe if seg.trace is not None else None
     eps = cfg.rms_norm_eps
     x = weights.embed_rows(seg.ids)  # [1, H]
-    plan = partial(_Layer, cfg)
+    make_plan = partial(_LayerPlan, cfg)
     for layer in range(cfg.num_layers):
-        row = weights.layer_derived(layer, "decode_row", plan)
-        h, y = _attend(cfg, row, x, cos, sin, cache, layer)
+        plan = weights.layer_derived(layer, "decode_row", make_plan)
+        h, y = _attend(cfg, plan, x, cos, sin, cache, layer)
         if cfg.moe_layers[layer]:
-            x = _moe(cfg, row, y, h, weights, layer, weights.observer(layer, observe))
+            x = _moe(cfg, plan, y, h, weights, layer, weights.observer(layer, observe))
         else:
-            w = row.w
+            w = plan.w
             x = h + expert_mlp(y, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
         weights.lookahead(layer + 1, x)
     logits = None
@@ -84,13 +84,12 @@ def step(cfg: ModelConfig, weights: "Float32Weights", rope: tuple[np.ndarray, fl
     return logits
 
 
-class _Layer:
+class _LayerPlan:
     """What `step` takes from one layer's checked weights `w`, worked out once per trunk shard
     (`Float32Weights.layer_derived`) instead of at every step:
     - `attention`: `attention_step`'s weight arguments (norm, the four projections, biases, post-attention norm),
       or None when they are not all packed and plain (`gqa_attention` then runs);
-    - `router`: the packed router weight when `route_softmax` routes this layer as `route` would (softmax, then the
-      top k, no router bias), else None (`route` then runs)."""
+    - `router`: the layer's `softmax_router` (None: `route` runs)."""
 
     __slots__ = ("w", "attention", "router")
 
@@ -103,14 +102,10 @@ class _Layer:
         if (all(type(p) is _packed.Packed for p in projections)
                 and all(_fused.plain(a) for a in (norm, post, *(b for b in biases if b is not None)))):
             self.attention = (norm, tuple(p.native for p in projections), biases, post)
-        router = w.get("mlp.gate.weight")
-        self.router = None
-        if (cfg.router == "softmax" and type(router) is _packed.Packed and w.get("mlp.gate.bias") is None
-                and _fused.route_softmax_takes(router.shape[0], cfg.top_k)):
-            self.router = router
+        self.router = softmax_router(w, cfg)
 
 
-def _attend(cfg: ModelConfig, row: _Layer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache,
+def _attend(cfg: ModelConfig, plan: _LayerPlan, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache,
             layer: int) -> tuple[np.ndarray, np.ndarray]:
     """# row [1, H] -> h = x + attention(rms_norm(x)) [1, H], y = rms_norm(h) [1, H] for the MLP:
     `_layers.gqa_attention` on one row that sees every key, with the norms and the residual around it, in one native
@@ -118,35 +113,31 @@ def _attend(cfg: ModelConfig, row: _Layer, x: np.ndarray, cos: np.ndarray, sin: 
     the cache's buffers, `attend_row`, in gqa_attention's order). Weights not packed (a provider's own arrays), a
     rotary embedding over part of a head, or arrays in another form take `gqa_attention` itself."""
     eps = cfg.rms_norm_eps
-    if (row.attention is None or cos.shape[-1] != cfg.head_dim
+    if (plan.attention is None or cos.shape[-1] != cfg.head_dim
             or not (_fused.plain(x) and _fused.plain(cos) and _fused.plain(sin))):
-        w = row.w
+        w = plan.w
         h = x + gqa_attention(rms_norm(x, w["input_layernorm.weight"], eps), w, cfg, cos, sin, None,
                               partial(cache.append, layer))
         return h, rms_norm(h, w["post_attention_layernorm.weight"], eps)
-    norm, (wq, wk, wv, wo), biases, post = row.attention
+    norm, (wq, wk, wv, wo), biases, post = plan.attention
     h, y = np.empty(x.shape, np.float32), np.empty(x.shape, np.float32)
     _packed._native.attention_step(x, norm, eps, wq, wk, wv, wo, biases, cos, sin, *cache.row_buffers(layer),
                                    cache.length, cfg.attn_scale, post, h, y, _packed._threads)
     return h, y
 
 
-def _route(cfg: ModelConfig, row: _Layer, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """# normed row y [1, H] -> weights [1, k], expert ids [1, k], scores [1, E]: `route`, whose product and
-    `route_softmax` call are made here directly for a router `_Layer` found they apply to (the same calls, so the
-    same bits); a non-finite logit, or any other router, takes `route` itself."""
-    router = row.router
-    if router is not None and _fused.plain(y):
-        native, k, e = _packed._native, cfg.top_k, router.shape[0]
-        logits = np.empty((1, e), np.float32)
-        native.product(router.native, y, logits, _packed._threads)
-        probs, gates, ids = np.empty((1, e), np.float32), np.empty((1, k), np.float32), np.empty((1, k), np.int64)
-        if native.route_softmax(logits, k, bool(cfg.norm_topk_prob), probs, gates, ids):
-            return gates, ids, probs
-    return route(y, row.w, cfg)
+def _route(cfg: ModelConfig, plan: _LayerPlan, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """# normed row y [1, H] -> weights [1, k], expert ids [1, k], scores [1, E]: `route`'s result, by
+    `softmax_route` for a layer with a softmax router (the same calls, so the same bits); `route` itself for any
+    other router, and where the extension declines (a non-finite logit)."""
+    if plan.router is not None:
+        routed = softmax_route(y, plan.router, cfg)
+        if routed is not None:
+            return routed  # type: ignore[return-value]
+    return route(y, plan.w, cfg)
 
 
-def _moe(cfg: ModelConfig, row: _Layer, y: np.ndarray, h: np.ndarray, weights: "Float32Weights", layer: int,
+def _moe(cfg: ModelConfig, plan: _LayerPlan, y: np.ndarray, h: np.ndarray, weights: "Float32Weights", layer: int,
          observe) -> np.ndarray:
     """# normed row y [1, H], residual h [1, H] -> h + the MoE block's output [1, H]: `_layers.moe_layer` on one
     row, in its order (route, observe, the experts' loads started, the shared expert, the routed sum in ascending
@@ -154,10 +145,10 @@ def _moe(cfg: ModelConfig, row: _Layer, y: np.ndarray, h: np.ndarray, weights: "
     `moe_experts` weights a one-row step's. Packed experts go through one native call (`moe_row`: every expert's
     SwiGLU, the weighted sum, the shared output and the residual), others through `expert_mlp` one by one.
     Llama 4's input-scaled experts, gpt-oss's clamped SwiGLU and a cluster's remote experts take `moe_layer`."""
-    w = row.w
+    w = plan.w
     if weights.remote is not None or cfg.router == "sigmoid_input" or cfg.expert_act == "clamped_swiglu":
         return h + moe_layer(y, w, cfg, weights.expert_fetch(layer), observe)
-    gate, idx, scores = _route(cfg, row, y)  # [1, k] each, [1, E]
+    gate, idx, scores = _route(cfg, plan, y)  # [1, k] each, [1, E]
     if observe is not None:
         observe(idx, scores)
     chosen = idx[0].tolist()

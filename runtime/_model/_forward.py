@@ -231,8 +231,9 @@ class Float32Weights:
         return derived(self.provider.layer(layer), "trunk", self.cfg, lambda t: prepare_layer(self.cfg, layer, t))
 
     def layer_derived(self, layer: int, key: str, make: Callable[[dict[str, Packed | np.ndarray]], _T]) -> _T:
-        """`make(self.layer(layer))`, computed once per trunk shard the provider hands out (`derived`, under `key`)
-        and found again with one request to the provider: what a decode step works out of a layer's weights."""
+        """`make(self.layer(layer))`, computed once per trunk shard the provider hands out and config (`derived`,
+        under `key`; at every call for a provider that hands out plain mappings) and found again with one request to
+        the provider: what a decode step works out of a layer's weights."""
         cfg = self.cfg
         return derived(self.provider.layer(layer), key, cfg,
                        lambda t: make(derived(t, "trunk", cfg, lambda t: prepare_layer(cfg, layer, t))))

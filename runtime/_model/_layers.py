@@ -370,7 +370,8 @@ def route(x: np.ndarray, w: Weights, cfg: ModelConfig) -> tuple[np.ndarray, np.n
     """# normed MLP input [T, H], the layer's weights -> weights [T, k], expert ids [T, k], selection scores [T, E]:
     the layer's router on x, as the config's family routes (its router bias, if any, added to the logits).
 
-    The one place a layer's router is applied: the MoE layer routes with it, and the lookahead predicts with it."""
+    The definition of a layer's routing: the MoE layer routes with it, the lookahead predicts with it. A decode row
+    whose layer has a `softmax_router` calls `softmax_route` on it directly, the same calls as here."""
     logits = linear(x, w["mlp.gate.weight"], w.get("mlp.gate.bias"))  # [T, E]
     if cfg.router == "topk_softmax":
         return route_topk_softmax(logits, cfg.top_k)
@@ -380,6 +381,24 @@ def route(x: np.ndarray, w: Weights, cfg: ModelConfig) -> tuple[np.ndarray, np.n
     if cfg.router == "sigmoid_input":
         return _llama4.route(logits, cfg.top_k)
     return _route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
+
+
+def softmax_router(w: Weights, cfg: ModelConfig) -> _packed.Packed | None:
+    """# the layer's weights -> its packed router [E, H] when `route` routes the layer by the extension's
+    `route_softmax` (a softmax router, no router bias, E and k within the extension's limits), else None. Worked out
+    once per trunk shard by the decode row, which then routes with `softmax_route`."""
+    router = w.get("mlp.gate.weight")
+    if (cfg.router == "softmax" and type(router) is _packed.Packed and w.get("mlp.gate.bias") is None
+            and _fused.route_softmax_takes(router.shape[0], cfg.top_k)):
+        return router
+    return None
+
+
+def softmax_route(x: np.ndarray, router: _packed.Packed, cfg: ModelConfig) -> tuple[np.ndarray, ...] | None:
+    """# [T, H], a `softmax_router` [E, H] -> `route`'s result, by the same calls `route` makes for that layer
+    (the product, then `route_softmax`), without its dispatch; None where the extension declines (a non-finite
+    logit: `route`'s numpy softmax then defines the result)."""
+    return _fused.route_softmax_topk(matmul_t(x, router), cfg.top_k, cfg.norm_topk_prob)
 
 
 def moe_layer(x: np.ndarray, w: Weights, cfg: ModelConfig, fetch: ExpertFetch,

@@ -3,14 +3,16 @@ every family it takes, and declines the rest. (A failed layer or expert in the r
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from shardtool.runtime._model import DictWeightProvider, Model, _decode_row, _fused, _packed
+from shardtool.runtime._model import DictWeightProvider, Model, _decode_row, _packed
 from shardtool.runtime._model._forward import Segment, StepTrace, forward_batch
+from shardtool.runtime._model._weights import Tensors
 from shardtool.runtime._model._layers import ExpertUnavailable
 
 from test_model_numpy import CONFIGS, PROMPT, FailingProvider, make
@@ -121,15 +123,64 @@ def test_a_layers_plan_is_made_once_per_trunk_shard(monkeypatch):
     cfg, state = _make("mixtral-no-window")
     made = Counter()
 
-    class Layer(_decode_row._Layer):
+    class Plan(_decode_row._LayerPlan):
         __slots__ = ()
 
         def __init__(self, cfg, w):
             made[id(w)] += 1
             super().__init__(cfg, w)
-    monkeypatch.setattr(_decode_row, "_Layer", Layer)
+    monkeypatch.setattr(_decode_row, "_LayerPlan", Plan)
     _, taken = _decode(cfg, state, monkeypatch, general=False)
     assert taken == 6 and sorted(made.values()) == [1] * cfg.num_layers
+
+
+@needs_kernels
+def test_a_trunk_shard_read_again_gets_a_plan_of_its_own(monkeypatch):
+    """A plan lives in its trunk shard's memo: a provider that hands out the layer's tensors afresh at every request
+    (as a store does after an eviction and a new verified read) gets a new plan each time, never one made from the
+    arrays it handed out before."""
+    cfg, state = _make("mixtral-no-window")
+    made = []
+
+    class Plan(_decode_row._LayerPlan):
+        __slots__ = ()
+
+        def __init__(self, cfg, w):
+            made.append(w)
+            super().__init__(cfg, w)
+
+    class ReadAgain(DictWeightProvider):
+        def layer(self, layer):
+            return Tensors(super().layer(layer))  # the same arrays, as a new shard object
+
+    monkeypatch.setattr(_decode_row, "_LayerPlan", Plan)
+    model = Model(cfg, ReadAgain(state))
+    model.prefill(PROMPT)
+    for token in (4, 9, 17):
+        model.decode(token)
+    assert len(made) == 3 * cfg.num_layers and len({id(w) for w in made}) == len(made)
+
+
+@needs_kernels
+@pytest.mark.parametrize("change", ["a topk_softmax router", "a softmax router with a bias"])
+def test_a_router_softmax_route_does_not_define_is_routed_by_route(change, monkeypatch):
+    """Only a softmax router without a bias is routed by `softmax_route`: another router kind, or a router bias,
+    takes `route` at every step, with the general path's bits."""
+    cfg, state = _make("mixtral-no-window")
+    if change == "a topk_softmax router":
+        cfg = dataclasses.replace(cfg, router="topk_softmax")
+    else:
+        cfg = dataclasses.replace(cfg, router_bias=True)
+        rng = np.random.default_rng(5)
+        for layer in range(cfg.num_layers):
+            state[f"model.layers.{layer}.mlp.gate.bias"] = rng.standard_normal(cfg.num_experts).astype(np.float32)
+    calls = []
+    real_route = _decode_row.route
+    monkeypatch.setattr(_decode_row, "route", lambda *args: calls.append(1) or real_route(*args))
+    fast, taken = _decode(cfg, state, monkeypatch, general=False)
+    general, _ = _decode(cfg, state, monkeypatch, general=True)
+    assert taken == 6 and len(calls) == 6 * sum(cfg.moe_layers)
+    np.testing.assert_array_equal(fast, general)
 
 
 @needs_kernels
@@ -242,7 +293,7 @@ def test_each_input_a_fused_kernel_cannot_take_sends_its_half_to_numpy(refused, 
     seen = {}
     real_attend, real_shared, real_plain = _decode_row._attend, _decode_row.shared_expert, _decode_row._fused.plain
 
-    class Layer(_decode_row._Layer):  # a layer's weights are looked at once, when its plan is made
+    class Plan(_decode_row._LayerPlan):  # a layer's weights are looked at once, when its plan is made
         __slots__ = ()
 
         def __init__(self, cfg, w):
@@ -252,7 +303,7 @@ def test_each_input_a_fused_kernel_cannot_take_sends_its_half_to_numpy(refused, 
     def attend(cfg, row, x, cos, sin, cache, layer):
         seen.update(cos=cos, sin=sin)
         return real_attend(cfg, row, x, cos, sin, cache, layer)
-    monkeypatch.setattr(_decode_row, "_Layer", Layer)
+    monkeypatch.setattr(_decode_row, "_LayerPlan", Plan)
 
     def shared(*args):
         seen["shared"] = out = real_shared(*args)
@@ -260,8 +311,7 @@ def test_each_input_a_fused_kernel_cannot_take_sends_its_half_to_numpy(refused, 
     monkeypatch.setattr(_decode_row, "_attend", attend)
     monkeypatch.setattr(_decode_row, "shared_expert", shared)
     monkeypatch.setattr(_decode_row, "_fused", SimpleNamespace(plain=lambda a: a is not seen.get(refused)
-                                                               and real_plain(a),
-                                                               route_softmax_takes=_fused.route_softmax_takes))
+                                                               and real_plain(a)))
     fused = Counter()
     fast, taken = _decode(cfg, state, monkeypatch, general=False, fused=fused)
     kept = (Counter(attention_step=taken * cfg.num_layers) if refused == "shared"
