@@ -57,6 +57,14 @@ class _CountingKernels:
         return counted
 
 
+def _own_native(monkeypatch) -> SimpleNamespace:
+    """The native module's functions in a namespace of the test's own, in its place for the test: set one to change it."""
+    own = SimpleNamespace(**{name: getattr(_packed._native, name) for name in dir(_packed._native)
+                             if not name.startswith("__")})
+    monkeypatch.setattr(_packed, "_native", own)
+    return own
+
+
 def _decode(cfg, state, monkeypatch, *, general: bool, tokens=(4, 9, 17, 2, 30, 11),
             fused: Counter | None = None) -> tuple[np.ndarray, int]:
     """# -> logits [len(tokens), V] of decoding `tokens` after PROMPT, and how many steps `_decode_row` ran;
@@ -106,10 +114,7 @@ def test_a_softmax_router_is_applied_by_the_row_itself(case, monkeypatch):
     routed = Counter()
     real_softmax = _packed._native.route_softmax
     monkeypatch.setattr(_decode_row, "route", lambda *args: pytest.fail("the row called route"))
-    monkeypatch.setattr(_packed, "_native", SimpleNamespace(**{
-        name: getattr(_packed._native, name) for name in dir(_packed._native) if not name.startswith("__")}))
-    monkeypatch.setattr(_packed._native, "route_softmax", lambda *args: routed.update(["route_softmax"])
-                        or real_softmax(*args))
+    _own_native(monkeypatch).route_softmax = lambda *args: routed.update(["route_softmax"]) or real_softmax(*args)
     model = Model(cfg, DictWeightProvider(state))
     model.prefill(PROMPT)
     routed.clear()
@@ -162,35 +167,21 @@ def test_a_trunk_shard_read_again_gets_a_plan_of_its_own(monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("change", ["a topk_softmax router", "a softmax router with a bias"])
+@pytest.mark.parametrize("change", ["a topk_softmax router", "a softmax router with a bias", "route_softmax declining"])
 def test_a_router_softmax_route_does_not_define_is_routed_by_route(change, monkeypatch):
-    """Only a softmax router without a bias is routed by `softmax_route`: another router kind, or a router bias,
-    takes `route` at every step, with the general path's bits."""
+    """Only a softmax router without a bias is routed by `softmax_route`, and only where the extension takes its
+    logits: another router kind, a router bias, or `route_softmax` declining (as for a non-finite logit: numpy's
+    softmax then defines the result) takes `route` at every step, with the general path's bits."""
     cfg, state = _make("mixtral-no-window")
     if change == "a topk_softmax router":
         cfg = dataclasses.replace(cfg, router="topk_softmax")
-    else:
+    elif change == "a softmax router with a bias":
         cfg = dataclasses.replace(cfg, router_bias=True)
         rng = np.random.default_rng(5)
         for layer in range(cfg.num_layers):
             state[f"model.layers.{layer}.mlp.gate.bias"] = rng.standard_normal(cfg.num_experts).astype(np.float32)
-    calls = []
-    real_route = _decode_row.route
-    monkeypatch.setattr(_decode_row, "route", lambda *args: calls.append(1) or real_route(*args))
-    fast, taken = _decode(cfg, state, monkeypatch, general=False)
-    general, _ = _decode(cfg, state, monkeypatch, general=True)
-    assert taken == 6 and len(calls) == 6 * sum(cfg.moe_layers)
-    np.testing.assert_array_equal(fast, general)
-
-
-@needs_kernels
-def test_a_router_the_kernel_declines_is_routed_by_route_with_the_same_bits(monkeypatch):
-    """`route_softmax` declines (as for a non-finite logit): the row then calls `route`, whose numpy softmax
-    defines the result, as on the general path."""
-    cfg, state = _make("qwen2_moe")
-    monkeypatch.setattr(_packed, "_native", SimpleNamespace(**{
-        name: getattr(_packed._native, name) for name in dir(_packed._native) if not name.startswith("__")}))
-    monkeypatch.setattr(_packed._native, "route_softmax", lambda *args: False)
+    else:
+        _own_native(monkeypatch).route_softmax = lambda *args: False
     calls = []
     real_route = _decode_row.route
     monkeypatch.setattr(_decode_row, "route", lambda *args: calls.append(1) or real_route(*args))
