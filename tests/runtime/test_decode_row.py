@@ -108,8 +108,8 @@ def test_decode_row_equals_the_general_path_bit_for_bit(case, monkeypatch):
 @needs_kernels
 @pytest.mark.parametrize("case", sorted(TAKEN))
 def test_a_softmax_router_is_applied_by_the_row_itself(case, monkeypatch):
-    """A layer's plan keeps its packed router: each decode step's MoE layer calls the router's product and
-    `route_softmax` directly, without `route` (the bits: the test above)."""
+    """A layer's plan keeps its packed router: each decode step's MoE layer routes by `softmax_route` (the router's
+    product, then `route_softmax`), never through `route` (the bits: the test above)."""
     cfg, state = _make(case)
     routed = Counter()
     real_softmax = _packed._native.route_softmax
@@ -291,9 +291,9 @@ def test_each_input_a_fused_kernel_cannot_take_sends_its_half_to_numpy(refused, 
             seen.update(w)
             super().__init__(cfg, w)
 
-    def attend(cfg, row, x, cos, sin, cache, layer):
+    def attend(cfg, plan, x, cos, sin, cache, layer):
         seen.update(cos=cos, sin=sin)
-        return real_attend(cfg, row, x, cos, sin, cache, layer)
+        return real_attend(cfg, plan, x, cos, sin, cache, layer)
     monkeypatch.setattr(_decode_row, "_LayerPlan", Plan)
 
     def shared(*args):
