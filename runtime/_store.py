@@ -290,12 +290,12 @@ class ShardStore:
             return [self._take_hit(entry) for entry in entries]  # type: ignore[misc]
 
     def _take_hit(self, entry: Entry) -> Arrays | None:
-        """Caller holds the lock. `_lookup` and `_count_request` for a shard that is cached: its arrays, the use
-        counted (a prefetched shard's first request is its admitted use, not another); None when not cached."""
-        hit = self._cache.get(entry.path)
-        if hit is not None:
-            prefetched = entry.path in self._unused
-            self._unused.discard(entry.path)
-            self._index.touch(entry.path, use=not prefetched)
-            self._count_request(entry, True, prefetched)
-        return hit
+        """Caller holds the lock. `request` for a shard that is cached: `_lookup` hands out its arrays and records
+        the use, `_count_request` counts the hit (a prefetched shard's first request is its admitted use, not
+        another); None, and nothing touched or counted, when it is not cached."""
+        if entry.path not in self._cache:
+            return None
+        prefetched = entry.path in self._unused
+        hit = self._lookup(entry)
+        self._count_request(entry, True, prefetched)
+        return hit  # type: ignore[return-value]
