@@ -228,15 +228,17 @@ class Float32Weights:
         return norm, pack(t, "lm_head", self._lm_shape, "model", fp8_block=self.cfg.fp8_block)
 
     def layer(self, layer: int) -> dict[str, Packed | np.ndarray]:
-        return derived(self.provider.layer(layer), "trunk", self.cfg, lambda t: prepare_layer(self.cfg, layer, t))
+        return self._trunk(layer, self.provider.layer(layer))
+
+    def _trunk(self, layer: int, tensors: Mapping[str, np.ndarray]) -> dict[str, Packed | np.ndarray]:
+        """# a trunk shard's tensors -> the layer's weights, checked and packed once per shard (`prepare_layer`)"""
+        return derived(tensors, "trunk", self.cfg, lambda t: prepare_layer(self.cfg, layer, t))
 
     def layer_derived(self, layer: int, key: str, make: Callable[[dict[str, Packed | np.ndarray]], _T]) -> _T:
         """`make(self.layer(layer))`, computed once per trunk shard the provider hands out and config (`derived`,
         under `key`; at every call for a provider that hands out plain mappings) and found again with one request to
         the provider: what a decode step works out of a layer's weights."""
-        cfg = self.cfg
-        return derived(self.provider.layer(layer), key, cfg,
-                       lambda t: make(derived(t, "trunk", cfg, lambda t: prepare_layer(cfg, layer, t))))
+        return derived(self.provider.layer(layer), key, self.cfg, lambda t: make(self._trunk(layer, t)))
 
     @property
     def lookahead_on(self) -> bool:
