@@ -1,11 +1,16 @@
-"""Option values of the plain types (str, int, float, bool, Path, and lists of them) converted without
+"""Two changes to typer's private hooks, each made only where this module finds the hook it expects.
+
+Option values of the plain types (str, int, float, bool, Path, and lists of them) converted without
 pydantic. typer converts every parameter through a pydantic TypeAdapter: importing pydantic and building the
 adapters cost about 0.25 CPU-seconds at every start (measured on `shardtool audit` of one file: 0.84 s of
 CPU in all, 0.59 s without), a quarter of a warm audit of 2 GiB. Every other annotation, and any option
 with a custom parser or clamping, still goes through typer's own conversion.
 
-`install()` is called once by `run_app`; it changes nothing if typer's conversion hook is not where
-this module expects it (another typer version).
+Help without a type placeholder for a flag: typer's rich help prints `<bool>` beside every flag (`--json
+<bool>`, `--help <bool>`), as if the flag took a value; its plain help already leaves flags out.
+
+`install()` is called once by `run_app`; it changes nothing if typer's hooks are not where this module expects
+them (another typer version).
 """
 
 from __future__ import annotations
@@ -21,6 +26,29 @@ _PLAIN = (str, int, float, bool)
 
 
 def install() -> None:
+    _install_flag_help()
+    _install_plain_conversion()
+
+
+def _install_flag_help() -> None:
+    try:
+        from typer.core import TyperOption
+    except ImportError:
+        return
+    typer_display = getattr(TyperOption, "display_type_rich", None)
+    if typer_display is None or getattr(typer_display, "_shardtool_flags", False):
+        return
+
+    def display_type_rich(self: Any, ctx: Any) -> Any:
+        if getattr(self, "is_flag", False) or getattr(self, "count", False):  # a flag takes no value to name
+            return None
+        return typer_display(self, ctx)
+
+    display_type_rich._shardtool_flags = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich
+
+
+def _install_plain_conversion() -> None:
     try:
         import typer._coercion as coercion
         import typer.core as core
