@@ -42,12 +42,17 @@ def split(
         False, "--quantize-trunk",
         help="With --quantize int8: the trunk's linear weights too (attention, shared and dense MLPs, lm_head), as "
              "llama.cpp's Q8_0 does; routers, norms and the embedding stay as stored."),
+    force: bool = typer.Option(False, "--force", help="Replace a signed manifest already in OUT (its signatures "
+                                                      "are lost: sign the new one again)."),
     json_out: bool = typer.Option(False, "--json", help="Print one summary document on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Split a MoE checkpoint into per-expert and trunk shards and write its unsigned manifest."""
     from shardtool.checkpoint import default_model_id, prepare_split, run_split
     from shardtool.cli._progress import Progress
+
+    if not force:
+        _refuse_signed_manifest(out)
 
     # Refusals (links out of the checkpoint or into OUT, layer numbers beyond the format, bad options) all
     # happen before the first byte is written; names from disk are escaped before they reach the terminal.
@@ -70,6 +75,25 @@ def split(
         f"{result.files_reused} reused, {result.bytes_total / 1e9:.3f} GB in {result.seconds:.1f} s "
         f"({gbps:.2f} GB/s); unsigned manifest {printable(str(out / 'manifest.msgpack'))} for model "
         f"{result.model_id} version {result.version}")
+
+
+def _refuse_signed_manifest(out: Path) -> None:
+    """A split writes a new, unsigned manifest: over a signed one it would drop the publishers' signatures
+    without a word. OUT itself a link is left to split's own refusal."""
+    from shardtool.errors import VerificationError
+    from shardtool.manifest import default_manifest_path, load_manifest
+
+    path = default_manifest_path(out)
+    if not out.is_dir() or out.is_symlink() or not path.is_file() or path.is_symlink():
+        return
+    try:
+        signatures = len(load_manifest(path).envelope.signatures)
+    except VerificationError:  # not a manifest this version reads: nothing signed to lose
+        return
+    if signatures:
+        raise UsageError(f"holds a signed manifest ({signatures} signature(s)); split would replace it with an "
+                         "unsigned one", path=str(path),
+                         hint="pass --force to replace it and sign again, or split into another directory")
 
 
 def join(

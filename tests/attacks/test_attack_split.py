@@ -506,3 +506,28 @@ def test_split_notes_escape_hostile_names(ckpt, tmp_path):
     assert "note: not copied: evil\\x1b[2J\\x1b[31mname\\x0dspoof.md (its name cannot be a manifest path)" in r.err
     assert "not copied: dir\\x1b]0;title\\x07 (directory)" in r.err
     assert "e.g. experts/stale\\x0d\\x1b[1Aname" in r.err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A signed manifest already in OUT
+
+
+def test_split_over_a_signed_manifest_refused_without_force(ckpt, tmp_path):
+    """A rerun into OUT used to write a new unsigned manifest over a signed one: both signatures dropped, exit 0,
+    not a word, even for another model ID. Now exit 2 naming OUT's manifest and its signatures; --force replaces it."""
+    out = tmp_path / "out"
+    assert split(ckpt, out).code == 0
+    assert split(ckpt, out).code == 0  # (control) over an unsigned manifest a rerun goes ahead as before
+    for name in ("a", "b"):
+        assert kit.run("shardtool", "keygen", "--out", tmp_path / name, "--no-passphrase", cwd=tmp_path).code == 0
+        assert kit.run("shardtool", "sign", out, "--key", tmp_path / f"{name}.key", cwd=tmp_path).code == 0
+    signed = files_below(out)
+    for extra in ((), ("--model-id", "acme/other-model")):
+        r = split(ckpt, out, *extra)
+        assert_refused(r, "UsageError", f"{out / 'manifest.msgpack'}: holds a signed manifest (2 signature(s))")
+        assert "--force" in r.err
+        assert files_below(out) == signed
+    r = split(ckpt, out, "--force", "--json")
+    assert r.code == 0, r.err
+    from shardtool.manifest import load_manifest
+    assert load_manifest(out / "manifest.msgpack").envelope.signatures == ()
