@@ -85,7 +85,9 @@ def verify_receipt(
 
     if sample is None:
         opened = _open(receipt, operators)  # a bad receipt is refused before the model is touched
-        verdict = _verify_one(opened, receipt, trace, directory, trusted_manifest(), budget, readers, stops)
+        trace_bytes = _read_trace(trace) if trace is not None else None
+        verdict = _verify_one(opened, receipt, trace, trace_bytes, directory, trusted_manifest(), budget, readers,
+                              stops)
         if as_json:
             emit_json(verdict)
         if not as_json or not verdict["valid"]:  # a refusal is also one line on stderr, with --json too
@@ -103,8 +105,12 @@ def verify_receipt(
         for name in chosen:
             path = receipt / name
             trace_path = receipt / (name[: -len(RECEIPT_SUFFIX)] + TRACE_SUFFIX)
+            # A NAME.trace that is present but a link or not a regular file is refused with its receipt, not skipped.
+            if not os.path.lexists(trace_path):
+                trace_path = None
             try:
-                opened = _open(path, operators)
+                opened = _open(path, operators, in_log=True)
+                trace_bytes = _read_trace(trace_path, in_log=True) if trace_path is not None else None
             except ShardtoolError as err:
                 if err.exit_code != 1:  # gone or unreadable since the listing: no verdict on it either way
                     unchecked_exit = unchecked_exit or err.exit_code
@@ -113,8 +119,8 @@ def verify_receipt(
                     verdict = {"valid": False, "error": err.one_line()}
             else:
                 try:
-                    verdict = _verify_one(opened, path, trace_path if trace_path.is_file() else None,
-                                          directory, verified, budget, readers, stops, engines)
+                    verdict = _verify_one(opened, path, trace_path, trace_bytes, directory, verified, budget,
+                                          readers, stops, engines)
                 except _LOCAL_WEIGHT_FAULTS as err:  # the replay's own weights failed: a local fault, not the node's
                     raise VerificationError(f"the model directory failed verification while replaying {name} "
                                             f"(no receipt is judged by it): {err.message}", path=err.path) from err
@@ -160,14 +166,16 @@ def _load_public(path: Path):
     return load_public_key(path)
 
 
-def _open(path: Path, operators):
-    """(receipt, signer): the file read capped by its size, its signature checked, then its payload decoded."""
+def _open(path: Path, operators, *, in_log: bool = False):
+    """(receipt, signer): the file read capped by its size, its signature checked, then its payload decoded.
+    `in_log`: a file of the --sample directory, which others may write: no link at its name is followed."""
     from shardtool.manifest import MAX_RECEIPT_BYTES, open_receipt
     from shardtool.safeio import read_regular
 
     if not os.path.lexists(path):
         raise UsageError("receipt file does not exist", path=str(path))
-    data = read_regular(path, MAX_RECEIPT_BYTES, what="receipt", too_large=ReceiptMismatchError)
+    data = read_regular(path, MAX_RECEIPT_BYTES, what="receipt", too_large=ReceiptMismatchError,
+                        follow_link=not in_log)
     try:
         return open_receipt(data, operators)
     except ShardtoolError as err:
@@ -207,16 +215,21 @@ class _Engines:
             self.engine = None
 
 
-def _verify_one(opened, path: Path, trace: Path | None, directory: Path, verified, budget: int,
-                readers: int, stops, engines: _Engines | None = None) -> dict:
+def _read_trace(path: Path, *, in_log: bool = False) -> bytes:
+    """A routing trace's bytes, capped; `in_log` as for `_open`."""
     from shardtool.manifest import MAX_TRACE_BYTES
-    from shardtool.runtime import replay_receipt
     from shardtool.safeio import read_regular
 
+    return read_regular(path, MAX_TRACE_BYTES, what="routing trace", too_large=ReceiptMismatchError,
+                        follow_link=not in_log)
+
+
+def _verify_one(opened, path: Path, trace: Path | None, trace_bytes: bytes | None, directory: Path, verified,
+                budget: int, readers: int, stops, engines: _Engines | None = None) -> dict:
+    """`trace_bytes`: the routing trace read from `trace` (which names it in errors), or None."""
+    from shardtool.runtime import replay_receipt
+
     receipt, signer = opened
-    trace_bytes = None
-    if trace is not None:
-        trace_bytes = read_regular(trace, MAX_TRACE_BYTES, what="routing trace", too_large=ReceiptMismatchError)
     try:
         engine = engines.for_receipt(receipt) if engines is not None else None
         verdict = replay_receipt(directory, verified, receipt, budget=budget, readers=readers, trace=trace_bytes,
