@@ -25,6 +25,7 @@ _SIZE = re.compile(r"([0-9]{1,20}(?:\.[0-9]{1,6})?)\s*(B|K|KB|KiB|M|MB|MiB|G|GB|
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
 MAX_SIZE_TEXT = 30
+DISK_GBPS_HELP = "Disk read bandwidth in GB/s (10^9 bytes a second; reports print it in GiB/s)."
 MAX_MEMORY_BUDGET = 2**50  # 1 PiB: beyond any machine's memory, and every sum the plan makes stays exact
 
 
@@ -43,6 +44,12 @@ def parse_size(text: str, flag: str = "--memory-budget") -> int:
     if not 1 <= value <= MAX_MEMORY_BUDGET:
         raise UsageError(f"{flag} must be between 1 byte and 1PiB, got {text!r}")
     return value
+
+
+def disk_rate(gbps: float) -> str:
+    """--disk-gbps (typed in GB/s, 10^9 bytes a second) as reports print rates."""
+    from shardtool.text import format_rate
+    return format_rate(gbps * 1e9)
 
 
 # The role of the command running: a verifier's verdict on bad input is "untrustworthy" (exit 1); for a

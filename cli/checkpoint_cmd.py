@@ -7,8 +7,8 @@ from typing import Any, List, Mapping, Optional
 
 import typer
 
-from shardtool.text import printable
-from shardtool.cli._common import emit_json, producer, say
+from shardtool.text import format_rate, format_size, printable
+from shardtool.cli._common import DISK_GBPS_HELP, disk_rate, emit_json, producer, say
 from shardtool.errors import UsageError
 
 
@@ -70,10 +70,10 @@ def split(
             f"manifest), e.g. {printable(result.stale[0])}")
     for line in result.quantized.lines() if result.quantized is not None else []:
         say(line)
-    gbps = result.bytes_total / result.seconds / 1e9 if result.seconds else 0.0
+    rate = result.bytes_total / result.seconds if result.seconds else 0.0
     say(f"split {result.family} checkpoint into {printable(str(out))}: {result.files_written} file(s) written, "
-        f"{result.files_reused} reused, {result.bytes_total / 1e9:.3f} GB in {result.seconds:.1f} s "
-        f"({gbps:.2f} GB/s); unsigned manifest {printable(str(out / 'manifest.msgpack'))} for model "
+        f"{result.files_reused} reused, {format_size(result.bytes_total)} in {result.seconds:.1f} s "
+        f"({format_rate(rate)}); unsigned manifest {printable(str(out / 'manifest.msgpack'))} for model "
         f"{result.model_id} version {result.version}")
 
 
@@ -157,7 +157,7 @@ def inspect(
     quantize: Optional[str] = typer.Option(
         None, "--quantize", metavar="int8|int4",
         help="With --config: routed experts as `split --quantize` writes them (8.5 / 4.5 bits per weight)."),
-    disk_gbps: float = typer.Option(2.0, "--disk-gbps", min=0.001, max=1e6, help="Disk read bandwidth in GB/s."),
+    disk_gbps: float = typer.Option(2.0, "--disk-gbps", min=0.001, max=1e6, help=DISK_GBPS_HELP),
     context: Optional[int] = typer.Option(None, "--context", min=0, max=1 << 40,
                                           help="Context length for the memory floor."),
     json_out: bool = typer.Option(False, "--json", help="Print one document on stdout."),
@@ -224,31 +224,25 @@ def _count(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def _gb(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n:,.0f} bytes"
-
-
 def _render(c: Mapping[str, int], est: Any, disk_gbps: float, context: Optional[int]) -> str:
     ctx = context if context is not None else c.get("context_tokens", 0)
+    rate = disk_rate(disk_gbps)
     rows = [
         ("parameters (total / active per token)", f"{_count(c['params_total'])} / {_count(c['params_active'])}"),
-        ("total bytes", _gb(c["total_bytes"])),
-        ("trunk bytes (resident)", f"{_gb(c['trunk_bytes'])} ({_gb(c['resident_trunk_bytes'])} resident)"),
-        ("expert bytes (all / one expert)", f"{_gb(c['expert_bytes_total'])} / {_gb(c['bytes_per_expert'])}"),
+        ("total bytes", format_size(c["total_bytes"])),
+        ("trunk bytes (resident)", f"{format_size(c['trunk_bytes'])} ({format_size(c['resident_trunk_bytes'])} resident)"),
+        ("expert bytes (all / one expert)", f"{format_size(c['expert_bytes_total'])} / {format_size(c['bytes_per_expert'])}"),
         ("layers (MoE / MTP)", f"{c['num_layers']} ({c['moe_layers']} MoE, {c['mtp_layers']} MTP)"),
         ("experts per layer / per token / shared", f"{c['experts_per_layer']} / {c['experts_per_token']} / "
                                                    f"{c['shared_experts']}"),
-        ("expert bytes streamed per token (cold)", _gb(c["expert_bytes_per_token_cold"])),
+        ("expert bytes streamed per token (cold)", format_size(c["expert_bytes_per_token_cold"])),
         ("KV cache per token of context", f"{c['kv_cache_bytes_per_token']:,} bytes"),
-        (f"minimum memory at {ctx:,} tokens of context", _gb(est.min_memory_bytes)),
-        (f"seconds per token, cold, at {disk_gbps:g} GB/s", f"{est.seconds_per_token_cold:,.3f} s "
+        (f"minimum memory at {ctx:,} tokens of context", format_size(est.min_memory_bytes)),
+        (f"seconds per token, cold, at {rate}", f"{est.seconds_per_token_cold:,.3f} s "
                                                             + (f"({est.tokens_per_second_cold:,.2f} tokens/s)"
                                                                if est.tokens_per_second_cold is not None else
                                                                "(no expert bytes stream per token)")),
-        (f"seconds to load the trunk at {disk_gbps:g} GB/s", f"{est.seconds_to_load_trunk:,.2f} s"),
+        (f"seconds to load the trunk at {rate}", f"{est.seconds_to_load_trunk:,.2f} s"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -9,8 +9,8 @@ from typing import Any, List, Optional
 
 import typer
 
-from shardtool.cli._common import (MANIFEST_HELP, emit_json, load_trusted, manifest_path, model_dir, parse_size,
-                                   say, unpinned_warning)
+from shardtool.cli._common import (DISK_GBPS_HELP, MANIFEST_HELP, disk_rate, emit_json, load_trusted, manifest_path,
+                                   model_dir, parse_size, say, unpinned_warning)
 from shardtool.errors import UsageError
 
 MAX_NODE_TEXT = 100
@@ -49,7 +49,7 @@ def plan(
     node: List[str] = typer.Option([], "--node", help="NAME=BUDGET[,disk=SIZE] (repeatable, in plan order): "
                                                       "memory budget and disk of one node."),
     replicas: int = typer.Option(1, "--replicas", min=1, max=16, help="Copies of each expert, on distinct nodes."),
-    disk_gbps: float = typer.Option(2.0, "--disk-gbps", min=0.001, max=1e6, help="Disk read bandwidth in GB/s."),
+    disk_gbps: float = typer.Option(2.0, "--disk-gbps", min=0.001, max=1e6, help=DISK_GBPS_HELP),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the plan here (atomically)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as one JSON document on stdout."),
 ) -> None:
@@ -84,17 +84,14 @@ def plan(
 
 
 def _size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+    from shardtool.text import format_size
+
+    return "-" if n is None else format_size(n)
 
 
 def render(s: dict[str, Any]) -> str:
     """The summary as a table: one row per node, then the coordinator, the cluster and one machine."""
-    rate = f"{s['disk_gbps']:g} GB/s"
+    rate = disk_rate(s["disk_gbps"])
     head = ("node", "memory", "disk", "files", "on disk", "expert bytes/token", f"s/token at {rate}")
     rows = [(n["name"], _size(n["memory_budget"]), _size(n["disk"]), str(n["files"]), _size(n["bytes_on_disk"]),
              _size(n["expert_bytes_per_token"]), f"{n['seconds_per_token']:.3g}") for n in s["nodes"]]

@@ -134,5 +134,7 @@ def push(
         emit_json(report.to_dict())
     if not quiet:
         d = report.to_dict()
-        say(f"push: {d['files']['uploaded']} files uploaded ({report.bytes_uploaded / 2**20:.1f} MiB), "
+        from shardtool.text import format_size
+
+        say(f"push: {d['files']['uploaded']} files uploaded ({format_size(report.bytes_uploaded)}), "
             f"{d['files']['already_present']} already present, manifest last, to {report.url} in {report.seconds:.1f}s")

@@ -15,6 +15,7 @@ from shardtool.cli._common import (CACHE_POLICY_HELP, LOOKAHEAD_HELP, check_cach
                                    share_gil_with_readers)
 from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP, check_source, open_source
 from shardtool.errors import UsageError
+from shardtool.text import format_size
 
 app = typer.Typer(name="verify-and-run", add_completion=False, pretty_exceptions_enable=False)
 
@@ -177,7 +178,7 @@ def verify_and_run(
         if verify_all_first:
             checked = session.verify_all()
             if not quiet:
-                say(f"verified all {len(verified.entries)} files ({checked / 2**20:.1f} MiB) before the first token")
+                say(f"verified all {len(verified.entries)} files ({format_size(checked)}) before the first token")
         out = _TextStream(session, print_ids)
         session.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, on_token=out,
                          record=operator_key is not None)
@@ -219,15 +220,15 @@ def _print_report(s: dict) -> None:
         f"{sec['waiting_for_shards']:.3f}s in all)")
     predicted = s["contract_expert_bytes_per_token_cold"]
     measured = s["decode_expert_bytes_per_token"]
-    say(f"  bytes read: {s['bytes_read'] / 2**20:.1f} MiB ({s['bytes_read_per_token'] / 2**20:.2f} MiB/token); "
-        f"expert bytes per decode token: measured {measured / 2**20 if measured is not None else float('nan'):.2f} MiB, "
-        f"contract (cold) {predicted / 2**20 if predicted else float('nan'):.2f} MiB")
+    say(f"  bytes read: {format_size(s['bytes_read'])} ({format_size(s['bytes_read_per_token'])}/token); "
+        f"expert bytes per decode token: measured {format_size(measured) if measured is not None else '-'}, "
+        f"contract (cold) {format_size(predicted) if predicted else '-'}")
     cluster = s.get("cluster")
     if cluster is not None:
         fed = max(s["prompt_tokens"] + s["new_tokens"] - 1, 1)
         wall = sec["prefill"] + sec["decode"]
         dropped = ", ".join(cluster["dropped_nodes"]) or "none"
-        say(f"  cluster: {cluster['calls']} node calls, {cluster['wire_bytes'] / fed / 1024:.1f} KiB on the wire per "
+        say(f"  cluster: {cluster['calls']} node calls, {format_size(cluster['wire_bytes'] / fed)} on the wire per "
             f"token, {cluster['remote_seconds'] / wall if wall else 0:.0%} of the time in node calls; "
             f"{cluster['retries']} experts retried on a replica; nodes dropped: {dropped}")
     if cache["fetched_from_remote"]:
@@ -235,8 +236,8 @@ def _print_report(s: dict) -> None:
             f"({cache['fetch_seconds']:.2f}s), each then read and verified like any other")
     say("  " + lookahead_line(s))
     say(f"  cache ({cache['policy']}): {cache['hits']} hits, {cache['misses']} misses, {cache['evictions']} evictions; "
-        f"shard cache {s['budget']['shard_cache'] / 2**20:.1f} MiB of budget {s['budget']['total'] / 2**20:.1f} MiB; "
-        f"peak RSS {s['peak_rss_bytes'] / 2**20:.1f} MiB")
+        f"shard cache {format_size(s['budget']['shard_cache'])} of budget {format_size(s['budget']['total'])}; "
+        f"peak RSS {format_size(s['peak_rss_bytes'])}")
 
 
 def lookahead_line(summary: dict) -> str:

@@ -25,7 +25,7 @@ from shardtool.errors import StorageError, UsageError
 from shardtool.keys import PublicKey
 from shardtool.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Entry, VerifiedManifest, trust_manifest_bytes
 from shardtool.outdir import OutDir
-from shardtool.text import printable
+from shardtool.text import format_rate, format_size, printable
 from shardtool.remote._fetch import Fault, FetchFailed, Outcome, fetch_bytes, fetch_entry
 from shardtool.remote._mirror import Mirror
 
@@ -197,10 +197,10 @@ def describe(report: PullReport) -> str:
     d = report.to_dict()
     f, b = d["files"], d["bytes"]
     state = "complete" if report.complete else f"INCOMPLETE ({f['failed']} files failed; no manifest written)"
-    rate = f", {d['bytes_per_second'] / 1e6:.1f} MB/s" if d["bytes_per_second"] else ""
+    rate = f", {format_rate(d['bytes_per_second'])}" if d["bytes_per_second"] else ""
     head = report.manifest.head
     return (f"pull: {printable(head.model_id)} v{head.version}: {state}: {f['selected']} files "
-            f"({b['selected'] / 2**20:.1f} MiB): {f['downloaded']} downloaded, {f['resumed']} resumed, {f['kept']} "
-            f"already verified; {b['downloaded'] / 2**20:.1f} MiB received in {report.seconds:.1f}s{rate}")
+            f"({format_size(b['selected'])}): {f['downloaded']} downloaded, {f['resumed']} resumed, {f['kept']} "
+            f"already verified; {format_size(b['downloaded'])} received in {report.seconds:.1f}s{rate}")
 
 

@@ -88,7 +88,7 @@ def test_inspect_split_and_config(src: Path, tmp_path: Path) -> None:
     assert doc["contract"] == contract
     assert doc["seconds_per_token_cold"] == pytest.approx(contract["expert_bytes_per_token_cold"] / 4e9)
     human = run("inspect", out)
-    assert human.code == 0 and human.out == "" and "seconds per token, cold, at 2 GB/s" in human.err
+    assert human.code == 0 and human.out == "" and "seconds per token, cold, at 1.86 GiB/s" in human.err
 
     config = tmp_path / "kimi.json"
     config.write_text(json.dumps(KIMI_K2))
