@@ -14,6 +14,9 @@ from pathlib import Path
 from shardtool.errors import KeyFileError, UsageError
 
 ENV_VAR = "SHARDTOOL_PASSPHRASE"
+# The --help of every option that names a passphrase file: where else the passphrase comes from.
+FILE_HELP = (f"File whose first line is the passphrase; it must be readable by its owner only. Without it: the "
+             f"{ENV_VAR} environment variable, else a prompt on the terminal (no terminal: an error).")
 
 
 def get_passphrase(passphrase_file: Path | None, *, new_key: bool, option: str = "--passphrase-file") -> bytes:

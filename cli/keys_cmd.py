@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from shardtool.cli._common import emit_json, producer, say
+from shardtool.cli._passphrase import FILE_HELP
 from shardtool.errors import UsageError
 
 
@@ -18,12 +19,15 @@ def register(app: typer.Typer) -> None:
 def keygen(
     out: Path = typer.Option(..., "--out", help="Writes OUT.key (private, 0600) and OUT.pub."),
     no_passphrase: bool = typer.Option(False, "--no-passphrase", help="Store the private key unencrypted."),
-    passphrase_file: Optional[Path] = typer.Option(
-        None, "--passphrase-file", help="First line is the passphrase; the file must be readable by its owner only."),
+    passphrase_file: Optional[Path] = typer.Option(None, "--passphrase-file", help=FILE_HELP),
     force: bool = typer.Option(False, "--force", help="Replace existing key files."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON document on stdout."),
 ) -> None:
-    """Generate an Ed25519 publisher key pair and print its key ID."""
+    """Generate an Ed25519 publisher key pair and print its key ID.
+
+    The private key is encrypted (scrypt, PKCS#8) under a passphrase of at least 12 characters.
+
+    The passphrase: --passphrase-file, else SHARDTOOL_PASSPHRASE, else asked twice on the terminal."""
     from shardtool import keys
     from shardtool.cli._passphrase import get_passphrase
 

@@ -12,6 +12,7 @@ import typer
 from shardtool.text import printable
 from shardtool.cli._common import (MANIFEST_HELP, emit_json, load_trusted, manifest_path, model_dir, producer,
                                    relative_inside, say, unpinned_warning)
+from shardtool.cli._passphrase import FILE_HELP as PASSPHRASE_FILE_HELP
 from shardtool.errors import ShardtoolError, UsageError
 
 def register(app: typer.Typer) -> None:
@@ -51,10 +52,15 @@ def sign(
     directory: Path = typer.Argument(..., help="Model directory whose manifest to sign."),
     key: Path = typer.Option(..., "--key", help="Private key file (NAME.key from `shardtool keygen`)."),
     manifest_file: Optional[Path] = typer.Option(None, "--manifest", help=MANIFEST_HELP),
-    passphrase_file: Optional[Path] = typer.Option(None, "--passphrase-file"),
+    passphrase_file: Optional[Path] = typer.Option(None, "--passphrase-file",
+                                                   help="For an encrypted --key. " + PASSPHRASE_FILE_HELP),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Add a signature over the manifest's head. Several publishers can sign the same manifest."""
+    """Add a signature over the manifest's head. Several publishers can sign the same manifest.
+
+    An encrypted key's passphrase: --passphrase-file, else SHARDTOOL_PASSPHRASE, else a terminal prompt.
+
+    A key written with `keygen --no-passphrase` needs none."""
     from shardtool.atomic import locked_directory
     from shardtool.cli._passphrase import get_passphrase
     from shardtool.keys import load_private_key
@@ -90,7 +96,8 @@ def audit(
     expect_model: Optional[str] = typer.Option(
         None, "--model-id", help="Refuse a manifest signed for any other model (the publisher may sign several)."),
     json_out: bool = typer.Option(False, "--json", help="Print one report document on stdout."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar; the verdict and findings are still "
+                                                            "printed on stderr; the exit code says it: 0 OK."),
 ) -> None:
     """Verify the manifest's signatures, threshold, expiry and rollback floor, then every file."""
     from shardtool.cli._progress import Progress

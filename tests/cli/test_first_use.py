@@ -97,3 +97,22 @@ def test_verify_and_run_subcommand_generates_like_the_program(cli, tmp_path: Pat
                                                                              "--prompt-ids", "x")]
     assert [b.code for b in bad] == [2, 2]
     assert bad[0].err.replace("verify-and-run: ", "shardtool: ", 1) == bad[1].err
+
+
+@pytest.mark.parametrize("command, said", [
+    ("keygen", ["SHARDTOOL_PASSPHRASE", "--passphrase-file", "asked twice", "12 characters"]),
+    ("sign", ["SHARDTOOL_PASSPHRASE", "--passphrase-file", "terminal prompt", "--no-passphrase"]),
+    ("audit", ["No progress bar", "still printed", "exit code"]),
+])
+def test_help_says_where_a_passphrase_comes_from_and_what_quiet_hides(cli, command, said):
+    text = " ".join(cli.ok(command, "--help").out.replace("│", " ").split())
+    for words in said:
+        assert words in text, (words, text)
+
+
+def test_docs_describe_keys_and_passphrases():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "manifest-format.md").read_text()
+    section = doc[doc.index("### Keys and passphrases"):]
+    for words in ("SHARDTOOL_PASSPHRASE", "--passphrase-file", "--receipt-passphrase-file", "audit --quiet",
+                  "`sign` reads the key"):
+        assert words in section, words
