@@ -71,7 +71,7 @@ class ThresholdError(VerificationError):
 
 
 class MerkleProofError(VerificationError):
-    """An inclusion or consistency proof, or an entry list, does not lead to the signed root."""
+    """An inclusion proof, or an entry list, does not lead to the signed root."""
 
 
 class DigestMismatchError(VerificationError):
