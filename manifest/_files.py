@@ -68,7 +68,7 @@ def check_entry(entry: Entry, found: FileDigest, where: str | None = None) -> No
                                   expected=entry.digest.hex(), actual=found.digest.hex(), finding="digest-mismatch")
 
 
-def read_result(entry: Entry, done: int, hasher: "blake3.blake3", extra: int = 0) -> FileDigest:
+def _read_result(entry: Entry, done: int, hasher: "blake3.blake3", extra: int = 0) -> FileDigest:
     """What a front-to-back read of a file opened at the entry's size (`check_size` on its fstat) found: `done`
     bytes hashed into `hasher`, `extra` bytes found past them. Any other count than the size it had when
     opened means the file changed while it was read."""
@@ -199,7 +199,7 @@ def read_verified_timed(root: Path, entry: Entry) -> VerifiedBytes:
         raise StorageError(f"read failed: {e.strerror}", path=entry.path) from e
     finally:
         os.close(fd)
-    check_entry(entry, read_result(entry, done, hasher, extra))
+    check_entry(entry, _read_result(entry, done, hasher, extra))
     data.flags.writeable = False
     return VerifiedBytes(data, opening.wall + reading.wall, hashing.wall, opening.cpu + reading.cpu, hashing.cpu)
 
@@ -233,7 +233,7 @@ def read_verified_prefix(root: Path, entry: Entry, prefix_length: Callable[[byte
         raise StorageError(f"read failed: {e.strerror}", path=entry.path) from e
     finally:
         os.close(fd)
-    check_entry(entry, read_result(entry, done, hasher))  # a byte past the signed size counts in `done`
+    check_entry(entry, _read_result(entry, done, hasher))  # a byte past the signed size counts in `done`
     return bytes(prefix[:want])
 
 
@@ -286,7 +286,7 @@ class VerifyingStream:
             extra = len(os.read(self._fd, 1)) if self.done == self.entry.size else 0
         except OSError as e:
             raise StorageError(f"read failed: {e.strerror}", path=self.entry.path) from e
-        check_entry(self.entry, read_result(self.entry, self.done, self._hash, extra))
+        check_entry(self.entry, _read_result(self.entry, self.done, self._hash, extra))
 
 
 def read_verified(root: Path, entry: Entry) -> "np.ndarray":
