@@ -17,7 +17,7 @@ from shardtool.checkpoint._contract import (
 from shardtool.families import SUPPORTED_FAMILIES, detect_family
 from shardtool.checkpoint._join import JoinResult, join_checkpoint
 from shardtool.checkpoint._source import load_json
-from shardtool.checkpoint._writer import HashingWriter, TensorSpec, encode_header
+from shardtool.checkpoint._writer import TensorSpec, encode_header
 from shardtool.safetensors_format import (
     DTYPE_SIZES,
     Header,
@@ -32,7 +32,7 @@ from shardtool.checkpoint._split import (SplitJob, SplitResult, default_model_id
 
 __all__ = [
     "check_contract_keys", "default_model_id", "load_json",
-    "CONTRACT_KEYS", "DEFAULT_CONTEXT_TOKENS", "DTYPE_SIZES", "Estimate", "HashingWriter", "Header", "JoinResult", "ModelShape",
+    "CONTRACT_KEYS", "DEFAULT_CONTEXT_TOKENS", "DTYPE_SIZES", "Estimate", "Header", "JoinResult", "ModelShape",
     "SUPPORTED_FAMILIES", "SplitJob", "SplitResult", "TensorInfo", "TensorSpec", "contract_from_config",
     "detect_family", "encode_header", "estimate", "join_checkpoint", "model_shape", "numpy_dtype", "parse_header",
     "parse_safetensors", "prepare_split", "read_header", "run_split", "split_checkpoint",

@@ -38,7 +38,8 @@ from shardtool.checkpoint._reuse import existing_digest
 from shardtool.checkpoint._writer import TensorSpec, encode_header
 from shardtool.checkpoint._source import Checkpoint, open_checkpoint
 from shardtool.checkpoint._stream import Run, Sources, segments
-from shardtool.errors import CheckpointFormatError, ManifestFormatError, StorageError, UsageError
+from shardtool.errors import (CheckpointFormatError, ManifestFormatError, MissingFileError, StorageError, UsageError,
+                              VerificationError)
 
 SOURCE_KEY = "shardtool.source"
 SOURCE_FORMAT = 1
@@ -116,20 +117,24 @@ def _source_record(plan: ShardPlan, ckpt: Checkpoint) -> str:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def default_model_id(job: SplitJob) -> str:
-    """The model ID when the publisher gives none: the source's, never the output directory's (two releases
+def default_model_id(root: Path, config: Mapping[str, Any] | None = None) -> str:
+    """The model ID when the publisher gives none: the source's, never an output directory's (two releases
     split into `out-v1/` and `out-v2/` must share one ID, or the rollback floor never applies).
 
     In order: config.json's `_name_or_path` (the hub repository it was saved from), a Hugging Face cache
-    snapshot's repository (`models--ORG--NAME/snapshots/REV` -> `ORG/NAME`), the checkpoint directory's name.
+    snapshot's repository (`models--ORG--NAME/snapshots/REV` -> `ORG/NAME`), the directory's name. `config`:
+    the checkpoint's config.json already read (split); None: `root`'s own config.json is read, when there is
+    one (`manifest DIR`).
     """
     from shardtool.manifest import check_model_id_form
 
+    if config is None:
+        config = _directory_config(Path(root))
     candidates = []
-    name_or_path = job.checkpoint.config.get("_name_or_path")
+    name_or_path = config.get("_name_or_path")
     if isinstance(name_or_path, str):
         candidates.append(name_or_path)
-    root = Path(os.path.abspath(job.checkpoint.root))
+    root = Path(os.path.abspath(root))
     if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
         candidates.append(root.parent.parent.name[len("models--"):].replace("--", "/"))
     candidates.append(root.name)
@@ -139,8 +144,26 @@ def default_model_id(job: SplitJob) -> str:
             return candidate
         except ManifestFormatError:
             continue
-    raise UsageError("no model ID can be taken from the checkpoint (config.json's _name_or_path, the directory "
-                     "name)", path=str(job.checkpoint.root), hint="pass --model-id ORG/NAME")
+    raise UsageError("no model ID can be taken from the directory (config.json's _name_or_path, the directory "
+                     "name)", path=str(root), hint="pass --model-id ORG/NAME")
+
+
+def _directory_config(root: Path) -> Mapping[str, Any]:
+    """`root`'s config.json as a JSON object (the one safe read, the one strict parser), or {} when there is none."""
+    from shardtool.checkpoint._source import MAX_JSON_BYTES, parse_json
+    from shardtool.safeio import read_regular
+
+    path = root / "config.json"
+    try:
+        data = read_regular(path, MAX_JSON_BYTES, what="config.json", too_large=CheckpointFormatError)
+    except MissingFileError:
+        return {}
+    except VerificationError as e:  # a FIFO or a directory where config.json should be
+        raise CheckpointFormatError(e.message, path=str(path)) from None
+    config = parse_json(data, str(path))
+    if not isinstance(config, dict):
+        raise CheckpointFormatError("must be a JSON object", path=str(path))
+    return config
 
 
 def prepare_split(src: Path, *, expert_pattern: str | None = None, quantize: str | None = None,

@@ -1,5 +1,5 @@
 """Writing safetensors shards (the producer's side): header encoding in the reference writer's form, and a
-writer that hashes what it writes. Parsing lives in `shardtool.safetensors_format`.
+hasher that overlaps BLAKE3 with the writer's next step. Parsing lives in `shardtool.safetensors_format`.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import struct
 from dataclasses import dataclass
 from math import prod
-from typing import Any, BinaryIO, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from shardtool.errors import CheckpointFormatError
 from shardtool.safetensors_format import DTYPE_SIZES, METADATA_KEY
@@ -79,21 +79,4 @@ class OverlappedHasher:
 
     def digest(self) -> bytes:
         self._wait()
-        return self._hash.digest()
-
-
-class HashingWriter:
-    """Wraps a binary file: every byte written is also hashed (overlapped, see OverlappedHasher) and counted."""
-
-    def __init__(self, fh: BinaryIO, executor: Any = None):
-        self._fh = fh
-        self._hash = OverlappedHasher(executor)
-        self.size = 0
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self._hash.update(data)
-        self._fh.write(data)
-        self.size += len(data)
-
-    def digest(self) -> bytes:
         return self._hash.digest()

@@ -57,7 +57,7 @@ def split(
     # Refusals (links out of the checkpoint or into OUT, layer numbers beyond the format, bad options) all
     # happen before the first byte is written; names from disk are escaped before they reach the terminal.
     job = prepare_split(checkpoint, expert_pattern=expert_pattern, quantize=quantize, quantize_trunk=quantize_trunk)
-    model_id = model_id or default_model_id(job)
+    model_id = model_id or default_model_id(job.checkpoint.root, job.checkpoint.config)
     with Progress(job.total_bytes, "split", enabled=not quiet) as progress:
         result = run_split(job, out, model_id=model_id, version=version,
                            expires_in_days=expires_in, on_bytes=progress.advance, fsync=fsync)

@@ -25,7 +25,9 @@ def register(app: typer.Typer) -> None:
 
 def manifest(
     directory: Path = typer.Argument(..., help="Model directory to hash."),
-    model_id: Optional[str] = typer.Option(None, "--model-id", help="Model identifier (default: the directory name)."),
+    model_id: Optional[str] = typer.Option(
+        None, "--model-id", help="Model identifier (default: as split takes it: config.json's _name_or_path, a "
+        "Hugging Face cache snapshot's repository, else the directory's name)."),
     version: int = typer.Option(1, "--version", min=1, help="Manifest version; raise it for every release."),
     expires_in: int = typer.Option(365, "--expires-in", min=1, max=36500, help="Days until the manifest expires."),
     manifest_file: Optional[Path] = typer.Option(None, "--manifest", help=MANIFEST_HELP),
@@ -38,8 +40,11 @@ def manifest(
     out = manifest_path(directory, manifest_file)
     started = time.monotonic()
     entries = hash_directory(directory, exclude=relative_inside(directory, out))
-    built = build_manifest(entries, model_id=model_id or directory.resolve().name, version=version,
-                           expires_in_days=expires_in)
+    if model_id is None:
+        from shardtool.checkpoint import default_model_id
+
+        model_id = default_model_id(directory)
+    built = build_manifest(entries, model_id=model_id, version=version, expires_in_days=expires_in)
     save_manifest(out, built)
     summary = {"manifest": str(out), "signed": False, **describe_head(built.head),
                "bytes": sum(e.size for e in built.entries), "seconds": round(time.monotonic() - started, 3)}

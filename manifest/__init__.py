@@ -2,7 +2,8 @@
 
 Trust logic (`_canonical`, `_records`, `_merkle`, `_envelope`, `_document`) takes bytes and keys, never
 paths; `_io`, `_files`, `_scan`, `_state` and `audit` are the I/O around it. Where a shard is verified:
-`shardtool.manifest._files.read_verified`.
+`shardtool.manifest._files.read_verified`; the one entry check (size, then BLAKE3), which every reader of a
+listed file calls: `check_entry`.
 
 The names below are loaded from their module at first use (PEP 562), so a command imports only the
 modules it needs (audit never loads the receipt format).
@@ -18,8 +19,8 @@ _HOMES = {
         "check_freshness", "check_model_id", "decode_manifest", "describe_head", "entry_bytes",
         "verify_manifest"),
     "_envelope": ("PAYLOAD_TYPE", "Envelope", "Signature", "pae", "verify_envelope"),
-    "_files": ("VerifiedBytes", "VerifyingStream", "open_file_matches", "read_verified", "read_verified_prefix",
-        "read_verified_timed", "verify_entry", "verify_file"),
+    "_files": ("FileDigest", "VerifiedBytes", "VerifyingStream", "check_entry", "check_size", "read_verified",
+        "read_verified_prefix", "read_verified_timed", "verify_entry", "verify_file", "verify_open_file"),
     "_paths": ("check_relpath",),
     "_io": ("MANIFEST_NAME", "default_manifest_path", "hash_directory", "load_manifest", "load_trusted_manifest",
         "load_trusted_proof", "load_verified_manifest", "manifest_relpath", "read_manifest_bytes",
@@ -34,7 +35,7 @@ _HOMES = {
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = [
-    "MAX_ENTRIES", "MAX_MANIFEST_BYTES", "MAX_EXPERT", "MAX_LAYER", "VerifiedBytes", "VerifyingStream", "open_file_matches", "check_relpath", "read_verified_timed",
+    "MAX_ENTRIES", "MAX_MANIFEST_BYTES", "MAX_EXPERT", "MAX_LAYER", "FileDigest", "VerifiedBytes", "VerifyingStream", "check_entry", "check_size", "verify_open_file", "check_relpath", "read_verified_timed",
     "verify_entry", "verify_file", "manifest_relpath", "read_manifest_bytes", "check_model_id_form",
     "FORMAT", "KINDS", "MANIFEST_NAME", "PAYLOAD_TYPE", "Entry", "Envelope", "Head", "Manifest", "Signature",
     "ProvenEntry", "VerifiedManifest", "build_proof", "verify_proof", "build_manifest", "check_and_record", "check_freshness", "decode_manifest",

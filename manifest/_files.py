@@ -30,19 +30,49 @@ HUGE_PAGE = 2 * 1024 * 1024  # x86-64 transparent huge page
 _MADV_HUGEPAGE = 14  # <sys/mman.h>, Linux
 
 
-def size_mismatch(entry: Entry, found: int | str, where: str | None = None) -> DigestMismatchError:
-    return DigestMismatchError(f"size is {found} bytes, manifest says {entry.size}", path=where or entry.path,
-                               expected=str(entry.size), actual=str(found))
+@dataclass(frozen=True)
+class FileDigest:
+    """What reading a file measured, for the entry check (`check_entry`)."""
+
+    size: int  # bytes hashed; without a digest, the size fstat gave
+    digest: bytes | None  # None: not hashed (the size already differs from the one expected, or it changed)
+    changed: bool = False  # the file changed while it was hashed: the digest describes no single version of it
+    grew: bool = False  # a byte lay past `size` when the read ended (the file grew while it was read)
 
 
-def digest_mismatch(entry: Entry, found: bytes, where: str | None = None) -> DigestMismatchError:
-    return DigestMismatchError(f"BLAKE3 is {found.hex()}, manifest says {entry.digest.hex()}", path=where or entry.path,
-                               expected=entry.digest.hex(), actual=found.hex())
+def check_size(entry: Entry, size: int, where: str | None = None) -> None:
+    """The entry check's first half, on its own where no byte is read yet (a descriptor's fstat size): raise
+    DigestMismatchError unless `size` is the entry's."""
+    if size != entry.size:
+        raise DigestMismatchError(f"size is {size} bytes, manifest says {entry.size}", path=where or entry.path,
+                                  expected=str(entry.size), actual=str(size), finding="size-mismatch")
 
 
-def changed_while_read(entry: Entry, done: int | str, where: str | None = None) -> DigestMismatchError:
-    return DigestMismatchError(f"size changed while reading: expected {entry.size} bytes, read {done}",
-                               path=where or entry.path, expected=str(entry.size), actual=str(done))
+def check_entry(entry: Entry, found: FileDigest, where: str | None = None) -> None:
+    """The entry check: raise DigestMismatchError unless `found`, what reading the file (or receiving its bytes)
+    measured, is `entry`: a file that held still while it was hashed, then its size, then its BLAKE3. `where`
+    names the file in the error (default: its path in the manifest). Raising is the only verdict; audit's
+    finding form (`manifest.audit`) catches this error and reports it, a caller that needs a yes or no
+    (pull's "already there?") catches it at its call site."""
+    path = where or entry.path
+    if found.changed:
+        read = f"{found.size}{'+' if found.grew else ''}"
+        sizes = "" if read == str(entry.size) else f" ({read} bytes, manifest says {entry.size})"
+        raise DigestMismatchError(f"file changed while it was being hashed{sizes}", path=path,
+                                  expected=str(entry.size), actual=read, finding="unreadable")
+    check_size(entry, found.size, where)
+    if found.digest is None:
+        raise ValueError(f"{path}: the entry check needs the file's digest")  # a caller's bug, never a verdict
+    if found.digest != entry.digest:
+        raise DigestMismatchError(f"BLAKE3 is {found.digest.hex()}, manifest says {entry.digest.hex()}", path=path,
+                                  expected=entry.digest.hex(), actual=found.digest.hex(), finding="digest-mismatch")
+
+
+def _read_result(entry: Entry, done: int, hasher: "blake3.blake3", extra: int = 0) -> FileDigest:
+    """What a front-to-back read of a file opened at the entry's size (`check_size` on its fstat) found: `done`
+    bytes hashed into `hasher`, `extra` bytes found past them. Any other count than the size it had when
+    opened means the file changed while it was read."""
+    return FileDigest(done, hasher.digest(), changed=done != entry.size or extra > 0, grew=extra > 0)
 
 
 def digest_bytes(data: bytes | memoryview, threads: int | None = None) -> bytes:
@@ -93,20 +123,12 @@ def _open_signed_size(root: Path, entry: Entry) -> int:
     except OSError as e:
         os.close(fd)
         raise StorageError(f"cannot stat: {e.strerror}", path=entry.path) from e
-    if size != entry.size:
+    try:
+        check_size(entry, size)
+    except DigestMismatchError:
         os.close(fd)
-        raise size_mismatch(entry, size)
+        raise
     return fd
-
-
-def _check_whole_read(entry: Entry, done: int, extra: int, hasher) -> None:
-    """The entry check after a read front to back: exactly the signed size (`extra`: a byte found past it), then
-    the signed BLAKE3."""
-    if done != entry.size or extra:
-        raise changed_while_read(entry, f"{done}{'+' if extra else ''}")
-    digest = hasher.digest()
-    if digest != entry.digest:
-        raise digest_mismatch(entry, digest)
 
 
 def _read_and_hash(fd: int, view: memoryview, size: int, read: Callable, update: Callable) -> tuple[int, int]:
@@ -177,7 +199,7 @@ def read_verified_timed(root: Path, entry: Entry) -> VerifiedBytes:
         raise StorageError(f"read failed: {e.strerror}", path=entry.path) from e
     finally:
         os.close(fd)
-    _check_whole_read(entry, done, extra, hasher)
+    check_entry(entry, _read_result(entry, done, hasher, extra))
     data.flags.writeable = False
     return VerifiedBytes(data, opening.wall + reading.wall, hashing.wall, opening.cpu + reading.cpu, hashing.cpu)
 
@@ -211,11 +233,7 @@ def read_verified_prefix(root: Path, entry: Entry, prefix_length: Callable[[byte
         raise StorageError(f"read failed: {e.strerror}", path=entry.path) from e
     finally:
         os.close(fd)
-    if done != entry.size:
-        raise changed_while_read(entry, done)
-    digest = hasher.digest()
-    if digest != entry.digest:
-        raise digest_mismatch(entry, digest)
+    check_entry(entry, _read_result(entry, done, hasher))  # a byte past the signed size counts in `done`
     return bytes(prefix[:want])
 
 
@@ -256,8 +274,8 @@ class VerifyingStream:
                 n = os.readv(self._fd, [view[filled:]])
             except OSError as e:
                 raise StorageError(f"read failed: {e.strerror}", path=self.entry.path) from e
-            if n == 0:
-                raise changed_while_read(self.entry, self.done + filled)
+            if n == 0:  # the file ends before the size it had when opened
+                check_entry(self.entry, FileDigest(self.done + filled, None, changed=True))
             filled += n
         self._hash.update(view)
         self.done += filled
@@ -268,20 +286,13 @@ class VerifyingStream:
             extra = len(os.read(self._fd, 1)) if self.done == self.entry.size else 0
         except OSError as e:
             raise StorageError(f"read failed: {e.strerror}", path=self.entry.path) from e
-        _check_whole_read(self.entry, self.done, extra, self._hash)
+        check_entry(self.entry, _read_result(self.entry, self.done, self._hash, extra))
 
 
 def read_verified(root: Path, entry: Entry) -> "np.ndarray":
     """The whole file `entry.path` as a private, read-only uint8 array, returned only if its size and
     BLAKE3 match `entry`. Callers parse and use exactly these bytes, never a fresh read."""
     return read_verified_timed(root, entry).data
-
-
-@dataclass(frozen=True)
-class FileDigest:
-    size: int
-    digest: bytes | None  # None: not hashed, because the size already differs from the one expected
-    changed: bool  # size or mtime moved while hashing: the digest describes no single version of the file
 
 
 def digest_fd(fd: int, buffer: bytearray | None = None, *, parallel: bool = True,
@@ -319,7 +330,7 @@ def digest_fd(fd: int, buffer: bytearray | None = None, *, parallel: bool = True
         mapped_digest = _digest_mapped(fd, before, threads, before_map, after_map)
     if mapped_digest is not None:
         if mapped_digest is _SHRANK:
-            return FileDigest(os.fstat(fd).st_size, b"", changed=True)
+            return FileDigest(os.fstat(fd).st_size, None, changed=True)
         digest, total = mapped_digest, before.st_size
     elif before.st_size < CHUNK:
         data = os.read(fd, limit)
@@ -370,30 +381,6 @@ def _digest_mapped(fd: int, before: os.stat_result, threads: int, before_map: Ca
             after_map()
 
 
-def mismatch(entry: Entry, result: FileDigest) -> str | None:
-    """The entry check over a streamed digest: "size" first, then "changed" (the file changed while it was
-    hashed), then "digest"; None when the file is the entry's. `check_digest` raises on it; audit turns
-    it into a finding."""
-    if result.digest is None or (result.size != entry.size and not result.changed):
-        return "size"
-    if result.changed:
-        return "changed"
-    if result.digest != entry.digest:
-        return "digest"
-    return None
-
-
-def check_digest(entry: Entry, result: FileDigest, where: str | None = None) -> None:
-    """The raising form of `mismatch`."""
-    found = mismatch(entry, result)
-    if found == "size":
-        raise size_mismatch(entry, result.size, where)
-    if found == "changed":
-        raise changed_while_read(entry, result.size, where)
-    if found == "digest":
-        raise digest_mismatch(entry, result.digest, where)
-
-
 def verify_open_file(fd: int, entry: Entry, buffer: bytearray | None = None, *, parallel: bool = True,
                      where: str | None = None) -> FileDigest:
     """Stream an open file through the entry check (the bytes are not kept). Raises; returns the digest."""
@@ -401,17 +388,8 @@ def verify_open_file(fd: int, entry: Entry, buffer: bytearray | None = None, *, 
         result = digest_fd(fd, buffer, parallel=parallel, expected_size=entry.size)
     except OSError as e:
         raise StorageError(f"read failed: {e.strerror}", path=where or entry.path) from e
-    check_digest(entry, result, where)
+    check_entry(entry, result, where)
     return result
-
-
-def open_file_matches(fd: int, entry: Entry) -> bool:
-    """The entry check over an open file as a yes or no (`shardtool pull` keeps a file already in place only
-    on yes; a read error is a no)."""
-    try:
-        return mismatch(entry, digest_fd(fd, expected_size=entry.size)) is None
-    except OSError:
-        return False
 
 
 def verify_entry(root: Path, entry: Entry) -> FileDigest:

@@ -1,4 +1,4 @@
-"""Merkle tree hash, inclusion and consistency proofs in the shape of RFC 9162 §2.1.
+"""Merkle tree hash and inclusion proofs in the shape of RFC 9162 §2.1.
 
 The hash function is a parameter: shardtool uses BLAKE3-256, and the tests run the same code with
 SHA-256 against the RFC 6962 vectors. Leaf = H(0x00 || data), node = H(0x01 || left || right).
@@ -116,53 +116,3 @@ def verify_inclusion(h: HashFn, index: int, size: int, leaf: bytes, proof: Seque
     computed = root_from_inclusion_proof(h, index, size, leaf, proof)
     if computed != root:
         raise MerkleProofError(f"inclusion proof leads to root {computed.hex()}, expected {root.hex()}")
-
-
-def verify_consistency(h: HashFn, size1: int, size2: int, root1: bytes, root2: bytes, proof: Sequence[bytes]) -> None:
-    """RFC 9162 §2.1.4.2: raise MerkleProofError unless the tree of size2 extends the tree of size1."""
-    for i, p in enumerate(proof):
-        _check_hash(p, f"proof element {i}")
-    if size1 <= 0:
-        raise MerkleProofError("consistency from an empty tree proves nothing")
-    if size2 < size1:
-        raise MerkleProofError(f"second tree ({size2}) is smaller than the first ({size1})")
-    if size1 == size2:
-        # A tree is consistent with itself: equal sizes need no proof and identical roots, nothing more
-        # (transparency-dev/merkle and its "sizes are equal (one) and proof is empty" vector agree).
-        if proof:
-            raise MerkleProofError("trees of equal size need an empty consistency proof")
-        if not isinstance(root1, bytes) or root1 != root2:
-            raise MerkleProofError("trees of equal size have different roots")
-        return
-    _check_hash(root1, "first root")
-    _check_hash(root2, "second root")
-    if not proof:
-        raise MerkleProofError("empty consistency proof for trees of different sizes")
-    path = list(proof)
-    if size1 & (size1 - 1) == 0:  # size1 is a power of two: the old root is itself a node of the new tree
-        path.insert(0, root1)
-    fn, sn = size1 - 1, size2 - 1
-    while fn & 1:
-        fn >>= 1
-        sn >>= 1
-    fr = sr = path[0]
-    for c in path[1:]:
-        if sn == 0:
-            raise MerkleProofError("consistency proof is too long")
-        if fn & 1 or fn == sn:
-            fr = node_hash(h, c, fr)
-            sr = node_hash(h, c, sr)
-            while not fn & 1 and fn != 0:
-                fn >>= 1
-                sn >>= 1
-        else:
-            sr = node_hash(h, sr, c)
-        fn >>= 1
-        sn >>= 1
-    if sn != 0:
-        raise MerkleProofError("consistency proof is too short")
-    if fr != root1:
-        raise MerkleProofError(f"consistency proof gives first root {fr.hex()}, expected {root1.hex()}")
-    if sr != root2:
-        raise MerkleProofError(f"consistency proof gives second root {sr.hex()}, expected {root2.hex()}")
-

@@ -13,10 +13,11 @@ from typing import Callable, Generator, Iterable
 
 from shardtool.safeio import open_beneath, open_dir_beneath, open_file_at
 from shardtool.text import printable
-from shardtool.errors import MissingFileError, NotARegularFileError, ShardtoolError, VerificationError
+from shardtool.errors import (DigestMismatchError, MissingFileError, NotARegularFileError, ShardtoolError,
+                              VerificationError)
 from shardtool.manifest._document import VerifiedManifest
 from shardtool.manifest import _workers
-from shardtool.manifest._files import CHUNK, MAP_MIN, FileDigest, digest_fd, mismatch
+from shardtool.manifest._files import CHUNK, MAP_MIN, FileDigest, check_entry, digest_fd
 from shardtool.manifest._paths import MAX_SEGMENTS
 from shardtool.manifest._records import Entry
 from shardtool.manifest._scan import implied_directories, parent_directories, walk
@@ -70,16 +71,12 @@ def _from_entry(entry: Entry, finding: str, detail: str, **found) -> Finding:
 
 
 def _compare(entry: Entry, result: FileDigest) -> Finding | None:
-    """The finding form of the one entry check (`mismatch`)."""
-    found = mismatch(entry, result)
-    if found == "size":
-        return _from_entry(entry, "size-mismatch", f"{result.size} bytes, manifest says {entry.size}",
-                           found_size=result.size, found_digest=result.digest.hex() if result.digest else None)
-    if found == "changed":
-        return _from_entry(entry, "unreadable", "file changed while it was being hashed", found_size=result.size)
-    if found == "digest":
-        return _from_entry(entry, "digest-mismatch", f"BLAKE3 {result.digest.hex()}, manifest says {entry.digest.hex()}",
-                           found_size=result.size, found_digest=result.digest.hex())
+    """The finding form of the one entry check (`check_entry`): the error it raises, as a finding."""
+    try:
+        check_entry(entry, result)
+    except DigestMismatchError as e:
+        digest = result.digest.hex() if result.digest and e.finding != "unreadable" else None
+        return _from_entry(entry, e.finding, e.message, found_size=result.size, found_digest=digest)
     return None
 
 

@@ -29,8 +29,9 @@ from typing import Callable, Sequence
 
 import blake3
 
-from shardtool.errors import MissingFileError, ShardtoolError, StorageError, VerificationError
-from shardtool.manifest import Entry, open_file_matches
+from shardtool.errors import (DigestMismatchError, ShardtoolError, StorageError, UnreadableFileError,
+                              VerificationError)
+from shardtool.manifest import Entry, FileDigest, check_entry, verify_open_file
 from shardtool.outdir import OutDir
 from shardtool.remote._mirror import MIN_RATE, READ_CHUNK, Mirror, MirrorFault
 from shardtool.safeio import open_file_at
@@ -199,8 +200,10 @@ class _Partial:
         self.hasher.update(data)
         self.size += len(data)
 
-    def matches(self) -> bool:
-        return self.size == self.entry.size and self.hasher.digest() == self.entry.digest
+    def check(self) -> None:
+        """The entry check over what the partial file holds (hashed as it was written): DigestMismatchError
+        unless it is the entry's size and BLAKE3."""
+        check_entry(self.entry, FileDigest(self.size, self.hasher.digest()), self.where)
 
     def promote(self, final_name: str) -> None:
         """Rename over the final name (replacing a file or link of that name, never writing through it), once the
@@ -222,16 +225,16 @@ class _Partial:
         os.close(self.fd)
 
 
-def _already_verified(dir_fd: int, name: str, entry: Entry) -> bool:
-    """Is the final name a regular file with the entry's size and digest? (A link or anything else: no.)"""
+def _check_in_place(dir_fd: int, name: str, entry: Entry, where: str) -> None:
+    """The entry check over the file under the final name: a VerificationError unless it is a regular file with
+    the entry's size and BLAKE3 (MissingFileError; NotARegularFileError for a link, a FIFO, a directory;
+    DigestMismatchError; UnreadableFileError when reading it fails). Trouble opening it on our side (no
+    descriptor left) stays a StorageError."""
+    fd = open_file_at(dir_fd, name, entry.path)
     try:
-        fd = open_file_at(dir_fd, name, entry.path)
-    except MissingFileError:
-        return False
-    except VerificationError:
-        return False  # a link, a FIFO, a directory: replaced by the rename (a directory makes that fail)
-    try:
-        return open_file_matches(fd, entry)
+        verify_open_file(fd, entry, where=where)
+    except StorageError as e:  # a read error: a file to replace like any other wrong one
+        raise UnreadableFileError(e.message, path=where) from e
     finally:
         os.close(fd)
 
@@ -273,8 +276,12 @@ def fetch_entry(dest: OutDir, entry: Entry, mirrors: Sequence[Mirror], *,
     """Make DEST/entry.path the entry's verified bytes, from the first mirror that serves them."""
     where = str(dest.path / entry.path)
     dir_fd, name = dest.locate(entry.path)
-    if keep_existing and _already_verified(dir_fd, name, entry):
-        return Outcome(entry, "kept")
+    if keep_existing:
+        try:
+            _check_in_place(dir_fd, name, entry, where)
+            return Outcome(entry, "kept")
+        except VerificationError:
+            pass  # absent, a link, other bytes, unreadable: fetched, and the verified file renamed over it
     if dest.is_directory(entry.path):  # the rename could never replace it: say so before fetching a byte
         raise StorageError("a directory lies where this listed file belongs", path=where)
     partial = _Partial(dir_fd, name, entry, where)
@@ -291,16 +298,21 @@ def fetch_entry(dest: OutDir, entry: Entry, mirrors: Sequence[Mirror], *,
                     outcome.faults.append(Fault(mirror.label, entry.path, fault.reason))
                     if partial.size < entry.size:
                         break  # a prefix: the next mirror continues it, the digest decides at the end
-                    if not partial.matches():
+                    try:
+                        partial.check()
+                    except DigestMismatchError:
                         partial.truncate()  # the signed size, cut off, and wrong: nothing in it worth keeping
                         break
                     # The signed bytes all arrived before the fault (an endless body cut off at the signed size):
                     # they are verified, so they are kept; the fault stays on the record.
-                if partial.matches():
+                try:
+                    partial.check()
+                except DigestMismatchError as wrong:
+                    found = wrong.actual
+                else:
                     partial.promote(name)
                     outcome.mirror = mirror.label
                     return outcome
-                found = partial.hasher.digest().hex()
                 partial.truncate()
                 if started_at and not fresh_retry:
                     fresh_retry = True  # a prefix from earlier attempts may be the bad part: ask this mirror whole

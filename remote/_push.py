@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import blake3
 
 from shardtool.errors import DigestMismatchError, StorageError, UsageError
-from shardtool.manifest import MANIFEST_NAME, Entry, Manifest, decode_manifest
+from shardtool.manifest import MANIFEST_NAME, Entry, FileDigest, Manifest, check_entry, check_size, decode_manifest
 from shardtool.atomic import atomic_writer_at
 from shardtool.outdir import OutDir
 from shardtool.remote._mirror import READ_CHUNK, MirrorFault, _FsspecMirror, check_url, open_mirror
@@ -66,12 +66,11 @@ class _Target:
         if self.dir is not None:
             self.dir.close()
 
-    def holds(self, entry: Entry) -> bool:
-        """Does the store already hold `entry`'s exact bytes? (Size first, then every byte hashed.)"""
-        try:
-            stream = self.reader.open(entry.path, 0, entry.size)
-        except MirrorFault:
-            return False
+    def check_held(self, entry: Entry) -> None:
+        """The entry check over the store's copy of `entry`: raises MirrorFault when it cannot be read (absent, a
+        declared size other than the signed one), DigestMismatchError unless it has the entry's size and BLAKE3
+        (every byte read back and hashed)."""
+        stream = self.reader.open(entry.path, 0, entry.size)
         hasher, total = blake3.blake3(), 0
         try:
             while True:
@@ -80,11 +79,9 @@ class _Target:
                     break
                 hasher.update(data)
                 total += len(data)
-        except MirrorFault:
-            return False
         finally:
             stream.close()
-        return total == entry.size and hasher.digest() == entry.digest
+        check_entry(entry, FileDigest(total, hasher.digest()), f"{self.label.rstrip('/')}/{entry.path}")
 
     def upload(self, relpath: str, chunks, where: str, check: Callable[[int, bytes], None]) -> int:
         """Write `chunks` to relpath in one transaction; `check(size, digest)` decides before the commit."""
@@ -140,15 +137,17 @@ class _Target:
 
 
 def _file_chunks(root: Path, entry: Entry):
+    """The listed file's bytes in chunks, its size checked before the first one, and at most one byte read past
+    the signed size (a file growing while it is uploaded is refused by the check before the commit, not sent whole)."""
     fd = open_beneath(root, entry.path)
     try:
-        size = os.fstat(fd).st_size
-        if size != entry.size:
-            raise DigestMismatchError(f"size is {size} bytes, manifest says {entry.size}", path=str(root / entry.path))
-        while True:
-            data = os.read(fd, READ_CHUNK)
+        check_size(entry, os.fstat(fd).st_size, str(root / entry.path))
+        sent = 0
+        while sent <= entry.size:
+            data = os.read(fd, min(READ_CHUNK, entry.size + 1 - sent))
             if not data:
                 return
+            sent += len(data)
             yield data
     finally:
         os.close(fd)
@@ -169,7 +168,11 @@ def push(out: Path, manifest_bytes: bytes, url: str, *, jobs: int = 4, timeout: 
 
         def one(entry: Entry) -> None:
             where = str(Path(out) / entry.path)
-            if target.holds(entry):
+            try:
+                target.check_held(entry)
+            except (MirrorFault, DigestMismatchError):
+                pass  # not there, or not these bytes: uploaded below
+            else:
                 with lock:
                     report.skipped.append(entry.path)
                 if progress:
@@ -177,9 +180,7 @@ def push(out: Path, manifest_bytes: bytes, url: str, *, jobs: int = 4, timeout: 
                 return
 
             def check(size: int, digest: bytes) -> None:
-                if size != entry.size or digest != entry.digest:
-                    raise DigestMismatchError("changed while it was uploaded, or does not match the manifest "
-                                              f"({size} bytes, BLAKE3 {digest.hex()})", path=where)
+                check_entry(entry, FileDigest(size, digest), where)
 
             sent = target.upload(entry.path, _file_chunks(Path(out), entry), where, check)
             with lock:

@@ -71,16 +71,19 @@ class ThresholdError(VerificationError):
 
 
 class MerkleProofError(VerificationError):
-    """An inclusion or consistency proof, or an entry list, does not lead to the signed root."""
+    """An inclusion proof, or an entry list, does not lead to the signed root."""
 
 
 class DigestMismatchError(VerificationError):
-    """A file's size or BLAKE3 digest differs from what the manifest says."""
+    """A file's size or BLAKE3 digest differs from what the manifest says, or the file changed while it was
+    hashed. `finding`: the audit finding class this becomes ("size-mismatch", "digest-mismatch", or
+    "unreadable" for a file that changed while it was hashed)."""
 
     def __init__(self, message: str, *, path: str | None = None, expected: str = "", actual: str = "",
-                 hint: str | None = None):
+                 hint: str | None = None, finding: str = "digest-mismatch"):
         self.expected = expected
         self.actual = actual
+        self.finding = finding
         super().__init__(message, path=path, hint=hint)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import struct
 from pathlib import Path
@@ -15,7 +14,7 @@ import safetensors.numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardtool.checkpoint import (HashingWriter, TensorSpec, encode_header, numpy_dtype, parse_header,
+from shardtool.checkpoint import (TensorSpec, encode_header, numpy_dtype, parse_header,
                                   parse_safetensors, read_header)
 from shardtool.safetensors_format import MAX_HEADER_BYTES
 from shardtool.errors import CheckpointFormatError
@@ -158,17 +157,6 @@ def test_writer_matches_reference_bytes_in_reference_order() -> None:
     ours = serialize([(TensorSpec(t.name, t.dtype, t.shape), reference[t.start:t.end]) for t in header.tensors],
                      {"format": "pt"})
     assert ours == reference
-
-
-def test_hashing_writer_hashes_exactly_what_it_writes() -> None:
-    import blake3
-
-    sink = io.BytesIO()
-    w = HashingWriter(sink)
-    for part in (b"abc", memoryview(b"defg"), bytearray(b"")):
-        w.write(part)
-    assert sink.getvalue() == b"abcdefg" and w.size == 7
-    assert w.digest() == blake3.blake3(b"abcdefg").digest()
 
 
 def test_header_is_padded_to_eight_bytes() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from examples.make_tiny_moe import make_checkpoint
 
 
@@ -37,3 +39,45 @@ def test_name_or_path_in_config_wins(cli, tmp_path):
     (src / "config.json").write_text(json.dumps(config))
     r = cli.ok("split", src, tmp_path / "out", "--json", "-q")
     assert json.loads(r.out)["model_id"] == "acme/Tiny-MoE-8x1M"
+
+
+# name: (files in DIR, DIR below tmp_path, the model ID `manifest DIR` records)
+MANIFEST_CASES = {
+    "name-or-path-in-config": ({"config.json": '{"_name_or_path": "acme/Tiny-MoE"}'}, "out-v2", "acme/Tiny-MoE"),
+    "config-without-a-name": ({"config.json": '{"model_type": "mixtral"}'}, "out-v2", "out-v2"),
+    "no-config": ({"weights.bin": "w"}, "out-v2", "out-v2"),
+    "unusable-name-falls-back": ({"config.json": '{"_name_or_path": "/home/me/ckpt"}'}, "out-v2", "out-v2"),
+    "hugging-face-cache-snapshot": ({"config.json": "{}"}, "hub/models--acme--moe/snapshots/0123abcd", "acme/moe"),
+}
+
+
+@pytest.mark.parametrize("case", MANIFEST_CASES)
+def test_manifest_dir_takes_the_model_id_as_split_does(cli, tmp_path, case):
+    files, where, expected = MANIFEST_CASES[case]
+    directory = tmp_path / where
+    directory.mkdir(parents=True)
+    for name, text in files.items():
+        (directory / name).write_text(text)
+    r = cli.ok("manifest", directory, "--json")
+    assert json.loads(r.out)["model_id"] == expected
+    pinned = cli.ok("manifest", directory, "--model-id", "acme/pinned", "--json")
+    assert json.loads(pinned.out)["model_id"] == "acme/pinned"
+
+
+BAD_CONFIGS = {
+    "not-json": "{",
+    "not-an-object": '["acme/x"]',
+    "duplicate-key": '{"_name_or_path": "acme/a", "_name_or_path": "acme/b"}',
+}
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS)
+def test_manifest_dir_with_a_malformed_config_is_refused_in_one_line(cli, tmp_path, case):
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "config.json").write_text(BAD_CONFIGS[case])
+    r = cli("manifest", directory)
+    assert r.code == 2 and "CheckpointFormatError" in r.err and "config.json" in r.err, r.err
+    assert "Traceback" not in r.err and len(r.err.strip().splitlines()) == 1
+    assert not (directory / "manifest.msgpack").exists()
+    assert cli.ok("manifest", directory, "--model-id", "acme/x")  # a pinned ID never reads config.json

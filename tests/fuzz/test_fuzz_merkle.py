@@ -1,4 +1,4 @@
-"""Fuzzing inclusion and consistency proofs and the self-contained proof document (`shardtool prove`).
+"""Fuzzing inclusion proofs and the self-contained proof document (`shardtool prove`).
 
 Contract: only ShardtoolError subclasses escape, for any index, size, hash or path element of any type; and a
 proof document that still verifies after mutation proves the very entry the genuine one did.
@@ -19,7 +19,6 @@ from shardtool.manifest._merkle import (
     inclusion_proof,
     leaf_hash,
     root_from_leaf_hashes,
-    verify_consistency,
     verify_inclusion,
 )
 
@@ -76,11 +75,6 @@ def test_fuzz_inclusion_proof_mutated(n, data):
     # shape); what matters is that no change to index, leaf, elements or root passes.
     if what != "size":
         assert isinstance(got, ShardtoolError), f"mutated proof ({what}) verified"
-
-
-@given(SIZES, SIZES, HASHISH, HASHISH, st.lists(HASHISH, max_size=70))
-def test_fuzz_consistency_proof_any_input(size1, size2, root1, root2, proof):
-    only_our_errors(verify_consistency, blake3_256, size1, size2, root1, root2, proof)
 
 
 def _verify(data: bytes):

@@ -335,7 +335,8 @@ def test_file_shrinking_between_fstat_and_mmap_is_a_finding_not_a_crash(tmp_path
     _mapping_preceded_by(monkeypatch, shrink)
     report = audit_directory(tmp_path, verified, workers=2)
     assert [(f.path, f.finding) for f in report.findings] == [("d/big.bin", "unreadable")]
-    assert report.findings[0].detail == "file changed while it was being hashed"
+    assert report.findings[0].detail == (f"file changed while it was being hashed ({(1 << 20) - 4096} bytes, "
+                                         f"manifest says {1 << 20})")
     assert report.findings[0].found_size == (1 << 20) - 4096
     assert report.files_checked == 2
 

@@ -14,7 +14,6 @@ from shardtool.manifest._merkle import (
     root_from_inclusion_proof,
     root_from_leaf_hashes,
     sha256,
-    verify_consistency,
     verify_inclusion,
 )
 
@@ -80,19 +79,6 @@ def test_inclusion_happy_paths(case, leaves):
     assert root_from_inclusion_proof(sha256, index, size, leaf, proof) == root
 
 
-def _happy_consistency(data):
-    for p in data["consistency_proofs"]:
-        yield f"{p['size1']}-to-{p['size2']}", p
-
-
-@pytest.mark.vectors(FILE, "case", _happy_consistency)
-def test_consistency_happy_paths(case, leaves):
-    assert _h(case["root1"]) == root_from_leaf_hashes(sha256, leaves[:case["size1"]])
-    assert _h(case["root2"]) == root_from_leaf_hashes(sha256, leaves[:case["size2"]])
-    verify_consistency(sha256, case["size1"], case["size2"], _h(case["root1"]), _h(case["root2"]),
-                       _proof(case["proof"]))
-
-
 def _probe_id(p) -> str:
     # "testdata/inclusion/2/leafIdx-plus-@1.json" -> "2/leafIdx-plus-@1"
     return p["file"].split("/", 2)[2].removesuffix(".json") + ("-ERR" if p["want_error"] else "-OK")
@@ -100,10 +86,6 @@ def _probe_id(p) -> str:
 
 def _inclusion_probes(data):
     return [(_probe_id(p), p) for p in data["inclusion_probes"]]
-
-
-def _consistency_probes(data):
-    return [(_probe_id(p), p) for p in data["consistency_probes"]]
 
 
 @pytest.mark.vectors(FILE, "probe", _inclusion_probes)
@@ -117,20 +99,9 @@ def test_inclusion_probe(probe, raises_exactly):
         verify_inclusion(*args)
 
 
-@pytest.mark.vectors(FILE, "probe", _consistency_probes)
-def test_consistency_probe(probe, raises_exactly):
-    args = (sha256, probe["size1"], probe["size2"], _h(probe["root1"]), _h(probe["root2"]), _proof(probe["proof"]))
-    if probe["want_error"]:
-        with raises_exactly(MerkleProofError):
-            verify_consistency(*args)
-    else:
-        verify_consistency(*args)
-
-
 def test_probe_ids_are_unique(vectors):
-    for key in ("inclusion_probes", "consistency_probes"):
-        ids = [_probe_id(p) for p in vectors[key]]
-        assert len(set(ids)) == len(ids), key
+    ids = [_probe_id(p) for p in vectors["inclusion_probes"]]
+    assert len(set(ids)) == len(ids)
 
 
 # --- our own bad inputs beyond the probes --------------------------------------------------------------------

@@ -231,6 +231,23 @@ def test_an_unverified_file_under_the_final_name_is_replaced(tmp_path):
     assert (tmp_path / PATH).read_bytes() == DATA
 
 
+def test_a_file_in_place_that_cannot_be_read_is_replaced(tmp_path, monkeypatch):
+    """A read error on the file under the final name makes it a file to replace (a VerificationError the keep
+    check catches), not a StorageError that ends the pull."""
+    import shardtool.manifest._files as files
+
+    def eio(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    (tmp_path / PATH).parent.mkdir(parents=True)
+    (tmp_path / PATH).write_bytes(DATA)
+    monkeypatch.setattr(files, "digest_fd", eio)
+    b = _MemMirror("b", DATA)
+    with OutDir(tmp_path) as od:
+        assert fetch_entry(od, _entry(), [b]).status == "downloaded"
+    assert b.starts == [0] and (tmp_path / PATH).read_bytes() == DATA
+
+
 def test_a_mirror_fault_raised_on_open_moves_on(tmp_path):
     class Refusing(_MemMirror):
         def open(self, relpath, start, size, cap=None):

@@ -5,15 +5,16 @@ upload that fails leaves no manifest in the store."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 
 import fsspec
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from shardtool.errors import StorageError, UsageError
+from shardtool.errors import DigestMismatchError, StorageError, UsageError
 from shardtool.manifest import MANIFEST_NAME
-from shardtool.remote import push
+from shardtool.remote import _push, push
 
 
 class RecordingFS(LocalFileSystem):
@@ -108,3 +109,39 @@ def test_a_directory_target_is_written_through_no_link(world, tmp_path):
     assert victim.read_bytes() == b"keep me" and not (target / "config.json").is_symlink()
     assert (target / "config.json").read_bytes() == (world.model / "config.json").read_bytes()
     assert (target / "tokenizer.json").is_file() and report.uploaded[-1] == MANIFEST_NAME
+
+
+def test_a_store_copy_of_the_right_size_but_other_bytes_is_uploaded_again(world, tmp_path):
+    data = (world.model / MANIFEST_NAME).read_bytes()
+    target = tmp_path / "target"
+    push(world.model, data, str(target), jobs=2)
+    victim = sorted(world.entries)[0]
+    right = (target / victim).read_bytes()
+    (target / victim).write_bytes(bytes([right[0] ^ 1]) + right[1:])
+    again = push(world.model, data, str(target), jobs=2)
+    assert sorted(again.skipped) == sorted(set(world.entries) - {victim})
+    assert victim in again.uploaded and (target / victim).read_bytes() == right
+
+
+def test_a_file_growing_while_it_is_uploaded_is_refused_one_byte_past_its_size(world, tmp_path, monkeypatch,
+                                                                               raises_exactly):
+    """Another writer appends 8 MiB right after the size check: push reads one byte past the signed size, the
+    entry check refuses the upload before its commit, and no manifest goes up."""
+    model = tmp_path / "model"
+    shutil.copytree(world.model, model)
+    victim = sorted(world.entries)[0]
+    real = _push.check_size
+
+    def then_grow(entry, size, where=None):
+        real(entry, size, where)
+        if entry.path == victim:
+            with open(model / victim, "ab") as fh:
+                fh.write(b"\0" * (8 << 20))
+
+    monkeypatch.setattr(_push, "check_size", then_grow)
+    with raises_exactly(DigestMismatchError) as info:
+        push(model, (model / MANIFEST_NAME).read_bytes(), str(tmp_path / "target"), jobs=1)
+    size = world.entries[victim].size
+    assert (info.value.expected, info.value.actual) == (str(size), str(size + 1))
+    assert info.value.path == str(model / victim)
+    assert not (tmp_path / "target" / victim).exists() and not (tmp_path / "target" / MANIFEST_NAME).exists()
