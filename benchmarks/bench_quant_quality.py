@@ -82,7 +82,7 @@ def _dequantized_split(quantized: Path, out: Path, key, state: Path):
     import blake3
     from safetensors.numpy import save
 
-    from shardtool import blockquant
+    from shardtool import blockquant, formats
     from shardtool.manifest import build_manifest, load_manifest, load_trusted_manifest, save_manifest
     from shardtool.runtime._session import Session
 
@@ -93,10 +93,10 @@ def _dequantized_split(quantized: Path, out: Path, key, state: Path):
         if e.kind == "expert":
             t = _tensors(out / e.path)
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                d = t.pop(f"{proj}.{blockquant.SCALE_SUFFIX}", None)
+                d = t.pop(f"{proj}.{formats.INT8.scale}", None)
                 if d is None:
                     continue
-                q4 = t.pop(f"{proj}.{blockquant.Q4_SUFFIX}", None)
+                q4 = t.pop(f"{proj}.{formats.INT4.data}", None)
                 t[f"{proj}.weight"] = (blockquant.dequantize_q4(q4, d) if q4 is not None
                                        else blockquant.dequantize_q8(t[f"{proj}.weight"], d))
             data = save(t)

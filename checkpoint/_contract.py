@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from shardtool import formats
 from shardtool.checkpoint._families import config_reader
 from shardtool.errors import CheckpointFormatError
 from shardtool.families import (BY_NAME, CUSTOM, Family, detect_family, expert_count, experts_per_token,
-                                moe_layers, mxfp4_bytes, mxfp4_experts, text_config)
+                                moe_layers, mxfp4_experts, text_config)
 from shardtool.hf_config import ConfigReader
 
 DEFAULT_CONTEXT_TOKENS = 4096
@@ -143,7 +144,7 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
         params_mtp=mtp_params, kv_elements_per_token=kv_per_layer * n,
         kv_element_bytes=4 if dtype == "float32" else 2,
         params_expert_mxfp4=3 * h * expert_i if mxfp4 else 0,
-        bytes_expert_mxfp4=2 * mxfp4_bytes(expert_i, h) + mxfp4_bytes(h, expert_i) if mxfp4 else 0,
+        bytes_expert_mxfp4=_projection_bytes(formats.MXFP4, expert_i, h) if mxfp4 else 0,
     )
 
 
@@ -153,7 +154,7 @@ def contract_from_config(config: Mapping[str, Any], bits_per_weight: float, *,
     """The contract a split of this model would carry if every weight took `bits_per_weight` bits, except the
     experts a config.json declares MXFP4 (gpt-oss), which take what they take: 4.25 bits per weight. With
     `expert_quantize` ("int8", "int4": `split --quantize`), the other routed experts' projections take their
-    block format's real bytes (8.5 or 4.5 bits per weight, `shardtool.blockquant`); their biases stay at B bits."""
+    block format's real bytes (8.5 or 4.5 bits per weight, `shardtool.formats`); their biases stay at B bits."""
     if not bits_per_weight > 0:
         raise CheckpointFormatError(f"bits per weight must be > 0, got {bits_per_weight}")
     s = model_shape(config)
@@ -176,19 +177,24 @@ def contract_from_config(config: Mapping[str, Any], bits_per_weight: float, *,
 def _quantized_expert_bytes(config: Mapping[str, Any], method: str, bits_per_weight: float) -> int:
     """One routed expert under `split --quantize`: gate/up [I, H] and down [H, I] in the block format, biases
     (gpt-oss) at `bits_per_weight`. Refuses widths the split would refuse."""
-    from shardtool import blockquant
-
-    if method not in (blockquant.Q8, blockquant.Q4):
-        raise CheckpointFormatError(f"unknown expert quantization {method!r:.40}, expected int8 or int4")
+    if method not in formats.SPLIT_METHODS:
+        raise CheckpointFormatError(f"unknown expert quantization {method!r:.40}, expected "
+                                    f"{' or '.join(formats.SPLIT_METHODS)}")
+    fmt = formats.BY_NAME[method]
     family = BY_NAME[detect_family(config)]
     r = config_reader(config)
     h, i = _int(r, "hidden_size"), _int(r, family.expert_size_key)
-    if h % blockquant.QBLOCK or i % blockquant.QBLOCK:
+    block = fmt.block[1]
+    if h % block or i % block:
         raise CheckpointFormatError(f"hidden_size {h} and {family.expert_size_key} {i} must be multiples of "
-                                    f"{blockquant.QBLOCK} to quantize the experts")
+                                    f"{block} to quantize the experts")
     biases = 2 * i + h if family.expert_bias else 0
-    return (2 * blockquant.quantized_bytes(method, i, h) + blockquant.quantized_bytes(method, h, i)
-            + round(biases * bits_per_weight / 8))
+    return _projection_bytes(fmt, i, h) + round(biases * bits_per_weight / 8)
+
+
+def _projection_bytes(fmt: formats.Format, i: int, h: int) -> int:
+    """One routed expert's gate, up [I, H] and down [H, I] stored in `fmt`."""
+    return 2 * fmt.nbytes(i, h) + fmt.nbytes(h, i)
 
 
 @dataclass(frozen=True)

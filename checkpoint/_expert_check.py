@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from shardtool import blockquant
+from shardtool import formats
 from shardtool.checkpoint._plan import Piece, ShardPlan
 from shardtool.errors import CheckpointFormatError
-from shardtool.families import EXPERT_PROJECTIONS, MXFP4_GROUP
+from shardtool.families import EXPERT_PROJECTIONS
 
 
 def expected_shapes(config: Mapping[str, Any], family: str) -> dict[str, tuple[int | None, int | None]]:
@@ -36,10 +36,11 @@ def expected_shapes(config: Mapping[str, Any], family: str) -> dict[str, tuple[i
 
 
 def fp8_block(config: Mapping[str, Any]) -> tuple[int, int] | None:
-    """config.json's FP8 `quantization_config.weight_block_size` (128 x 128 unless it says); None where it is not
-    two positive integers (the runtime refuses such a config when it loads it)."""
+    """config.json's FP8 `quantization_config.weight_block_size` (the table's 128 x 128 unless it says); None where
+    it is not two positive integers (the runtime refuses such a config when it loads it)."""
     quant = config.get("quantization_config")
-    block = quant.get("weight_block_size", [128, 128]) if isinstance(quant, Mapping) else [128, 128]
+    default = list(formats.FP8.block)
+    block = quant.get("weight_block_size", default) if isinstance(quant, Mapping) else default
     if (isinstance(block, list) and len(block) == 2
             and all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= 1 << 20 for b in block)):
         return block[0], block[1]
@@ -47,7 +48,7 @@ def fp8_block(config: Mapping[str, Any]) -> tuple[int, int] | None:
 
 
 def check_expert_plans(plans: Sequence[ShardPlan], shapes: Mapping[str, tuple[int | None, int | None]],
-                       block: tuple[int, int] | None = (128, 128)) -> None:
+                       block: tuple[int, int] | None = formats.FP8.block) -> None:
     """Every routed-expert projection's data tensor of the shape `shapes` (from `expected_shapes`) gives, read as
     the weight its form stands for, and the tensors beside it (`beside`) of the shapes that weight gives them;
     `block`: FP8's scale block (`fp8_block`). Raises CheckpointFormatError naming the source tensor."""
@@ -59,7 +60,7 @@ def check_expert_plans(plans: Sequence[ShardPlan], shapes: Mapping[str, tuple[in
             proj, _, form = p.name.partition(".")
             if proj not in EXPERT_PROJECTIONS or form not in _WEIGHT_OF_FORM:
                 continue
-            weight = _WEIGHT_OF_FORM[form](p.shape)
+            weight = _WEIGHT_OF_FORM[form](tuple(p.shape))
             check_shape(plan, p, proj, weight, shapes.get(proj, (None, None)))
             assert weight is not None  # (check_shape refused every other)
             for suffix, want in beside(form, p.dtype, weight, block).items():
@@ -67,7 +68,7 @@ def check_expert_plans(plans: Sequence[ShardPlan], shapes: Mapping[str, tuple[in
                 if want is None:
                     raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {proj} (from "
                                                 f"{p.source.name!r}) has {weight[1]} inputs, not a multiple of the "
-                                                f"quantization block of {blockquant.QBLOCK}")
+                                                f"quantization block of {_block_of(form, p.dtype)}")
                 if other is not None and tuple(other.shape) != want:
                     raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {proj}.{suffix} (from "
                                                 f"{other.source.name!r}) has shape {list(other.shape)}, expected "
@@ -80,14 +81,22 @@ def beside(form: str, dtype: str, weight: tuple[int, int],
     tensor beside it that the weight shapes (None: the weight cannot have it, an input width no block divides)"""
     out, inputs = weight
     shapes: dict[str, tuple[int, ...] | None] = {"bias": (out,)}
-    if form == blockquant.Q4_SUFFIX or (form == "weight" and dtype == "I8"):  # shardtool's int4 / int8 blocks
-        shapes[blockquant.SCALE_SUFFIX] = ((out, inputs // blockquant.QBLOCK) if inputs % blockquant.QBLOCK == 0
-                                           else None)
-    elif form == "weight_blocks":
-        shapes["weight_scales"] = (out, inputs // MXFP4_GROUP)
-    elif form == "weight" and dtype == "F8_E4M3" and block is not None:
-        shapes["weight_scale_inv"] = (-(-out // block[0]), -(-inputs // block[1]))
+    fmt = formats.stored(form, dtype)
+    if fmt is None or fmt.scale is None:
+        return shapes
+    if fmt.split:  # shardtool's own blocks: the input width a multiple of the block (the loader's rule)
+        shapes[fmt.scale] = fmt.scale_shape(out, inputs) if inputs % fmt.block[1] == 0 else None
+    elif fmt.block_from_config:
+        if block is not None:
+            shapes[fmt.scale] = fmt.scale_shape(out, inputs, block)
+    else:
+        shapes[fmt.scale] = fmt.scale_shape(out, inputs)
     return shapes
+
+
+def _block_of(form: str, dtype: str) -> int | None:
+    fmt = formats.stored(form, dtype)
+    return None if fmt is None or fmt.block is None else fmt.block[1]
 
 
 def check_shape(plan: ShardPlan, p: Piece, proj: str, shape: tuple[int, ...] | None,
@@ -102,37 +111,30 @@ def check_shape(plan: ShardPlan, p: Piece, proj: str, shape: tuple[int, ...] | N
                                 f"for {proj}")
 
 
-# blockquant.FORM_DATA, each read as the [out, in] weight it stands for (a unit test holds the names equal). None: a
-# stored shape that is no weight's.
-_WEIGHT_OF_FORM = {
-    "weight": lambda s: (s[0], s[1]) if len(s) == 2 else None,  # float, FP8 or int8 [out, in]
-    blockquant.Q4_SUFFIX: lambda s: (s[0], 2 * s[1]) if len(s) == 2 else None,  # int4, two a byte [out, in/2]
-    # MXFP4: [out, in/32, 16], a group of 32 four-bit codes in 16 bytes
-    "weight_blocks": lambda s: (s[0], MXFP4_GROUP * s[1]) if len(s) == 3 and s[2] == MXFP4_GROUP // 2 else None,
-}
+# formats.FORM_DATA, each read as the [out, in] weight it stands for (its first row's `weight_shape`: every row
+# storing its data under one suffix packs it alike). None: a stored shape that is no weight's.
+_WEIGHT_OF_FORM = {data: next(f for f in formats.TABLE if f.data == data).weight_shape for data in formats.FORM_DATA}
 
 
 def check_forms(plan: ShardPlan) -> None:
-    """Each routed-expert projection of `plan` in exactly one stored form (`blockquant.form_tensors`, the rule the
-    runtime applies when it loads the shard): refused here, before anything is written or signed."""
+    """Each routed-expert projection of `plan` in exactly one stored form (`formats.stored(...).tensors`, the rule
+    the runtime applies when it loads the shard): refused here, before anything is written or signed."""
     by_proj: dict[str, dict[str, Piece]] = {}
     for p in plan.pieces:
         proj, _, suffix = p.name.partition(".")
-        if proj in EXPERT_PROJECTIONS and suffix in blockquant.FORM_SUFFIXES:
+        if proj in EXPERT_PROJECTIONS and suffix in formats.FORM_SUFFIXES:
             by_proj.setdefault(proj, {})[suffix] = p
     where = f"layer {plan.layer} expert {plan.expert}"
     for proj, have in by_proj.items():
-        forms = [s for s in blockquant.FORM_DATA if s in have]
+        forms = [s for s in formats.FORM_DATA if s in have]
         if len(forms) != 1:
             names = ", ".join(repr(p.source.name) for p in have.values())
             raise CheckpointFormatError(f"{where}: {proj} is stored in {'more than one form' if forms else 'no form'} "
                                         f"({', '.join(forms) or 'no data tensor'}): {names}; expected exactly one")
         form = forms[0]
-        w = have.get("weight")
-        kind = "int8" if w is not None and w.dtype == "I8" else "fp8" if w is not None and w.dtype == "F8_E4M3" \
-            else "float"
-        uses = blockquant.form_tensors(form, kind)
-        for s in blockquant.FORM_SUFFIXES:
+        fmt = formats.stored(form, have[form].dtype)
+        uses = (form,) if fmt is None else fmt.tensors
+        for s in formats.FORM_SUFFIXES:
             if s in have and s not in uses:
                 raise CheckpointFormatError(f"{where}: {have[s].source.name!r} beside {proj}.{form} of dtype "
                                             f"{have[form].dtype}: that form has "

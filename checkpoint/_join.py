@@ -27,7 +27,7 @@ from shardtool.checkpoint._plan import Cut, paste, uint_view
 from shardtool.checkpoint._writer import TensorSpec, encode_header
 from shardtool.safetensors_format import DTYPE_SIZES, MAX_HEADER_BYTES, parse_header
 from shardtool.checkpoint._split import QUANTIZED_KEY, SOURCE_FORMAT, SOURCE_KEY
-from shardtool import blockquant
+from shardtool import formats
 from shardtool.errors import (CheckpointFormatError, DigestMismatchError, ShardFormatError, StorageError,
                               UsageError)
 
@@ -117,7 +117,7 @@ def _records(header: bytes, file_size: int, where: str) -> tuple[Any, dict[str, 
         rec = records[t.name]
         # only --quantize writes a weight_q4 (a `weight_scale` beside an int8 weight is caught by its dtype below; a
         # source FP8 checkpoint may name its scales weight_scale, and such a plain split must still join)
-        if t.name.endswith(f".{blockquant.Q4_SUFFIX}"):
+        if t.name.endswith(f".{formats.INT4.data}"):
             raise UsageError(f"tensor {t.name!r} is block-quantized (`split --quantize`): the float checkpoint "
                              "cannot be rebuilt from it", path=where,
                              hint="join a split made without --quantize; a quantized split is run, not joined")

@@ -1,6 +1,6 @@
 """`split --quantize int8|int4`: which expert tensors are quantized, and the bytes of each quantized tensor.
 
-The format is `shardtool.blockquant`'s (its one home); this module decides, while planning, which routed-expert
+The formats are rows of `shardtool.formats` (their one home); this module decides, while planning, which routed-expert
 projections become `<proj>.weight` I8 (or `<proj>.weight_q4` U8) + `<proj>.weight_scale` F16, and computes their
 bytes from the float source tensor while streaming, one projection at a time. Only the float (F32/F16/BF16)
 `gate_proj`/`up_proj`/`down_proj` weights of routed experts are quantized; trunk tensors, routers, shared
@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from shardtool import blockquant
+from shardtool import formats
 from shardtool.checkpoint._expert_check import check_forms
 from shardtool.checkpoint._plan import Piece, ShardPlan
 from shardtool.errors import CheckpointFormatError, UsageError
@@ -29,10 +29,11 @@ from shardtool.families import EXPERT_PROJECTIONS
 if TYPE_CHECKING:
     import numpy as np
 
-METHODS = (blockquant.Q8, blockquant.Q4)
-FLOAT_DTYPES = ("F32", "F16", "BF16")
+METHODS = formats.SPLIT_METHODS
+FLOAT_DTYPES = tuple(f.dtype for f in formats.FLOATS)
 DATA, SCALE = "data", "scale"
-_KEPT = {"F8_E4M3": "FP8 block-scaled"}  # stored dtype of a kept `<proj>.weight` -> what to call it (the runtime runs it)
+# stored dtype of a kept `<proj>.weight` -> what to call it (the runtime runs it)
+_KEPT = {formats.FP8.dtype: "FP8 block-scaled"}
 
 
 @dataclass(frozen=True)
@@ -46,21 +47,22 @@ class QuantizeReport:
     trunk_kept: int = 0              # trunk linear weights kept float: input width not a multiple of the block
 
     def lines(self) -> list[str]:
-        bits = blockquant.BITS_PER_WEIGHT[self.method]
+        fmt = formats.BY_NAME[self.method]
+        bits, block = fmt.bits_per_weight(), fmt.block[1]
         trunk = (f"{self.trunk} trunk linear weight(s) quantized too; routers, norms and the embedding kept as "
                  f"stored" if self.trunk else "trunk, routers and shared experts kept as stored")
         out = [f"quantized {self.projections} routed-expert projection(s) to block {self.method} "
-               f"({bits:g} bits per weight, float16 scale per {blockquant.QBLOCK} weights); {trunk}"] \
+               f"({bits:g} bits per weight, float16 scale per {block} weights); {trunk}"] \
             if self.projections or self.trunk else []
         if self.trunk_kept:
             out.append(f"note: {self.trunk_kept} trunk linear weight(s) kept as stored (input width not a multiple "
-                       f"of {blockquant.QBLOCK})")
+                       f"of {block})")
         out += [f"note: {n} routed-expert projection(s) already stored {fmt} kept as stored (the runtime executes "
                 f"them natively)" for fmt, n in sorted(self.kept.items())]
         return out
 
 
-TRUNK_METHODS = (blockquant.Q8,)  # a trunk at 4 bits loses too much of the attention (not offered)
+TRUNK_METHODS = formats.TRUNK_METHODS  # a trunk at 4 bits loses too much of the attention (not offered)
 
 
 def check_method(method: str | None, trunk: bool = False) -> None:
@@ -107,7 +109,7 @@ def quantize_plans(plans: Sequence[ShardPlan], method: str, *, trunk: bool = Fal
         for p in plan.pieces:
             proj = _projection(p.name)
             if proj is None:
-                if p.name.endswith(".weight_blocks"):
+                if p.name.endswith(f".{formats.MXFP4.data}"):
                     kept["MXFP4"] += 1
                 pieces.append(p)
                 continue
@@ -136,11 +138,11 @@ def _quantized_trunk(plan: ShardPlan, method: str) -> tuple[ShardPlan, int, int]
             pieces.append(p)
             continue
         base = p.name.removesuffix(".weight")
-        stray = [f"{base}.{s}" for s in blockquant.FORM_SUFFIXES if s != "weight" and f"{base}.{s}" in names]
+        stray = [f"{base}.{s}" for s in formats.FORM_SUFFIXES if s != "weight" and f"{base}.{s}" in names]
         if stray:  # the runtime's one-form rule would refuse the shard: refused here, before anything is written
             raise CheckpointFormatError(f"{plan.path}: {p.source.name!r} ({p.dtype}) has {stray[0]!r} beside it; "
                                         f"a weight is stored in exactly one form")
-        if p.shape[1] % blockquant.QBLOCK:
+        if p.shape[1] % formats.BY_NAME[method].block[1]:
             kept += 1
             pieces.append(p)
             continue
@@ -157,24 +159,23 @@ def _quantized_pieces(plan: ShardPlan, p: Piece, proj: str, method: str) -> list
     if rows == 0 or cols == 0:
         raise CheckpointFormatError(f"layer {plan.layer} expert {plan.expert}: {p.source.name!r} has shape "
                                     f"{list(p.shape)}, an empty projection cannot be quantized")
-    if cols % blockquant.QBLOCK:
+    block = formats.BY_NAME[method].block[1]
+    if cols % block:
         raise CheckpointFormatError(f"cannot quantize {p.source.name!r} (layer {plan.layer} expert {plan.expert} "
                                     f"{p.name}): its input width {cols} is not a multiple of the block of "
-                                    f"{blockquant.QBLOCK}", hint="split it without --quantize")
+                                    f"{block}", hint="split it without --quantize")
     return _block_pieces(p, proj, method)
 
 
 def _block_pieces(p: Piece, base: str, method: str) -> list[Piece]:
     """# a float [out, in] piece -> its data (`<base>.weight` I8, or `<base>.weight_q4` U8 [out, in/2]) and scale
-    (`<base>.weight_scale` F16 [out, in/32]) pieces in `method`, computed from the same source tensor."""
+    (`<base>.weight_scale` F16 [out, in/32]) pieces in `method` (its row's tensors), from the same source tensor."""
     rows, cols = p.shape
-    if method == blockquant.Q8:
-        data = replace(p, name=f"{base}.weight", dtype="I8", shape=(rows, cols), quant=(method, DATA))
-    else:
-        data = replace(p, name=f"{base}.{blockquant.Q4_SUFFIX}", dtype="U8", shape=(rows, cols // 2),
-                       quant=(method, DATA))
-    scale = replace(p, name=f"{base}.{blockquant.SCALE_SUFFIX}", dtype="F16",
-                    shape=(rows, cols // blockquant.QBLOCK), quant=(method, SCALE))
+    fmt = formats.BY_NAME[method]
+    data = replace(p, name=f"{base}.{fmt.data}", dtype=fmt.dtype, shape=fmt.data_shape(rows, cols),
+                   quant=(method, DATA))
+    scale = replace(p, name=f"{base}.{fmt.scale}", dtype=fmt.scale_dtype, shape=fmt.scale_shape(rows, cols),
+                    quant=(method, SCALE))
     return [data, scale]
 
 
@@ -182,7 +183,8 @@ def float_shape(p: Piece) -> tuple[int, int]:
     """[out, in] of the float projection a quantized data or scale piece is computed from."""
     method, part = p.quant or ("", "")
     rows, width = p.shape
-    per = blockquant.QBLOCK if part == SCALE else 2 if method == blockquant.Q4 else 1
+    fmt = formats.BY_NAME.get(method)
+    per = 1 if fmt is None else fmt.block[1] if part == SCALE else fmt.per_item
     return rows, width * per
 
 
@@ -191,9 +193,9 @@ def quantize(p: Piece, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     (a non-finite source weight, or a block too large for a float16 scale)"""
     import numpy as np
 
-    method = p.quant[0] if p.quant else ""
+    fmt = formats.BY_NAME[p.quant[0] if p.quant else ""]
     with np.errstate(over="ignore", invalid="ignore"):  # a scale beyond float16 is refused below, not warned
-        q, d = (blockquant.quantize_q8 if method == blockquant.Q8 else blockquant.quantize_q4)(w)
+        q, d = fmt.pack(w, None)
     if not np.all(np.isfinite(d)):
         raise CheckpointFormatError(f"cannot quantize {p.source.name!r}: a block's scale is not finite in "
                                     "float16 (a NaN/inf weight, or a weight beyond float16's range)")

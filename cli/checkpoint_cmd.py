@@ -7,9 +7,16 @@ from typing import Any, List, Mapping, Optional
 
 import typer
 
+from shardtool import formats
 from shardtool.text import format_rate, format_size, printable
 from shardtool.cli._common import DISK_GBPS_HELP, disk_rate, emit_json, producer, say
 from shardtool.errors import UsageError
+
+
+# `--quantize` choices: the formats split writes (shardtool.formats), each with its bits per weight
+_QUANTIZE = "|".join(formats.SPLIT_METHODS)
+_QUANTIZE_BITS = ", ".join(f"{m}: {formats.BY_NAME[m].bits_per_weight():g}" for m in formats.SPLIT_METHODS)
+_QUANTIZE_BLOCK = formats.BY_NAME[formats.SPLIT_METHODS[0]].block[1]
 
 
 def register(app: typer.Typer) -> None:
@@ -34,14 +41,16 @@ def split(
                                help="Flush all shards to disk (one syncfs) before writing the manifest, so a "
                                     "manifest on disk implies its shards are (--no-fsync: faster, not power-safe)."),
     quantize: Optional[str] = typer.Option(
-        None, "--quantize", metavar="int8|int4",
-        help="Write every float routed-expert projection block-quantized (int8: 8.5 bits per weight, int4: 4.5; "
-             "a float16 scale per 32 weights; docs/shard-layout.md). Trunk, routers and shared experts are kept "
-             "as stored, and so are experts already stored FP8 or MXFP4. Such a split cannot be joined back."),
+        None, "--quantize", metavar=_QUANTIZE,
+        help=f"Write every float routed-expert projection block-quantized (bits per weight: {_QUANTIZE_BITS}; "
+             f"a float16 scale per {_QUANTIZE_BLOCK} weights; docs/shard-layout.md). Trunk, routers and shared "
+             "experts are kept as stored, and so are experts already stored FP8 or MXFP4. Such a split cannot be "
+             "joined back."),
     quantize_trunk: bool = typer.Option(
         False, "--quantize-trunk",
-        help="With --quantize int8: the trunk's linear weights too (attention, shared and dense MLPs, lm_head), as "
-             "llama.cpp's Q8_0 does; routers, norms and the embedding stay as stored."),
+        help=f"With --quantize {' or '.join(formats.TRUNK_METHODS)}: the trunk's linear weights too (attention, "
+             "shared and dense MLPs, lm_head), as llama.cpp's Q8_0 does; routers, norms and the embedding stay as "
+             "stored."),
     force: bool = typer.Option(False, "--force", help="Replace a signed manifest already in OUT (its signatures "
                                                       "are lost: sign the new one again)."),
     json_out: bool = typer.Option(False, "--json", help="Print one summary document on stdout."),
@@ -155,8 +164,8 @@ def inspect(
     bits_per_weight: Optional[float] = typer.Option(None, "--bits-per-weight", min=0.001, max=64.0,
                                                     help="With --config: storage bits per weight (16 = BF16)."),
     quantize: Optional[str] = typer.Option(
-        None, "--quantize", metavar="int8|int4",
-        help="With --config: routed experts as `split --quantize` writes them (8.5 / 4.5 bits per weight)."),
+        None, "--quantize", metavar=_QUANTIZE,
+        help=f"With --config: routed experts as `split --quantize` writes them (bits per weight: {_QUANTIZE_BITS})."),
     disk_gbps: float = typer.Option(2.0, "--disk-gbps", min=0.001, max=1e6, help=DISK_GBPS_HELP),
     context: Optional[int] = typer.Option(None, "--context", min=0, max=1 << 40,
                                           help="Context length for the memory floor."),
@@ -174,8 +183,8 @@ def inspect(
         cfg = load_json(config)
         if not isinstance(cfg, dict):
             raise UsageError("config must be a JSON object", path=str(config))
-        if quantize not in (None, "int8", "int4"):
-            raise UsageError(f"--quantize must be int8 or int4, got {quantize!r:.40}")
+        if quantize not in (None, *formats.SPLIT_METHODS):
+            raise UsageError(f"--quantize must be {' or '.join(formats.SPLIT_METHODS)}, got {quantize!r:.40}")
         contract = contract_from_config(cfg, bits_per_weight, context_tokens=context or DEFAULT_CONTEXT_TOKENS,
                                         expert_quantize=quantize)
         source: dict[str, Any] = {"config": str(config), "bits_per_weight": bits_per_weight,

@@ -24,7 +24,9 @@ try:
 except ModuleNotFoundError:  # run as a script from a checkout where `pip install -e .` was not done
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from shardtool.errors import StorageError, UsageError
-from shardtool.families import MXFP4_GROUP  # gpt-oss MXFP4: 32 FP4 weights in 16 bytes share one scale byte
+from shardtool.formats import MXFP4
+
+MXFP4_GROUP = MXFP4.block[1]  # gpt-oss MXFP4: 32 FP4 weights in 16 bytes share one scale byte
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "fused", "gpt_oss", "llama4")
 DTYPES = ("f32", "f16", "bf16")

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from shardtool import formats
 from shardtool.errors import CheckpointFormatError
 from shardtool.hf_config import ConfigReader
 
@@ -135,16 +136,6 @@ FUSED = re.compile(
     r"(?P<proj>gate_up_proj|down_proj)(?:_(?P<part>bias|blocks|scales))?")
 
 
-# MXFP4 (OCP Microscaling FP4, gpt-oss's expert format): 32 FP4 weights in 16 bytes share one E8M0 scale byte,
-# 4.25 bits per weight. A [rows, cols] projection is stored as blocks [rows, cols/32, 16] + scales [rows, cols/32].
-MXFP4_GROUP = 32
-
-
-def mxfp4_bytes(rows: int, cols: int) -> int:
-    """Bytes of one [rows, cols] projection stored as MXFP4 blocks + scales."""
-    return rows * -(-cols // MXFP4_GROUP) * (MXFP4_GROUP // 2 + 1)
-
-
 def mxfp4_experts(family: Family, r: ConfigReader) -> bool:
     """Whether config.json declares this family's routed experts MXFP4 (quantization_config.quant_method
     "mxfp4"). For a family whose experts may be MXFP4, any other quantization_config is refused."""
@@ -152,9 +143,10 @@ def mxfp4_experts(family: Family, r: ConfigReader) -> bool:
     if not family.mxfp4_experts or quant is None:
         return False
     method = quant.get("quant_method") if isinstance(quant, Mapping) else None
-    if method != "mxfp4":
+    if formats.declared(method) is not formats.MXFP4:
         raise CheckpointFormatError(f"config.json: quantization_config quant_method {method!r:.40} is not "
-                                    f"supported for {family.name}", hint="expected 'mxfp4' or no quantization_config")
+                                    f"supported for {family.name}",
+                                    hint=f"expected {formats.MXFP4.quant_method!r} or no quantization_config")
     return True
 
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from shardtool import formats
 from shardtool.errors import CheckpointFormatError
 from shardtool.families import (BY_NAME, RUNTIME_MODEL_TYPES, Family, expert_count, experts_per_token, find_family,
                                 moe_layers, mxfp4_experts, text_config)
@@ -337,11 +338,12 @@ def _parse_mla(r: ConfigReader, model_type: str, family: Family) -> ModelConfig:
     if rope.kind != "default" and rope.mscale_all_dim:  # transformers' yarn_apply_mscale
         scale *= yarn_get_mscale(rope.factor, rope.mscale_all_dim) ** 2
     quant = r.d.get("quantization_config") or {}
-    method = quant.get("quant_method", "fp8") if isinstance(quant, Mapping) else None
-    if method != "fp8":
+    fp8 = formats.FP8
+    method = quant.get("quant_method", fp8.quant_method) if isinstance(quant, Mapping) else None
+    if formats.declared(method) is not fp8:
         raise CheckpointFormatError(f"config.json: quantization_config quant_method {method!r} is not supported",
-                                    hint="only DeepSeek-style block-scaled 'fp8' weights are")
-    block = quant.get("weight_block_size", [128, 128])
+                                    hint=f"only DeepSeek-style block-scaled {fp8.quant_method!r} weights are")
+    block = quant.get("weight_block_size", list(fp8.block))
     if not (isinstance(block, list) and len(block) == 2):
         raise CheckpointFormatError(f"config.json: quantization_config.weight_block_size must be two positive "
                                     f"integers, got {block!r:.80}")

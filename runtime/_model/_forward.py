@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from shardtool import blockquant
+from shardtool import formats
 from shardtool.errors import CheckpointFormatError, UsageError
 from shardtool.families import MOE_MODULE_ALIASES, TEXT_MODEL_WRAPPER
 
@@ -96,7 +96,7 @@ def _canonical_trunk_name(name: str) -> str:
 def _block_scale_of(name: str, required: Shapes) -> bool:
     """`<proj>.weight_scale` of a required [out, in] weight `<proj>.weight`: its block-int8 scales (`pack` checks
     them with the weight)."""
-    base = name.removesuffix("." + blockquant.SCALE_SUFFIX)
+    base = name.removesuffix("." + formats.INT8.scale)
     return base != name and len(required.get(base + ".weight", ())) == 2
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardtool import blockquant
+from shardtool import formats
 from shardtool.errors import CheckpointFormatError
 
 from ._config import ModelConfig
@@ -74,15 +74,14 @@ class ExpertWeights:
 def expert_weights(cfg: ModelConfig, layer: int, expert: int, t: Mapping[str, np.ndarray]) -> ExpertWeights:
     """An expert shard's tensors, each checked against the config: matrices packed as stored, biases as float32.
 
-    A projection is `<proj>.weight` (F32/F16/BF16), shardtool's block int8/int4 (`shardtool.blockquant`), or MXFP4
+    A projection is `<proj>.weight` (F32/F16/BF16), shardtool's block int8/int4 (`shardtool.formats`), or MXFP4
     `<proj>.weight_blocks` [out, in/32, 16] + `<proj>.weight_scales` [out, in/32] (U8), the latter only when
     config.json declares quant_method mxfp4.
     """
     i, h = cfg.moe_intermediate_size, cfg.hidden_size
     where = f"layer {layer} expert {expert}"
     known = {f"{p}.{s}" for p in ("gate_proj", "up_proj", "down_proj")
-             for s in ("weight", "weight_blocks", "weight_scales", "bias", blockquant.SCALE_SUFFIX,
-                       blockquant.Q4_SUFFIX)}
+             for s in ("bias", *formats.FORM_SUFFIXES) if s != formats.FP8.scale}  # no FP8 experts here
     unknown = sorted(set(t) - known)
     if unknown:
         raise CheckpointFormatError(f"{where}: unexpected tensors {unknown[:4]} for a {cfg.model_type} expert")

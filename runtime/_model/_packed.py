@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardtool import blockquant
+from shardtool import formats
 from shardtool.errors import CheckpointFormatError
+from shardtool.safetensors_format import numpy_dtype
 
-from ._dtypes import (BF16, DEFAULT_BLOCK, FLOAT8, MXFP4_GROUP, dequantize, mxfp4_to_float32, quantize_fp8,
-                      quantize_mxfp4)
+from ._dtypes import DEFAULT_BLOCK
 
-KINDS = ("f32", "f16", "bf16", "fp8", "q8", "q4", "mxfp4")
+KINDS = formats.KERNELS  # the kernel kind of each stored format (shardtool.formats), the extension's names
 MAX_THREADS = 64  # the extension's cap
 
 
@@ -96,29 +96,28 @@ def pack(t: Mapping[str, np.ndarray], proj: str, shape: tuple[int, int], where: 
         return CheckpointFormatError(f"{where}: missing tensor {proj}.{name}")
 
     out_f, in_f = shape
-    names = {s: t.get(f"{proj}.{s}") for s in blockquant.FORM_SUFFIXES}
-    forms = [s for s in blockquant.FORM_DATA if names[s] is not None]
+    names = {s: t.get(f"{proj}.{s}") for s in formats.FORM_SUFFIXES}
+    forms = [s for s in formats.FORM_DATA if names[s] is not None]
     if len(forms) != 1:
         if not forms:
             raise missing("weight")
         raise CheckpointFormatError(f"{where}: {proj} is stored in more than one form ({', '.join(forms)})")
     form = forms[0]
     w = names[form]
-    uses = blockquant.form_tensors(form, "int8" if w.dtype == np.int8 else "fp8" if w.dtype == FLOAT8 else "float")
-    stray = [s for s in blockquant.FORM_SUFFIXES if s not in uses and names[s] is not None]
+    fmt = formats.stored(form, _STORED_DTYPE.get(w.dtype, ""))
+    uses = (form,) if fmt is None else fmt.tensors
+    stray = [s for s in formats.FORM_SUFFIXES if s not in uses and names[s] is not None]
     if stray:  # a tensor of another stored form: the checkpoint is not what its writer meant
         raise CheckpointFormatError(f"{where}: {proj}.{stray[0]} beside {proj}.{form} of dtype {w.dtype} (that "
                                     f"form has {' and '.join(f'{proj}.{s}' for s in uses)} only)")
-    if form == "weight_blocks":
-        return _pack_mxfp4(w, names["weight_scales"], proj, shape, where, mxfp4)
-    if form == blockquant.Q4_SUFFIX or w.dtype == np.int8:
-        return _pack_block(form, w, names[blockquant.SCALE_SUFFIX], proj, shape, where)
+    if fmt is not None and fmt.kernel in _PACK_BLOCKS:
+        return _PACK_BLOCKS[fmt.kernel](fmt, w, names[fmt.scale], proj, shape, where, mxfp4)
     if w.shape != shape:
         raise CheckpointFormatError(f"{where}: {proj}.weight has shape {w.shape}, expected {shape}")
-    if w.dtype == FLOAT8:
-        s = names["weight_scale_inv"]
+    if fmt is formats.FP8:
+        s = names[fmt.scale]
         if s is None:
-            raise missing("weight_scale_inv")
+            raise missing(fmt.scale)
         if not (isinstance(fp8_block, tuple) and len(fp8_block) == 2
                 and all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b >= 1 for b in fp8_block)):
             raise CheckpointFormatError(f"{where}: {proj}: FP8 block {fp8_block!r} is not two integers >= 1")
@@ -127,24 +126,24 @@ def pack(t: Mapping[str, np.ndarray], proj: str, shape: tuple[int, int], where: 
         if s.shape != want:
             raise CheckpointFormatError(f"{where}: {proj}.weight_scale_inv has shape {s.shape}, expected {want} "
                                         f"for {shape} in {b0}x{b1} blocks")
-        what = f"{where}: {proj}.weight_scale_inv"
+        what = f"{where}: {proj}.{fmt.scale}"
         scale = _finite_scale(s, what).astype(np.float32)
         if np.abs(scale).max(initial=0) > FP8_SCALE_MAX:
             raise CheckpointFormatError(f"{what}: a scale above {float(FP8_SCALE_MAX):.6g} (448 times it, the "
                                         f"largest float8 weight, overflows float32)")
         data = _aligned(w)
-        _refuse_nonfinite(data, "fp8", f"{where}: {proj}.weight")
-        return Packed("fp8", shape, data, _aligned(scale), fp8_block)
-    kind = _FLOAT_KINDS.get(w.dtype)
-    if kind is None:
+        _refuse_nonfinite(data, fmt.kernel, f"{where}: {proj}.weight")
+        return Packed(fmt.kernel, shape, data, _aligned(scale), fp8_block)
+    if fmt is None:
         raise CheckpointFormatError(f"{where}: {proj}.weight has unsupported dtype {w.dtype}",
                                     hint="expected float32, float16, bfloat16, float8_e4m3fn or int8")
     data = _aligned(w)
-    _refuse_nonfinite(data, kind, f"{where}: {proj}.weight")
-    return Packed(kind, shape, data)
+    _refuse_nonfinite(data, fmt.kernel, f"{where}: {proj}.weight")
+    return Packed(fmt.kernel, shape, data)
 
 
-_FLOAT_KINDS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", BF16: "bf16"}
+# numpy dtype -> its safetensors name, for the dtypes a format stores its data in (what `formats.stored` reads)
+_STORED_DTYPE = {numpy_dtype(f.dtype): f.dtype for f in formats.TABLE}
 # the largest FP8 block scale whose product with the largest float8_e4m3fn value (448) is a finite float32
 FP8_SCALE_MAX = np.float32(np.finfo(np.float32).max) / np.float32(448)  # 7.595588e35 (448 times it rounds to FLT_MAX)
 MXFP4_SCALE_MAX = 0xFC  # 2^(0xFC - 127) = 2^125: times 6 (the largest E2M1 value) is finite; 2^126 * 6 is not
@@ -158,8 +157,8 @@ def _aligned(a: np.ndarray) -> np.ndarray:
 
 
 # per kind: the raw integer view and the mask whose bits all set mean inf or NaN (float8_e4m3fn: 0x7F/0xFF, NaN)
-_NONFINITE = {"f32": (np.uint32, 0x7F800000), "f16": (np.uint16, 0x7C00), "bf16": (np.uint16, 0x7F80),
-              "fp8": (np.uint8, 0x7F)}
+_NONFINITE = {formats.F32.kernel: (np.uint32, 0x7F800000), formats.F16.kernel: (np.uint16, 0x7C00),
+              formats.BF16.kernel: (np.uint16, 0x7F80), formats.FP8.kernel: (np.uint8, 0x7F)}
 _SCAN_CHUNK = 1 << 20  # elements per numpy pass of the fallback scan (bounded temporaries)
 
 
@@ -184,7 +183,7 @@ def _refuse_nonfinite(a: np.ndarray, kind: str, what: str) -> None:
         raise CheckpointFormatError(f"{what}: a NaN or infinite value at {list(index)}")
 
 
-_SCALE_KINDS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", BF16: "bf16"}
+_SCALE_KINDS = {numpy_dtype(f.dtype): f.kernel for f in formats.FLOATS}  # a float scale's dtype -> its scan
 
 
 def _finite_scale(s: np.ndarray, what: str) -> np.ndarray:
@@ -199,42 +198,42 @@ def _finite_scale(s: np.ndarray, what: str) -> np.ndarray:
     return s
 
 
-def _pack_block(form: str, data: np.ndarray, scale: np.ndarray | None, proj: str, shape: tuple[int, int],
-                where: str) -> Packed:
+def _pack_block(fmt: formats.Format, data: np.ndarray, scale: np.ndarray | None, proj: str, shape: tuple[int, int],
+                where: str, mxfp4: bool) -> Packed:
+    """shardtool's block int8/int4 (`fmt`): data and a float16 scale per block of a row."""
     out_f, in_f = shape
-    q4 = form == blockquant.Q4_SUFFIX
+    block = fmt.block[1]
     if scale is None:
-        raise CheckpointFormatError(f"{where}: missing tensor {proj}.{blockquant.SCALE_SUFFIX} beside its "
-                                    f"{'int4' if q4 else 'int8'} weight")
-    if in_f % blockquant.QBLOCK:
+        raise CheckpointFormatError(f"{where}: missing tensor {proj}.{fmt.scale} beside its {fmt.name} weight")
+    if in_f % block:
         raise CheckpointFormatError(f"{where}: {proj} has {in_f} inputs, not a multiple of the quantization block "
-                                    f"of {blockquant.QBLOCK}")
-    want_data = (out_f, in_f // 2) if q4 else (out_f, in_f)
-    want_dtype = np.dtype(np.uint8) if q4 else np.dtype(np.int8)
-    want_scale = (out_f, in_f // blockquant.QBLOCK)
+                                    f"of {block}")
+    want_data = fmt.data_shape(out_f, in_f)
+    want_dtype, scale_dtype = numpy_dtype(fmt.dtype), numpy_dtype(fmt.scale_dtype)
+    want_scale = fmt.scale_shape(out_f, in_f)
     if data.dtype != want_dtype or data.shape != want_data:
-        raise CheckpointFormatError(f"{where}: {proj}.{form} is {data.dtype} {data.shape}, expected {want_dtype} "
+        raise CheckpointFormatError(f"{where}: {proj}.{fmt.data} is {data.dtype} {data.shape}, expected {want_dtype} "
                                     f"{want_data} for {shape}")
-    if scale.dtype != np.float16 or scale.shape != want_scale:
-        raise CheckpointFormatError(f"{where}: {proj}.{blockquant.SCALE_SUFFIX} is {scale.dtype} {scale.shape}, "
-                                    f"expected float16 {want_scale}")
-    scale = _finite_scale(scale, f"{where}: {proj}.{blockquant.SCALE_SUFFIX}")
-    return Packed("q4" if q4 else "q8", shape, _aligned(data), scale)
+    if scale.dtype != scale_dtype or scale.shape != want_scale:
+        raise CheckpointFormatError(f"{where}: {proj}.{fmt.scale} is {scale.dtype} {scale.shape}, "
+                                    f"expected {scale_dtype} {want_scale}")
+    scale = _finite_scale(scale, f"{where}: {proj}.{fmt.scale}")
+    return Packed(fmt.kernel, shape, _aligned(data), scale)
 
 
-def _pack_mxfp4(blocks: np.ndarray, scales: np.ndarray | None, proj: str, shape: tuple[int, int], where: str,
-                allowed: bool) -> Packed:
+def _pack_mxfp4(fmt: formats.Format, blocks: np.ndarray, scales: np.ndarray | None, proj: str,
+                shape: tuple[int, int], where: str, allowed: bool) -> Packed:
     out_f, in_f = shape
+    group = fmt.block[1]
     if scales is None:
-        raise CheckpointFormatError(f"{where}: missing tensor {proj}.weight_scales beside {proj}.weight_blocks")
+        raise CheckpointFormatError(f"{where}: missing tensor {proj}.{fmt.scale} beside {proj}.{fmt.data}")
     if not allowed:
         raise CheckpointFormatError(f"{where}: {proj} is stored as MXFP4 blocks, but config.json declares no "
-                                    f"quantization_config with quant_method 'mxfp4'")
-    if in_f % MXFP4_GROUP:
+                                    f"quantization_config with quant_method {fmt.quant_method!r}")
+    if in_f % group:
         raise CheckpointFormatError(f"{where}: {proj} has {in_f} inputs, not a multiple of the MXFP4 group of "
-                                    f"{MXFP4_GROUP}")
-    groups = in_f // MXFP4_GROUP
-    want_blocks, want_scales = (out_f, groups, MXFP4_GROUP // 2), (out_f, groups)
+                                    f"{group}")
+    want_blocks, want_scales = fmt.data_shape(out_f, in_f), fmt.scale_shape(out_f, in_f)
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape != want_blocks \
             or scales.shape != want_scales:
         raise CheckpointFormatError(f"{where}: MXFP4 {proj}.weight_blocks {blocks.dtype} {blocks.shape} / "
@@ -245,11 +244,15 @@ def _pack_mxfp4(blocks: np.ndarray, scales: np.ndarray | None, proj: str, shape:
         raise CheckpointFormatError(f"{where}: {proj}.weight_scales has MXFP4 scale {top:#04x} "
                                     f"({'NaN' if top == 0xFF else 'its weights overflow float32'}; at most "
                                     f"{MXFP4_SCALE_MAX:#04x})")
-    return Packed("mxfp4", shape, _aligned(blocks), _aligned(scales))
+    return Packed(fmt.kernel, shape, _aligned(blocks), _aligned(scales))
 
 
+# The block formats' loaders, by kernel kind: the formats whose data tensor is not a plain `<proj>.weight` of the
+# weight's shape, or is int8 (a format added with scales of its own layout adds its loader here).
+_PACK_BLOCKS = {formats.INT8.kernel: _pack_block, formats.INT4.kernel: _pack_block,
+                formats.MXFP4.kernel: _pack_mxfp4}
 # The buffer each kind's data and scale are handed to the extension as (bf16 and fp8 have no buffer format).
-_RAW = {"bf16": np.uint16, "fp8": np.uint8}
+_RAW = {formats.BF16.kernel: np.uint16, formats.FP8.kernel: np.uint8}
 
 
 def matmul_t(x: np.ndarray, w: Packed) -> np.ndarray:
@@ -280,38 +283,27 @@ def _float32_rows(x: np.ndarray) -> np.ndarray:
 
 def matmul_t_reference(x: np.ndarray, w: Packed) -> np.ndarray:
     """The numpy reference of `matmul_t`: expands the weight, then one BLAS product (one row goes through gemv)."""
-    f = w.data if w.kind == "f32" else to_float32(w)
+    f = w.data if w.kind == formats.F32.kernel else to_float32(w)
     if x.shape[0] == 1:
         return (f @ x[0])[None, :]
     return x @ f.T
 
 
 def to_float32(w: Packed) -> np.ndarray:
-    """# Packed [out, in] -> [out, in] float32: the reference expansion (tests; never per use on the decode path)"""
-    if w.kind in ("f32", "f16", "bf16"):
-        return np.ascontiguousarray(w.data, dtype=np.float32)
-    if w.kind == "fp8":
-        return dequantize(w.data, w.scale, w.block)
-    if w.kind == "q8":
-        return blockquant.dequantize_q8(w.data, w.scale)
-    if w.kind == "q4":
-        return blockquant.dequantize_q4(w.data, w.scale)
-    if w.kind == "mxfp4":
-        return mxfp4_to_float32(w.data, w.scale)
-    raise CheckpointFormatError(f"unknown packed weight kind {w.kind!r}")
+    """# Packed [out, in] -> [out, in] float32: the reference expansion (tests; never per use on the decode path),
+    its format's numpy unpack (`shardtool.formats`)"""
+    fmt = formats.BY_KERNEL.get(w.kind)
+    if fmt is None:
+        raise CheckpointFormatError(f"unknown packed weight kind {w.kind!r}")
+    return fmt.unpack(w.data, w.scale, w.block)
 
 
 def from_float(w: np.ndarray, kind: str, block: tuple[int, int] = DEFAULT_BLOCK) -> Packed:
     """# [out, in] float -> that weight stored as `kind` (the formats' own quantizers): for tests and benchmarks."""
     shape = (w.shape[0], w.shape[1])
-    if kind in ("f32", "f16", "bf16"):
-        return Packed(kind, shape, np.ascontiguousarray(w, {"f32": np.float32, "f16": np.float16, "bf16": BF16}[kind]))
-    if kind == "fp8":
-        q, s = quantize_fp8(w, block)
-        return Packed(kind, shape, q, s, block)
-    if kind in ("q8", "q4"):
-        return Packed(kind, shape, *(blockquant.quantize_q8 if kind == "q8" else blockquant.quantize_q4)(w))
-    if kind == "mxfp4":
-        return Packed(kind, shape, *quantize_mxfp4(w))
-    raise ValueError(f"unknown packed weight kind {kind!r}")
+    fmt = formats.BY_KERNEL.get(kind)
+    if fmt is None:
+        raise ValueError(f"unknown packed weight kind {kind!r}")
+    data, scale = fmt.pack(w, block)
+    return Packed(kind, shape, data, scale, block if fmt.block_from_config else None)
 

@@ -12,14 +12,13 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from shardtool import blockquant
+from shardtool import formats
 from shardtool.errors import CheckpointFormatError
-from shardtool.families import EXPERT_PROJ_ALIASES, FUSED, MXFP4_GROUP, PER_EXPERT
+from shardtool.families import EXPERT_PROJ_ALIASES, FUSED, PER_EXPERT
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
-_EXPERT_SUFFIXES = ("weight", "weight_scale_inv", "bias", "weight_blocks", "weight_scales", blockquant.SCALE_SUFFIX,
-                    blockquant.Q4_SUFFIX)
+_EXPERT_SUFFIXES = (*formats.FORM_SUFFIXES, "bias")  # every stored form's tensors (shardtool.formats)
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _T = TypeVar("_T")
 
@@ -171,7 +170,7 @@ def _unfuse(layer: int, parts: Mapping[str, np.ndarray], layout: str) -> dict[in
 
 def _check_fused_shapes(layer: int, parts: Mapping[str, np.ndarray], n: int, transposed: bool) -> None:
     """Every fused part agrees with the intermediate and hidden sizes its down projection implies."""
-    group = MXFP4_GROUP
+    group = formats.MXFP4.block[1]
     if "down_proj" in parts:
         d = parts["down_proj"]
         if d.ndim != 3:

@@ -234,13 +234,14 @@ def _mxfp4_down(blocks: int, codes: int):
     return change
 
 
-def test_the_shape_check_reads_every_stored_form_blockquant_names():
+def test_the_shape_check_reads_every_stored_form_the_table_names():
+    from shardtool import formats
     from shardtool.checkpoint._expert_check import _WEIGHT_OF_FORM
-    from shardtool.families import MXFP4_GROUP
 
-    assert set(_WEIGHT_OF_FORM) == set(blockquant.FORM_DATA)
-    assert _WEIGHT_OF_FORM[blockquant.Q4_SUFFIX]((3, 16)) == (3, blockquant.QBLOCK)  # int4: two weights a byte
-    assert _WEIGHT_OF_FORM["weight_blocks"]((3, 2, MXFP4_GROUP // 2)) == (3, 2 * MXFP4_GROUP)
+    group = formats.MXFP4.block[1]
+    assert set(_WEIGHT_OF_FORM) == set(formats.FORM_DATA)
+    assert _WEIGHT_OF_FORM[formats.INT4.data]((3, 16)) == (3, blockquant.QBLOCK)  # int4: two weights a byte
+    assert _WEIGHT_OF_FORM["weight_blocks"]((3, 2, group // 2)) == (3, 2 * group)
 
 
 # (form, data dtype, the data tensor's stored shape for a [64, 96] weight, numpy dtype, the scale's numpy dtype)
@@ -365,7 +366,7 @@ def _add_beside_w1(suffix: str, dtype, width):
                                                   ("weight_scale", np.float16, lambda c: c // 32),
                                                   ("weight_scale_inv", np.float32, lambda c: 1)])
 def test_split_refuses_a_second_stored_form_beside_a_float_weight(make_tiny, tmp_path, suffix, dtype, width):
-    """The runtime's one-form rule (blockquant.form_tensors) applied while planning, not after signing."""
+    """The runtime's one-form rule (formats.stored) applied while planning, not after signing."""
     ck = altered(make_tiny("mixtral", **KNOBS), tmp_path, _add_beside_w1(suffix, dtype, width))
     refused(ck, tmp_path, "int8", f"experts.0.w1.{suffix}" if suffix != "weight_q4" else "more than one form")
 
@@ -374,10 +375,10 @@ def test_the_one_form_rule_has_one_home():
     from runtime._model import _packed
     from shardtool.checkpoint import _expert_check, _quantize
 
-    assert "blockquant.form_tensors(" not in Path(_quantize.__file__).read_text()  # it asks _expert_check
+    assert "formats.stored(" not in Path(_quantize.__file__).read_text()  # it asks _expert_check
     for module in (_packed, _expert_check):
         source = Path(module.__file__).read_text()
-        assert "blockquant.form_tensors(" in source and '"weight_scale_inv", ' not in source
+        assert "formats.stored(" in source and '"weight_scale_inv", ' not in source
 
 
 @pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.float64])
