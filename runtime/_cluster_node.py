@@ -116,7 +116,7 @@ def require_token_auth(ray, host: str, port: int, timeout: float) -> None:
     address = f"{host}:{port}"
 
     def ask(metadata) -> grpc.StatusCode:
-        with grpc.insecure_channel(f"{host.strip('[]')}:{port}") as channel:
+        with _gcs_channel(grpc, f"{host.strip('[]')}:{port}") as channel:
             stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
             try:
                 stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout, metadata=metadata)
@@ -137,6 +137,21 @@ def require_token_auth(ray, host: str, port: int, timeout: float) -> None:
         raise VerificationError(f"the Ray head at {address} refuses this process's token", hint=TOKEN_HINT)
     if with_token != grpc.StatusCode.OK:
         raise UnavailableError(f"the Ray head at {address} did not answer its GCS service: {with_token.name}")
+
+
+def _gcs_channel(grpc, target: str):
+    """A gRPC channel to the head's GCS without Ray's token interceptor: TLS when Ray uses it (RAY_USE_TLS and
+    RAY_TLS_SERVER_CERT/KEY/CA_CERT, as Ray's own channels are made), plaintext otherwise."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
+        return grpc.insecure_channel(target)
+    from ray._common.tls_utils import load_certs_from_env
+    try:
+        cert, key, ca = load_certs_from_env()
+    except (OSError, RuntimeError) as e:
+        raise UsageError(f"RAY_USE_TLS is set but its certificates cannot be read: {' '.join(str(e).split())[:200]}"
+                         ) from None
+    return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                                                     certificate_chain=cert))
 
 
 def init_ray(ray, address: str, timeout: float, *, insecure: bool = False) -> None:
