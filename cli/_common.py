@@ -107,14 +107,14 @@ def check_cluster_options(cluster: Optional[str], plan_file: Optional[Path], rem
 
     if (cluster is None) != (plan_file is None):
         raise UsageError("--cluster and --plan go together")
-    if cluster is not None and not plan_trust:
-        raise UsageError("--cluster needs --plan-trust OPERATOR.pub: the plan's signature is checked before it is used")
-    if cluster is None and (plan_trust or insecure):
-        raise UsageError("--plan-trust and --insecure-cluster need --cluster")
     if cluster is not None and not 1 <= len(cluster) <= 300:
         raise UsageError("--cluster must be the Ray head's HOST:PORT")
     if not math.isfinite(remote_timeout):
         raise UsageError(f"--remote-timeout must be a number of seconds, got {remote_timeout}")
+    if cluster is not None and not plan_trust:
+        raise UsageError("--cluster needs --plan-trust OPERATOR.pub: the plan's signature is checked before it is used")
+    if cluster is None and (plan_trust or insecure):
+        raise UsageError("--plan-trust and --insecure-cluster need --cluster")
 
 
 CACHE_POLICY_HELP = ("Which cached shard is evicted first: lru, lfu or lfu-da (LFU with dynamic aging); default: "

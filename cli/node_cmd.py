@@ -30,7 +30,7 @@ def node(
     plan_file: Path = typer.Option(..., "--plan", help="The cluster plan (shardtool plan), signed (PLAN.sig)."),
     plan_trust: List[Path] = typer.Option([], "--plan-trust", help=PLAN_TRUST_HELP),
     name: str = typer.Option(..., "--name", help="This node's name in the plan."),
-    node_key: Path = typer.Option(..., "--node-key", help="This node's private key (shardtool keygen): the plan must "
+    node_key: Optional[Path] = typer.Option(None, "--node-key", help="This node's private key (shardtool keygen): the plan must "
                                                           "name its .pub for --name; it signs every answer."),
     node_passphrase_file: Optional[Path] = typer.Option(None, "--node-passphrase-file",
                                                         help="Passphrase of --node-key."),
@@ -61,10 +61,12 @@ def node(
     budget = parse_size(memory_budget)
     if not address or len(address) > 300:
         raise UsageError("--address must be the Ray head's HOST:PORT")
-    if not plan_trust:
-        raise UsageError("give --plan-trust OPERATOR.pub: the plan's signature is checked before it is used")
     check_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout)
     policy = check_cache_policy(cache_policy)
+    if not plan_trust:
+        raise UsageError("give --plan-trust OPERATOR.pub: the plan's signature is checked before it is used")
+    if node_key is None:
+        raise UsageError("give --node-key NAME.key: the node signs every answer with the key the plan names for it")
     trusted = load_trusted(trust)
     operators = load_trusted(plan_trust)
     key = load_operator_key(node_key, node_passphrase_file, option="--node-passphrase-file")
