@@ -131,7 +131,9 @@ def require_token_auth(ray, host: str, port: int, timeout: float) -> None:
                                 hint="start the head with RAY_AUTH_MODE=token (docs/scaling.md), or pass "
                                      "--insecure-cluster to accept it anyway")
     if without != grpc.StatusCode.UNAUTHENTICATED:
-        raise UnavailableError(f"the Ray head at {address} did not answer its GCS service: {without.name}")
+        raise UnavailableError(f"the Ray head at {address} did not answer its GCS service: {without.name}",
+                               hint="a head started with RAY_USE_TLS=1 needs RAY_USE_TLS=1 and RAY_TLS_SERVER_CERT, "
+                                    "RAY_TLS_SERVER_KEY, RAY_TLS_CA_CERT here too")
     with_token = ask((("authorization", "Bearer " + token),))
     if with_token == grpc.StatusCode.UNAUTHENTICATED:
         raise VerificationError(f"the Ray head at {address} refuses this process's token", hint=TOKEN_HINT)

@@ -260,3 +260,37 @@ def test_cluster_head_without_token_auth_is_refused_unless_insecure(cluster, tmp
             node.stop()
     finally:
         head.stop()
+
+
+JOIN = """
+import sys, ray
+from shardtool.errors import ShardtoolError
+from shardtool.runtime._cluster_node import init_ray
+try:
+    init_ray(ray, sys.argv[1], 10.0)
+    print("JOINED", ray.get(ray.remote(lambda: 41 + 1).remote()))
+except ShardtoolError as e:
+    print("REFUSED", e.one_line())
+"""
+
+
+def test_cluster_tls_head_with_token_is_joined_and_a_plaintext_client_refused(tmp_path):
+    """Ray's TLS (RAY_USE_TLS) with token auth: shardtool's check and Ray both speak TLS to the head; a client
+    without TLS is refused."""
+    from ray._common.tls_utils import generate_self_signed_tls_certs
+
+    cert, key = generate_self_signed_tls_certs()
+    (tmp_path / "cert.pem").write_text(cert)
+    (tmp_path / "key.pem").write_text(key)
+    tls = {"RAY_USE_TLS": "1", "RAY_TLS_SERVER_CERT": str(tmp_path / "cert.pem"),
+           "RAY_TLS_SERVER_KEY": str(tmp_path / "key.pem"), "RAY_TLS_CA_CERT": str(tmp_path / "cert.pem")}
+    head = ck.Head.start(tmp_path, extra_env=tls)
+    try:
+        def join(env):
+            return subprocess.run([sys.executable, "-c", JOIN, head.address], capture_output=True, text=True,
+                                  env=env, timeout=180, stdin=subprocess.DEVNULL).stdout
+        assert "JOINED 42" in join({**ck.env(tmp_path), **tls})
+        plain = join(ck.env(tmp_path))
+        assert "REFUSED" in plain and "RAY_USE_TLS" in plain, plain
+    finally:
+        head.stop()

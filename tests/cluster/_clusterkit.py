@@ -230,7 +230,7 @@ class Head:
     groups: list[int] = field(default_factory=list)
 
     @classmethod
-    def start(cls, work: Path, *, auth: bool = True) -> "Head":
+    def start(cls, work: Path, *, auth: bool = True, extra_env: dict[str, str] | None = None) -> "Head":
         # A short path: Ray's unix socket paths below it must stay under the kernel's 107-byte limit.
         temp = Path(tempfile.mkdtemp(prefix="st-ray-", dir="/tmp"))
         port = free_port()
@@ -241,7 +241,7 @@ class Head:
                 "--metrics-export-port", str(free_port()), "--runtime-env-agent-port", str(free_port()),
                 "--dashboard-agent-grpc-port", str(free_port())]
         proc = start(argv, work / "ray-head.log", work, token=auth,
-                     extra_env={"RAY_AUTH_MODE": "token" if auth else "disabled"})
+                     extra_env={"RAY_AUTH_MODE": "token" if auth else "disabled", **(extra_env or {})})
         head = cls(proc, f"127.0.0.1:{port}", temp, [proc.pgid])
         proc.wait_for(r"Ray runtime started", 180)
         return head
