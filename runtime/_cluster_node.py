@@ -94,7 +94,7 @@ TOKEN_HINT = ("give this process the head's token: RAY_AUTH_TOKEN_PATH=FILE (or 
               "and start the head with RAY_AUTH_MODE=token")
 
 
-def require_token_auth(ray, host: str, port: int, timeout: float) -> None:
+def require_token_auth(host: str, port: int, timeout: float) -> None:
     """Ray's token authentication on, for this process and the head at host:port: RAY_AUTH_MODE must be unset or
     "token", Ray must find a token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), and the head's GCS
     must refuse a request that carries no token and accept one with this token (checked with a raw gRPC
@@ -165,7 +165,7 @@ def init_ray(ray, address: str, timeout: float, *, insecure: bool = False) -> No
     if insecure:
         print(INSECURE_WARNING.format(address=address), file=sys.stderr, flush=True)
     else:
-        require_token_auth(ray, host, port, timeout)
+        require_token_auth(host, port, timeout)
     main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
