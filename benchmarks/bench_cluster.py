@@ -22,6 +22,7 @@ import functools
 import json
 import math
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -257,13 +258,20 @@ def build_loopback(work: Path) -> None:
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    sh(VENV_BIN / "shardtool", "keygen", "--out", "a", "--no-passphrase", cwd=work)
+    # The head enforces Ray's token (RAY_AUTH_MODE=token), as the commands require; every process here gives it.
+    token = work / "ray-token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    RAY_ENV.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    for key in ("a", "op", *(f"node-{n}" for n in LOOP_NODES)):  # publisher, operator (signs the plan), nodes
+        sh(VENV_BIN / "shardtool", "keygen", "--out", key, "--no-passphrase", cwd=work)
     make_mixtral_without_eos(work / "hf", LOOP_MODEL)
     sh(VENV_BIN / "shardtool", "split", "-q", work / "hf", work / "full", "--model-id", LOOP_MODEL_ID, "--version", "1",
        cwd=work)
     sh(VENV_BIN / "shardtool", "sign", work / "full", "--key", "a.key", cwd=work)
     sh(VENV_BIN / "shardtool", "plan", work / "full", "--trust", "a.pub", "--state-dir", work / "plan-state",
-       *[x for n in LOOP_NODES for x in ("--node", f"{n}={LOOP_NODE_BUDGET}")], "--out", work / "plan.json", cwd=work)
+       *[x for n in LOOP_NODES for x in ("--node", f"{n}={LOOP_NODE_BUDGET},key=node-{n}.pub")], "--out",
+       work / "plan.json", "--sign-key", "op.key", cwd=work)
     verified = load_trusted_manifest(work / "full" / "manifest.msgpack", [load_public_key(work / "a.pub")], 1,
                                      work / "plan-state")
     plan = load_plan(work / "plan.json", verified)
@@ -325,7 +333,7 @@ def one_run(work: Path, directory: str, tokens: int, *, cluster: str | None, bud
             "--model-id", LOOP_MODEL_ID, "--prompt-ids", LOOP_PROMPT_IDS, "--max-new-tokens", str(tokens), "--print-ids", "-q",
             "--memory-budget", str(budget), "--readers", "1", "--json-report", report]
     if cluster:
-        argv += ["--cluster", cluster, "--plan", work / "plan.json"]
+        argv += ["--cluster", cluster, "--plan", work / "plan.json", "--plan-trust", work / "op.pub"]
     proc = subprocess.Popen([str(a) for a in argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=work,
                             env={**os.environ, **RAY_ENV, "XDG_STATE_HOME": str(work)}, stdin=subprocess.DEVNULL)
     stamps, text = [], ""
@@ -362,6 +370,7 @@ def measure_loopback(work: Path, repeats: int, tokens: int) -> dict:
         for name in LOOP_NODES:
             nodes.append(Group([VENV_BIN / "shardtool", "node", work / f"node-{name}", "--trust", work / "a.pub",
                                 "--state-dir", work / f"state-{name}", "--plan", work / "plan.json", "--name", name,
+                                "--plan-trust", work / "op.pub", "--node-key", work / f"node-{name}.key",
                                 "--memory-budget", LOOP_NODE_BUDGET, "--address", address, "--readers", "1"],
                                work / f"node-{name}.log", work))
         for name, node in zip(LOOP_NODES, nodes):

@@ -101,8 +101,15 @@ def load_trusted(paths: list[Path]) -> list:
     return [load_public_key(p) for p in paths]
 
 
-def check_cluster_options(cluster: Optional[str], plan_file: Optional[Path], remote_timeout: float) -> None:
-    """verify-and-run's and serve's --cluster, --plan and --remote-timeout, before anything is read."""
+PLAN_TRUST_HELP = "Operator public key the cluster plan's signature (PLAN.sig) must verify with (repeatable)."
+INSECURE_CLUSTER_HELP = ("Use a Ray head that does not enforce token authentication (RAY_AUTH_MODE=token): anyone "
+                         "who reaches it could join and run code here. Warns on every start.")
+
+
+def check_cluster_options(cluster: Optional[str], plan_file: Optional[Path], remote_timeout: float,
+                          plan_trust: list[Path] | None = None, insecure: bool = False) -> None:
+    """verify-and-run's and serve's --cluster, --plan, --plan-trust, --insecure-cluster and --remote-timeout,
+    before anything is read."""
     import math
 
     if (cluster is None) != (plan_file is None):
@@ -111,6 +118,10 @@ def check_cluster_options(cluster: Optional[str], plan_file: Optional[Path], rem
         raise UsageError("--cluster must be the Ray head's HOST:PORT")
     if not math.isfinite(remote_timeout):
         raise UsageError(f"--remote-timeout must be a number of seconds, got {remote_timeout}")
+    if cluster is not None and not plan_trust:
+        raise UsageError("--cluster needs --plan-trust OPERATOR.pub: the plan's signature is checked before it is used")
+    if cluster is None and (plan_trust or insecure):
+        raise UsageError("--plan-trust and --insecure-cluster need --cluster")
 
 
 CACHE_POLICY_HELP = ("Which cached shard is evicted first: lru, lfu or lfu-da (LFU with dynamic aging); default: "
@@ -132,13 +143,13 @@ LOOKAHEAD_HELP = ("Predict each next layer's experts with its router and start r
                   "halve the time waiting for shards (benchmarks/bench_runtime.py part e).")
 
 
-def load_operator_key(key: Path, passphrase_file: Optional[Path]):
-    """The operator's private key that signs run receipts (verify-and-run and serve), loaded at start: a
-    missing file, a wrong passphrase or a malformed key fails here, before any work."""
+def load_operator_key(key: Path, passphrase_file: Optional[Path], option: str = "--receipt-passphrase-file"):
+    """The operator's private key that signs run receipts (verify-and-run and serve) or a cluster plan (plan), or a
+    node's key (node), loaded at start: a missing file, a wrong passphrase or a malformed key fails here, before
+    any work. `option`: the command's name for the passphrase file."""
     from shardtool.cli._passphrase import get_passphrase
     from shardtool.keys import load_private_key
-    return load_private_key(key, lambda: get_passphrase(passphrase_file, new_key=False,
-                                                          option="--receipt-passphrase-file"))
+    return load_private_key(key, lambda: get_passphrase(passphrase_file, new_key=False, option=option))
 
 
 def unpinned_warning(model_id: str) -> str:

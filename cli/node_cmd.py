@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from shardtool.cli._common import CACHE_POLICY_HELP
+from shardtool.cli._common import CACHE_POLICY_HELP, INSECURE_CLUSTER_HELP, PLAN_TRUST_HELP
 from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP
 from shardtool.errors import UnavailableError, UsageError
 
@@ -27,8 +27,14 @@ def node(
                                                           "config.json and the manifest; or --remote."),
     trust: List[Path] = typer.Option([], "--trust", help="Trusted public key (repeatable)."),
     threshold: int = typer.Option(1, "--threshold", help="Distinct trusted keys that must have signed."),
-    plan_file: Path = typer.Option(..., "--plan", help="The cluster plan (shardtool plan)."),
+    plan_file: Path = typer.Option(..., "--plan", help="The cluster plan (shardtool plan), signed (PLAN.sig)."),
+    plan_trust: List[Path] = typer.Option([], "--plan-trust", help=PLAN_TRUST_HELP),
     name: str = typer.Option(..., "--name", help="This node's name in the plan."),
+    node_key: Optional[Path] = typer.Option(None, "--node-key", help="This node's private key (shardtool keygen): the plan must "
+                                                          "name its .pub for --name; it signs every answer."),
+    node_passphrase_file: Optional[Path] = typer.Option(None, "--node-passphrase-file",
+                                                        help="Passphrase of --node-key."),
+    insecure_cluster: bool = typer.Option(False, "--insecure-cluster", help=INSECURE_CLUSTER_HELP),
     memory_budget: str = typer.Option(..., "--memory-budget", help="Cached verified experts + working buffers."),
     address: str = typer.Option(..., "--address", help="The Ray cluster to join, HOST:PORT of its head (run "
                                                        "`ray start --address HOST:PORT` on this machine first when it "
@@ -49,7 +55,7 @@ def node(
 ) -> None:
     """Verify the manifest and the plan, check every planned file (a missing or bad one: refuse to join, exit 1),
     then serve this node's experts to the cluster's coordinator; every load verified, also after eviction."""
-    from shardtool.cli._common import check_cache_policy, load_trusted, parse_size, say
+    from shardtool.cli._common import check_cache_policy, load_operator_key, load_trusted, parse_size, say
     from shardtool.cli._source import check_source, open_source
 
     budget = parse_size(memory_budget)
@@ -57,23 +63,29 @@ def node(
         raise UsageError("--address must be the Ray head's HOST:PORT")
     check_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout)
     policy = check_cache_policy(cache_policy)
+    if not plan_trust:
+        raise UsageError("give --plan-trust OPERATOR.pub: the plan's signature is checked before it is used")
+    if node_key is None:
+        raise UsageError("give --node-key NAME.key: the node signs every answer with the key the plan names for it")
     trusted = load_trusted(trust)
-    from shardtool.runtime import (DEFAULT_CACHE_POLICY, NODE_CONFIG, leave_cluster, load_plan, node_alive,
+    operators = load_trusted(plan_trust)
+    key = load_operator_key(node_key, node_passphrase_file, option="--node-passphrase-file")
+    from shardtool.runtime import (DEFAULT_CACHE_POLICY, NODE_CONFIG, leave_cluster, load_signed_plan, node_alive,
                                    prepare_node, serve_node)
 
     # With --remote only config.json is fetched now; the node's actor fetches each planned expert when first asked.
     source = open_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout, trusted, threshold,
                          state_dir, expect_model, eager=lambda e: e.path == NODE_CONFIG, lazy=False)
     directory, verified = source.directory, source.manifest
-    plan = load_plan(plan_file, verified)
+    plan = load_signed_plan(plan_file, verified, operators)
 
-    setup = prepare_node(directory, verified, plan, name, budget=budget, readers=readers, remote=source.spec,
-                         cache_policy=policy or DEFAULT_CACHE_POLICY)
+    setup = prepare_node(directory, verified, plan, name, budget=budget, key=key, readers=readers,
+                         remote=source.spec, cache_policy=policy or DEFAULT_CACHE_POLICY)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     actor = None
     try:
-        actor, info = serve_node(setup, address, timeout=join_timeout)
+        actor, info = serve_node(setup, address, timeout=join_timeout, insecure=insecure_cluster)
         say(f"node {name} ready: {len(info['experts'])} experts of {verified.head.model_id} "
             f"v{verified.head.version} (root {info['root'][:16]}...) in the Ray cluster at {address}; shard cache "
             f"policy {setup.cache_policy}")

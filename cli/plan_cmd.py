@@ -20,22 +20,26 @@ def register(app: typer.Typer) -> None:
     app.command("plan")(plan)
 
 
-def parse_node(text: str) -> tuple[str, int, int | None]:
-    """'NAME=BUDGET[,disk=SIZE]' -> (name, memory budget, disk or None); sizes as --memory-budget takes them."""
+def parse_node(text: str) -> tuple[str, int, int | None, Path | None]:
+    """'NAME=BUDGET[,disk=SIZE][,key=N.pub]' -> (name, memory budget, disk or None, key file or None); sizes as
+    --memory-budget takes them."""
     from shardtool.runtime import NODE_NAME_PATTERN as NAME_PATTERN
 
     head, sep, rest = text[:MAX_NODE_TEXT + 1].partition("=")
     if len(text) > MAX_NODE_TEXT or not sep or not re.fullmatch(NAME_PATTERN, head, re.ASCII):
-        raise UsageError(f"--node {text[:40]!r} is not NAME=BUDGET[,disk=SIZE] with NAME matching {NAME_PATTERN} "
-                         f"(example: --node a=64GiB,disk=2TB)")
+        raise UsageError(f"--node {text[:40]!r} is not NAME=BUDGET[,disk=SIZE][,key=N.pub] with NAME matching "
+                         f"{NAME_PATTERN} (example: --node a=64GiB,disk=2TB,key=a.pub)")
     budget, *options = rest.split(",")
-    disk = None
+    disk = key_file = None
     for option in options:
         key, sep, value = option.partition("=")
-        if key.strip() != "disk" or not sep or disk is not None:
-            raise UsageError(f"--node {head}: {option[:40]!r} is not disk=SIZE (the only option, given once)")
-        disk = parse_size(value, f"--node {head} disk")
-    return head, parse_size(budget, f"--node {head}"), disk
+        if not sep or key.strip() not in ("disk", "key") or (disk, key_file)[key.strip() == "key"] is not None:
+            raise UsageError(f"--node {head}: {option[:40]!r} is not disk=SIZE or key=FILE (each given once)")
+        if key.strip() == "disk":
+            disk = parse_size(value, f"--node {head} disk")
+        else:
+            key_file = Path(value)
+    return head, parse_size(budget, f"--node {head}"), disk, key_file
 
 
 def plan(
@@ -46,32 +50,54 @@ def plan(
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Rollback state directory."),
     expect_model: Optional[str] = typer.Option(
         None, "--model-id", help="Refuse a manifest signed for any other model (the publisher may sign several)."),
-    node: List[str] = typer.Option([], "--node", help="NAME=BUDGET[,disk=SIZE] (repeatable, in plan order): "
-                                                      "memory budget and disk of one node."),
+    node: List[str] = typer.Option([], "--node", help="NAME=BUDGET[,disk=SIZE][,key=N.pub] (repeatable, in plan "
+                                                      "order): memory budget, disk and public key of one node."),
     replicas: int = typer.Option(1, "--replicas", min=1, max=16, help="Copies of each expert, on distinct nodes."),
     disk_gbps: float = typer.Option(2.0, "--disk-gbps", min=0.001, max=1e6, help=DISK_GBPS_HELP),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the plan here (atomically)."),
+    sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Operator private key: sign the plan (PLAN.sig "
+                                                                     "beside --out; a cluster uses only a signed plan "
+                                                                     "whose nodes all have key=)."),
+    passphrase_file: Optional[Path] = typer.Option(None, "--passphrase-file", help="Passphrase of --sign-key."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as one JSON document on stdout."),
 ) -> None:
     """Verify DIR's manifest, then place R copies of every expert on the nodes in proportion to their budgets."""
     from shardtool.atomic import atomic_write_bytes
     from shardtool.manifest import load_trusted_manifest
-    from shardtool.runtime import encode_plan, make_plan, summarize
+    from shardtool.keys import load_public_key
+    from shardtool.runtime import encode_plan, make_plan, sign_plan, signature_path, summarize
 
     # Every option is checked before anything is read.
     if not node:
-        raise UsageError("give at least one --node NAME=BUDGET[,disk=SIZE]")
-    nodes = [parse_node(n) for n in node]
+        raise UsageError("give at least one --node NAME=BUDGET[,disk=SIZE][,key=N.pub]")
+    parsed = [parse_node(n) for n in node]
+    nodes = [(name, budget, disk) for name, budget, disk, _ in parsed]
+    if sign_key is not None and out is None:
+        raise UsageError("--sign-key needs --out (the signature is written beside the plan)")
+    if sign_key is None and passphrase_file is not None:
+        raise UsageError("--passphrase-file needs --sign-key")
+    if sign_key is not None and any(key is None for *_, key in parsed):
+        name = next(n for n, *_, key in parsed if key is None)
+        raise UsageError(f"--node {name} has no key=N.pub: a signed plan names every node's key")
     if not math.isfinite(disk_gbps):
         raise UsageError(f"--disk-gbps must be a finite number > 0, got {disk_gbps}")
     directory = model_dir(directory)
     trusted = load_trusted(trust)
+    keys = {name: load_public_key(key) for name, _, _, key in parsed if key is not None}
+    operator = None
+    if sign_key is not None:  # before any work: a wrong key or passphrase fails here
+        from shardtool.cli._common import load_operator_key
+        operator = load_operator_key(sign_key, passphrase_file, option="--passphrase-file")
     verified = load_trusted_manifest(manifest_path(directory, manifest_file), trusted, threshold, state_dir,
                                      model_id=expect_model)
-    made = make_plan(verified, nodes, replicas)
+    made = make_plan(verified, nodes, replicas, keys)
     summary = summarize(made, verified, disk_gbps)
     if out is not None:
-        atomic_write_bytes(out, encode_plan(made))
+        data = encode_plan(made)
+        if operator is not None:
+            atomic_write_bytes(signature_path(out), sign_plan(data, operator))
+            summary["signature"] = str(signature_path(out))
+        atomic_write_bytes(out, data)
         summary["plan"] = str(out)
     if json_out:
         emit_json(summary)

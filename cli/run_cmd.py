@@ -10,7 +10,8 @@ from typing import List, Optional
 
 import typer
 
-from shardtool.cli._common import (CACHE_POLICY_HELP, LOOKAHEAD_HELP, check_cache_policy, check_cluster_options,
+from shardtool.cli._common import (CACHE_POLICY_HELP, INSECURE_CLUSTER_HELP, LOOKAHEAD_HELP, PLAN_TRUST_HELP,
+                                   check_cache_policy, check_cluster_options,
                                    keep_freed_memory, parse_size, run_app, say, set_compute_threads,
                                    share_gil_with_readers)
 from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP, check_source, open_source
@@ -108,6 +109,8 @@ def verify_and_run(
                                                                   "compute the routed experts (needs --plan)."),
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="The cluster plan (shardtool plan); DIR then needs "
                                                                   "only its coordinator files."),
+    plan_trust: List[Path] = typer.Option([], "--plan-trust", help=PLAN_TRUST_HELP),
+    insecure_cluster: bool = typer.Option(False, "--insecure-cluster", help=INSECURE_CLUSTER_HELP),
     remote_timeout: float = typer.Option(30.0, "--remote-timeout", min=0.1, max=3600.0,
                                          help="Seconds a node has to answer one call before its replica is asked."),
     remote_store: List[str] = typer.Option([], "--remote", help=REMOTE_HELP),
@@ -134,7 +137,7 @@ def verify_and_run(
         raise UsageError("--trace-out and --receipt-passphrase-file need --receipt-key")
     if max_new_tokens == 0 and receipt_key is not None:
         raise UsageError("a receipt covers an answer: --max-new-tokens must be at least 1 with --receipt-key")
-    check_cluster_options(cluster, plan_file, remote_timeout)
+    check_cluster_options(cluster, plan_file, remote_timeout, plan_trust, insecure_cluster)
     check_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout)
     operator_key = None
     if receipt_key is not None:  # before any work: a wrong key or passphrase fails here, not after generating
@@ -144,7 +147,7 @@ def verify_and_run(
     keep_freed_memory()
     if lookahead:
         share_gil_with_readers()
-    from shardtool.runtime import (DEFAULT_CACHE_POLICY, Session, connect_cluster, encode_prompt, load_plan,
+    from shardtool.runtime import (DEFAULT_CACHE_POLICY, Session, connect_cluster, encode_prompt, load_signed_plan,
                                    load_tokenizer, make_receipt)
     policy = check_cache_policy(cache_policy) or DEFAULT_CACHE_POLICY
 
@@ -162,7 +165,8 @@ def verify_and_run(
             if not ids:
                 raise UsageError("--prompt encodes to no tokens")
         if cluster is not None:
-            remote = connect_cluster(cluster, load_plan(plan_file, verified), timeout=remote_timeout)
+            remote = connect_cluster(cluster, load_signed_plan(plan_file, verified, load_trusted(plan_trust)),
+                                         timeout=remote_timeout, insecure=insecure_cluster)
         # The KV cache is sized (and budgeted) for exactly this prompt plus the new tokens: a sequence the budget
         # cannot hold is refused here, before the first token.
         session = Session(directory, verified, budget=budget, max_tokens=len(ids) + max_new_tokens, readers=readers,

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import typer
 
-from shardtool.cli._common import CACHE_POLICY_HELP, LOOKAHEAD_HELP
+from shardtool.cli._common import CACHE_POLICY_HELP, INSECURE_CLUSTER_HELP, LOOKAHEAD_HELP, PLAN_TRUST_HELP
 from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP
 from shardtool.errors import UsageError
 
@@ -61,6 +61,8 @@ def serve(
                                                                   "compute the routed experts (needs --plan)."),
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="The cluster plan (shardtool plan); DIR then needs "
                                                                   "only its coordinator files."),
+    plan_trust: List[Path] = typer.Option([], "--plan-trust", help=PLAN_TRUST_HELP),
+    insecure_cluster: bool = typer.Option(False, "--insecure-cluster", help=INSECURE_CLUSTER_HELP),
     remote_timeout: float = typer.Option(30.0, "--remote-timeout", min=0.1, max=3600.0,
                                          help="Seconds a node has to answer one call before its replica is asked."),
     remote_store: List[str] = typer.Option([], "--remote", help=REMOTE_HELP),
@@ -83,7 +85,7 @@ def serve(
     receipt_bytes = parse_size(max_receipt_bytes, "--max-receipt-bytes")
     if not math.isfinite(read_timeout):
         raise UsageError(f"--read-timeout must be a number of seconds, got {read_timeout}")
-    check_cluster_options(cluster, plan_file, remote_timeout)
+    check_cluster_options(cluster, plan_file, remote_timeout, plan_trust, insecure_cluster)
     check_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout)
     if receipt_key is None and receipt_passphrase_file is not None:
         raise UsageError("--receipt-passphrase-file needs --receipt-key")
@@ -95,7 +97,7 @@ def serve(
     if lookahead:
         share_gil_with_readers()
 
-    from shardtool.runtime import DEFAULT_CACHE_POLICY, Engine, connect_cluster, load_plan  # loads numpy
+    from shardtool.runtime import DEFAULT_CACHE_POLICY, Engine, connect_cluster, load_signed_plan  # loads numpy
     policy = check_cache_policy(cache_policy) or DEFAULT_CACHE_POLICY
     from shardtool.serve import (ChatTemplate, Limits, ReceiptSigner, ServerSettings, Stopped, bind, create_app, run,
                                  stop_on_signals, url_of)
@@ -112,7 +114,8 @@ def serve(
             verified = source.manifest
             model_id = verified.head.model_id
             if cluster is not None:
-                remote = connect_cluster(cluster, load_plan(plan_file, verified), timeout=remote_timeout)
+                remote = connect_cluster(cluster, load_signed_plan(plan_file, verified, load_trusted(plan_trust)),
+                                         timeout=remote_timeout, insecure=insecure_cluster)
             engine = Engine(source.directory, verified, budget=budget, max_batch=max_batch, max_queue=max_queue,
                             kv_cache=kv_bytes, max_context=max_context, readers=readers, remote=remote,
                             fetch_missing=source.fetch_missing, cache_policy=policy, lookahead=lookahead)

@@ -1,9 +1,11 @@
 """The coordinator's side of a cluster: each MoE layer's routed experts computed by the nodes that hold them.
 
 Per layer, every needed expert goes to one live node of its replicas (spread over them by expert id); each node
-gets one call with the rows its experts need, all nodes in parallel. Every call has a time-out. A reply must name the
-node asked and the coordinator's manifest root, and carry exactly the requested experts' outputs, each
-[t_e, H] float32; anything else counts as that node failing. A node that fails (died, timed out, refused, answered
+gets one call with the rows its experts need, all nodes in parallel. Every call has a time-out and a fresh nonce.
+A reply must be signed by the key the operator's signed plan names for the node asked (checked first, before its
+body is parsed), its body must name that node, the coordinator's manifest root, the call's nonce, layer and experts,
+and it must carry exactly the requested experts' outputs, each [t_e, H] float32 with the BLAKE3 the body signs;
+anything else (an impostor, another node's reply, a replay, a garbled answer) counts as that node failing. A node that fails (died, timed out, refused, answered
 wrongly) is dropped for the rest of the run; an expert a node reports failed (its shard failed verification there)
 is not asked of that node again. Either way its experts are retried on their next replica; an expert with no
 replica left raises `UnavailableError` for the rows that chose it only (the engine fails just those requests).
@@ -23,16 +25,21 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from shardtool.errors import ShardtoolError, UnavailableError, UsageError
-from shardtool.manifest import VerifiedManifest
-from shardtool.runtime._cluster_plan import MAX_PLAN_BYTES, ClusterPlan, decode_plan
-from shardtool.runtime._cluster_node import NAMESPACE, is_int, actor_name, import_ray, init_ray
+from shardtool.errors import ShardtoolError, SignatureError, UnavailableError, UsageError
+from shardtool.keys import PublicKey
+from shardtool.manifest import VerifiedManifest, pae
+from shardtool.runtime._cluster_plan import (MAX_PLAN_BYTES, MAX_SIGNATURE_FILE, ClusterPlan, decode_plan,
+                                             open_signed_plan)
+from shardtool.runtime._cluster_node import (INFO_TYPE, NAMESPACE, NONCE, REPLY_TYPE, actor_name, import_ray, init_ray,
+                                             is_int, new_nonce, output_digest)
 from shardtool.runtime._model import ExpertFetch, ExpertOutputs
 from shardtool.safeio import read_regular
+from shardtool.strict_json import loads_strict
 from shardtool.text import printable
 
 DEFAULT_TIMEOUT = 30.0
 MAX_INFO_ENTRIES = 1 << 20  # [layer, expert] pairs (or failures) one node's info() may list
+MAX_BODY_BYTES = 64 * 2**20  # one signed answer's body (an info() listing every expert of a large model fits)
 _FAILED_KEY = re.compile(r"[0-9]{1,5}/[0-9]{1,7}")
 
 
@@ -43,12 +50,12 @@ class NodeFailed(Exception):
 class Transport(Protocol):
     """How calls reach nodes (Ray actors in production, plain objects in unit tests)."""
 
-    def info(self, node: str, timeout: float) -> dict:
-        """The node's info(); raises NodeFailed."""
+    def info(self, node: str, nonce: str, timeout: float) -> dict:
+        """The node's signed info(nonce); raises NodeFailed."""
         ...
 
     def submit(self, node: str, layer: int, expert_ids: list[int], x: np.ndarray,
-               rows: dict[int, np.ndarray]) -> object:
+               rows: dict[int, np.ndarray], nonce: str) -> object:
         """Start a call; returns a pending handle for `result`. Raises NodeFailed when it cannot start."""
         ...
 
@@ -73,9 +80,16 @@ class ClusterStats:
 class RemoteExperts:
     """`fetch(layer)` is the forward pass's ExpertFetch for a cluster (`Float32Weights(remote=...)`)."""
 
-    def __init__(self, placement: Mapping[tuple[int, int], Sequence[str]], root: bytes, transport: Transport, *, timeout: float = DEFAULT_TIMEOUT, log: Callable[[str], None] | None = None):
-        """`placement`: (layer, expert) -> the nodes holding it, in the order they are tried."""
+    def __init__(self, placement: Mapping[tuple[int, int], Sequence[str]], root: bytes, transport: Transport, *,
+                 keys: Mapping[str, PublicKey], timeout: float = DEFAULT_TIMEOUT,
+                 log: Callable[[str], None] | None = None):
+        """`placement`: (layer, expert) -> the nodes holding it, in the order they are tried; `keys`: node -> the
+        key its answers must be signed with (from the operator-signed plan)."""
         self.placement = {key: tuple(nodes) for key, nodes in placement.items()}
+        unkeyed = sorted({n for nodes in self.placement.values() for n in nodes} - set(keys))
+        if unkeyed:
+            raise UsageError(f"no key for node {unkeyed[0]}: every node's answers are checked against its key")
+        self.keys = dict(keys)
         self.root = root.hex()
         self.transport = transport
         self.timeout = timeout
@@ -95,8 +109,8 @@ class RemoteExperts:
         infos = {}
         for node in self.nodes:
             try:
-                info = self.transport.info(node, self.timeout)
-                self._check_info(node, info)
+                nonce = new_nonce()
+                info = self._check_info(node, self.transport.info(node, nonce, self.timeout), nonce)
             except NodeFailed as e:
                 self._drop(node, str(e))
                 continue
@@ -108,21 +122,43 @@ class RemoteExperts:
                                        f"{', '.join(nodes)})", hint="start the missing nodes, or plan more replicas")
         return infos
 
-    def _check_identity(self, node: str, doc, what: str) -> None:
-        """An info() or a reply must be a mapping that names the node asked and this coordinator's root."""
+    def _open(self, node: str, answer, payload_type: str, nonce: str, what: str, extra: tuple[str, ...] = ()) -> dict:
+        """A node's signed answer -> its body, once the signature verifies with the plan's key for `node` (before
+        the body is parsed) and the body names `node`, this coordinator's root and the call's `nonce`."""
+        if (not isinstance(answer, dict) or set(answer) != {"body", "signature", *extra}
+                or type(answer["body"]) is not bytes or type(answer["signature"]) is not bytes):
+            raise NodeFailed(f"{what} is not a signed answer (a mapping of body and signature bytes"
+                             f"{' and ' + ', '.join(extra) if extra else ''}): refused")
+        body = answer["body"]
+        if len(body) > MAX_BODY_BYTES:
+            raise NodeFailed(f"{what} has a {len(body)}-byte body, at most {MAX_BODY_BYTES}: refused")
+        key = self.keys[node]
+        try:
+            key.verify(answer["signature"], pae(payload_type, body))
+        except SignatureError:
+            raise NodeFailed(f"{what} is not signed by node {node}'s key in the plan (key ID {key.keyid}): an "
+                             f"impostor or another node answering under its name: refused") from None
+        try:
+            doc = loads_strict(body)
+        except ShardtoolError:
+            doc = None
         if not isinstance(doc, dict):
-            raise NodeFailed(f"{what} with a {type(doc).__name__}: refused")
+            raise NodeFailed(f"{what} has a signed body that is not a JSON object: refused")
         if doc.get("name") != node:
             raise NodeFailed(f"{what} as node {printable(str(doc.get('name'))[:80])}: refused")
         if doc.get("root") != self.root:
             raise NodeFailed(f"{what} for manifest root {printable(str(doc.get('root'))[:80])}, not this "
                              f"coordinator's {self.root}: refused")
+        if doc.get("nonce") != nonce:
+            raise NodeFailed(f"{what} for another call (nonce {printable(str(doc.get('nonce'))[:40])}, sent "
+                             f"{nonce}): a replay: refused")
+        return doc
 
-    def _check_info(self, node: str, info) -> None:
-        self._check_identity(node, info, f"node {node} answered info()")
+    def _check_info(self, node: str, answer, nonce: str) -> dict:
+        info = self._open(node, answer, INFO_TYPE, nonce, f"node {node} answered info()")
         experts, failed = info.get("experts"), info.get("failed")
         if not isinstance(experts, list) or len(experts) > MAX_INFO_ENTRIES or not all(
-                isinstance(p, (list, tuple)) and len(p) == 2 and all(_is_index(v) for v in p) for p in experts):
+                isinstance(p, list) and len(p) == 2 and all(_is_index(v) for v in p) for p in experts):
             raise NodeFailed(f"node {node} answered info() without a list of [layer, expert] pairs: refused")
         if (not isinstance(failed, dict) or len(failed) > MAX_INFO_ENTRIES
                 or not all(isinstance(k, str) and _FAILED_KEY.fullmatch(k) for k in failed)):
@@ -132,6 +168,7 @@ class RemoteExperts:
         if not planned <= held:
             layer, expert = min(planned - held)
             raise NodeFailed(f"node {node} does not hold layer {layer} expert {expert}, which the plan gives it")
+        return info
 
     def _drop(self, node: str, why: str) -> None:
         with self._lock:
@@ -163,7 +200,8 @@ class RemoteExperts:
         local = {e: np.searchsorted(used, rows[e]).astype(np.int64) for e in experts}
         self.stats.calls += 1
         self.stats.wire_bytes += block.nbytes + sum(r.nbytes for r in local.values())
-        return self.transport.submit(node, layer, list(experts), block, local)
+        nonce = new_nonce()
+        return self.transport.submit(node, layer, list(experts), block, local, nonce), nonce
 
     def run(self, layer: int, x: np.ndarray, rows: Mapping[int, np.ndarray]) -> tuple[dict, dict]:
         """All requested experts' outputs, retried across replicas: ({expert: [t_e, H]}, {expert: why it could
@@ -171,24 +209,32 @@ class RemoteExperts:
         return _LayerCalls(self, layer, x, rows).finish()
 
     def _check_reply(self, node: str, layer: int, experts: list[int], rows: Mapping[int, np.ndarray], reply,
-                     hidden: int) -> tuple[dict[int, np.ndarray], dict[int, str]]:
-        self._check_identity(node, reply, "the reply")
-        if reply.get("layer") != layer or isinstance(reply.get("layer"), bool):
-            raise NodeFailed(f"the reply is for layer {printable(str(reply.get('layer'))[:20])}, asked {layer}: refused")
-        outputs, failed = reply.get("outputs"), reply.get("failed")
-        if not isinstance(outputs, dict) or not isinstance(failed, dict):
+                     hidden: int, nonce: str) -> tuple[dict[int, np.ndarray], dict[int, str]]:
+        doc = self._open(node, reply, REPLY_TYPE, nonce, "the reply", ("outputs",))
+        if doc.get("layer") != layer or isinstance(doc.get("layer"), bool):
+            raise NodeFailed(f"the reply is for layer {printable(str(doc.get('layer'))[:20])}, asked {layer}: refused")
+        if doc.get("experts") != list(experts):
+            raise NodeFailed(f"the reply is for experts {printable(str(doc.get('experts'))[:80])}, asked {experts}: "
+                             f"refused")
+        digests, failed, outputs = doc.get("outputs"), doc.get("failed"), reply["outputs"]
+        if not isinstance(digests, dict) or not isinstance(failed, dict) or not isinstance(outputs, dict):
             raise NodeFailed("the reply has no outputs/failed mappings")
-        if set(outputs) | set(failed) != set(experts) or set(outputs) & set(failed):
-            raise NodeFailed(f"the reply covers experts {sorted(set(outputs) | set(failed))}, asked {experts}")
+        asked = {str(e): e for e in experts}
+        if (set(digests) | set(failed) != set(asked) or set(digests) & set(failed)
+                or set(outputs) != {asked[k] for k in digests}):
+            raise NodeFailed(f"the reply covers experts {printable(str(sorted(set(digests) | set(failed)))[:80])}, "
+                             f"asked {experts}")
         for e, y in outputs.items():
             want = (len(rows[e]), hidden)
             # exactly an ndarray (a subclass could change what `*` and `+=` do), finite: a NaN from a node would
             # otherwise surface as 'the signed weights give non-finite logits' and never drop the node.
             if type(y) is not np.ndarray or y.dtype != np.float32 or y.shape != want:
                 raise NodeFailed(f"expert {e}'s output is not a float32 array of shape {want}")
+            if output_digest(y) != digests[str(e)]:
+                raise NodeFailed(f"expert {e}'s output is not the one the node signed: refused")
             if not np.isfinite(y).all():
                 raise NodeFailed(f"expert {e}'s output is not finite")
-        return outputs, {e: printable(str(why)[:300]) for e, why in failed.items()}
+        return outputs, {asked[e]: printable(str(why)[:300]) for e, why in failed.items()}
 
 
 class _LayerCalls:
@@ -200,7 +246,7 @@ class _LayerCalls:
         self.missing: dict[int, str] = {}
         self.tried: dict[int, set[str]] = {e: set() for e in rows}
         self.last: dict[int, str] = {}
-        self._round: dict[str, tuple[list[int], object | None]] = {}
+        self._round: dict[str, tuple[list[int], object | None, str]] = {}
         self._deadline = 0.0
         self._timed(self._dispatch, list(rows))
 
@@ -232,22 +278,22 @@ class _LayerCalls:
         self._round = {}
         for node, experts in by_node.items():
             try:
-                self._round[node] = (experts, remote._send(node, layer, experts, self.x, self.rows))
+                self._round[node] = (experts, *remote._send(node, layer, experts, self.x, self.rows))
             except NodeFailed as err:
                 remote._drop(node, str(err))
-                self._round[node] = (experts, None)
+                self._round[node] = (experts, None, "")
         self._deadline = time.monotonic() + remote.timeout
 
     def _collect(self) -> list[int]:
         """The replies of the round in flight; returns the experts to ask again elsewhere."""
         remote, layer, pending = self.remote, self.layer, []
-        for node, (experts, call) in self._round.items():
+        for node, (experts, call, nonce) in self._round.items():
             if call is None:
                 pending += experts
                 continue
             try:
                 reply = remote.transport.result(call, max(self._deadline - time.monotonic(), 0.001))
-                got, failed = remote._check_reply(node, layer, experts, self.rows, reply, self.x.shape[1])
+                got, failed = remote._check_reply(node, layer, experts, self.rows, reply, self.x.shape[1], nonce)
             except NodeFailed as err:
                 remote._drop(node, str(err))
                 for e in experts:
@@ -305,9 +351,9 @@ class _RemoteOutputs(Mapping):
 class RayTransport:
     """Calls to the named node actors of a Ray cluster (`shardtool node`)."""
 
-    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT, *, insecure: bool = False):
         self.ray = import_ray()
-        init_ray(self.ray, address, timeout)
+        init_ray(self.ray, address, timeout, insecure=insecure)
         self._actors: dict[str, object] = {}
 
     def _actor(self, node: str):
@@ -320,12 +366,12 @@ class RayTransport:
             self._actors[node] = actor
         return actor
 
-    def info(self, node: str, timeout: float) -> dict:
-        return self.result(self._actor(node).info.remote(), timeout)
+    def info(self, node: str, nonce: str, timeout: float) -> dict:
+        return self.result(self._actor(node).info.remote(nonce), timeout)
 
-    def submit(self, node, layer, expert_ids, x, rows):
+    def submit(self, node, layer, expert_ids, x, rows, nonce):
         try:
-            return self._actor(node).run.remote(layer, expert_ids, x, rows)
+            return self._actor(node).run.remote(layer, expert_ids, x, rows, nonce)
         except self.ray.exceptions.RayError as e:
             raise NodeFailed(_ray_line(e)) from None
 
@@ -346,9 +392,27 @@ class RayTransport:
 
 
 def load_plan(path: Path, manifest: VerifiedManifest) -> ClusterPlan:
-    """A plan file, refused by size before it is read, decoded and checked against the verified manifest."""
+    """A plan file, refused by size before it is read, decoded and checked against the verified manifest. Its
+    signature is not checked: for choosing which verified files to fetch (`pull --plan`), never to run a cluster."""
     data = read_regular(path, MAX_PLAN_BYTES, what="plan", too_large=UsageError)
     return decode_plan(data, manifest, what=str(path))
+
+
+def signature_path(plan: Path) -> Path:
+    """Where a plan's detached signature lives: beside it, PLAN.sig."""
+    return plan.with_name(plan.name + ".sig")
+
+
+def load_signed_plan(path: Path, manifest: VerifiedManifest, operators: Sequence[PublicKey]) -> ClusterPlan:
+    """A plan for running a cluster: its signature file (PLAN.sig) must verify with one of the operator's keys
+    over the plan's exact bytes before they are parsed; then decoded and checked against the verified manifest."""
+    data = read_regular(path, MAX_PLAN_BYTES, what="plan", too_large=UsageError)
+    sig = signature_path(Path(path))
+    if not sig.exists():
+        raise SignatureError(f"the plan is not signed: there is no {sig.name} beside it", path=str(path),
+                             hint="sign it with `shardtool plan --sign-key OPERATOR.key --out PLAN`")
+    signature = read_regular(sig, MAX_SIGNATURE_FILE, what="plan signature", too_large=SignatureError)
+    return open_signed_plan(data, signature, operators, manifest, what=str(path))
 
 
 def plan_placement(plan: ClusterPlan) -> dict[tuple[int, int], tuple[str, ...]]:
@@ -356,11 +420,14 @@ def plan_placement(plan: ClusterPlan) -> dict[tuple[int, int], tuple[str, ...]]:
     return {pair: plan.holders(*pair) for node in plan.nodes for pair in node.pairs()}
 
 
-def connect_cluster(address: str, plan: ClusterPlan, *, timeout: float = DEFAULT_TIMEOUT) -> RemoteExperts:
-    """A coordinator's RemoteExperts over the Ray cluster at `address`, every planned node asked for its info
-    (UnavailableError when some planned expert has no node left that answers for this plan's root)."""
-    transport = RayTransport(address, timeout)
-    remote = RemoteExperts(plan_placement(plan), plan.root, transport, timeout=timeout)
+def connect_cluster(address: str, plan: ClusterPlan, *, timeout: float = DEFAULT_TIMEOUT,
+                    insecure: bool = False) -> RemoteExperts:
+    """A coordinator's RemoteExperts over the Ray cluster at `address` (token authentication required unless
+    `insecure`), every planned node asked for its signed info (UnavailableError when some planned expert has no
+    node left that answers for this plan's root with its planned key). `plan` comes from `load_signed_plan`."""
+    keys = {node.name: node.public_key() for node in plan.nodes}
+    transport = RayTransport(address, timeout, insecure=insecure)
+    remote = RemoteExperts(plan_placement(plan), plan.root, transport, keys=keys, timeout=timeout)
     try:
         remote.connect()
     except BaseException:

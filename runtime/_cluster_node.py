@@ -6,22 +6,34 @@ store (also after an eviction), run on hidden states sent by a coordinator.
 checked (types, shapes, dtypes, caps, that this node holds the layer and expert) before it is used. An expert
 whose shard fails verification is marked failed from then on: reported by `info()` and in every reply, while
 the node keeps serving its other experts.
+
+Every answer is signed with the node's key (the one the operator's signed plan names for it): `{"body": bytes,
+"signature": bytes}` plus, for run(), `"outputs": {expert: [t_e, H] float32}`. The body is canonical JSON naming the
+kind, the node, the manifest root and the caller's nonce, and for run() the layer, the experts asked, each output's
+BLAKE3 and each failure; the signature is Ed25519 over PAE(the kind's payload type, body). Only plain types cross
+the wire: bytes, ints, strings and numpy arrays in plain dicts.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import signal
 import socket
+import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+import blake3
 import numpy as np
 
 from shardtool.errors import CheckpointFormatError, ShardtoolError, UnavailableError, UsageError, VerificationError
-from shardtool.manifest import Entry, VerifiedManifest
+from shardtool.keys import PrivateKey
+from shardtool.manifest import Entry, VerifiedManifest, pae
 from shardtool.manifest.audit import check_file
 from shardtool.remote import RemoteFiles, RemoteSource
 from shardtool.runtime._model import ModelConfig, run_expert
@@ -34,6 +46,19 @@ NAMESPACE = "shardtool"
 ACTOR_PREFIX = "shardtool-node-"
 MAX_ROWS = 1 << 16  # token rows of one call: a step's batch rows, far below this
 INSTALL_HINT = "install the cluster extra: pip install 'shardtool[cluster]'"
+INFO_TYPE = "application/vnd.shardtool.node-info+json"
+REPLY_TYPE = "application/vnd.shardtool.node-reply+json"
+NONCE = re.compile(r"[0-9a-f]{32}", re.ASCII)  # 16 random bytes per call, chosen by the coordinator
+
+
+def canonical_body(doc: dict) -> bytes:
+    """The one encoding of a signed body: JSON, sorted keys, compact, ASCII."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+def output_digest(y: np.ndarray) -> str:
+    """BLAKE3 of one output's float32 bytes (its shape is checked against the request, not signed)."""
+    return blake3.blake3(np.ascontiguousarray(y).tobytes()).hexdigest()
 
 
 def actor_name(node: str) -> str:
@@ -63,11 +88,84 @@ def check_address(address: str, timeout: float) -> tuple[str, int]:
     return host, int(port)
 
 
-def init_ray(ray, address: str, timeout: float) -> None:
-    """Connect this process to the Ray cluster at `address` (namespace "shardtool") as a driver, quietly. Ray's
+INSECURE_WARNING = ("warning: --insecure-cluster: Ray token authentication is not required; anyone who can reach "
+                    "the Ray head at {address} can join, answer as a node and run code in this process")
+TOKEN_HINT = ("give this process the head's token: RAY_AUTH_TOKEN_PATH=FILE (or RAY_AUTH_TOKEN, or ~/.ray/auth_token), "
+              "and start the head with RAY_AUTH_MODE=token")
+
+
+def require_token_auth(host: str, port: int, timeout: float) -> None:
+    """Ray's token authentication on, for this process and the head at host:port: RAY_AUTH_MODE must be unset or
+    "token", Ray must find a token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), and the head's GCS
+    must refuse a request that carries no token and accept one with this token (checked with a raw gRPC
+    GetClusterId, before Ray connects: Ray's own client retries a refused token for 20 s, then names no reason)."""
+    import grpc
+    from ray._raylet import AuthenticationTokenLoader, Config
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode not in (None, "token"):
+        raise UsageError(f"RAY_AUTH_MODE is {mode[:20]!r}: the cluster commands require Ray token authentication",
+                         hint="unset it or set RAY_AUTH_MODE=token; --insecure-cluster turns the requirement off")
+    loader = AuthenticationTokenLoader.instance()
+    if not loader.has_token(ignore_auth_mode=True):
+        raise UsageError("no Ray authentication token found for this process", hint=TOKEN_HINT)
+    token = loader.get_raw_token(ignore_auth_mode=True)
+    os.environ["RAY_AUTH_MODE"] = "token"
+    Config.initialize("")  # Ray reads its mode once; this process (and the workers it starts) now use the token
+    address = f"{host}:{port}"
+
+    def ask(metadata) -> grpc.StatusCode:
+        with _gcs_channel(grpc, f"{host.strip('[]')}:{port}") as channel:
+            stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+            try:
+                stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout, metadata=metadata)
+            except grpc.RpcError as e:
+                return e.code()
+        return grpc.StatusCode.OK
+
+    without = ask(None)
+    if without == grpc.StatusCode.OK:
+        raise VerificationError(f"the Ray head at {address} does not enforce token authentication (it answered a "
+                                f"request that carried no token): anyone who reaches it could join the cluster",
+                                hint="start the head with RAY_AUTH_MODE=token (docs/scaling.md), or pass "
+                                     "--insecure-cluster to accept it anyway")
+    if without != grpc.StatusCode.UNAUTHENTICATED:
+        raise UnavailableError(f"the Ray head at {address} did not answer its GCS service: {without.name}",
+                               hint="a head started with RAY_USE_TLS=1 needs RAY_USE_TLS=1 and RAY_TLS_SERVER_CERT, "
+                                    "RAY_TLS_SERVER_KEY, RAY_TLS_CA_CERT here too")
+    with_token = ask((("authorization", "Bearer " + token),))
+    if with_token == grpc.StatusCode.UNAUTHENTICATED:
+        raise VerificationError(f"the Ray head at {address} refuses this process's token", hint=TOKEN_HINT)
+    if with_token != grpc.StatusCode.OK:
+        raise UnavailableError(f"the Ray head at {address} did not answer its GCS service: {with_token.name}")
+
+
+def _gcs_channel(grpc, target: str):
+    """A gRPC channel to the head's GCS without Ray's token interceptor: TLS when Ray uses it (RAY_USE_TLS and
+    RAY_TLS_SERVER_CERT/KEY/CA_CERT, as Ray's own channels are made), plaintext otherwise."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
+        return grpc.insecure_channel(target)
+    from ray._common.tls_utils import load_certs_from_env
+    try:
+        cert, key, ca = load_certs_from_env()
+    except (OSError, RuntimeError) as e:
+        raise UsageError(f"RAY_USE_TLS is set but its certificates cannot be read: {' '.join(str(e).split())[:200]}"
+                         ) from None
+    return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                                                     certificate_chain=cert))
+
+
+def init_ray(ray, address: str, timeout: float, *, insecure: bool = False) -> None:
+    """Connect this process to the Ray cluster at `address` (namespace "shardtool") as a driver, quietly: with
+    token authentication required (`require_token_auth`), or with a warning on stderr when `insecure`. Ray's
     core worker installs its own SIGTERM handler, which would end the process without a clean exit; the Python
     handlers that were in place are put back."""
-    check_address(address, timeout)
+    host, port = check_address(address, timeout)
+    if insecure:
+        print(INSECURE_WARNING.format(address=address), file=sys.stderr, flush=True)
+    else:
+        require_token_auth(host, port, timeout)
     main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
@@ -95,6 +193,7 @@ class NodeSetup:
     readers: int
     remote: RemoteSource | None = None  # --remote: planned experts not on disk are fetched when first asked for
     cache_policy: str = DEFAULT_POLICY  # which cached expert is evicted first
+    key_seed: bytes = field(default=b"", repr=False)  # the node's raw 32-byte Ed25519 private key: signs answers
 
 
 class NodeService:
@@ -111,18 +210,27 @@ class NodeService:
         self.failed: dict[tuple[int, int], str] = {}
         self.calls = 0
         self._lock = threading.Lock()
+        self._key = key_from_seed(setup.key_seed)
 
-    def info(self) -> dict:
+    def _signed(self, payload_type: str, doc: dict, nonce: str) -> dict:
+        body = canonical_body({**doc, "name": self.setup.name, "root": self.setup.root.hex(), "nonce": nonce})
+        return {"body": body, "signature": self._key.sign(pae(payload_type, body))}
+
+    def info(self, nonce) -> dict:
+        """This node's name, root, experts and failures, signed for the caller's `nonce`."""
+        nonce = _check_nonce(nonce)
         s = self.setup
         with self._lock:
             failed = {f"{layer}/{expert}": why for (layer, expert), why in sorted(self.failed.items())}
-        return {"name": s.name, "root": s.root.hex(), "manifest_version": s.manifest_version,
-                "experts": sorted([layer, expert] for layer, expert in self.held), "failed": failed,
-                "calls": self.calls, "store": self.store.stats.as_dict()}
+        return self._signed(INFO_TYPE, {"manifest_version": s.manifest_version, "experts": sorted(
+            [layer, expert] for layer, expert in self.held), "failed": failed, "calls": self.calls,
+            "store": self.store.stats.as_dict()}, nonce)
 
-    def run(self, layer, expert_ids, x, rows) -> dict:
+    def run(self, layer, expert_ids, x, rows, nonce) -> dict:
         """Each requested expert's unweighted output on its rows, `run_expert(x[rows[e]])` [t_e, H] float32; an
-        expert that cannot be had is in `failed` with one line. Arguments are checked before anything runs."""
+        expert that cannot be had is in `failed` with one line. Arguments are checked before anything runs; the
+        answer is signed over the nonce, layer, experts, each output's digest, root and this node's name."""
+        nonce = _check_nonce(nonce)
         ids, x, rows = self._check(layer, expert_ids, x, rows)
         t0 = time.perf_counter()
         with self._lock:
@@ -142,8 +250,10 @@ class NodeService:
                 with self._lock:
                     self.failed[(layer, e)] = why
                 failed[e] = why
-        return {"name": self.setup.name, "root": self.setup.root.hex(), "layer": layer, "outputs": outputs,
-                "failed": failed, "seconds": time.perf_counter() - t0}
+        body = {"layer": int(layer), "experts": [int(e) for e in ids],
+                "outputs": {str(e): output_digest(y) for e, y in outputs.items()},
+                "failed": {str(e): why for e, why in failed.items()}, "seconds": time.perf_counter() - t0}
+        return {**self._signed(REPLY_TYPE, body, nonce), "outputs": {int(e): y for e, y in outputs.items()}}
 
     def _check(self, layer, expert_ids, x, rows) -> tuple[list[int], np.ndarray, dict[int, np.ndarray]]:
         cfg = self.config
@@ -189,11 +299,36 @@ class NodeActor:
     def __init__(self, setup: NodeSetup):
         self._service = NodeService(setup)
 
-    def info(self) -> dict:
-        return self._service.info()
+    def info(self, nonce) -> dict:
+        return self._service.info(nonce)
 
-    def run(self, layer, expert_ids, x, rows) -> dict:
-        return self._service.run(layer, expert_ids, x, rows)
+    def run(self, layer, expert_ids, x, rows, nonce) -> dict:
+        return self._service.run(layer, expert_ids, x, rows, nonce)
+
+
+def key_seed(key: PrivateKey) -> bytes:
+    """The raw 32-byte private key, the form a NodeSetup carries to the node's actor (plain bytes cross Ray)."""
+    from cryptography.hazmat.primitives import serialization
+    return key.key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                 serialization.NoEncryption())
+
+
+def key_from_seed(seed: bytes) -> PrivateKey:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    if not isinstance(seed, bytes) or len(seed) != 32:
+        raise UsageError("a node needs its 32-byte Ed25519 private key (--node-key) to sign its answers")
+    return PrivateKey(Ed25519PrivateKey.from_private_bytes(seed))
+
+
+def _check_nonce(nonce) -> str:
+    if not isinstance(nonce, str) or not NONCE.fullmatch(nonce):
+        raise UsageError("nonce must be 32 lowercase hex digits")
+    return nonce
+
+
+def new_nonce() -> str:
+    import secrets
+    return secrets.token_hex(16)
 
 
 def is_int(v) -> bool:
@@ -212,14 +347,14 @@ def _describe(v) -> str:
     return f"a {type(v).__name__}"
 
 
-def serve_node(setup: NodeSetup, address: str, *, timeout: float) -> tuple[object, dict]:
+def serve_node(setup: NodeSetup, address: str, *, timeout: float, insecure: bool = False) -> tuple[object, dict]:
     """Join the Ray cluster at `address` as a driver, start this node's actor on this machine's Ray node (where the
     audited directory is), and wait until it answers. Returns (actor handle, its info()). The actor is owned by
     this process: it ends when this process ends (or `leave` is called)."""
     ray = import_ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    init_ray(ray, address, timeout)
+    init_ray(ray, address, timeout, insecure=insecure)
     here = ray.get_runtime_context().get_node_id()
     actor_class = ray.remote(NodeActor)
     try:
@@ -230,17 +365,17 @@ def serve_node(setup: NodeSetup, address: str, *, timeout: float) -> tuple[objec
     except ValueError as e:  # the name is taken: another node process already serves under it
         raise UsageError(f"node name {setup.name!r} is already in use in this cluster: {' '.join(str(e).split())[:200]}") from None
     try:
-        info = ray.get(actor.info.remote(), timeout=timeout)
+        answer = ray.get(actor.info.remote(new_nonce()), timeout=timeout)
     except ray.exceptions.RayError as e:
         raise UnavailableError(f"node {setup.name} did not start: {type(e).__name__}") from None
-    return actor, info
+    return actor, json.loads(answer["body"])
 
 
 def node_alive(actor, timeout: float) -> bool:
     """Whether this node's actor still answers info() within `timeout` seconds."""
     ray = import_ray()
     try:
-        ray.get(actor.info.remote(), timeout=timeout)
+        ray.get(actor.info.remote(new_nonce()), timeout=timeout)
         return True
     except ray.exceptions.RayError:
         return False
@@ -255,15 +390,21 @@ def leave_cluster(actor) -> None:
 
 
 def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan, name: str, *, budget: int,
-                 readers: int = NODE_READERS, remote: RemoteSource | None = None,
+                 key: PrivateKey, readers: int = NODE_READERS, remote: RemoteSource | None = None,
                  cache_policy: str = DEFAULT_POLICY) -> NodeSetup:
-    """Check this node before it may join. The signed config.json (the experts' shapes) is read through
+    """Check this node before it may join. `key` must be the key the (operator-signed) plan names for node
+    `name`: it signs every answer (VerificationError otherwise). The signed config.json (the experts' shapes) is read through
     verification; `budget` must hold a step over this node's experts; then every file the plan gives node `name`
     is hashed whole and must be present and match the manifest: the first missing or failing one is a
     VerificationError naming it (the node refuses to join). Files the plan gives other nodes may be absent
     (present-only semantics) and are not read. With `remote`, a planned expert not on disk yet is not a refusal:
     it is fetched (verified) the first time the coordinator asks for it; one present but wrong still is."""
     node = plan.node(name)
+    planned = node.public_key()
+    if key.public != planned:
+        raise VerificationError(f"--node-key (key ID {key.public.keyid}) is not the key the plan names for node "
+                                f"{name} ({planned.keyid}); node {name} refuses to join",
+                                hint="pass the node's own key, or make and sign the plan again with its .pub")
     listed = manifest.by_path()
     entries = []
     for path in node.files():
@@ -290,4 +431,4 @@ def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan,
     head = manifest.head
     return NodeSetup(name=name, directory=str(Path(directory).resolve()), root=head.merkle_root, manifest_version=head.version,
                      config=config, entries=tuple(entries), budget=budget - need + largest * (k + 1), readers=readers,
-                     remote=remote, cache_policy=cache_policy)
+                     remote=remote, cache_policy=cache_policy, key_seed=key_seed(key))

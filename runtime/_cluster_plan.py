@@ -11,8 +11,14 @@ The file (`encode_plan`, canonical: sorted keys, no insignificant whitespace, AS
      "format": "shardtool-plan/1",
      "manifest_version": 3, "model_id": "org/model", "root": "<64 hex digits: the signed Merkle root>",
      "nodes": [{"disk": null | bytes, "experts": {"<layer>": [expert ids, ascending], ...},
-                "memory_budget": bytes, "name": "a"}, ...],
+                "key": null | "<64 hex digits: the node's raw Ed25519 public key>", "memory_budget": bytes,
+                "name": "a"}, ...],
      "replicas": 2}
+
+A plan used by a cluster is signed by the operator (`sign_plan`): a detached signature file beside it (PLAN.sig,
+`{"format": "shardtool-plan-signature/1", "keyid": ..., "sig": "<128 hex digits>"}`), an Ed25519 signature over
+DSSE's PAE(PLAN_PAYLOAD_TYPE, the plan's exact bytes). `open_signed_plan` checks it against the operator's keys
+before the plan is parsed; the node keys the plan names are then what every node's replies are checked against.
 
 Load model (`summarize`): tokens are assumed to route uniformly over a layer's experts, and a node holding a
 copy of an expert takes 1/R of that expert's calls (the coordinator spreads an expert's calls over its R
@@ -32,15 +38,19 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from shardtool import layout
-from shardtool.errors import ShardtoolError, UsageError, VerificationError
-from shardtool.manifest import MAX_EXPERT, MAX_LAYER, VerifiedManifest
+from shardtool.errors import ShardtoolError, SignatureError, UsageError, VerificationError
+from shardtool.keys import PrivateKey, PublicKey
+from shardtool.manifest import MAX_EXPERT, MAX_LAYER, Envelope, Signature, VerifiedManifest, pae, verify_envelope
 from shardtool.runtime._plan import MIN_ACTIVATION_RESERVE
 from shardtool.runtime._store import header_memo_bytes
 from shardtool.strict_json import loads_strict
 
 NODE_CONFIG = "config.json"  # the one small file a node reads besides its experts
 
-FORMAT = "shardtool-plan/1"
+FORMAT = "shardtool-plan/2"
+SIGNATURE_FORMAT = "shardtool-plan-signature/1"
+PLAN_PAYLOAD_TYPE = "application/vnd.shardtool.cluster-plan+json"
+MAX_SIGNATURE_FILE = 4096
 MAX_PLAN_BYTES = 64 * 2**20
 MAX_NODES = 1024
 MAX_REPLICAS = 16
@@ -50,7 +60,8 @@ NODE_NAME_PATTERN = NAME_PATTERN = r"[a-z0-9][a-z0-9_-]{0,31}"
 _NAME = re.compile(NAME_PATTERN, re.ASCII)
 _LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,4}", re.ASCII)
 _TOP_KEYS = ("coordinator_files", "format", "manifest_version", "model_id", "nodes", "replicas", "root")
-_NODE_KEYS = ("disk", "experts", "memory_budget", "name")
+_NODE_KEYS = ("disk", "experts", "key", "memory_budget", "name")
+_HEX_KEY = re.compile(r"[0-9a-f]{64}", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,14 @@ class NodePlan:
     memory_budget: int  # bytes of memory the node may use (its shard cache, working buffers)
     disk: int | None  # bytes of disk for its files; None: not limited
     experts: dict[int, tuple[int, ...]] = field(hash=False)  # MoE layer -> expert ids this node holds, ascending
+    key: bytes | None = None  # the node's raw Ed25519 public key: its replies must verify with it; None: no cluster use
+
+    def public_key(self) -> PublicKey:
+        """The key this node's replies are checked against; a plan without one cannot run a cluster."""
+        if self.key is None:
+            raise UsageError(f"the plan names no key for node {self.name}: a cluster checks every node's replies "
+                             f"against its key", hint=f"make the plan with --node {self.name}=BUDGET,key={self.name}.pub")
+        return PublicKey(self.key)
 
     def files(self) -> list[str]:
         """The split-layout paths of the experts this node holds, sorted: what it must have and audit."""
@@ -115,6 +134,7 @@ def encode_plan(plan: ClusterPlan) -> bytes:
         "format": FORMAT, "model_id": plan.model_id, "manifest_version": plan.manifest_version,
         "root": plan.root.hex(), "replicas": plan.replicas, "coordinator_files": list(plan.coordinator_files),
         "nodes": [{"name": n.name, "memory_budget": n.memory_budget, "disk": n.disk,
+                   "key": None if n.key is None else n.key.hex(),
                    "experts": {str(layer): list(n.experts[layer]) for layer in sorted(n.experts)}}
                   for n in plan.nodes],
     }
@@ -149,6 +169,9 @@ def _node(raw: Any, i: int) -> NodePlan:
         raise UsageError(f"node {i}: name must match {NAME_PATTERN}, got {str(name)[:40]!r}")
     budget = _int(d["memory_budget"], 1, MAX_BUDGET, f"node {name}: memory_budget")
     disk = None if d["disk"] is None else _int(d["disk"], 1, MAX_BUDGET, f"node {name}: disk")
+    node_key = d["key"]
+    if node_key is not None and (not isinstance(node_key, str) or not _HEX_KEY.fullmatch(node_key)):
+        raise UsageError(f"node {name}: key must be null or 64 lowercase hex digits (a raw Ed25519 public key)")
     raw_experts = d["experts"]
     if not isinstance(raw_experts, dict):
         raise UsageError(f"node {name}: experts must be an object of layer -> expert ids")
@@ -166,7 +189,8 @@ def _node(raw: Any, i: int) -> NodePlan:
                 raise UsageError(f"node {name}: holds layer {layer} expert {e} more than once")
             seen.add(e)
         experts[layer] = tuple(sorted(seen))
-    return NodePlan(name, budget, disk, dict(sorted(experts.items())))
+    return NodePlan(name, budget, disk, dict(sorted(experts.items())),
+                    None if node_key is None else bytes.fromhex(node_key))
 
 
 def decode_plan(data: bytes, manifest: VerifiedManifest, *, what: str) -> ClusterPlan:
@@ -291,6 +315,7 @@ def check_plan(plan: ClusterPlan, manifest: VerifiedManifest) -> None:
         raise UsageError(f"plan names node {next(n for n in names if names.count(n) > 1)!r} more than once")
     if plan.replicas > len(plan.nodes):
         raise UsageError(f"plan wants {plan.replicas} replicas on distinct nodes but has {len(plan.nodes)} node(s)")
+    _check_distinct_keys([(n.name, n.key) for n in plan.nodes])
     count: dict[tuple[int, int], int] = defaultdict(int)
     for node in plan.nodes:
         for pair in node.pairs():
@@ -320,13 +345,29 @@ def _check_fit(node: NodePlan, experts: Mapping[tuple[int, int], int], top_k: in
 
 # ---------------------------------------------------------------------------------------------- making a plan
 
-def make_plan(manifest: VerifiedManifest, nodes: Sequence[tuple[str, int, int | None]], replicas: int) -> ClusterPlan:
+def _check_distinct_keys(keys: Sequence[tuple[str, bytes | None]]) -> None:
+    """One key per node: with a shared key one node could sign replies in the other's name."""
+    seen: dict[bytes, str] = {}
+    for name, key in keys:
+        if key is not None and key in seen:
+            raise UsageError(f"nodes {seen[key]} and {name} have the same key: each node needs its own")
+        if key is not None:
+            seen[key] = name
+
+
+def make_plan(manifest: VerifiedManifest, nodes: Sequence[tuple[str, int, int | None]], replicas: int,
+              keys: Mapping[str, PublicKey] | None = None) -> ClusterPlan:
     """Place `replicas` copies of every routed expert on distinct nodes, balancing expert bytes (and so the
     expected per-token load) across nodes in proportion to their memory budgets, within each node's disk.
 
     Deterministic: layer by layer, experts by decreasing size then id, each copy goes to the node (not yet
     holding it, with room on its disk) whose held bytes after taking it are the smallest share of its budget;
-    ties go to the node listed first. The trunk and every other non-expert file stay with the coordinator."""
+    ties go to the node listed first. The trunk and every other non-expert file stay with the coordinator.
+    `keys`: node name -> its public key, named in the plan (a node without one cannot serve a cluster)."""
+    node_keys = dict(keys or {})
+    unknown = sorted(set(node_keys) - {n[0] for n in nodes if isinstance(n[0], str)})
+    if unknown:
+        raise UsageError(f"a key is given for {unknown[0][:40]!r}, which is not a node of the plan")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= MAX_REPLICAS:
         raise UsageError(f"--replicas must be an integer in [1, {MAX_REPLICAS}], got {replicas!r}")
     if not 1 <= len(nodes) <= MAX_NODES:
@@ -375,12 +416,61 @@ def make_plan(manifest: VerifiedManifest, nodes: Sequence[tuple[str, int, int | 
                          f"bytes ({unplaced} bytes of expert copies have no node with room; {name} has "
                          f"{disk - int(held_bytes[-neg_i])} of {disk} bytes free)",
                          hint="give a node more disk, add a node, or lower --replicas")
-    plan_nodes = tuple(NodePlan(name, budget, disk, {layer: tuple(sorted(ids)) for layer, ids in sorted(h.items())})
+    plan_nodes = tuple(NodePlan(name, budget, disk, {layer: tuple(sorted(ids)) for layer, ids in sorted(h.items())},
+                                key=node_keys[name].raw if name in node_keys else None)
                        for (name, budget, disk), h in zip(nodes, held))
+    _check_distinct_keys([(n.name, n.key) for n in plan_nodes])
     head = manifest.head
     plan = ClusterPlan(head.model_id, head.version, head.merkle_root, replicas, others, plan_nodes)
     for node in plan.nodes:
         _check_fit(node, experts, top_k)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------- the signature
+
+def sign_plan(plan_bytes: bytes, key: PrivateKey) -> bytes:
+    """The detached signature file (PLAN.sig) of a plan's exact bytes, by the operator's `key`."""
+    import json
+
+    sig = key.sign(pae(PLAN_PAYLOAD_TYPE, plan_bytes))
+    doc = {"format": SIGNATURE_FORMAT, "keyid": key.public.keyid, "sig": sig.hex()}
+    return (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode("ascii")
+
+
+def open_signed_plan(plan_bytes: bytes, signature: bytes, operators: Sequence[PublicKey],
+                     manifest: VerifiedManifest, *, what: str) -> ClusterPlan:
+    """A plan whose detached signature verifies with one of the operator's keys, then decoded and checked against
+    the verified manifest (`decode_plan`); every node of it must name its key. The signature is checked over the
+    plan's exact bytes before they are parsed: a plan not signed by the operator, or changed since, is a
+    SignatureError naming `what`."""
+    try:
+        if len(signature) > MAX_SIGNATURE_FILE:
+            raise SignatureError(f"the plan's signature file is {len(signature)} bytes, at most {MAX_SIGNATURE_FILE}")
+        try:
+            doc = _fields(loads_strict(signature), ("format", "keyid", "sig"), "the plan's signature file")
+        except ShardtoolError as e:
+            raise SignatureError(f"the plan's signature file is malformed: {e.message}") from None
+        sig = doc["sig"]
+        if (doc["format"] != SIGNATURE_FORMAT or not isinstance(doc["keyid"], str)
+                or not isinstance(sig, str) or not re.fullmatch(r"[0-9a-f]{128}", sig, re.ASCII)):
+            raise SignatureError(f"the plan's signature file is not {SIGNATURE_FORMAT} with a 128-hex-digit sig")
+        try:
+            envelope = Envelope(PLAN_PAYLOAD_TYPE, bytes(plan_bytes), (Signature(doc["keyid"], bytes.fromhex(sig)),),
+                                max_payload=MAX_PLAN_BYTES)
+        except ShardtoolError as e:
+            raise SignatureError(f"the plan's signature file is malformed: {e.message}") from None
+        verify_envelope(envelope, operators, 1, PLAN_PAYLOAD_TYPE, what="the plan",
+                        signer_hint="sign it with `shardtool plan --sign-key OPERATOR.key`, and pass that key's "
+                                    ".pub as --plan-trust")
+    except ShardtoolError as e:
+        raise type(e)(e.message, path=what, hint=e.hint) from None
+    plan = decode_plan(plan_bytes, manifest, what=what)
+    for node in plan.nodes:
+        try:
+            node.public_key()
+        except ShardtoolError as e:
+            raise type(e)(e.message, path=what, hint=e.hint) from None
     return plan
 
 

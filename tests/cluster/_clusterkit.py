@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -21,10 +22,25 @@ REPO = Path(__file__).resolve().parents[2]
 # No usage report leaves the machine; the workers' BLAS takes one core (two share this machine); a stopped head
 # shuts down at once instead of draining for 30 s (nothing is left to drain when the tests stop it).
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "OPENBLAS_NUM_THREADS": "1", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+_TOKEN_DIR = Path(tempfile.mkdtemp(prefix="st-ray-token-"))
 
 
-def env(work: Path) -> dict[str, str]:
-    return {**os.environ, **RAY_ENV, "XDG_STATE_HOME": str(work)}
+def token_file() -> Path:
+    """This test session's Ray token (0600): every head here enforces it, every node and coordinator gives it."""
+    path = _TOKEN_DIR / "auth_token"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, secrets.token_hex(32).encode())
+        os.close(fd)
+    return path
+
+
+def env(work: Path, *, token: bool = True) -> dict[str, str]:
+    """The environment of every process started here: Ray's token by file (RAY_AUTH_TOKEN_PATH), HOME in the work
+    directory (so no ~/.ray/auth_token of the user's is found), none of the caller's own Ray auth settings."""
+    base = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    auth = {"RAY_AUTH_TOKEN_PATH": str(token_file())} if token else {}
+    return {**base, **RAY_ENV, **auth, "XDG_STATE_HOME": str(work), "HOME": str(work)}
 
 
 def run(program: str, *args, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -62,8 +78,9 @@ def build_model(work: Path, family: str, *, replicas: int, nodes: tuple[str, ...
     """make_tiny_moe -> split -> sign -> a plan over `nodes` -> one directory per node (its planned experts,
     config.json and the manifest) and one for the coordinator (its files and the manifest)."""
     work.mkdir(parents=True, exist_ok=True)
-    if not (work / "a.key").exists():
-        ok("shardtool", "keygen", "--out", "a", "--no-passphrase", cwd=work)
+    for key in ("a", "op", *(f"node-{n}" for n in nodes)):  # the publisher, the operator (signs the plan), each node
+        if not (work / f"{key}.key").exists():
+            ok("shardtool", "keygen", "--out", key, "--no-passphrase", cwd=work)
     model_id = f"test/tiny-{family}"
     subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(work / "hf"), "--family", family,
                     "--experts", str(experts), "--layers", str(layers), *extra], check=True, capture_output=True)
@@ -86,9 +103,10 @@ def build_model(work: Path, family: str, *, replicas: int, nodes: tuple[str, ...
 
 
 def _write_plan(work: Path, plan: Path, nodes: tuple[str, ...], replicas: int) -> None:
-    """`shardtool plan`, each node with the same budget."""
+    """`shardtool plan`, each node with the same budget and its own key, signed by the operator (op.key)."""
     ok("shardtool", "plan", work / "full", "--trust", "a.pub", "--state-dir", work / "plan-state", "--replicas",
-       replicas, *[x for n in nodes for x in ("--node", f"{n}=256MiB")], "--out", plan, cwd=work)
+       replicas, *[x for n in nodes for x in ("--node", f"{n}=256MiB,key=node-{n}.pub")], "--out", plan,
+       "--sign-key", "op.key", cwd=work)
 
 
 def copy_files(src: Path, dst: Path, paths) -> None:
@@ -142,10 +160,11 @@ class Proc:
         return code
 
 
-def start(argv: list[str], log: Path, cwd: Path) -> Proc:
+def start(argv: list[str], log: Path, cwd: Path, *, extra_env: dict[str, str] | None = None,
+          token: bool = True) -> Proc:
     handle = open(log, "w")
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT, cwd=cwd,
-                            env=env(cwd), start_new_session=True)
+                            env={**env(cwd, token=token), **(extra_env or {})}, start_new_session=True)
     return Proc(proc, log, handle)
 
 
@@ -202,7 +221,8 @@ def _wait_group_gone(pgid: int, timeout: float) -> None:
 
 @dataclass
 class Head:
-    """`ray start --head --block` on 127.0.0.1 with its session files under a private temp dir."""
+    """`ray start --head --block` on 127.0.0.1 with its session files under a private temp dir; token
+    authentication on (RAY_AUTH_MODE=token, this session's token file) unless `auth=False`."""
 
     proc: Proc
     address: str
@@ -210,7 +230,7 @@ class Head:
     groups: list[int] = field(default_factory=list)
 
     @classmethod
-    def start(cls, work: Path) -> "Head":
+    def start(cls, work: Path, *, auth: bool = True, extra_env: dict[str, str] | None = None) -> "Head":
         # A short path: Ray's unix socket paths below it must stay under the kernel's 107-byte limit.
         temp = Path(tempfile.mkdtemp(prefix="st-ray-", dir="/tmp"))
         port = free_port()
@@ -220,7 +240,8 @@ class Head:
                 "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
                 "--metrics-export-port", str(free_port()), "--runtime-env-agent-port", str(free_port()),
                 "--dashboard-agent-grpc-port", str(free_port())]
-        proc = start(argv, work / "ray-head.log", work)
+        proc = start(argv, work / "ray-head.log", work, token=auth,
+                     extra_env={"RAY_AUTH_MODE": "token" if auth else "disabled", **(extra_env or {})})
         head = cls(proc, f"127.0.0.1:{port}", temp, [proc.pgid])
         proc.wait_for(r"Ray runtime started", 180)
         return head
@@ -230,9 +251,10 @@ class Head:
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
-def node_argv(model: Model, name: str, address: str, *, budget: str = "128MiB") -> list[str]:
+def node_argv(model: Model, name: str, address: str, *, budget: str = "128MiB", key: str | None = None) -> list[str]:
     return [str(BIN / "shardtool"), "node", str(model.node_dir(name)), "--trust", str(model.work / "a.pub"),
             "--state-dir", str(model.work / f"state-{name}"), "--plan", str(model.plan), "--name", name,
+            "--plan-trust", str(model.work / "op.pub"), "--node-key", str(model.work / f"node-{key or name}.key"),
             "--memory-budget", budget, "--address", address, "--readers", "1"]
 
 
@@ -244,8 +266,81 @@ def start_node(model: Model, name: str, address: str) -> Proc:
 
 def verify_and_run(model: Model, directory: Path, *args, cluster: str | None = None, expect: int = 0,
                    timeout: int = 300) -> subprocess.CompletedProcess:
-    extra = ("--cluster", cluster, "--plan", model.plan) if cluster else ()
+    extra = ("--cluster", cluster, "--plan", model.plan, "--plan-trust", model.work / "op.pub") if cluster else ()
     r = run("verify-and-run", directory, "--trust", model.work / "a.pub", "--state-dir", model.work / "state-var",
             "--model-id", model.model_id, "-q", *extra, *args, cwd=model.work, timeout=timeout)
     assert r.returncode == expect, f"verify-and-run exited {r.returncode}, expected {expect}:\n{r.stderr[-3000:]}"
     return r
+
+
+# ------------------------------------------------------------------------------ in-process nodes (no Ray)
+
+class Direct:
+    """A coordinator transport that calls NodeService objects in-process. `edit[node](plain) -> plain` makes that
+    node lie with its own key (the answer is re-signed with `keys[node]`); `answer[node](signed) -> anything`
+    replaces its signed answer as it crosses the wire (an impostor, a replay, garbage); `down` nodes fail."""
+
+    def __init__(self, services: dict, keys: dict):
+        self.services, self.keys = services, keys
+        self.edit: dict = {}
+        self.answer: dict = {}
+        self.down: set[str] = set()
+        self.calls: list[tuple[str, int, list[int]]] = []
+
+    def _out(self, node: str, signed, payload_type: str):
+        if node in self.edit:
+            signed = resign(signed, self.edit[node], self.keys[node], payload_type)
+        return self.answer.get(node, lambda r: r)(signed)
+
+    def info(self, node, nonce, timeout):
+        from shardtool.runtime._cluster import NodeFailed
+        from shardtool.runtime._cluster_node import INFO_TYPE
+        if node in self.down or node not in self.services:
+            raise NodeFailed(f"no node named {node} has joined the cluster")
+        return self._out(node, self.services[node].info(nonce), INFO_TYPE)
+
+    def submit(self, node, layer, expert_ids, x, rows, nonce):
+        self.calls.append((node, layer, list(expert_ids)))
+        return node, layer, expert_ids, x, rows, nonce
+
+    def result(self, pending, timeout):
+        from shardtool.runtime._cluster import NodeFailed
+        from shardtool.runtime._cluster_node import REPLY_TYPE
+        node, layer, ids, x, rows, nonce = pending
+        if node in self.down:
+            raise NodeFailed("ActorDiedError: the actor died unexpectedly")
+        return self._out(node, self.services[node].run(layer, ids, x, rows, nonce), REPLY_TYPE)
+
+
+def plain(signed: dict) -> dict:
+    """A signed answer's body as a dict, with a reply's output arrays under "outputs" (what a forge edits)."""
+    import json
+    doc = json.loads(signed["body"])
+    return {**doc, "outputs": signed["outputs"]} if "outputs" in signed else doc
+
+
+def sign_plain(doc, key, payload_type: str):
+    """`doc` (the `plain` form) signed with `key` as a node signs (a reply's output digests made from its arrays);
+    anything but a dict is returned as it is."""
+    from shardtool.manifest import pae
+    from shardtool.runtime._cluster_node import canonical_body, output_digest
+    if not isinstance(doc, dict):
+        return doc
+    arrays = doc.get("outputs") if "layer" in doc else None
+    if arrays is not None:
+        doc = {**doc, "outputs": {str(e): output_digest(y) for e, y in arrays.items()}}
+    body = canonical_body(doc)
+    answer = {"body": body, "signature": key.sign(pae(payload_type, body))}
+    return answer if arrays is None else {**answer, "outputs": arrays}
+
+
+def resign(signed: dict, edit, key, payload_type: str):
+    return sign_plain(edit(plain(signed)), key, payload_type)
+
+
+def remote_experts(plan, transport, **kwargs):
+    """The coordinator's RemoteExperts over `transport`, with the plan's placement, root and node keys."""
+    from shardtool.runtime import RemoteExperts
+    from shardtool.runtime._cluster import plan_placement
+    return RemoteExperts(plan_placement(plan), plan.root, transport,
+                         keys={n.name: n.public_key() for n in plan.nodes}, **{"log": lambda _: None, **kwargs})

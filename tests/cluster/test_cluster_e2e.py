@@ -127,16 +127,19 @@ def test_a_file_planned_for_another_node_may_be_absent_but_a_foreign_plan_is_ref
     """Present-only: mx-a's directory lacks the experts only other nodes hold, and joins (checked in-process up
     to the join); a plan for other weights is refused (exit 1) before any file is hashed."""
     model, _ = mixtral
-    from shardtool.keys import load_public_key
+    from shardtool.keys import load_private_key, load_public_key
     from shardtool.manifest import load_trusted_manifest
-    from shardtool.runtime import load_plan, prepare_node
+    from shardtool.runtime import load_plan, prepare_node, sign_plan
 
     verified = load_trusted_manifest(model.node_dir("mx-a") / "manifest.msgpack",
                                      [load_public_key(model.work / "a.pub")], 1, tmp_path / "state")
-    setup = prepare_node(model.node_dir("mx-a"), verified, load_plan(model.plan, verified), "mx-a", budget=1 << 30)
+    setup = prepare_node(model.node_dir("mx-a"), verified, load_plan(model.plan, verified), "mx-a", budget=1 << 30,
+                         key=load_private_key(model.work / "node-mx-a.key", None))
     assert {e.path for e in setup.entries} == set(load_plan(model.plan, verified).node("mx-a").files())
-    other = tmp_path / "other.json"
+    other = tmp_path / "other.json"  # signed by the operator, for other weights
     other.write_bytes(model.plan.read_bytes().replace(verified.head.merkle_root.hex().encode(), b"0" * 64))
+    (tmp_path / "other.json.sig").write_bytes(sign_plan(other.read_bytes(),
+                                                        load_private_key(model.work / "op.key", None)))
     argv = kit.node_argv(model, "mx-a", "127.0.0.1:1")
     argv[argv.index("--plan") + 1] = str(other)
     r = subprocess.run(argv, capture_output=True, text=True, env=kit.env(model.work), timeout=120,
@@ -149,7 +152,6 @@ def test_a_file_planned_for_another_node_may_be_absent_but_a_foreign_plan_is_ref
 
 def test_greedy_sampled_and_receipts_equal_one_process(mixtral, head):
     model, _ = mixtral
-    kit.ok("shardtool", "keygen", "--out", "op", "--no-passphrase", cwd=model.work)
     operator = [load_public_key(model.work / "op.pub")]
     for sampling in (("--seed", "11"), ("--temperature", "0.9", "--seed", "7")):
         runs = {}
@@ -202,7 +204,8 @@ def _kill_mid_run(model: kit.Model, address: str, nodes: Nodes, victim: str) -> 
     run = subprocess.Popen(
         [str(kit.BIN / "verify-and-run"), str(model.coordinator), "--trust", str(model.work / "a.pub"), "--state-dir",
          str(model.work / "state-var"), "--model-id", model.model_id, "-q", "--cluster", address, "--plan",
-         str(model.plan), "--prompt-ids", PROMPT_IDS, "--print-ids", "--max-new-tokens", str(LONG),
+         str(model.plan), "--plan-trust", str(model.work / "op.pub"), "--prompt-ids", PROMPT_IDS, "--print-ids",
+         "--max-new-tokens", str(LONG),
          "--remote-timeout", "10"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, env=kit.env(model.work), cwd=model.work,
         stdin=subprocess.DEVNULL, start_new_session=True)
@@ -281,9 +284,9 @@ def test_nodes_and_coordinator_fetch_from_a_store_only_what_they_are_asked_for(h
         argv = [str(kit.BIN / "shardtool"), "node", "--remote", str(model.full), "--cache-dir",
                 str(tmp_path / f"cache-{name}"), "--trust", str(model.work / "a.pub"), "--state-dir",
                 str(model.work / f"state-{name}"), "--plan", str(model.plan), "--name", name, "--memory-budget",
-                _budget(model), "--address", head.address, "--readers", "1"]
+                _budget(model), "--address", head.address, "--readers", "1", "--plan-trust",
+                str(model.work / "op.pub"), "--node-key", str(model.work / f"node-{name}.key")]
         nodes.procs[name] = kit.start(argv, model.work / f"node-{name}-remote.log", model.work)
-    kit.ok("shardtool", "keygen", "--out", "op", "--no-passphrase", cwd=model.work)
     coordinator_cache = tmp_path / "cache-coordinator"
     try:
         for name in model.nodes:
@@ -292,7 +295,8 @@ def test_nodes_and_coordinator_fetch_from_a_store_only_what_they_are_asked_for(h
                                         "--max-new-tokens", "2"))
         clustered = kit.run("verify-and-run", "--remote", model.full, "--cache-dir", coordinator_cache, "--trust",
                             model.work / "a.pub", "--state-dir", model.work / "state-var", "--model-id", model.model_id,
-                            "-q", "--cluster", head.address, "--plan", model.plan, "--prompt-ids", PROMPT_IDS,
+                            "-q", "--cluster", head.address, "--plan", model.plan, "--plan-trust",
+                            model.work / "op.pub", "--prompt-ids", PROMPT_IDS,
                             "--print-ids", "--max-new-tokens", "2", "--receipt-key", "op.key", "--receipt-out", "r",
                             "--trace-out", "t", cwd=model.work)
         assert clustered.returncode == 0, clustered.stderr

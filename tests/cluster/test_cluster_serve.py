@@ -27,7 +27,8 @@ def served(head, tmp_path_factory):
             proc.wait_for(rf"node {name} ready", 180)
         argv = [str(kit.BIN / "shardtool"), "serve", str(model.coordinator), "--trust", str(model.work / "a.pub"),
                 "--state-dir", str(model.work / "state-serve"), "--model-id", model.model_id, "--port", "0",
-                "--cluster", head.address, "--plan", str(model.plan), *SERVE_FLAGS]
+                "--cluster", head.address, "--plan", str(model.plan), "--plan-trust", str(model.work / "op.pub"),
+                *SERVE_FLAGS]
         server = kit.start(argv, model.work / f"serve-{time.monotonic_ns()}.log", model.work)
         url = server.wait_for(r"serving \S+ on (http://127\.0\.0\.1:\d+)", 180).group(1)
         yield model, nodes, url

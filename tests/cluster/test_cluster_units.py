@@ -6,82 +6,52 @@ replica, the node's checks of every argument, and a shard tampered under a node.
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from shardtool.errors import UnavailableError, UsageError
-from shardtool.keys import load_public_key
+import _clusterkit as kit
+from shardtool.keys import load_private_key, load_public_key
 from shardtool.layout import expert_path
 from shardtool.manifest import load_trusted_manifest
-from shardtool.runtime import (Engine, ErrorEvent, NodeService, RemoteExperts, SamplingParams, Session, load_plan,
-                               make_plan, prepare_node)
+from shardtool.runtime import (Engine, ErrorEvent, NodeService, SamplingParams, Session, load_signed_plan,
+                               prepare_node)
 from shardtool.runtime._cluster import NodeFailed, plan_placement
 
-BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[2]
 PROMPT = [5, 77, 300, 12]
-
-
-def _cli(*args, cwd: Path) -> None:
-    r = subprocess.run([str(BIN / "shardtool"), *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                       stdin=subprocess.DEVNULL, env={"XDG_STATE_HOME": str(cwd), "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 0, r.stderr
+NONCE = "0" * 32
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    work = tmp_path_factory.mktemp("units")
-    _cli("keygen", "--out", "a", "--no-passphrase", cwd=work)
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(work / "hf"), "--family",
-                    "mixtral", "--experts", "8", "--layers", "2"], check=True, capture_output=True)
-    _cli("split", "-q", work / "hf", work / "full", "--model-id", "test/units", "--version", "1", cwd=work)
-    _cli("sign", work / "full", "--key", "a.key", cwd=work)
-    verified = load_trusted_manifest(work / "full" / "manifest.msgpack", [load_public_key(work / "a.pub")], 1,
-                                     work / "state")
-    plan_path = work / "plan.json"
-    from shardtool.runtime import encode_plan
-    plan_path.write_bytes(encode_plan(make_plan(verified, [(n, 1 << 30, None) for n in ("a", "b", "c")], 2)))
-    return work, verified, load_plan(plan_path, verified)
+    """A split, signed model and its operator-signed plan over nodes a, b, c (every expert on 2), each node's key."""
+    made = kit.build_model(tmp_path_factory.mktemp("units"), "mixtral", replicas=2, nodes=("a", "b", "c"))
+    verified = load_trusted_manifest(made.full / "manifest.msgpack", [load_public_key(made.work / "a.pub")], 1,
+                                     made.work / "state")
+    return made.work, verified, load_signed_plan(made.plan, verified, [load_public_key(made.work / "op.pub")])
 
 
-class Direct:
-    """Calls NodeService objects in-process. `edit[node](reply) -> reply` forges replies; `down` nodes fail."""
-
-    def __init__(self, services: dict[str, NodeService]):
-        self.services = services
-        self.edit = {}
-        self.down: set[str] = set()
-        self.calls: list[tuple[str, int, list[int]]] = []
-
-    def info(self, node, timeout):
-        if node in self.down or node not in self.services:
-            raise NodeFailed(f"no node named {node} has joined the cluster")
-        return self.edit.get(node, lambda r: r)(self.services[node].info())
-
-    def submit(self, node, layer, expert_ids, x, rows):
-        self.calls.append((node, layer, list(expert_ids)))
-        return node, layer, expert_ids, x, rows
-
-    def result(self, pending, timeout):
-        node, layer, ids, x, rows = pending
-        if node in self.down:
-            raise NodeFailed("ActorDiedError: the actor died unexpectedly")
-        return self.edit.get(node, lambda r: r)(self.services[node].run(layer, ids, x, rows))
+def _keys(model) -> dict:
+    work, _, plan = model
+    return {n.name: load_private_key(work / f"node-{n.name}.key", None) for n in plan.nodes}
 
 
 def _services(model, directory: Path | None = None) -> dict[str, NodeService]:
     work, verified, plan = model
-    return {n.name: NodeService(prepare_node(directory or work / "full", verified, plan, n.name, budget=1 << 30))
-            for n in plan.nodes}
+    keys = _keys(model)
+    return {n.name: NodeService(prepare_node(directory or work / "full", verified, plan, n.name, budget=1 << 30,
+                                             key=keys[n.name])) for n in plan.nodes}
 
 
-def _remote(model, transport) -> RemoteExperts:
+def Direct(services: dict) -> kit.Direct:
+    return kit.Direct(services, {name: s._key for name, s in services.items()})
+
+
+def _remote(model, transport):
     _, verified, plan = model
-    remote = RemoteExperts(plan_placement(plan), verified.head.merkle_root, transport, timeout=5, log=lambda _: None)
+    remote = kit.remote_experts(plan, transport, timeout=5)
     remote.connect()
     return remote
 
@@ -121,7 +91,7 @@ def test_a_node_answering_for_another_root_or_name_is_refused_and_its_replica_se
     transport = Direct(_services(model))
     transport.edit["a"] = lambda r: {**r, "root": "11" * 32}
     _, verified, plan = model
-    remote = RemoteExperts(plan_placement(plan), verified.head.merkle_root, transport, log=lambda _: None)
+    remote = kit.remote_experts(plan, transport)
     remote.connect()  # refused at connect already: R = 2 leaves every expert a node
     assert "refused" in remote.stats.dropped["a"]
     assert _generate(model, remote) == _generate(model)
@@ -191,7 +161,7 @@ def test_connect_refuses_when_a_planned_expert_has_no_node(model):
     transport = Direct(_services(model))
     transport.down |= {"b", "c"}
     _, verified, plan = model
-    remote = RemoteExperts(plan_placement(plan), verified.head.merkle_root, transport, log=lambda _: None)
+    remote = kit.remote_experts(plan, transport)
     with pytest.raises(UnavailableError, match="no live node holds layer"):
         remote.connect()
 
@@ -204,7 +174,7 @@ def _call(service: NodeService, layer=0, ids=None, x=None, rows=None):
     ids = held[:2] if ids is None else ids
     x = np.ones((3, service.config.hidden_size), np.float32) if x is None else x
     rows = {e: np.array([0, 2], np.int64) for e in ids} if rows is None else rows
-    return service.run(layer, ids, x, rows)
+    return service.run(layer, ids, x, rows, NONCE)
 
 
 @pytest.mark.parametrize("forge", [
@@ -221,7 +191,7 @@ def test_a_malformed_info_drops_the_node_at_connect_and_its_replicas_serve(model
     transport = Direct(_services(model))
     transport.edit["a"] = forge
     _, verified, plan = model
-    remote = RemoteExperts(plan_placement(plan), verified.head.merkle_root, transport, log=lambda _: None)
+    remote = kit.remote_experts(plan, transport)
     remote.connect()
     assert "a" in remote.stats.dropped and "refused" in remote.stats.dropped["a"]
     assert _generate(model, remote) == _generate(model)
@@ -259,18 +229,18 @@ def test_the_node_checks_every_argument_from_the_wire(model):
 def test_a_shard_tampered_under_the_node_is_failed_from_then_on_and_the_others_keep_serving(model, tmp_path):
     work, verified, plan = model
     copy = Path(shutil.copytree(work / "full", tmp_path / "node"))
-    service = NodeService(prepare_node(copy, verified, plan, "a", budget=1 << 30))
+    service = NodeService(prepare_node(copy, verified, plan, "a", budget=1 << 30, key=_keys(model)["a"]))
     ids = sorted(e for (lay, e) in service.held if lay == 0)[:2]
     victim = copy / expert_path(0, ids[0])
     original = victim.read_bytes()
     victim.write_bytes(original[:-3] + bytes([original[-3] ^ 0x40]) + original[-2:])
-    reply = _call(service, ids=ids)
-    assert set(reply["outputs"]) == {ids[1]} and "BLAKE3" in reply["failed"][ids[0]]
+    reply = kit.plain(_call(service, ids=ids))
+    assert set(reply["outputs"]) == {ids[1]} and "BLAKE3" in reply["failed"][str(ids[0])]
     assert reply["outputs"][ids[1]].shape == (2, service.config.hidden_size)
     victim.write_bytes(original)  # restored: the node still does not serve it (it failed once here)
-    again = _call(service, ids=ids)
-    assert set(again["failed"]) == {ids[0]} and set(again["outputs"]) == {ids[1]}
-    assert service.info()["failed"] == {f"0/{ids[0]}": reply["failed"][ids[0]]}
+    again = kit.plain(_call(service, ids=ids))
+    assert set(again["failed"]) == {str(ids[0])} and set(again["outputs"]) == {ids[1]}
+    assert kit.plain(service.info(NONCE))["failed"] == {f"0/{ids[0]}": reply["failed"][str(ids[0])]}
 
 
 def test_a_node_refuses_to_join_with_a_missing_planned_file_or_a_budget_that_cannot_hold_a_step(model, tmp_path):
@@ -280,12 +250,14 @@ def test_a_node_refuses_to_join_with_a_missing_planned_file_or_a_budget_that_can
     copy = Path(shutil.copytree(work / "full", tmp_path / "node"))
     path = plan.node("b").files()[0]
     (copy / path).unlink()
-    prepare_node(copy, verified, plan, "c" if path not in plan.node("c").files() else "a", budget=1 << 30)
+    keys = _keys(model)
+    other = "c" if path not in plan.node("c").files() else "a"
+    prepare_node(copy, verified, plan, other, budget=1 << 30, key=keys[other])
     with pytest.raises(VerificationError, match="missing") as info:
-        prepare_node(copy, verified, plan, "b", budget=1 << 30)
+        prepare_node(copy, verified, plan, "b", budget=1 << 30, key=keys["b"])
     assert info.value.path == path
     with pytest.raises(UsageError, match="cannot hold a step"):
-        prepare_node(work / "full", verified, plan, "b", budget=1 << 20)
+        prepare_node(work / "full", verified, plan, "b", budget=1 << 20, key=keys["b"])
 
 
 def test_the_calls_start_when_the_layer_asks_before_any_output_is_waited_for(model):

@@ -9,6 +9,7 @@ import pytest
 
 from shardtool import layout
 from shardtool.errors import ShardtoolError, UsageError, VerificationError
+from shardtool.keys import generate
 from shardtool.manifest import Entry, VerifiedManifest, build_manifest
 from shardtool.runtime import (ClusterPlan, NodePlan, decode_plan, encode_plan, make_plan, node_memory_floor,
                                summarize)
@@ -151,7 +152,8 @@ def test_node_lookup():
         plan.node("zz")
 
 
-GOOD = make_plan(M, [("a", BUDGET, None), ("b", BUDGET, 20000), ("c", BUDGET, None)], replicas=2)
+KEYS = {name: generate().public for name in ("a", "b", "c")}
+GOOD = make_plan(M, [("a", BUDGET, None), ("b", BUDGET, 20000), ("c", BUDGET, None)], replicas=2, keys=KEYS)
 
 
 def _edit(change):
@@ -183,7 +185,11 @@ REFUSALS = [
     (_edit(lambda d: d.pop("replicas")), UsageError, "plan lacks replicas"),
     (_edit(_set(["extra"], 1)), UsageError, "unknown key(s) 'extra'"),
     (_edit(_set(["nodes", 0, "extra"], 1)), UsageError, "node 0 has unknown key(s) 'extra'"),
-    (_edit(_set(["format"], "shardtool-plan/2")), UsageError, "plan format is 'shardtool-plan/2'"),
+    (_edit(_set(["format"], "shardtool-plan/1")), UsageError, "plan format is 'shardtool-plan/1'"),
+    (_edit(lambda d: d["nodes"][0].pop("key")), UsageError, "node 0 lacks key"),
+    (_edit(_set(["nodes", 0, "key"], "AB" * 32)), UsageError, "node a: key must be null or 64 lowercase hex"),
+    (_edit(_set(["nodes", 0, "key"], 7)), UsageError, "node a: key must be null or 64 lowercase hex"),
+    (_edit(_set(["nodes", 1, "key"], KEYS["a"].raw.hex())), UsageError, "nodes a and b have the same key"),
     (_edit(_set(["root"], "ab" * 31)), UsageError, "root must be 64 lowercase hex digits"),
     (_edit(_set(["root"], "AB" * 32)), UsageError, "root must be 64 lowercase hex digits"),
     (_edit(_set(["root"], "ab" * 32)), VerificationError, "root " + "ab" * 32),
@@ -268,6 +274,16 @@ def test_summary_puts_the_cluster_next_to_one_machine():
     assert s3["single_machine"]["seconds_per_token"] == pytest.approx(4000 / 4e9)
     with pytest.raises(UsageError, match="--disk-gbps"):
         summarize(GOOD, M, float("nan"))
+
+
+def test_make_plan_names_each_nodes_key_once():
+    assert [n.public_key() for n in GOOD.nodes] == [KEYS["a"], KEYS["b"], KEYS["c"]]
+    with pytest.raises(UsageError, match="'zz', which is not a node"):
+        make_plan(M, [("a", BUDGET, None)], 1, keys={"zz": KEYS["a"]})
+    with pytest.raises(UsageError, match="nodes a and b have the same key"):
+        make_plan(M, [("a", BUDGET, None), ("b", BUDGET, None)], 1, keys={"a": KEYS["a"], "b": KEYS["a"]})
+    with pytest.raises(UsageError, match="names no key for node a"):
+        make_plan(M, [("a", BUDGET, None)], 1).node("a").public_key()
 
 
 def test_nodeplan_and_plan_are_values():

@@ -1,0 +1,296 @@
+"""Attacks on a cluster: a client without Ray's token, a head that does not enforce it, an impostor node, a reply
+signed by another node, a replayed or re-aimed reply, an unsigned or garbled reply, a plan the operator did not sign.
+In-process nodes (`_clusterkit.Direct`) for the replies; a real local Ray head for the door."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+import _clusterkit as ck  # noqa: E402
+from shardtool.errors import SignatureError, UnavailableError  # noqa: E402
+from shardtool.keys import generate, load_private_key, load_public_key  # noqa: E402
+from shardtool.manifest import load_trusted_manifest  # noqa: E402
+from shardtool.runtime import NodeService, Session, load_signed_plan, prepare_node  # noqa: E402
+from shardtool.runtime._cluster_node import REPLY_TYPE  # noqa: E402
+
+PROMPT = [5, 77, 300, 12]
+NODES = ("a", "b", "c")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A model whose operator-signed plan puts every expert on 2 of nodes a, b, c; the nodes' services and keys."""
+    model = ck.build_model(tmp_path_factory.mktemp("cluster"), "mixtral", replicas=2, nodes=NODES)
+    verified = load_trusted_manifest(model.full / "manifest.msgpack", [load_public_key(model.work / "a.pub")], 1,
+                                     model.work / "state")
+    plan = load_signed_plan(model.plan, verified, [load_public_key(model.work / "op.pub")])
+    keys = {n: load_private_key(model.work / f"node-{n}.key", None) for n in NODES}
+    services = {n: NodeService(prepare_node(model.full, verified, plan, n, budget=1 << 30, key=keys[n])) for n in NODES}
+    return model, verified, plan, services, keys
+
+
+def _generate(cluster, remote=None) -> list[int]:
+    model, verified, *_ = cluster
+    session = Session(model.full, verified, budget=1 << 30, max_tokens=len(PROMPT) + 8, remote=remote)
+    try:
+        out: list[int] = []
+        session.generate(PROMPT, 8, temperature=0.0, top_p=1.0, seed=None, on_token=out.append)
+        return out
+    finally:
+        session.close()
+
+
+def _transport(cluster, **keys) -> ck.Direct:
+    """Nodes a, b, c; a node given in `keys` answers (re-signed) with that key instead of its own."""
+    _, _, _, services, own = cluster
+    transport = ck.Direct(services, {**own, **keys})
+    for node in keys:
+        transport.edit[node] = lambda doc: doc
+    return transport
+
+
+def _zeros(doc):
+    """A made-up answer: every output zero."""
+    if "layer" in doc:
+        doc = {**doc, "outputs": {e: np.zeros_like(y) for e, y in doc["outputs"].items()}}
+    return doc
+
+
+def test_cluster_impostor_node_is_refused_named_and_its_output_never_used(cluster):
+    local = _generate(cluster)
+    impostor = generate()
+    transport = _transport(cluster, a=impostor)
+    transport.edit["a"] = _zeros
+    remote = ck.remote_experts(cluster[2], transport)
+    remote.connect()
+    assert "not signed by node a's key in the plan" in remote.stats.dropped["a"]
+    assert _generate(cluster, remote) == local
+    assert all(node != "a" for node, _, _ in transport.calls)
+    # With no replica left for some experts the run fails; it never answers with made-up output.
+    transport = _transport(cluster, a=impostor, b=generate())
+    with pytest.raises(UnavailableError, match="no live node holds layer"):
+        ck.remote_experts(cluster[2], transport).connect()
+
+
+def test_cluster_impostor_after_connect_is_dropped_and_replicas_serve(cluster):
+    transport = _transport(cluster)
+    remote = ck.remote_experts(cluster[2], transport)
+    remote.connect()
+    transport.keys["b"], transport.edit["b"] = generate(), _zeros  # b's actor replaced once the run started
+    assert _generate(cluster, remote) == _generate(cluster)
+    assert "not signed by node b's key" in remote.stats.dropped["b"]
+
+
+def test_cluster_reply_signed_by_node_a_presented_as_node_b_is_refused(cluster):
+    _, _, _, _, keys = cluster
+    transport = _transport(cluster, b=keys["a"])  # b's answers, signed with a's (planned, genuine) key
+    transport.edit["b"] = _zeros
+    remote = ck.remote_experts(cluster[2], transport)
+    remote.connect()
+    assert "not signed by node b's key" in remote.stats.dropped["b"]
+    assert _generate(cluster, remote) == _generate(cluster)
+
+
+@pytest.mark.parametrize("forge", [
+    lambda d: {**d, "layer": d["layer"] + 1},
+    lambda d: {**d, "experts": d["experts"][::-1] if len(d["experts"]) > 1 else d["experts"] + [99]},
+    lambda d: {**d, "nonce": "f" * 32},
+    lambda d: {**d, "name": "a"},
+], ids=["other-layer", "other-experts", "other-nonce", "other-name"])
+def test_cluster_reply_for_another_call_is_refused(cluster, forge):
+    """A reply genuinely signed by the node asked, but for another layer, other experts, another call's nonce
+    (a replay) or another node's name."""
+    transport = _transport(cluster)
+    remote = ck.remote_experts(cluster[2], transport)
+    remote.connect()
+    transport.edit["b"] = lambda d: forge(_zeros(d)) if "layer" in d else d
+    assert _generate(cluster, remote) == _generate(cluster)
+    assert "refused" in remote.stats.dropped["b"] or "asked" in remote.stats.dropped["b"]
+
+
+def test_cluster_replayed_reply_is_refused(cluster):
+    """b's genuine, signed replies of one run, answered again in order to the same calls of a second run: only the
+    nonce tells them apart."""
+    recorded: list = []
+    transport = _transport(cluster)
+    transport.answer["b"] = lambda r: recorded.append(r) or r if "outputs" in r else r
+    remote = ck.remote_experts(cluster[2], transport)
+    remote.connect()
+    local = _generate(cluster, remote)
+    assert recorded and "b" not in remote.stats.dropped
+    replay = iter(recorded)
+    transport = _transport(cluster)
+    transport.answer["b"] = lambda r: next(replay) if "outputs" in r else r
+    remote = ck.remote_experts(cluster[2], transport)
+    remote.connect()
+    assert _generate(cluster, remote) == local
+    assert "a replay" in remote.stats.dropped["b"]
+
+
+@pytest.mark.parametrize("forge", [
+    lambda r: {k: v for k, v in r.items() if k != "signature"},
+    lambda r: {**r, "signature": bytes([r["signature"][0] ^ 1]) + r["signature"][1:]},
+    lambda r: {**r, "body": r["body"] + b" "},
+    lambda r: {**r, "outputs": {e: y + 1 for e, y in r["outputs"].items()}},
+    lambda r: {**r, "extra": 1},
+    lambda r: [r],
+    lambda r: b"\x80\x04garbage",
+], ids=["unsigned", "bad-signature", "body-changed", "outputs-changed", "extra-field", "not-a-dict", "bytes"])
+def test_cluster_unsigned_or_garbled_reply_is_refused(cluster, forge):
+    transport = _transport(cluster)
+    remote = ck.remote_experts(cluster[2], transport)
+    remote.connect()
+    transport.answer["c"] = lambda r: forge(r) if "outputs" in r else r
+    assert _generate(cluster, remote) == _generate(cluster)
+    assert "c" in remote.stats.dropped
+
+
+def test_cluster_signed_body_that_is_not_json_is_refused(cluster):
+    _, _, _, _, keys = cluster
+    from shardtool.manifest import pae
+    transport = _transport(cluster)
+    remote = ck.remote_experts(cluster[2], transport)
+    remote.connect()
+    body = b"\xff not json"
+    transport.answer["c"] = lambda r: {**r, "body": body, "signature": keys["c"].sign(pae(REPLY_TYPE, body))}
+    assert _generate(cluster, remote) == _generate(cluster)
+    assert "not a JSON object" in remote.stats.dropped["c"]
+
+
+def _plan_refused(cluster, tmp_path, plan_bytes: bytes, sig: bytes | None, trusted=None) -> SignatureError:
+    model, verified, *_ = cluster
+    tmp_path.mkdir()
+    plan = tmp_path / "plan.json"
+    plan.write_bytes(plan_bytes)
+    if sig is not None:
+        (tmp_path / "plan.json.sig").write_bytes(sig)
+    with pytest.raises(SignatureError) as info:
+        load_signed_plan(plan, verified, trusted or [load_public_key(model.work / "op.pub")])
+    return info.value
+
+
+def test_cluster_plan_not_signed_by_the_operator_or_tampered_is_refused(cluster, tmp_path):
+    from shardtool.runtime import sign_plan
+    model = cluster[0]
+    data, sig = model.plan.read_bytes(), (model.work / "plan.json.sig").read_bytes()
+    assert "not signed" in _plan_refused(cluster, tmp_path / "none", data, None).message
+    swapped = data.replace(cluster[2].node("a").key.hex().encode(), generate().public.raw.hex().encode())
+    assert swapped != data
+    _plan_refused(cluster, tmp_path / "tampered", swapped, sig)  # a node's key swapped after signing
+    _plan_refused(cluster, tmp_path / "other-signer", data, sign_plan(data, generate()))
+    _plan_refused(cluster, tmp_path / "garbled", data, b'{"format":"x"}')
+    _plan_refused(cluster, tmp_path / "trusted-other", data, sig, [generate().public])
+
+
+def test_cluster_cli_refuses_a_tampered_plan_before_using_the_cluster(cluster, tmp_path):
+    model = cluster[0]
+    plan = tmp_path / "plan.json"
+    plan.write_bytes(model.plan.read_bytes().replace(b'"replicas":2', b'"replicas":1'))
+    (tmp_path / "plan.json.sig").write_bytes((model.work / "plan.json.sig").read_bytes())
+    r = ck.run("verify-and-run", model.coordinator, "--trust", model.work / "a.pub", "--state-dir",
+               model.work / "state-cli", "--model-id", model.model_id, "--prompt-ids", "5,77", "--max-new-tokens", "1",
+               "--cluster", "127.0.0.1:1", "--plan", plan, "--plan-trust", model.work / "op.pub", cwd=model.work)
+    assert r.returncode == 1 and "signature" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------------------ the door: a real Ray head
+
+TOKENLESS = """
+import sys, grpc, ray
+from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+host, port = sys.argv[1].rsplit(":", 1)
+try:
+    gcs_service_pb2_grpc.NodeInfoGcsServiceStub(grpc.insecure_channel(sys.argv[1])).GetClusterId(
+        gcs_service_pb2.GetClusterIdRequest(), timeout=10)
+    print("GCS ANSWERED")
+except grpc.RpcError as e:
+    print("GCS", e.code().name)
+try:
+    ray.init(address=sys.argv[1], namespace="shardtool", logging_level="ERROR", log_to_driver=False)
+    print("JOINED")
+except Exception as e:
+    print("REFUSED", type(e).__name__)
+"""
+
+
+def test_cluster_tokenless_client_is_refused(cluster, tmp_path):
+    """A client without the token cannot even ask the GCS; its ray.init fails, so it can register no actor and
+    put nothing in the object store (nothing it sends is deserialized by a member)."""
+    head = ck.Head.start(tmp_path)
+    try:
+        env = {**ck.env(tmp_path, token=False), "RAY_AUTH_MODE": "disabled"}
+        r = subprocess.run([sys.executable, "-c", TOKENLESS, head.address], capture_output=True, text=True, env=env,
+                           timeout=180, stdin=subprocess.DEVNULL)
+        assert "GCS UNAUTHENTICATED" in r.stdout and "REFUSED" in r.stdout and "JOINED" not in r.stdout, r.stdout
+        # shardtool's own commands: no token, or the wrong one, is one line, before Ray is asked.
+        model = cluster[0]
+        base = (model.coordinator, "--trust", model.work / "a.pub", "--state-dir",
+                model.work / "state-door", "--model-id", model.model_id, "--prompt-ids", "5,77", "--max-new-tokens",
+                "1", "--cluster", head.address, "--plan", model.plan, "--plan-trust", model.work / "op.pub")
+        none = subprocess.run([str(ck.BIN / "verify-and-run"), *map(str, base)], capture_output=True, text=True,
+                              env=ck.env(tmp_path, token=False), timeout=120, stdin=subprocess.DEVNULL)
+        assert none.returncode == 2 and "no Ray authentication token" in none.stderr, none.stderr
+        wrong = subprocess.run([str(ck.BIN / "verify-and-run"), *map(str, base)], capture_output=True, text=True,
+                               env={**ck.env(tmp_path, token=False), "RAY_AUTH_TOKEN": "0" * 64}, timeout=120,
+                               stdin=subprocess.DEVNULL)
+        assert wrong.returncode == 1 and "refuses this process's token" in wrong.stderr, wrong.stderr
+    finally:
+        head.stop()
+
+
+def test_cluster_head_without_token_auth_is_refused_unless_insecure(cluster, tmp_path):
+    model = cluster[0]
+    head = ck.Head.start(tmp_path, auth=False)
+    try:
+        r = ck.run("shardtool", *ck.node_argv(model, "a", head.address)[1:], cwd=model.work, timeout=120)
+        assert r.returncode == 1 and "does not enforce token authentication" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+        node = ck.start([*ck.node_argv(model, "a", head.address), "--insecure-cluster"], tmp_path / "node.log",
+                        model.work, extra_env={"RAY_AUTH_MODE": "disabled"})
+        try:
+            node.wait_for(r"node a ready", 180)
+            assert "warning: --insecure-cluster" in node.text()
+        finally:
+            node.stop()
+    finally:
+        head.stop()
+
+
+JOIN = """
+import sys, ray
+from shardtool.errors import ShardtoolError
+from shardtool.runtime._cluster_node import init_ray
+try:
+    init_ray(ray, sys.argv[1], 10.0)
+    print("JOINED", ray.get(ray.remote(lambda: 41 + 1).remote()))
+except ShardtoolError as e:
+    print("REFUSED", e.one_line())
+"""
+
+
+def test_cluster_tls_head_with_token_is_joined_and_a_plaintext_client_refused(tmp_path):
+    """Ray's TLS (RAY_USE_TLS) with token auth: shardtool's check and Ray both speak TLS to the head; a client
+    without TLS is refused."""
+    from ray._common.tls_utils import generate_self_signed_tls_certs
+
+    cert, key = generate_self_signed_tls_certs()
+    (tmp_path / "cert.pem").write_text(cert)
+    (tmp_path / "key.pem").write_text(key)
+    tls = {"RAY_USE_TLS": "1", "RAY_TLS_SERVER_CERT": str(tmp_path / "cert.pem"),
+           "RAY_TLS_SERVER_KEY": str(tmp_path / "key.pem"), "RAY_TLS_CA_CERT": str(tmp_path / "cert.pem")}
+    head = ck.Head.start(tmp_path, extra_env=tls)
+    try:
+        def join(env):
+            return subprocess.run([sys.executable, "-c", JOIN, head.address], capture_output=True, text=True,
+                                  env=env, timeout=180, stdin=subprocess.DEVNULL).stdout
+        assert "JOINED 42" in join({**ck.env(tmp_path), **tls})
+        plain = join(ck.env(tmp_path))
+        assert "REFUSED" in plain and "RAY_USE_TLS" in plain, plain
+    finally:
+        head.stop()
