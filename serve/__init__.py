@@ -6,10 +6,11 @@ run receipts, `_app` the routes and responses (JSON or server-sent events), `_se
 timeouts and caps.
 """
 
-from shardtool.serve._app import Limits, create_app
+from shardtool.serve._app import Access, Limits, create_app
 from shardtool.serve._chat import ChatTemplate
+from shardtool.serve._health import verify_all_first
 from shardtool.serve._receipts import ReceiptSigner
 from shardtool.serve._server import ServerSettings, Stopped, bind, run, stop_on_signals, url_of
 
-__all__ = ["ChatTemplate", "Limits", "ReceiptSigner", "ServerSettings", "Stopped", "bind", "create_app", "run",
-           "stop_on_signals", "url_of"]
+__all__ = ["Access", "ChatTemplate", "Limits", "ReceiptSigner", "ServerSettings", "Stopped", "bind", "create_app", "run",
+           "stop_on_signals", "url_of", "verify_all_first"]

@@ -3,7 +3,11 @@
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics, and the run
 receipts: GET /v1/receipts/{id} and /v1/receipts/{id}/trace (with a ReceiptSigner, every finished completion
 carries a signed receipt; see `serve/_receipts.py`). Every error is a JSON body {"error": {"message", "type",
-"param", "code"}}, never a traceback. A request body is read with a size cap (Content-Length first, then while
+"param", "code"}}, never a traceback. Before any route, `_Guard` checks who asks: the `Host` header against the
+allowed names (a web page that rebinds its own DNS name to this address sends its own name), and with an API key
+the `Authorization: Bearer` header (every route but /health). No CORS header is ever sent, and a POST body must
+be `Content-Type: application/json` (a page can send a "simple" text/plain request without a preflight; JSON
+needs one, which this server never grants). A request body is read with a size cap (Content-Length first, then while
 it streams) and a deadline. A client that goes away, while its result streams or while it waits for one, has its
 request cancelled in the engine (its KV cache is freed at the next step boundary).
 """
@@ -11,6 +15,7 @@ request cancelled in the engine (its KV cache is freed at the next step boundary
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -29,6 +34,7 @@ from shardtool.errors import (InvalidRequestError, OverloadedError, RequestRefus
 from shardtool.manifest import valid_receipt_id
 from shardtool.runtime import ErrorEvent, FinishEvent, SamplingParams, TokenEvent, encode_prompt
 from shardtool.serve._chat import ChatTemplate
+from shardtool.serve._health import ShardHealth
 from shardtool.serve._metrics import CONTENT_TYPE, Metrics
 from shardtool.serve._protocol import Sampling, parse_chat, parse_completion
 from shardtool.serve._receipts import RECEIPT_HELP, STOP_STRING, ReceiptSigner
@@ -42,15 +48,40 @@ _JSON_TYPES = ("application/json",)
 
 
 @dataclass(frozen=True)
+class Access:
+    """Who may ask. `allowed_hosts`: the `Host` names (NAME, or NAME:PORT) requests may carry; None: the address
+    the server is bound to, localhost, 127.0.0.1 and [::1]. A NAME without a port allows it with the server's own
+    port or none. `api_key`: every route but /health needs `Authorization: Bearer KEY`."""
+
+    allowed_hosts: tuple[str, ...] | None = None
+    api_key: str | None = None
+
+    def __post_init__(self):
+        for name in self.allowed_hosts or ():
+            if not name or not name.isascii() or any(c.isspace() or c in "/@\\,?#" for c in name):
+                raise UsageError(f"--allowed-hosts: {name[:80]!r} is not a host name, NAME:PORT or [IPv6]:PORT")
+        key = self.api_key
+        if key is not None and not (0 < len(key) <= MAX_API_KEY_CHARS and key.isascii() and key.isprintable()
+                                    and " " not in key):
+            raise UsageError(f"the API key must be 1 to {MAX_API_KEY_CHARS} printable ASCII characters without "
+                             f"spaces (got {len(key)} characters)")
+
+
+MAX_API_KEY_CHARS = 4096
+DEFAULT_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+
+@dataclass(frozen=True)
 class Limits:
     max_body_bytes: int = 1 << 20
     body_timeout: float = 30.0  # seconds to receive a whole request body, once its headers are in
 
 
 def create_app(engine, *, model_id: str, chat: ChatTemplate | None = None, limits: Limits = Limits(),
-               receipts: ReceiptSigner | None = None) -> Starlette:
+               receipts: ReceiptSigner | None = None, access: Access = Access()) -> Starlette:
     """`engine`: a started runtime Engine (or anything with its interface); `model_id`: the verified
-    manifest's model ID, the only `model` requests may name; `receipts`: sign every finished completion."""
+    manifest's model ID, the only `model` requests may name; `receipts`: sign every finished completion;
+    `access`: the Host names and API key requests need."""
     api = _API(engine, model_id, chat if chat is not None else ChatTemplate(None, {}), limits, receipts)
     routes = [
         Route("/health", api.health, methods=["GET"]),
@@ -62,7 +93,8 @@ def create_app(engine, *, model_id: str, chat: ChatTemplate | None = None, limit
         Route("/v1/receipts/{id}/trace", api.receipt_trace, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception, Exception: _crash})
-    app.add_middleware(_CountRequests, metrics=api.metrics)
+    app.add_middleware(_Guard, access=access)
+    app.add_middleware(_CountRequests, metrics=api.metrics)  # added last, so outermost: refusals are counted too
     return app
 
 
@@ -79,9 +111,11 @@ class _API:
             store = receipts.store
             self.metrics = Metrics(lambda: {**engine.metrics(), **store.metrics()}, RECEIPT_HELP)
         self.created = int(time.time())
+        self.shards = ShardHealth()
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        status, document = self.shards.document()
+        return JSONResponse(document, status_code=status)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -163,7 +197,8 @@ class _API:
 
         ticket = self.engine.submit(ids, params, sink, record=self.receipts is not None)
         text = TextStream(self._decode, sampling.stop)
-        return _Generation(self.engine, ticket, events, text, fmt, len(ids), stream, include_usage, self.receipts)
+        return _Generation(self.engine, ticket, events, text, fmt, len(ids), stream, include_usage, self.receipts,
+                           self.shards)
 
     def _decode(self, ids) -> str:
         tokenizer = self.engine.tokenizer
@@ -176,9 +211,10 @@ class _API:
 
 async def _read_json(request: Request, limits: Limits) -> Any:
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if kind and kind not in _JSON_TYPES:
-        raise InvalidRequestError(f"the body must be JSON (Content-Type: application/json), got Content-Type "
-                                  f"{kind[:60]!r}", status=415)
+    if kind not in _JSON_TYPES:  # none at all too: a browser sends text/plain without asking first
+        found = f"Content-Type {kind[:60]!r}" if kind else "no Content-Type"
+        raise InvalidRequestError(f"the body must be JSON (Content-Type: application/json), got {found}",
+                                  status=415)
     body = await _read_body(request, limits)
     try:
         return loads_strict(body, "the request body")
@@ -256,6 +292,49 @@ async def _crash(request: Request, exc: Exception) -> Response:
                         status_code=500)
 
 
+class _Guard:
+    """The `Host` check, then the API key, before any route is reached; refusals are JSON errors."""
+
+    def __init__(self, app, access: Access):
+        self.app = app
+        self.hosts = None if access.allowed_hosts is None else _host_names(access.allowed_hosts)
+        self.key = None if access.api_key is None else b"Bearer " + access.api_key.encode("ascii")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])  # the last of a repeated header: h11 refuses a repeated Host anyway
+        host = headers.get(b"host", b"").decode("latin-1").lower()
+        if not self._host_allowed(host, scope.get("server")):
+            shown = repr(host[:80]) if host else "none"
+            return await _send_json(send, 400, error_body(
+                f"Host {shown} is not one this server answers to (start it with --allowed-hosts NAME to add one)",
+                400, code="host_not_allowed"))
+        if self.key is not None and scope["path"] != "/health":
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.key):  # constant time: no key byte by byte from the timing
+                what = "no Authorization header" if not given else "an Authorization header that is not the API key"
+                return await _send_json(send, 401, error_body(
+                    f"this server needs an API key (Authorization: Bearer KEY): got {what}", 401,
+                    code="invalid_api_key"), [(b"www-authenticate", b"Bearer")])
+        return await self.app(scope, receive, send)
+
+    def _host_allowed(self, host: str, server) -> bool:
+        """`host` is an allowed NAME or NAME:PORT, or NAME with this server's own port."""
+        address, port = (server or ("", 0))[:2]
+        allowed = self.hosts
+        if allowed is None:  # the default: this server's own address, and the loopback names
+            allowed = _host_names(DEFAULT_HOSTS + ((f"[{address}]" if ":" in address else address),))
+        if host in allowed:
+            return True
+        name, sep, suffix = host.rpartition(":")  # "[::1]" alone has no port: its suffix is "1]"
+        return bool(sep) and suffix == str(port) and name in allowed
+
+
+def _host_names(names) -> frozenset[str]:
+    return frozenset(name.lower() for name in names)
+
+
 class _CountRequests:
     """Counts every response by route (the path when it is one of ours, else "other") and status."""
 
@@ -318,10 +397,12 @@ class _Generation(Response):
     """An ASGI response that waits for the engine's events while watching for the client going away."""
 
     def __init__(self, engine, ticket, events: asyncio.Queue, text: TextStream, fmt: _CompletionFormat,
-                 prompt_tokens: int, stream: bool, include_usage: bool, receipts: ReceiptSigner | None = None):
+                 prompt_tokens: int, stream: bool, include_usage: bool, receipts: ReceiptSigner | None = None,
+                 shards: ShardHealth | None = None):
         self.engine, self.ticket, self.events, self.text, self.fmt = engine, ticket, events, text, fmt
         self.prompt_tokens, self.stream, self.include_usage = prompt_tokens, stream, include_usage
         self.receipts = receipts
+        self.shards = shards if shards is not None else ShardHealth()
         self.record = None  # the finished request's RunRecord (a FinishEvent's), when receipts are signed
         self.ended = False  # the ticket ended (a finish or error event) or we cancelled it
         self.id = fmt.prefix + uuid.uuid4().hex
@@ -370,6 +451,7 @@ class _Generation(Response):
                 return "finish", (event.reason, self.text.finish())
             elif isinstance(event, ErrorEvent):
                 self.ended = True
+                self.shards.note(event.error)  # a shard that failed its check: /health reports it
                 return "error", event
             else:  # pragma: no cover - the engine's interface has exactly three events
                 raise TypeError(f"unexpected engine event {event!r}")
@@ -445,10 +527,10 @@ class _Generation(Response):
         await _send_sse(send, chunk)
 
 
-async def _send_json(send, status: int, document: dict) -> None:
+async def _send_json(send, status: int, document: dict, headers: list | None = None) -> None:
     body = _dumps(document)
     await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

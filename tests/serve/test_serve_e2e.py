@@ -266,7 +266,7 @@ def test_chat_bad_inputs(server):
 
 def test_a_10mb_body_is_refused_by_its_length(server):
     with socket.create_connection(server.address, timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 10485760\r\n\r\n")
         reply = _read_response(s)
     assert reply.startswith(b"HTTP/1.1 413 "), reply[:200]
@@ -289,7 +289,7 @@ def test_a_10mb_chunked_body_is_refused_while_it_streams(server):
 
 def test_slow_clients_time_out(server):
     with socket.create_connection(server.address, timeout=30) as s:  # a body that stalls
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 50\r\n\r\n{\"model\":")
         reply = _read_response(s)
     assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
