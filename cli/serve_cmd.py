@@ -94,8 +94,7 @@ def serve(
         raise UsageError(f"--read-timeout must be a number of seconds, got {read_timeout}")
     check_cluster_options(cluster, plan_file, remote_timeout)
     check_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout)
-    from shardtool.serve._server import check_tls_files
-    from shardtool.serve import Access
+    from shardtool.serve import Access, check_tls_files
     access = Access(tuple(allowed_hosts) or None, api_key)
     check_tls_files(*(str(p) if p is not None else None for p in (ssl_certfile, ssl_keyfile)))
     if receipt_key is None and receipt_passphrase_file is not None:

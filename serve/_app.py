@@ -33,11 +33,12 @@ from shardtool.errors import (InvalidRequestError, OverloadedError, RequestRefus
                               UnavailableError, UsageError)
 from shardtool.manifest import valid_receipt_id
 from shardtool.runtime import ErrorEvent, FinishEvent, SamplingParams, TokenEvent, encode_prompt
-from shardtool.serve._chat import ChatTemplate
+from shardtool.serve._chat import ChatTemplate, encode_rendered
 from shardtool.serve._health import ShardHealth
 from shardtool.serve._metrics import CONTENT_TYPE, Metrics
 from shardtool.serve._protocol import Sampling, parse_chat, parse_completion
 from shardtool.serve._receipts import RECEIPT_HELP, STOP_STRING, ReceiptSigner
+from shardtool.serve._render import RenderPool
 from shardtool.serve._text import TextStream
 from shardtool.strict_json import loads_strict
 
@@ -75,6 +76,8 @@ DEFAULT_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 class Limits:
     max_body_bytes: int = 1 << 20
     body_timeout: float = 30.0  # seconds to receive a whole request body, once its headers are in
+    render_seconds: float = 5.0  # one chat template render (a worker process, killed past it)
+    renderers: int = 2  # chat template worker processes: renders at once
 
 
 def create_app(engine, *, model_id: str, chat: ChatTemplate | None = None, limits: Limits = Limits(),
@@ -93,6 +96,7 @@ def create_app(engine, *, model_id: str, chat: ChatTemplate | None = None, limit
         Route("/v1/receipts/{id}/trace", api.receipt_trace, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception, Exception: _crash})
+    app.state.renderer = api.renderer  # `app.state.renderer.close()` stops its worker processes (also at exit)
     app.add_middleware(_Guard, access=access)
     app.add_middleware(_CountRequests, metrics=api.metrics)  # added last, so outermost: refusals are counted too
     return app
@@ -103,6 +107,7 @@ class _API:
         self.engine = engine
         self.model_id = model_id
         self.chat = chat
+        self.renderer = RenderPool(chat, workers=limits.renderers, seconds=limits.render_seconds)
         self.limits = limits
         self.receipts = receipts
         if receipts is None:
@@ -170,9 +175,10 @@ class _API:
             if self.engine.tokenizer is None:
                 raise UsageError("this model ships no tokenizer.json: chat needs one; use /v1/completions with "
                                  "token ids")
-            messages = [m.as_template_dict() for m in req.messages]
-            # Rendering and encoding may take a while on a long conversation: off the event loop.
-            ids = await anyio.to_thread.run_sync(self.chat.prompt_ids, self.engine.tokenizer, messages)
+            # The template renders in a worker process, bounded in time and memory; encoding a long conversation
+            # may take a while too: off the event loop.
+            text = await _while_connected(request, self.renderer.render, [m.as_template_dict() for m in req.messages])
+            ids = await anyio.to_thread.run_sync(encode_rendered, self.engine.tokenizer, text)
             return self._start(ids, req.sampling, req.stream, req.include_usage, _ChatFormat(self.model_id))
         except ShardtoolError as err:
             return error_response(err)
@@ -247,6 +253,32 @@ async def _read_body(request: Request, limits: Limits) -> bytes:
         raise InvalidRequestError("the client closed the connection before its request body was complete",
                                   code="client_disconnected") from None
     return b"".join(chunks)
+
+
+async def _while_connected(request: Request, work, *args):
+    """`await work(*args)`, cancelled if the client goes away meanwhile (its body was read: the next message
+    is the disconnect). A chat render so cancelled has its worker process killed at once."""
+    gone = False
+    outcome: list = []
+    async with anyio.create_task_group() as tasks:
+        async def watch() -> None:
+            nonlocal gone
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            tasks.cancel_scope.cancel()
+
+        tasks.start_soon(watch)
+        try:  # caught here: raised inside the task group, it would come out wrapped in an exception group
+            outcome.append(await work(*args))
+        except ShardtoolError as err:
+            outcome.append(err)
+        tasks.cancel_scope.cancel()
+    if gone:
+        raise InvalidRequestError("the client closed the connection before its answer", code="client_disconnected")
+    if isinstance(outcome[0], ShardtoolError):
+        raise outcome[0]
+    return outcome[0]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -33,8 +33,15 @@ def tok():
 
 
 @contextlib.contextmanager
-def serving(engine: FakeEngine, *, limits: Limits = Limits(), settings: ServerSettings = ServerSettings(),
-            chat: ChatTemplate | None = None, access: Access = Access()):
+def serving(engine: FakeEngine, **kw):
+    with serving_app(engine, **kw) as (base, _):
+        yield base
+
+
+@contextlib.contextmanager
+def serving_app(engine: FakeEngine, *, limits: Limits = Limits(), settings: ServerSettings = ServerSettings(),
+                chat: ChatTemplate | None = None, access: Access = Access()):
+    """The server's URL, and its app."""
     app = create_app(engine, model_id=MODEL, chat=chat, limits=limits, access=access)
     sock = bind("127.0.0.1", 0)
     server = uvicorn_server(app, settings)
@@ -46,12 +53,13 @@ def serving(engine: FakeEngine, *, limits: Limits = Limits(), settings: ServerSe
         while not server.started:
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.01)
-        yield url_of(sock)
+        yield url_of(sock), app
     finally:
         server.should_exit = True
         thread.join(timeout=10)
         engine.close()
         sock.close()
+        app.state.renderer.close()
 
 
 def replying(tok, text: str = REPLY, *, eos: bool = True):
@@ -74,7 +82,7 @@ def url(engine):
 def post(url: str, path: str, body, **kw) -> httpx.Response:
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
     headers = {"content-type": "application/json", **kw.pop("headers", {})}
-    return httpx.post(url + path, content=data, headers=headers, timeout=30, **kw)
+    return httpx.post(url + path, content=data, headers=headers, **{"timeout": 30, **kw})
 
 
 def sse(response_text: str) -> list:
@@ -503,3 +511,64 @@ def test_no_cors_headers_are_ever_sent(url):
     assert answers[0].status_code == 405
     for r in answers:
         assert not [h for h in r.headers if h.lower().startswith("access-control-")], dict(r.headers)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A hostile signed chat template: bounded in time, killed when its client leaves, never starving other routes
+
+SPIN = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@contextlib.contextmanager
+def hostile(tok, seconds: float):
+    engine = FakeEngine(tok, reply=replying(tok), tokenizer_config={"chat_template": SPIN}, max_queue=64)
+    chat = ChatTemplate.from_tokenizer_config(engine.tokenizer_config)
+    with serving_app(engine, chat=chat, limits=Limits(render_seconds=seconds, renderers=2)) as (base, app):
+        yield base, app.state.renderer
+
+
+def test_a_template_that_spins_is_a_500_at_its_deadline(tok):
+    with hostile(tok, seconds=1.0) as (base, renderer):
+        started = time.monotonic()
+        r = post(base, "/v1/chat/completions", CHAT_BODY)
+        took = time.monotonic() - started
+        assert_error(r, 500, words="exceeded its render limit (1 seconds")
+        assert took < 15, took
+        # The worker was killed and is replaced: the next render gets a fresh one, and the same answer.
+        assert_error(post(base, "/v1/chat/completions", CHAT_BODY), 500, words="exceeded its render limit")
+        assert renderer.overruns == 2 and renderer.running == 0
+
+
+def test_spinning_templates_never_starve_completions_or_health(tok):
+    """Twice as many hostile chat requests as renderers, each held for its whole deadline: completions and
+    /health still answer at once meanwhile."""
+    with hostile(tok, seconds=4.0) as (base, _):
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            chats = [pool.submit(post, base, "/v1/chat/completions", CHAT_BODY) for _ in range(4)]
+            time.sleep(0.5)  # the renders are under way
+            started = time.monotonic()
+            health = httpx.get(base + "/health", timeout=30)
+            completion = post(base, "/v1/completions", {"model": MODEL, "prompt": "x"})
+            took = time.monotonic() - started
+            assert health.status_code == 200 and completion.status_code == 200, (health.text, completion.text)
+            assert not any(c.done() for c in chats), "the hostile renders ended early"
+            assert took < 2.0, f"other routes waited {took:.1f}s behind the renders"
+            for c in chats:
+                assert_error(c.result(), 500, words="exceeded its render limit")
+
+
+def test_a_render_whose_client_left_is_killed(tok):
+    """The deadline is ten minutes: only the client's leaving can stop this render, and it does, at once."""
+    with hostile(tok, seconds=600) as (base, renderer):
+        with pytest.raises(httpx.ReadTimeout):
+            post(base, "/v1/chat/completions", CHAT_BODY, timeout=2)
+        deadline = time.monotonic() + 10
+        while renderer.running:
+            assert time.monotonic() < deadline, "the render went on after its client left"
+            time.sleep(0.05)
+        # and the next request gets a fresh worker
+        with pytest.raises(httpx.ReadTimeout):
+            post(base, "/v1/chat/completions", CHAT_BODY, timeout=2)
