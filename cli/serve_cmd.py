@@ -157,6 +157,7 @@ def serve(
                                       limit_concurrency=max_batch + max_queue + SPARE_CONNECTIONS,
                                       ssl_certfile=ssl_certfile and str(ssl_certfile),
                                       ssl_keyfile=ssl_keyfile and str(ssl_keyfile))
+            app.state.renderer.warm()  # chat template workers started now, not at the first chat request
             sock = bind(host, port)
             try:
                 engine.start()

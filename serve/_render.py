@@ -43,6 +43,7 @@ class RenderPool:
         self.seconds = seconds
         self.max_waiting = max_waiting
         self._init = _frame({"source": template.source, "special_tokens": template.special_tokens})
+        self.workers = workers
         self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="chat-render")
         self._slots = asyncio.Semaphore(workers)
         self._waiting = 0
@@ -95,6 +96,21 @@ class RenderPool:
         if "text" in reply:
             return reply["text"]
         return _raise(reply)
+
+    def warm(self) -> None:
+        """Start the workers now (in parallel, blocking until they are ready), so the first chat request does
+        not wait for a process to start. Call before the event loop runs."""
+        if self.template.problem is not None:
+            return
+        workers = [self._start() for _ in range(self.workers)]
+        for worker in workers:
+            worker.send_template()
+        for worker in workers:
+            if worker.wait_ready():
+                self._idle.append(worker)
+            else:
+                worker.kill()
+                self._forget(worker)
 
     def _start(self) -> "_Worker":
         worker = _Worker(self._init)
@@ -150,14 +166,21 @@ class _Worker:
             except OSError:
                 pass
 
+    def send_template(self) -> None:
+        self.proc.stdin.write(self._init)
+        self.proc.stdin.flush()
+
+    def wait_ready(self) -> bool:
+        if not self.ready:
+            self.ready = _read_frame(self.proc.stdout, time.monotonic() + START_SECONDS) == {"ready": True}
+        return self.ready
+
     def ask(self, request: bytes, seconds: float) -> dict | None:
         try:
             if not self.ready:
-                self.proc.stdin.write(self._init)
-                self.proc.stdin.flush()
-                if _read_frame(self.proc.stdout, time.monotonic() + START_SECONDS) != {"ready": True}:
-                    raise VerificationError("a chat template worker did not start", path="tokenizer_config.json")
-                self.ready = True
+                self.send_template()
+                if not self.wait_ready():
+                    return None
             self.proc.stdin.write(request)
             self.proc.stdin.flush()
             return _read_frame(self.proc.stdout, time.monotonic() + seconds)
