@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -386,7 +387,7 @@ def test_https_and_an_api_key_with_the_openai_client(built, tmp_path, monkeypatc
                state="state-tls").wait_listening()
     try:
         assert s.url.startswith("https://127.0.0.1:")
-        with httpx.Client(verify=str(cert)) as http:
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(cert))) as http:
             c = openai.OpenAI(base_url=s.url + "/v1", api_key="sk-e2e-secret", max_retries=0, timeout=60,
                               http_client=http)
             assert c.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=3).usage.completion_tokens >= 1
