@@ -228,6 +228,7 @@ def _serve_renders() -> None:
     from shardtool.serve._chat import ChatTemplate
 
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY, WORKER_MEMORY))
+    _die_with_parent()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
 
     def read() -> dict | None:
@@ -254,6 +255,19 @@ def _serve_renders() -> None:
             reply = {"error": "VerificationError", "message": f"the chat template in signed tokenizer_config.json "
                      f"exceeded its render limit ({WORKER_MEMORY >> 20} MiB of memory)"}
         write(reply)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL when the server dies, even by SIGKILL (a spinning render reads no end of its stdin)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the server died before the line above
+        sys.exit(0)
 
 
 if __name__ == "__main__":
