@@ -2,9 +2,9 @@
 
 `_protocol` validates request bodies into typed requests, `_chat` renders the signed chat template (in the worker
 processes of `_render`, each render bounded in time and memory), `_text` turns token ids into text deltas and
-applies stop strings, `_metrics` is GET /metrics, `_receipts` signs and keeps run receipts, `_health` what GET
-/health says about the weights, `_app` the routes, who may call them, and the responses (JSON or server-sent
-events), `_server` runs it under uvicorn with timeouts, caps and TLS.
+applies stop strings, `_metrics` is GET /metrics, `_receipts` signs and keeps run receipts, `_health` says what
+GET /health reports about the weights, `_access` who may call the routes, `_app` the routes and their responses
+(JSON or server-sent events), `_server` runs it under uvicorn with timeouts, caps and TLS.
 
 The names below are loaded from their module at first use (PEP 562): a chat template worker imports `_chat`
 without the runtime's numpy.
@@ -16,7 +16,8 @@ import importlib
 from typing import Any
 
 _HOMES = {
-    "_app": ("Access", "Limits", "create_app"),
+    "_access": ("Access",),
+    "_app": ("Limits", "create_app"),
     "_chat": ("ChatTemplate",),
     "_health": ("verify_all_first",),
     "_receipts": ("ReceiptSigner",),

@@ -33,6 +33,7 @@ from shardtool.errors import (InvalidRequestError, OverloadedError, RequestRefus
                               UnavailableError, UsageError)
 from shardtool.manifest import valid_receipt_id
 from shardtool.runtime import ErrorEvent, FinishEvent, SamplingParams, TokenEvent, encode_prompt
+from shardtool.serve._access import Access
 from shardtool.serve._chat import ChatTemplate, encode_rendered
 from shardtool.serve._health import ShardHealth
 from shardtool.serve._metrics import CONTENT_TYPE, Metrics
@@ -46,30 +47,6 @@ ROUTES = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/
           "/v1/receipts/{id}/trace")
 _RECEIPT_PREFIX = "/v1/receipts/"
 _JSON_TYPES = ("application/json",)
-
-
-@dataclass(frozen=True)
-class Access:
-    """Who may ask. `allowed_hosts`: the `Host` names (NAME, or NAME:PORT) requests may carry; None: the address
-    the server is bound to, localhost, 127.0.0.1 and [::1]. A NAME without a port allows it with the server's own
-    port or none. `api_key`: every route but /health needs `Authorization: Bearer KEY`."""
-
-    allowed_hosts: tuple[str, ...] | None = None
-    api_key: str | None = None
-
-    def __post_init__(self):
-        for name in self.allowed_hosts or ():
-            if not name or not name.isascii() or any(c.isspace() or c in "/@\\,?#" for c in name):
-                raise UsageError(f"--allowed-hosts: {name[:80]!r} is not a host name, NAME:PORT or [IPv6]:PORT")
-        key = self.api_key
-        if key is not None and not (0 < len(key) <= MAX_API_KEY_CHARS and key.isascii() and key.isprintable()
-                                    and " " not in key):
-            raise UsageError(f"the API key must be 1 to {MAX_API_KEY_CHARS} printable ASCII characters without "
-                             f"spaces (got {len(key)} characters)")
-
-
-MAX_API_KEY_CHARS = 4096
-DEFAULT_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 
 @dataclass(frozen=True)
@@ -329,7 +306,7 @@ class _Guard:
 
     def __init__(self, app, access: Access):
         self.app = app
-        self.hosts = None if access.allowed_hosts is None else _host_names(access.allowed_hosts)
+        self.access = access
         self.key = None if access.api_key is None else b"Bearer " + access.api_key.encode("ascii")
 
     async def __call__(self, scope, receive, send):
@@ -337,7 +314,7 @@ class _Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])  # the last of a repeated header: h11 refuses a repeated Host anyway
         host = headers.get(b"host", b"").decode("latin-1").lower()
-        if not self._host_allowed(host, scope.get("server")):
+        if not self.access.host_allowed(host, scope.get("server")):
             shown = repr(host[:80]) if host else "none"
             return await _send_json(send, 400, error_body(
                 f"Host {shown} is not one this server answers to (start it with --allowed-hosts NAME to add one)",
@@ -351,20 +328,6 @@ class _Guard:
                     code="invalid_api_key"), [(b"www-authenticate", b"Bearer")])
         return await self.app(scope, receive, send)
 
-    def _host_allowed(self, host: str, server) -> bool:
-        """`host` is an allowed NAME or NAME:PORT, or NAME with this server's own port."""
-        address, port = (server or ("", 0))[:2]
-        allowed = self.hosts
-        if allowed is None:  # the default: this server's own address, and the loopback names
-            allowed = _host_names(DEFAULT_HOSTS + ((f"[{address}]" if ":" in address else address),))
-        if host in allowed:
-            return True
-        name, sep, suffix = host.rpartition(":")  # "[::1]" alone has no port: its suffix is "1]"
-        return bool(sep) and suffix == str(port) and name in allowed
-
-
-def _host_names(names) -> frozenset[str]:
-    return frozenset(name.lower() for name in names)
 
 
 class _CountRequests:
