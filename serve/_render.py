@@ -228,6 +228,7 @@ def _serve_renders() -> None:
     from shardtool.serve._chat import ChatTemplate
 
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY, WORKER_MEMORY))
+    os.nice(10)  # a render that spins until its deadline takes CPU time from the engine's steps last
     _die_with_parent()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
 

@@ -543,7 +543,7 @@ def test_a_template_that_spins_is_a_500_at_its_deadline(tok):
 def test_spinning_templates_never_starve_completions_or_health(tok):
     """Twice as many hostile chat requests as renderers, each held for its whole deadline: completions and
     /health still answer at once meanwhile."""
-    with hostile(tok, seconds=4.0) as (base, _):
+    with hostile(tok, seconds=6.0) as (base, _):
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=8) as pool:
@@ -555,7 +555,7 @@ def test_spinning_templates_never_starve_completions_or_health(tok):
             took = time.monotonic() - started
             assert health.status_code == 200 and completion.status_code == 200, (health.text, completion.text)
             assert not any(c.done() for c in chats), "the hostile renders ended early"
-            assert took < 2.0, f"other routes waited {took:.1f}s behind the renders"
+            assert took < 3.0, f"other routes waited {took:.1f}s behind the renders"
             for c in chats:
                 assert_error(c.result(), 500, words="exceeded its render limit")
 
