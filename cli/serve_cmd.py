@@ -69,6 +69,15 @@ def serve(
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=CACHE_HELP),
     fetch_timeout: float = typer.Option(60.0, "--fetch-timeout", help=FETCH_TIMEOUT_HELP),
     lookahead: bool = typer.Option(False, "--lookahead/--no-lookahead", help=LOOKAHEAD_HELP),
+    verify_all_first: bool = typer.Option(False, "--verify-all-first",
+                                          help="Check every listed shard before the socket opens (exit 1 on any)."),
+    allowed_hosts: List[str] = typer.Option([], "--allowed-hosts", help="Host header a request may carry: NAME or "
+                                            "NAME:PORT (repeatable; default: the bound address and localhost)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SHARDTOOL_API_KEY", show_envvar=True,
+                                          help="Every route but /health needs Authorization: Bearer KEY (prefer "
+                                               "the environment variable: an argument shows in ps)."),
+    ssl_certfile: Optional[Path] = typer.Option(None, "--ssl-certfile", help="HTTPS: certificate chain (PEM)."),
+    ssl_keyfile: Optional[Path] = typer.Option(None, "--ssl-keyfile", help="HTTPS: its private key (PEM)."),
 ) -> None:
     """Serve a verified model: POST /v1/completions and /v1/chat/completions (OpenAI-style, streaming as
     server-sent events), GET /v1/models, /health, /metrics; with --receipt-key, a signed run receipt per
@@ -87,6 +96,9 @@ def serve(
         raise UsageError(f"--read-timeout must be a number of seconds, got {read_timeout}")
     check_cluster_options(cluster, plan_file, remote_timeout, plan_trust, insecure_cluster)
     check_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout)
+    from shardtool.serve import Access, check_tls_files
+    access = Access(tuple(allowed_hosts) or None, api_key)
+    check_tls_files(*(str(p) if p is not None else None for p in (ssl_certfile, ssl_keyfile)))
     if receipt_key is None and receipt_passphrase_file is not None:
         raise UsageError("--receipt-passphrase-file needs --receipt-key")
     operator_key = None
@@ -100,7 +112,7 @@ def serve(
     from shardtool.runtime import DEFAULT_CACHE_POLICY, Engine, connect_cluster, load_signed_plan  # loads numpy
     policy = check_cache_policy(cache_policy) or DEFAULT_CACHE_POLICY
     from shardtool.serve import (ChatTemplate, Limits, ReceiptSigner, ServerSettings, Stopped, bind, create_app, run,
-                                 stop_on_signals, url_of)
+                                 stop_on_signals, url_of, verify_all_first as check_all)
 
     remote = source = None
     with stop_on_signals():
@@ -119,6 +131,10 @@ def serve(
             engine = Engine(source.directory, verified, budget=budget, max_batch=max_batch, max_queue=max_queue,
                             kv_cache=kv_bytes, max_context=max_context, readers=readers, remote=remote,
                             fetch_missing=source.fetch_missing, cache_policy=policy, lookahead=lookahead)
+            if verify_all_first:
+                checked = check_all(source.directory, verified, remote=remote is not None,
+                                    fetch_missing=source.fetch_missing)
+                say(f"verified all {len(verified.entries)} files ({checked / 2**20:.1f} MiB) before serving")
         except BaseException as e:
             if remote is not None:
                 remote.close()
@@ -138,15 +154,19 @@ def serve(
             receipts = (ReceiptSigner(operator_key, verified, engine.config, max_receipts, receipt_bytes)
                         if operator_key is not None else None)
             app = create_app(engine, model_id=model_id, chat=chat,
-                             limits=Limits(max_body_bytes=body_cap, body_timeout=read_timeout), receipts=receipts)
+                             limits=Limits(max_body_bytes=body_cap, body_timeout=read_timeout), receipts=receipts,
+                             access=access)
             settings = ServerSettings(header_timeout=read_timeout,
-                                      limit_concurrency=max_batch + max_queue + SPARE_CONNECTIONS)
+                                      limit_concurrency=max_batch + max_queue + SPARE_CONNECTIONS,
+                                      ssl_certfile=ssl_certfile and str(ssl_certfile),
+                                      ssl_keyfile=ssl_keyfile and str(ssl_keyfile))
+            app.state.renderer.warm()  # chat template workers started now, not at the first chat request
             sock = bind(host, port)
             try:
                 engine.start()
                 if expect_model is None:
                     say(unpinned_warning(model_id))
-                say(f"serving {model_id} on {url_of(sock)} (shard cache policy {policy})")
+                say(f"serving {model_id} on {url_of(sock, settings.tls)} (shard cache policy {policy})")
                 run(app, sock, settings)
             finally:
                 sock.close()

@@ -3,7 +3,11 @@
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics, and the run
 receipts: GET /v1/receipts/{id} and /v1/receipts/{id}/trace (with a ReceiptSigner, every finished completion
 carries a signed receipt; see `serve/_receipts.py`). Every error is a JSON body {"error": {"message", "type",
-"param", "code"}}, never a traceback. A request body is read with a size cap (Content-Length first, then while
+"param", "code"}}, never a traceback. Before any route, `_Guard` checks who asks: the `Host` header against the
+allowed names (a web page that rebinds its own DNS name to this address sends its own name), and with an API key
+the `Authorization: Bearer` header (every route but /health). No CORS header is ever sent, and a POST body must
+be `Content-Type: application/json` (a page can send a "simple" text/plain request without a preflight; JSON
+needs one, which this server never grants). A request body is read with a size cap (Content-Length first, then while
 it streams) and a deadline. A client that goes away, while its result streams or while it waits for one, has its
 request cancelled in the engine (its KV cache is freed at the next step boundary).
 """
@@ -11,6 +15,7 @@ request cancelled in the engine (its KV cache is freed at the next step boundary
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -28,10 +33,13 @@ from shardtool.errors import (InvalidRequestError, OverloadedError, RequestRefus
                               UnavailableError, UsageError)
 from shardtool.manifest import valid_receipt_id
 from shardtool.runtime import ErrorEvent, FinishEvent, SamplingParams, TokenEvent, encode_prompt
-from shardtool.serve._chat import ChatTemplate
+from shardtool.serve._access import Access
+from shardtool.serve._chat import ChatTemplate, encode_rendered
+from shardtool.serve._health import ShardHealth
 from shardtool.serve._metrics import CONTENT_TYPE, Metrics
 from shardtool.serve._protocol import Sampling, parse_chat, parse_completion
 from shardtool.serve._receipts import RECEIPT_HELP, STOP_STRING, ReceiptSigner
+from shardtool.serve._render import RenderPool
 from shardtool.serve._text import TextStream
 from shardtool.strict_json import loads_strict
 
@@ -45,12 +53,15 @@ _JSON_TYPES = ("application/json",)
 class Limits:
     max_body_bytes: int = 1 << 20
     body_timeout: float = 30.0  # seconds to receive a whole request body, once its headers are in
+    render_seconds: float = 5.0  # one chat template render (a worker process, killed past it)
+    renderers: int = 2  # chat template worker processes: renders at once
 
 
 def create_app(engine, *, model_id: str, chat: ChatTemplate | None = None, limits: Limits = Limits(),
-               receipts: ReceiptSigner | None = None) -> Starlette:
+               receipts: ReceiptSigner | None = None, access: Access = Access()) -> Starlette:
     """`engine`: a started runtime Engine (or anything with its interface); `model_id`: the verified
-    manifest's model ID, the only `model` requests may name; `receipts`: sign every finished completion."""
+    manifest's model ID, the only `model` requests may name; `receipts`: sign every finished completion;
+    `access`: the Host names and API key requests need."""
     api = _API(engine, model_id, chat if chat is not None else ChatTemplate(None, {}), limits, receipts)
     routes = [
         Route("/health", api.health, methods=["GET"]),
@@ -62,7 +73,9 @@ def create_app(engine, *, model_id: str, chat: ChatTemplate | None = None, limit
         Route("/v1/receipts/{id}/trace", api.receipt_trace, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception, Exception: _crash})
-    app.add_middleware(_CountRequests, metrics=api.metrics)
+    app.state.renderer = api.renderer  # `app.state.renderer.close()` stops its worker processes (also at exit)
+    app.add_middleware(_Guard, access=access)
+    app.add_middleware(_CountRequests, metrics=api.metrics)  # added last, so outermost: refusals are counted too
     return app
 
 
@@ -71,6 +84,7 @@ class _API:
         self.engine = engine
         self.model_id = model_id
         self.chat = chat
+        self.renderer = RenderPool(chat, workers=limits.renderers, seconds=limits.render_seconds)
         self.limits = limits
         self.receipts = receipts
         if receipts is None:
@@ -79,9 +93,11 @@ class _API:
             store = receipts.store
             self.metrics = Metrics(lambda: {**engine.metrics(), **store.metrics()}, RECEIPT_HELP)
         self.created = int(time.time())
+        self.shards = ShardHealth()
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        status, document = self.shards.document()
+        return JSONResponse(document, status_code=status)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -136,9 +152,10 @@ class _API:
             if self.engine.tokenizer is None:
                 raise UsageError("this model ships no tokenizer.json: chat needs one; use /v1/completions with "
                                  "token ids")
-            messages = [m.as_template_dict() for m in req.messages]
-            # Rendering and encoding may take a while on a long conversation: off the event loop.
-            ids = await anyio.to_thread.run_sync(self.chat.prompt_ids, self.engine.tokenizer, messages)
+            # The template renders in a worker process, bounded in time and memory; encoding a long conversation
+            # may take a while too: off the event loop.
+            text = await _while_connected(request, self.renderer.render, [m.as_template_dict() for m in req.messages])
+            ids = await anyio.to_thread.run_sync(encode_rendered, self.engine.tokenizer, text)
             return self._start(ids, req.sampling, req.stream, req.include_usage, _ChatFormat(self.model_id))
         except ShardtoolError as err:
             return error_response(err)
@@ -163,7 +180,8 @@ class _API:
 
         ticket = self.engine.submit(ids, params, sink, record=self.receipts is not None)
         text = TextStream(self._decode, sampling.stop)
-        return _Generation(self.engine, ticket, events, text, fmt, len(ids), stream, include_usage, self.receipts)
+        return _Generation(self.engine, ticket, events, text, fmt, len(ids), stream, include_usage, self.receipts,
+                           self.shards)
 
     def _decode(self, ids) -> str:
         tokenizer = self.engine.tokenizer
@@ -176,9 +194,10 @@ class _API:
 
 async def _read_json(request: Request, limits: Limits) -> Any:
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if kind and kind not in _JSON_TYPES:
-        raise InvalidRequestError(f"the body must be JSON (Content-Type: application/json), got Content-Type "
-                                  f"{kind[:60]!r}", status=415)
+    if kind not in _JSON_TYPES:  # none at all too: a browser sends text/plain without asking first
+        found = f"Content-Type {kind[:60]!r}" if kind else "no Content-Type"
+        raise InvalidRequestError(f"the body must be JSON (Content-Type: application/json), got {found}",
+                                  status=415)
     body = await _read_body(request, limits)
     try:
         return loads_strict(body, "the request body")
@@ -211,6 +230,32 @@ async def _read_body(request: Request, limits: Limits) -> bytes:
         raise InvalidRequestError("the client closed the connection before its request body was complete",
                                   code="client_disconnected") from None
     return b"".join(chunks)
+
+
+async def _while_connected(request: Request, work, *args):
+    """`await work(*args)`, cancelled if the client goes away meanwhile (its body was read: the next message
+    is the disconnect). A chat render so cancelled has its worker process killed at once."""
+    gone = False
+    outcome: list = []
+    async with anyio.create_task_group() as tasks:
+        async def watch() -> None:
+            nonlocal gone
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            tasks.cancel_scope.cancel()
+
+        tasks.start_soon(watch)
+        try:  # caught here: raised inside the task group, it would come out wrapped in an exception group
+            outcome.append(await work(*args))
+        except ShardtoolError as err:
+            outcome.append(err)
+        tasks.cancel_scope.cancel()
+    if gone:
+        raise InvalidRequestError("the client closed the connection before its answer", code="client_disconnected")
+    if isinstance(outcome[0], ShardtoolError):
+        raise outcome[0]
+    return outcome[0]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -254,6 +299,35 @@ async def _crash(request: Request, exc: Exception) -> Response:
     response, and uvicorn logs it with its traceback on the server's stderr.)"""
     return JSONResponse(error_body("internal server error (a bug in shardtool: see the server's log)", 500),
                         status_code=500)
+
+
+class _Guard:
+    """The `Host` check, then the API key, before any route is reached; refusals are JSON errors."""
+
+    def __init__(self, app, access: Access):
+        self.app = app
+        self.access = access
+        self.key = None if access.api_key is None else b"Bearer " + access.api_key.encode("ascii")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])  # the last of a repeated header: h11 refuses a repeated Host anyway
+        host = headers.get(b"host", b"").decode("latin-1").lower()
+        if not self.access.host_allowed(host, scope.get("server")):
+            shown = repr(host[:80]) if host else "none"
+            return await _send_json(send, 400, error_body(
+                f"Host {shown} is not one this server answers to (start it with --allowed-hosts NAME to add one)",
+                400, code="host_not_allowed"))
+        if self.key is not None and scope["path"] != "/health":
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.key):  # constant time: no key byte by byte from the timing
+                what = "no Authorization header" if not given else "an Authorization header that is not the API key"
+                return await _send_json(send, 401, error_body(
+                    f"this server needs an API key (Authorization: Bearer KEY): got {what}", 401,
+                    code="invalid_api_key"), [(b"www-authenticate", b"Bearer")])
+        return await self.app(scope, receive, send)
+
 
 
 class _CountRequests:
@@ -318,10 +392,12 @@ class _Generation(Response):
     """An ASGI response that waits for the engine's events while watching for the client going away."""
 
     def __init__(self, engine, ticket, events: asyncio.Queue, text: TextStream, fmt: _CompletionFormat,
-                 prompt_tokens: int, stream: bool, include_usage: bool, receipts: ReceiptSigner | None = None):
+                 prompt_tokens: int, stream: bool, include_usage: bool, receipts: ReceiptSigner | None = None,
+                 shards: ShardHealth | None = None):
         self.engine, self.ticket, self.events, self.text, self.fmt = engine, ticket, events, text, fmt
         self.prompt_tokens, self.stream, self.include_usage = prompt_tokens, stream, include_usage
         self.receipts = receipts
+        self.shards = shards if shards is not None else ShardHealth()
         self.record = None  # the finished request's RunRecord (a FinishEvent's), when receipts are signed
         self.ended = False  # the ticket ended (a finish or error event) or we cancelled it
         self.id = fmt.prefix + uuid.uuid4().hex
@@ -370,6 +446,7 @@ class _Generation(Response):
                 return "finish", (event.reason, self.text.finish())
             elif isinstance(event, ErrorEvent):
                 self.ended = True
+                self.shards.note(event.error)  # a shard that failed its check: /health reports it
                 return "error", event
             else:  # pragma: no cover - the engine's interface has exactly three events
                 raise TypeError(f"unexpected engine event {event!r}")
@@ -445,10 +522,10 @@ class _Generation(Response):
         await _send_sse(send, chunk)
 
 
-async def _send_json(send, status: int, document: dict) -> None:
+async def _send_json(send, status: int, document: dict, headers: list | None = None) -> None:
     body = _dumps(document)
     await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

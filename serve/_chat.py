@@ -57,21 +57,39 @@ class ChatTemplate:
         if self.problem is not None:
             raise self.problem
         try:
-            text = self._template.render(messages=list(messages), tools=None, documents=None,
-                                         add_generation_prompt=True, **self.special_tokens)
+            # Produced piece by piece, so the cap stops a template that writes without end (the worker process's
+            # deadline and memory limit stop one that loops or builds one huge string: serve/_render.py).
+            pieces, size = [], 0
+            for piece in self._template.generate(messages=list(messages), tools=None, documents=None,
+                                                 add_generation_prompt=True, **self.special_tokens):
+                size += len(piece)
+                if size > MAX_RENDERED_CHARS:
+                    raise InvalidRequestError(f"the chat template rendered more than the cap of {MAX_RENDERED_CHARS} "
+                                              f"characters", param="messages")
+                pieces.append(piece)
+            text = "".join(pieces)
+        except InvalidRequestError:
+            raise
         except _TemplateRefusal as e:
             raise InvalidRequestError(f"the model's chat template refused these messages: {_one_line(e)}",
                                       param="messages") from None
         except Exception as e:  # noqa: BLE001 - the template's own failure, on any input: the server's fault
             raise VerificationError(f"the chat template in signed {SOURCE} failed: {type(e).__name__}: "
                                     f"{_one_line(e)}", path=SOURCE) from None
-        if len(text) > MAX_RENDERED_CHARS:
-            raise InvalidRequestError(f"the chat template rendered {len(text)} characters, more than the cap of "
-                                      f"{MAX_RENDERED_CHARS}", param="messages")
+        try:
+            text.isascii() or text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate from the template's own strings: no tokenizer takes it
+            raise VerificationError(f"the chat template in signed {SOURCE} rendered text that is not Unicode (a lone "
+                                    f"UTF-16 surrogate)", path=SOURCE) from None
         return text
 
     def prompt_ids(self, tokenizer, messages: Sequence[dict[str, Any]]) -> list[int]:
-        return list(tokenizer.encode(self.render(messages), add_special_tokens=False).ids)
+        return encode_rendered(tokenizer, self.render(messages))
+
+
+def encode_rendered(tokenizer, text: str) -> list[int]:
+    """A rendered chat prompt -> ids: the template wrote every special token itself."""
+    return list(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 def _select(value: Any) -> str | None:

@@ -332,10 +332,19 @@ def _boolean(value: Any, name: str) -> bool:
 
 
 def _string(value: Any, name: str, cap: int) -> str:
+    """Every string field of every request comes through here: a type, a length cap, and Unicode text."""
     if not isinstance(value, str):
         raise InvalidRequestError(f"{name} must be a string, got {_shown(value)}", param=name)
     if len(value) > cap:
         raise InvalidRequestError(f"{name} is {len(value)} characters long, more than the cap of {cap}", param=name)
+    if not value.isascii():
+        # JSON's \ud800 escape decodes to a lone UTF-16 surrogate, which no UTF-8 text (a tokenizer's input, a
+        # response body) can hold.
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(f"{name} holds a lone UTF-16 surrogate (U+{ord(value[e.start]):04X} at "
+                                      f"character {e.start}), which is not Unicode text", param=name) from None
     return value
 
 
@@ -379,4 +388,6 @@ def _shown(value: Any) -> str:
 
 
 def _clip(text: str, n: int = 40) -> str:
-    return text if len(text) <= n else text[:n] + "..."
+    """Short, and always UTF-8 text: an unknown field's name may hold a lone surrogate, and is echoed."""
+    text = text if len(text) <= n else text[:n] + "..."
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")

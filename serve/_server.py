@@ -16,7 +16,7 @@ import socket
 from dataclasses import dataclass
 from typing import Iterator
 
-from shardtool.errors import StorageError
+from shardtool.errors import StorageError, UsageError
 
 MAX_HEADER_BYTES = 16 * 1024  # request line + headers; h11 answers 400 past it
 
@@ -31,6 +31,12 @@ class ServerSettings:
     keep_alive: int = 5  # seconds an idle keep-alive connection stays open
     limit_concurrency: int = 256  # connections + requests in flight; past it uvicorn answers 503 itself
     graceful_seconds: int = 5  # on a stop signal, how long requests in flight may take to finish
+    ssl_certfile: str | None = None  # with ssl_keyfile: HTTPS (uvicorn's TLS)
+    ssl_keyfile: str | None = None
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None
 
 
 @contextlib.contextmanager
@@ -67,9 +73,28 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def url_of(sock: socket.socket) -> str:
+def url_of(sock: socket.socket, tls: bool = False) -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"{scheme}://{host}:{port}"
+
+
+def check_tls_files(certfile: str | None, keyfile: str | None) -> None:
+    """Both or neither, and a certificate chain and its private key that load: a bad file is a usage error at
+    start, not a failure at the first connection."""
+    import ssl
+
+    if (certfile is None) != (keyfile is None):
+        raise UsageError("--ssl-certfile and --ssl-keyfile go together: give both, or neither")
+    if certfile is None:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except FileNotFoundError as e:
+        raise StorageError(f"cannot read {e.filename}: no such file") from None
+    except (ssl.SSLError, OSError) as e:
+        raise UsageError(f"--ssl-certfile {certfile} with --ssl-keyfile {keyfile} is not a PEM certificate chain "
+                         f"and its unencrypted private key: {e.strerror or e}") from None
 
 
 def run(app, sock: socket.socket, settings: ServerSettings = ServerSettings()) -> None:
@@ -86,7 +111,8 @@ def uvicorn_server(app, settings: ServerSettings):
         app, http=_deadline_protocol(settings.header_timeout), ws="none", lifespan="off", interface="asgi3",
         log_level="warning", access_log=False, server_header=False, proxy_headers=False,
         timeout_keep_alive=settings.keep_alive, limit_concurrency=settings.limit_concurrency,
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_graceful_shutdown=settings.graceful_seconds)
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_graceful_shutdown=settings.graceful_seconds,
+        ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile)
     return uvicorn.Server(config)
 
 

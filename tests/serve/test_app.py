@@ -16,7 +16,8 @@ import pytest
 
 from examples.make_tiny_moe import build_tokenizer
 from shardtool.runtime import ErrorEvent
-from shardtool.serve import ChatTemplate, Limits, ServerSettings, bind, create_app, url_of
+from shardtool.errors import UsageError
+from shardtool.serve import Access, ChatTemplate, Limits, ServerSettings, bind, create_app, url_of
 from shardtool.serve._server import uvicorn_server
 
 from _fake_engine import EOS, FakeEngine  # noqa: E402  (tests/serve is on sys.path: pytest's prepend mode)
@@ -32,9 +33,16 @@ def tok():
 
 
 @contextlib.contextmanager
-def serving(engine: FakeEngine, *, limits: Limits = Limits(), settings: ServerSettings = ServerSettings(),
-            chat: ChatTemplate | None = None):
-    app = create_app(engine, model_id=MODEL, chat=chat, limits=limits)
+def serving(engine: FakeEngine, **kw):
+    with serving_app(engine, **kw) as (base, _):
+        yield base
+
+
+@contextlib.contextmanager
+def serving_app(engine: FakeEngine, *, limits: Limits = Limits(), settings: ServerSettings = ServerSettings(),
+                chat: ChatTemplate | None = None, access: Access = Access()):
+    """The server's URL, and its app."""
+    app = create_app(engine, model_id=MODEL, chat=chat, limits=limits, access=access)
     sock = bind("127.0.0.1", 0)
     server = uvicorn_server(app, settings)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -45,12 +53,13 @@ def serving(engine: FakeEngine, *, limits: Limits = Limits(), settings: ServerSe
         while not server.started:
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.01)
-        yield url_of(sock)
+        yield url_of(sock), app
     finally:
         server.should_exit = True
         thread.join(timeout=10)
         engine.close()
         sock.close()
+        app.state.renderer.close()
 
 
 def replying(tok, text: str = REPLY, *, eos: bool = True):
@@ -73,7 +82,7 @@ def url(engine):
 def post(url: str, path: str, body, **kw) -> httpx.Response:
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
     headers = {"content-type": "application/json", **kw.pop("headers", {})}
-    return httpx.post(url + path, content=data, headers=headers, timeout=30, **kw)
+    return httpx.post(url + path, content=data, headers=headers, **{"timeout": 30, **kw})
 
 
 def sse(response_text: str) -> list:
@@ -239,10 +248,13 @@ def test_a_bug_is_a_json_500_without_traceback(url, engine):
     try:
         engine.reply = broken
         assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": "x"}), 500, words="internal server error")
+        # The traceback is in the server's log instead (uvicorn logs it after the response went out).
+        deadline = time.monotonic() + 10
+        while not any(r.exc_info and "a planted bug" in str(r.exc_info[1]) for r in logged):
+            assert time.monotonic() < deadline, [r.getMessage() for r in logged]
+            time.sleep(0.01)
     finally:
         logger.removeHandler(handler)
-    # The traceback is in the server's log instead.
-    assert any(r.exc_info and "a planted bug" in str(r.exc_info[1]) for r in logged)
 
 
 # name -> (raw body, extra headers, status, param, code, words)
@@ -256,6 +268,11 @@ RAW_BAD = {
     "empty-body": (b"", {}, 400, None, None, "not valid JSON"),
     "form-content-type": (b"prompt=x", {"content-type": "application/x-www-form-urlencoded"}, 415, None, None,
                           "must be JSON"),
+    # What a web page can send without a CORS preflight: text/plain, or no Content-Type at all.
+    "text-plain-json": (b'{"model": "acme/tiny", "prompt": "a"}', {"content-type": "text/plain"}, 415, None, None,
+                        "got Content-Type 'text/plain'"),
+    "no-content-type": (b'{"model": "acme/tiny", "prompt": "a"}', {"content-type": ""}, 415, None, None,
+                        "got no Content-Type"),
     "wrong-type": (b'{"model": "acme/tiny", "prompt": "a", "max_tokens": "ten"}', {}, 400, "max_tokens", None,
                    "must be an integer"),
     "other-model": (b'{"model": "gpt-4", "prompt": "a"}', {}, 404, "model", "model_not_found", "does not exist"),
@@ -286,7 +303,7 @@ def test_a_slow_body_times_out_with_408(engine):
     with serving(engine, limits=Limits(body_timeout=0.5)) as base:
         host, port = base.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 100\r\n\r\n{\"model\":")
             reply = _read_all(s)
         assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
@@ -297,14 +314,14 @@ def test_slow_headers_time_out_with_408_and_a_closed_connection(engine):
     with serving(engine, settings=ServerSettings(header_timeout=0.5)) as base:
         host, port = base.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # ... and the rest never comes
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")  # ... and the rest never comes
             t0 = time.monotonic()
             reply = _read_all(s)
             assert time.monotonic() - t0 < 9  # closed by the server, not by our socket timeout
         assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
         assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
         with socket.create_connection((host, int(port)), timeout=10) as s:  # a keep-alive request after one answer
-            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
             first = b""
             while not first.endswith(b'{"status":"ok"}'):
                 first += s.recv(65536)
@@ -338,7 +355,7 @@ def test_a_client_that_goes_away_while_queued_is_cancelled(url, engine, stream):
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps({"model": MODEL, "prompt": "x", "stream": stream}).encode()
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         _wait(lambda: engine.submitted, "the request to reach the engine")
     _wait(lambda: engine.cancels == [engine.submitted[0].id], "the cancel")
@@ -379,3 +396,179 @@ def test_chat_without_a_template_is_400_and_a_broken_one_500(engine):
     engine2 = FakeEngine(engine.tokenizer, reply=engine.reply)
     with serving(engine2, chat=ChatTemplate.from_tokenizer_config({"chat_template": "{% if %}"})) as base:
         assert_error(post(base, "/v1/chat/completions", body), 500, words="does not compile")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Who may ask: the Host header, the API key, no CORS
+
+
+def _port(base: str) -> int:
+    return int(base.rsplit(":", 1)[1])
+
+
+# name -> (Access, Host header with {port} for the server's own, allowed?)
+HOSTS = {
+    "default-bound-address": (Access(), "127.0.0.1:{port}", True),
+    "default-bound-address-no-port": (Access(), "127.0.0.1", True),
+    "default-localhost": (Access(), "localhost:{port}", True),
+    "default-localhost-upper-case": (Access(), "LocalHost:{port}", True),
+    "default-ipv6-loopback": (Access(), "[::1]:{port}", True),
+    "default-ipv6-loopback-no-port": (Access(), "[::1]", True),
+    "default-rebound-name": (Access(), "rebind.attacker.example:{port}", False),
+    "default-rebound-name-no-port": (Access(), "rebind.attacker.example", False),
+    "default-localhost-other-port": (Access(), "localhost:1", False),
+    "default-loopback-prefix": (Access(), "127.0.0.1.attacker.example:{port}", False),
+    "default-port-twice": (Access(), "localhost:{port}:{port}", False),
+    "default-empty": (Access(), "", False),
+    "listed-name": (Access(("api.example",)), "api.example", True),
+    "listed-name-own-port": (Access(("api.example",)), "api.example:{port}", True),
+    "listed-name-other-port": (Access(("api.example",)), "api.example:1", False),
+    "listed-name-with-port": (Access(("api.example:443",)), "api.example:443", True),
+    "listed-replaces-the-default": (Access(("api.example",)), "localhost:{port}", False),
+}
+
+
+@pytest.mark.parametrize("name", HOSTS)
+def test_host_header(engine, name):
+    access, host, allowed = HOSTS[name]
+    with serving(engine, access=access) as base:
+        r = httpx.get(base + "/v1/models", headers={"host": host.format(port=_port(base))}, timeout=30)
+    if allowed:
+        assert r.status_code == 200, r.text
+    else:
+        assert_error(r, 400, code="host_not_allowed", words="is not one this server answers to")
+
+
+def test_a_request_without_host_is_refused(engine):
+    with serving(engine) as base, socket.create_connection(("127.0.0.1", _port(base)), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+        reply = b"".join(iter(lambda: s.recv(65536), b""))
+    assert reply.startswith(b"HTTP/1.1 400 ") and b"Host none is not one" in reply, reply
+
+
+KEY = "sk-test-0123456789"
+# name -> (method, path, Authorization header or None, status)
+API_KEY = {
+    "models-without-key": ("GET", "/v1/models", None, 401),
+    "models-wrong-key": ("GET", "/v1/models", "Bearer sk-test-0123456780", 401),
+    "models-key-prefix": ("GET", "/v1/models", "Bearer sk-test", 401),
+    "models-key-without-bearer": ("GET", "/v1/models", KEY, 401),
+    "models-basic-scheme": ("GET", "/v1/models", "Basic " + KEY, 401),
+    "completions-without-key": ("POST", "/v1/completions", None, 401),
+    "chat-without-key": ("POST", "/v1/chat/completions", None, 401),
+    "metrics-without-key": ("GET", "/metrics", None, 401),
+    "receipt-without-key": ("GET", "/v1/receipts/abc", None, 401),
+    "unknown-route-without-key": ("GET", "/nothing", None, 401),
+    "health-without-key": ("GET", "/health", None, 200),
+    "models-with-key": ("GET", "/v1/models", "Bearer " + KEY, 200),
+    "completions-with-key": ("POST", "/v1/completions", "Bearer " + KEY, 200),
+    "metrics-with-key": ("GET", "/metrics", "Bearer " + KEY, 200),
+}
+
+
+@pytest.fixture
+def keyed_url(engine):
+    chat = ChatTemplate.from_tokenizer_config(engine.tokenizer_config)
+    with serving(engine, chat=chat, access=Access(api_key=KEY)) as base:
+        yield base
+
+
+@pytest.mark.parametrize("name", API_KEY)
+def test_api_key(keyed_url, name):
+    method, path, auth, status = API_KEY[name]
+    headers = {"content-type": "application/json", **({"authorization": auth} if auth is not None else {})}
+    fields = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+    body = json.dumps({"model": MODEL, **fields}) if method == "POST" else None
+    r = httpx.request(method, keyed_url + path, content=body, headers=headers, timeout=30)
+    if status == 401:
+        assert_error(r, 401, code="invalid_api_key", words="needs an API key")
+        assert r.headers["www-authenticate"] == "Bearer"
+    else:
+        assert r.status_code == status, r.text
+
+
+@pytest.mark.parametrize("key", ["", "two words", "tab\there", "\u00e9t\u00e9", "x" * 4097])
+def test_unusable_api_keys_are_a_usage_error(key):
+    with pytest.raises(UsageError):
+        Access(api_key=key)
+
+
+@pytest.mark.parametrize("host", ["", "a b", "http://x", "user@x", "x/y", "a,b"])
+def test_unusable_allowed_hosts_are_a_usage_error(host):
+    with pytest.raises(UsageError):
+        Access(allowed_hosts=(host,))
+
+
+def test_no_cors_headers_are_ever_sent(url):
+    """A preflight is not granted and no answer names an allowed origin: a page elsewhere cannot read one."""
+    origin = {"origin": "http://attacker.example"}
+    answers = [httpx.options(url + "/v1/completions", headers={**origin, "access-control-request-method": "POST",
+                                                                "access-control-request-headers": "content-type"},
+                             timeout=30),
+               httpx.get(url + "/v1/models", headers=origin, timeout=30),
+               httpx.get(url + "/health", headers=origin, timeout=30),
+               post(url, "/v1/completions", {"model": MODEL, "prompt": "x"}, headers=origin)]
+    assert answers[0].status_code == 405
+    for r in answers:
+        assert not [h for h in r.headers if h.lower().startswith("access-control-")], dict(r.headers)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A hostile signed chat template: bounded in time, killed when its client leaves, never starving other routes
+
+SPIN = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@contextlib.contextmanager
+def hostile(tok, seconds: float):
+    engine = FakeEngine(tok, reply=replying(tok), tokenizer_config={"chat_template": SPIN}, max_queue=64)
+    chat = ChatTemplate.from_tokenizer_config(engine.tokenizer_config)
+    with serving_app(engine, chat=chat, limits=Limits(render_seconds=seconds, renderers=2)) as (base, app):
+        yield base, app.state.renderer
+
+
+def test_a_template_that_spins_is_a_500_at_its_deadline(tok):
+    with hostile(tok, seconds=1.0) as (base, renderer):
+        started = time.monotonic()
+        r = post(base, "/v1/chat/completions", CHAT_BODY)
+        took = time.monotonic() - started
+        assert_error(r, 500, words="exceeded its render limit (1 seconds")
+        assert took < 15, took
+        # The worker was killed and is replaced: the next render gets a fresh one, and the same answer.
+        assert_error(post(base, "/v1/chat/completions", CHAT_BODY), 500, words="exceeded its render limit")
+        assert renderer.overruns == 2 and renderer.running == 0
+
+
+def test_spinning_templates_never_starve_completions_or_health(tok):
+    """Twice as many hostile chat requests as renderers, each held for its whole deadline: completions and
+    /health still answer at once meanwhile."""
+    with hostile(tok, seconds=6.0) as (base, _):
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            chats = [pool.submit(post, base, "/v1/chat/completions", CHAT_BODY) for _ in range(4)]
+            time.sleep(0.5)  # the renders are under way
+            started = time.monotonic()
+            health = httpx.get(base + "/health", timeout=30)
+            completion = post(base, "/v1/completions", {"model": MODEL, "prompt": "x"})
+            took = time.monotonic() - started
+            assert health.status_code == 200 and completion.status_code == 200, (health.text, completion.text)
+            assert not any(c.done() for c in chats), "the hostile renders ended early"
+            assert took < 3.0, f"other routes waited {took:.1f}s behind the renders"
+            for c in chats:
+                assert_error(c.result(), 500, words="exceeded its render limit")
+
+
+def test_a_render_whose_client_left_is_killed(tok):
+    """The deadline is ten minutes: only the client's leaving can stop this render, and it does, at once."""
+    with hostile(tok, seconds=600) as (base, renderer):
+        with pytest.raises(httpx.ReadTimeout):
+            post(base, "/v1/chat/completions", CHAT_BODY, timeout=2)
+        deadline = time.monotonic() + 10
+        while renderer.running:
+            assert time.monotonic() < deadline, "the render went on after its client left"
+            time.sleep(0.05)
+        # and the next request gets a fresh worker
+        with pytest.raises(httpx.ReadTimeout):
+            post(base, "/v1/chat/completions", CHAT_BODY, timeout=2)

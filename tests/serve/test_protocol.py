@@ -157,6 +157,24 @@ BAD = {
     "chat-top-logprobs": (parse_chat, chat(top_logprobs=3), 400, "top_logprobs", None, "got 3"),
     "chat-prompt-field": (parse_chat, chat(prompt="x"), 400, "prompt", None, "unknown field 'prompt'"),
     "chat-model-other": (parse_chat, chat(model="gpt-4o"), 404, "model", "model_not_found", "does not exist"),
+    # A lone UTF-16 surrogate (JSON's "\ud800", valid JSON) in any string field: no tokenizer or response body
+    # can carry it.
+    **{f"surrogate-{name}": (parse, body, 400, param, None, "lone UTF-16 surrogate") for name, (parse, body, param) in {
+        "model": (parse_completion, completion(model="acme\ud800"), "model"),
+        "prompt": (parse_completion, completion(prompt="Hi \ud800"), "prompt"),
+        "prompt-in-a-batch": (parse_completion, completion(prompt=["\udfff"]), "prompt"),
+        "stop": (parse_completion, completion(stop="\ud800"), "stop"),
+        "stop-item": (parse_completion, completion(stop=["a", "b\udc00"]), "stop[1]"),
+        "user": (parse_completion, completion(user="\ud800"), "user"),
+        "chat-model": (parse_chat, chat(model="\ud800"), "model"),
+        "chat-content": (parse_chat, chat(messages=[{"role": "user", "content": "x\ud800y"}]), "messages[0].content"),
+        "chat-content-part": (parse_chat, chat(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "ok"}, {"type": "text", "text": "\ud83d"}]}]), "messages[0].content[1].text"),
+        "chat-name": (parse_chat, chat(messages=[{"role": "user", "content": "a", "name": "\ud800"}]),
+                      "messages[0].name"),
+        "chat-stop": (parse_chat, chat(stop=["\ud800"]), "stop[0]"),
+        "chat-user": (parse_chat, chat(user="\udbff"), "user"),
+    }.items()},
 }
 
 
@@ -178,6 +196,21 @@ def test_long_values_are_clipped_in_messages():
     with pytest.raises(InvalidRequestError) as info:
         parse_completion(completion(**{"k" * 10_000: 1}), MODEL)
     assert len(info.value.message) < 200 and len(info.value.param) < 50
+
+
+def test_surrogates_in_names_and_values_are_echoed_as_utf8_text():
+    """An unknown field named with a lone surrogate, or a role that is one: the error still encodes as UTF-8."""
+    for parse, body in ((parse_completion, completion(**{"\ud800x": 1})),
+                        (parse_chat, chat(messages=[{"role": "\ud800", "content": "x"}]))):
+        with pytest.raises(InvalidRequestError) as info:
+            parse(body, MODEL)
+        info.value.one_line().encode("utf-8")
+        (info.value.param or "").encode("utf-8")
+
+
+def test_text_beyond_the_bmp_is_accepted():
+    assert parse_chat(chat(messages=[{"role": "user", "content": "\U0001F600 \u00e9"}]), MODEL).messages[0].content \
+        == "\U0001F600 \u00e9"
 
 
 def test_the_body_is_not_changed():

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -81,7 +82,7 @@ class Server:
     def wait_listening(self, seconds: float = 120) -> "Server":
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            m = re.search(r"serving (\S+) on (http://127\.0\.0\.1:\d+)", self.stderr())
+            m = re.search(r"serving (\S+) on (https?://127\.0\.0\.1:\d+)", self.stderr())
             if m:
                 assert m.group(1) == MODEL_ID
                 self.url = m.group(2)
@@ -107,7 +108,7 @@ class Server:
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self.url.removeprefix("http://").split(":")
+        host, port = self.url.split("://")[1].split(":")
         return host, int(port)
 
 
@@ -266,7 +267,7 @@ def test_chat_bad_inputs(server):
 
 def test_a_10mb_body_is_refused_by_its_length(server):
     with socket.create_connection(server.address, timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 10485760\r\n\r\n")
         reply = _read_response(s)
     assert reply.startswith(b"HTTP/1.1 413 "), reply[:200]
@@ -289,7 +290,7 @@ def test_a_10mb_chunked_body_is_refused_while_it_streams(server):
 
 def test_slow_clients_time_out(server):
     with socket.create_connection(server.address, timeout=30) as s:  # a body that stalls
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 50\r\n\r\n{\"model\":")
         reply = _read_response(s)
     assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
@@ -351,6 +352,76 @@ def test_chat_on_a_model_without_a_chat_template(built):
     finally:
         assert s.stop(signal.SIGINT) == 0  # Ctrl-C is a clean stop too
     assert s.stderr().rstrip().endswith("shardtool serve: stopped")
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 that is its own CA (PEM), and its key."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    import ipaddress
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "shardtool test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = directory / "cert.pem", directory / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file
+
+
+def test_https_and_an_api_key_with_the_openai_client(built, tmp_path, monkeypatch):
+    cert, key = _self_signed(tmp_path)
+    monkeypatch.setenv("SHARDTOOL_API_KEY", "sk-e2e-secret")  # the server inherits it: not on its command line
+    s = Server(built, built.model, "--model-id", MODEL_ID, "--ssl-certfile", cert, "--ssl-keyfile", key,
+               state="state-tls").wait_listening()
+    try:
+        assert s.url.startswith("https://127.0.0.1:")
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(cert))) as http:
+            c = openai.OpenAI(base_url=s.url + "/v1", api_key="sk-e2e-secret", max_retries=0, timeout=60,
+                              http_client=http)
+            assert c.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=3).usage.completion_tokens >= 1
+            chat = c.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=3)
+            assert chat.choices[0].message.role == "assistant"
+            wrong = openai.OpenAI(base_url=s.url + "/v1", api_key="sk-e2e-wrong", max_retries=0, timeout=60,
+                                  http_client=http)
+            with pytest.raises(openai.AuthenticationError) as info:
+                wrong.models.list()
+            assert info.value.code == "invalid_api_key"
+            assert http.get(s.url + "/health").json() == {"status": "ok"}
+        # Not without the CA, and not in plain HTTP on the same port.
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(s.url + "/health", timeout=30)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(s.url.replace("https://", "http://") + "/health", timeout=30)
+    finally:
+        assert s.stop() == 0, s.stderr()
+
+
+@pytest.mark.parametrize("case, extra, words", [
+    ("cert-without-key", ("--ssl-certfile", "cert.pem"), "go together"),
+    ("not-a-certificate", ("--ssl-certfile", "a.pub", "--ssl-keyfile", "a.key"), "not a PEM certificate chain"),
+    ("empty-api-key", ("--api-key", ""), "API key must be"),
+    ("bad-allowed-host", ("--allowed-hosts", "http://x"), "is not a host name"),
+])
+def test_access_options_are_checked_before_anything_is_read(built, case, extra, words):
+    s = Server(built, built.model, *extra)
+    code = s.proc.wait(timeout=120)
+    log = s.stderr()
+    s.err.close()
+    assert code == 2, log
+    assert words in log and "serving" not in log and "Traceback" not in log, log
 
 
 @pytest.mark.parametrize("case", ["untrusted-key", "tampered-manifest", "budget-too-small", "bad-flag"])

@@ -194,7 +194,9 @@ def test_a_shard_tampered_while_serving_fails_only_the_requests_that_need_it(bui
         else:
             assert r.status_code == 200, (i, r.text)
             assert r.json()["choices"][0]["text"] == decode(clean[i], skip_special_tokens=True)
-    assert health.status_code == 200
+    # The server stays up for the requests that do not need the bad expert, but says it is degraded, naming it.
+    assert health.status_code == 503 and health.json()["status"] == "degraded", health.text
+    assert health.json()["files"] == [rel] and health.json()["bad_files"] == 1
     failures = float(re.search(r"^shardtool_verification_failures_total (\S+)", metrics, re.M)[1])
     assert failures >= len(need) >= 1
     assert "Traceback" not in server.stderr()
