@@ -27,7 +27,7 @@ from shardtool.errors import ShardtoolError, UnavailableError, UsageError
 from shardtool.manifest import VerifiedManifest
 from shardtool.runtime._cluster_plan import MAX_PLAN_BYTES, ClusterPlan, decode_plan
 from shardtool.runtime._cluster_node import NAMESPACE, is_int, actor_name, import_ray, init_ray
-from shardtool.runtime._model import ExpertFetch, ExpertOutputs
+from shardtool.runtime.model import ExpertFetch, ExpertOutputs
 from shardtool.safeio import read_regular
 from shardtool.text import printable
 

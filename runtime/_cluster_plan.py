@@ -34,8 +34,8 @@ import numpy as np
 from shardtool import layout
 from shardtool.errors import ShardtoolError, UsageError, VerificationError
 from shardtool.manifest import MAX_EXPERT, MAX_LAYER, VerifiedManifest
-from shardtool.runtime._plan import MIN_ACTIVATION_RESERVE
-from shardtool.runtime._store import header_memo_bytes
+from shardtool.runtime.engine._plan import MIN_ACTIVATION_RESERVE
+from shardtool.runtime.store import header_memo_bytes
 from shardtool.strict_json import loads_strict
 
 NODE_CONFIG = "config.json"  # the one small file a node reads besides its experts

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,16 +31,15 @@ from ._config import ModelConfig
 from ._layers import (ROW0, ExpertUnavailable, expert_mlp, gqa_attention, matmul_t, moe_layer, rms_norm, route,
                       shared_expert, softmax_route, softmax_router)
 from ._rope import cos_sin
-
-if TYPE_CHECKING:
-    from ._forward import Float32Weights, Segment
+from ._segment import Segment
+from ._view import Float32Weights
 
 _ATTENTION = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
               "self_attn.o_proj.weight")
 _BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias", "self_attn.o_proj.bias")
 
 
-def applies(cfg: ModelConfig, segments: "Sequence[Segment]") -> bool:
+def applies(cfg: ModelConfig, segments: Sequence[Segment]) -> bool:
     """True when `segments` is one sequence's one-row step that `step` runs as `forward_batch` would."""
     if len(segments) != 1 or len(segments[0].ids) != 1 or _packed._native is None:
         return False
@@ -51,8 +49,8 @@ def applies(cfg: ModelConfig, segments: "Sequence[Segment]") -> bool:
             and all(window is None or keys <= window for window in cfg.sliding_windows))
 
 
-def step(cfg: ModelConfig, weights: "Float32Weights", rope: tuple[np.ndarray, float],
-         seg: "Segment") -> np.ndarray | None:
+def step(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndarray, float],
+         seg: Segment) -> np.ndarray | None:
     """# one segment of one token id -> logits [1, V] (None when the segment asks for none); its keys and values
     appended to its cache, which commits only after the last layer and the head succeeded (as `forward_batch`)."""
     cache = seg.cache
@@ -137,7 +135,7 @@ def _route(cfg: ModelConfig, plan: _LayerPlan, y: np.ndarray) -> tuple[np.ndarra
     return route(y, plan.w, cfg)
 
 
-def _moe(cfg: ModelConfig, plan: _LayerPlan, y: np.ndarray, h: np.ndarray, weights: "Float32Weights", layer: int,
+def _moe(cfg: ModelConfig, plan: _LayerPlan, y: np.ndarray, h: np.ndarray, weights: Float32Weights, layer: int,
          observe) -> np.ndarray:
     """# normed row y [1, H], residual h [1, H] -> h + the MoE block's output [1, H]: `_layers.moe_layer` on one
     row, in its order (route, observe, the experts' loads started, the shared expert, the routed sum in ascending
