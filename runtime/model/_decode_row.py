@@ -28,8 +28,9 @@ from shardtool.errors import ShardtoolError
 
 from . import _fused, _packed
 from ._config import ModelConfig
-from ._layers import (ROW0, ExpertUnavailable, expert_mlp, gqa_attention, matmul_t, moe_layer, rms_norm, route,
-                      shared_expert, softmax_route, softmax_router)
+from ._layers import (ROW0, ExpertUnavailable, expert_mlp, gqa_attention, moe_layer, rms_norm, route, shared_expert,
+                      softmax_route, softmax_router)
+from ._packed import matmul_t
 from ._rope import cos_sin
 from ._segment import Segment
 from ._view import Float32Weights

@@ -16,8 +16,8 @@ from ._activations import prefill_chunk
 from ._cache import KVCache
 from ._config import ModelConfig
 from ._llama4 import chunked_mask
-from ._layers import (Attend, ExpertUnavailable, causal_mask, decoder_layer, gqa_attention, matmul_t, mla_attention,
-                      rms_norm)
+from ._layers import Attend, ExpertUnavailable, causal_mask, decoder_layer, gqa_attention, mla_attention, rms_norm
+from ._packed import matmul_t
 from ._rope import cos_sin, inv_freq
 from ._segment import Segment
 from ._view import Float32Weights
