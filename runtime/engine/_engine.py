@@ -38,7 +38,7 @@ import numpy as np
 from shardtool.errors import (CheckpointFormatError, OverloadedError, RequestRefusedError, ShardtoolError,
                               UnavailableError, UsageError, VerificationError)
 from shardtool.manifest import Entry, VerifiedManifest
-from shardtool.runtime.model import (ExpertFetch, ExpertUnavailable, Float32Weights, KVCache, ModelConfig, Segment,
+from shardtool.runtime.model import (ExpertFetch, ExpertUnavailable, KVCache, ModelConfig, PackedWeights, Segment,
                                      StepTrace, bytes_per_token, forward_batch, inv_freq, prefill_chunk, prepare_expert,
                                      step_rows)
 from shardtool.runtime.store import DEFAULT_POLICY, ShardStore
@@ -170,7 +170,7 @@ class Engine:
         self.weights = VerifiedWeights(self.store, manifest, self.config.num_layers, window=self.config.top_k,
                                        lookahead=lookahead and remote is None)
         self.remote = remote
-        self._weights = Float32Weights(self.config, self.weights, remote.fetch if remote is not None else None)
+        self._weights = PackedWeights(self.config, self.weights, remote.fetch if remote is not None else None)
         self._rope = inv_freq(self.config.rope)
         self.bytes_per_token = bytes_per_token(self.config)
         self.stats = EngineStats()

@@ -17,13 +17,12 @@ from ._packed import MAX_THREADS, kernels, set_threads
 from ._prepare import prepare_expert, prepare_layer, run_expert, trunk_shapes
 from ._rope import apply_rope, apply_rope_interleave, inv_freq
 from ._segment import Segment, StepTrace
-from ._view import Float32Weights
+from ._view import PackedWeights
 from ._weights import DictWeightProvider, Prefetcher, Tensors, WeightProvider
 
 __all__ = [
-    "DictWeightProvider", "ExpertFetch", "ExpertOutputs", "ExpertUnavailable", "Float32Weights", "KVCache",
-    "MAX_THREADS",
-    "MlaConfig", "Model", "ModelConfig", "Prefetcher", "RopeConfig", "Tensors",
+    "DictWeightProvider", "ExpertFetch", "ExpertOutputs", "ExpertUnavailable", "KVCache", "MAX_THREADS",
+    "MlaConfig", "Model", "ModelConfig", "PackedWeights", "Prefetcher", "RopeConfig", "Tensors",
     "WeightProvider", "apply_rope", "apply_rope_interleave", "attention", "bytes_per_token", "decoder_layer",
     "dequantize", "expert_mlp", "forward", "gqa_attention", "inv_freq", "kernels", "mla_attention", "moe_layer",
     "Segment", "StepTrace", "forward_batch", "prefill_chunk", "prepare_expert", "prepare_layer", "quantize_fp8",

@@ -20,11 +20,11 @@ from ._layers import Attend, ExpertUnavailable, causal_mask, decoder_layer, gqa_
 from ._packed import matmul_t
 from ._rope import cos_sin, inv_freq
 from ._segment import Segment
-from ._view import Float32Weights
+from ._view import PackedWeights
 from ._weights import WeightProvider
 
 
-def forward_batch(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndarray, float],
+def forward_batch(cfg: ModelConfig, weights: PackedWeights, rope: tuple[np.ndarray, float],
                   segments: Sequence[Segment]) -> np.ndarray | None:
     """# segments of t_i token ids -> logits [n, V] for the rows the segments ask for, in segment order
     (None when none asks).
@@ -107,7 +107,7 @@ def _attend(attention: Callable, cfg: ModelConfig, parts: list[tuple]) -> Attend
     return attend
 
 
-def forward(cfg: ModelConfig, weights: Float32Weights, rope: tuple[np.ndarray, float], ids: np.ndarray,
+def forward(cfg: ModelConfig, weights: PackedWeights, rope: tuple[np.ndarray, float], ids: np.ndarray,
             cache: KVCache, *, last_only: bool = False, logits: bool = True) -> np.ndarray | None:
     """# [T] token ids -> logits [T, V] ([1, V] with last_only; None without `logits`), appending T positions
     to `cache`: one sequence's step (`forward_batch` with one segment)."""
@@ -134,7 +134,7 @@ class Model:
         self.provider = provider
         self.activation_reserve = activation_reserve
         self.cache = KVCache(config, max_tokens=max_tokens)
-        self._weights = Float32Weights(config, provider)
+        self._weights = PackedWeights(config, provider)
         self._rope = inv_freq(config.rope)
 
     def prefill(self, ids: Sequence[int], *, last_only: bool = False, chunk: int | None = None) -> np.ndarray:

@@ -23,10 +23,10 @@ from ._weights import Prefetcher, WeightProvider, derived
 _T = TypeVar("_T")
 
 
-class Float32Weights:
-    """The model's view of the provider: each shard's tensors checked against the config and its weights packed as
-    stored, once per shard the provider hands out (`derived`); float32 is what the products return, never a
-    whole weight's copy.
+class PackedWeights:
+    """The weights in their stored dtype, packed (`Packed`: views of the shard, no copies): the model's view of the
+    provider, each shard's tensors checked against the config and its weights packed once per shard the provider hands
+    out (`derived`); float32 is what the products return, never a whole weight's copy.
 
     `remote(layer)`, when given, computes the routed experts instead of the provider (a cluster's nodes); the
     provider then serves only the trunk.

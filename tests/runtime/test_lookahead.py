@@ -66,7 +66,7 @@ def test_the_prefetch_asks_first_for_the_experts_most_rows_predicted_ties_by_id(
     monkeypatch.setattr(fw, "prepare_layer", lambda *a, **k: {})
     monkeypatch.setattr(fw, "predict_experts", lambda hidden, router, cfg: predicted["ids"])
     cfg = SimpleNamespace(num_layers=3, moe_layers=(True, True, False), vocab_size=4, hidden_size=2)
-    weights = fw.Float32Weights(cfg, Provider())
+    weights = fw.PackedWeights(cfg, Provider())
     for ids, want in (([[7, 2, 5]], [2, 5, 7]), ([[7, 2], [2, 9], [9, 2]], [2, 9, 7])):
         predicted["ids"] = np.array(ids)
         asked.clear()
