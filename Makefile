@@ -9,7 +9,7 @@ ORACLE := torch==2.13.0 transformers
 .PHONY: install oracle test test-fast demo bench bench-llamacpp fuzz clean
 
 # setup.py and the C source: an edit rebuilds the kernels extension in place (pip install -e).
-$(VENV)/.installed: pyproject.toml setup.py runtime/_model/_kernels.c
+$(VENV)/.installed: pyproject.toml setup.py runtime/model/_kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[dev]'

@@ -6,7 +6,7 @@
     [t, layers, k] array per forward step); each step is turned into the store's access sequence: the
     embedding, then per layer its trunk shard and the distinct experts the step's rows chose (ascending, as
     the MoE loop asks for them), then the head. Saved as JSON in WORKDIR/traces/.
-(2) replay: each trace through the store's own bookkeeping (`CacheIndex` in `runtime/_cache_policy.py`) at
+(2) replay: each trace through the store's own bookkeeping (`CacheIndex` in `runtime/store/_cache_policy.py`) at
     shard-cache budgets of the trunk + 1/8, 1/4 and 1/2 of all expert bytes, with trunk shards evicted last
     (as the store does) or in one order with the experts ("shared"), and Belady's optimal (evict the expert
     used again furthest in the future, trunk kept) as a ceiling. Prints expert hit rates per family, budget
@@ -126,7 +126,7 @@ def replay(seq: list[tuple[str, int]], policy: str, budget: int, trunk_last: boo
     """Replay through the store's own bookkeeping (`CacheIndex`: evict until the new shard fits; a shard
     bigger than the budget is never cached). `trunk_last`: as the store does, trunk shards are evicted only
     when no expert is cached; False: one order for all shards (every key given to the index as an expert)."""
-    from shardtool.runtime._cache_policy import CacheIndex
+    from shardtool.runtime.store._cache_policy import CacheIndex
 
     index = CacheIndex(policy, budget)
     hits = misses = trunk_misses = 0

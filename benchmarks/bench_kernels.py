@@ -40,7 +40,7 @@ SHAPES = {  # (out, in)
 def _packed_weight(kind: str, out: int, inp: int, rng):
     import numpy as np
 
-    from shardtool.runtime._model import _packed
+    from shardtool.runtime.model import _packed
 
     return _packed.from_float(rng.standard_normal((out, inp)).astype(np.float32), kind)
 
@@ -49,7 +49,7 @@ def _copies(p, count: int):
     """`count` copies of a Packed weight in distinct memory (the contents do not matter to the time)."""
     import numpy as np
 
-    from shardtool.runtime._model._packed import Packed
+    from shardtool.runtime.model._packed import Packed
 
     return [Packed(p.kind, p.shape, np.array(p.data), None if p.scale is None else np.array(p.scale), p.block)
             for _ in range(count)]
@@ -71,7 +71,7 @@ def child(args) -> None:
     """One thread count (OPENBLAS_NUM_THREADS already set): print one JSON line per (kind, shape)."""
     import numpy as np
 
-    from shardtool.runtime._model import _packed
+    from shardtool.runtime.model import _packed
 
     if _packed.kernels() is None:
         sys.exit("bench_kernels: the _kernels extension is not built (run `make install`)")

@@ -62,7 +62,7 @@ def _signed_model(ck: Path, out: Path, quantize: str | None, key, state: Path):
     """(Session over the signed split, closer) for one variant of the checkpoint."""
     from shardtool.checkpoint import split_checkpoint
     from shardtool.manifest import load_manifest, load_trusted_manifest, save_manifest
-    from shardtool.runtime._session import Session
+    from shardtool.runtime.engine._session import Session
 
     method, trunk = (quantize.removesuffix("-trunk"), quantize.endswith("-trunk")) if quantize else (None, False)
     split_checkpoint(ck, out, model_id="bench/quant", quantize=method, quantize_trunk=trunk)
@@ -84,7 +84,7 @@ def _dequantized_split(quantized: Path, out: Path, key, state: Path):
 
     from shardtool import blockquant, formats
     from shardtool.manifest import build_manifest, load_manifest, load_trusted_manifest, save_manifest
-    from shardtool.runtime._session import Session
+    from shardtool.runtime.engine._session import Session
 
     shutil.copytree(quantized, out)
     m = load_manifest(out / "manifest.msgpack")

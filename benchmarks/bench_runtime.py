@@ -337,7 +337,7 @@ def _session(model: str, pub: str, budget_mib: str, max_tokens: int):
     keep_freed_memory()
     from shardtool.keys import load_public_key
     from shardtool.manifest import load_verified_manifest
-    from shardtool.runtime._session import Session
+    from shardtool.runtime.engine._session import Session
 
     verified = load_verified_manifest(Path(model) / "manifest.msgpack", [load_public_key(Path(pub))], 1)
     return Session(Path(model), verified, budget=int(budget_mib) * MIB, max_tokens=max_tokens, readers=STORE_READERS)
@@ -365,7 +365,7 @@ def run_decode(out: Path, model: str, pub: str, budget_mib: str, tokens: str, mo
     if mode == "skip-hash":
         import numpy as np
 
-        import shardtool.runtime._store as store_mod
+        import shardtool.runtime.store._store as store_mod
         from shardtool.safeio import open_beneath
         from shardtool.manifest._files import READ_CHUNK, VerifiedBytes
 
@@ -381,7 +381,7 @@ def run_decode(out: Path, model: str, pub: str, budget_mib: str, tokens: str, mo
 
         # The name the store calls: patching any other name would leave hashing on and measure nothing.
         if not hasattr(store_mod, "read_verified_timed"):
-            raise RuntimeError("shardtool.runtime._store no longer reads through read_verified_timed")
+            raise RuntimeError("shardtool.runtime.store._store no longer reads through read_verified_timed")
         store_mod.read_verified_timed = read_without_hash
     report = session.generate(PROMPT, int(tokens), temperature=0.0, top_p=1.0, seed=None, on_token=lambda t: None)
     session.close()
@@ -450,7 +450,7 @@ def quarter_budget(work: Path, model: Path, tokens: int) -> dict:
     from shardtool.keys import load_public_key
     from shardtool.manifest import load_verified_manifest
     from shardtool.runtime import verified_config
-    from shardtool.runtime._plan import plan_budget
+    from shardtool.runtime.engine._plan import plan_budget
 
     manifest = load_verified_manifest(model / "manifest.msgpack", [load_public_key(work / "bench.pub")], 1)
     config = verified_config(model, manifest)

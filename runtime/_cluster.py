@@ -32,7 +32,7 @@ from shardtool.runtime._cluster_plan import (MAX_PLAN_BYTES, MAX_SIGNATURE_FILE,
                                              open_signed_plan)
 from shardtool.runtime._cluster_node import (INFO_TYPE, NAMESPACE, NONCE, REPLY_TYPE, actor_name, import_ray, init_ray,
                                              is_int, new_nonce, output_digest)
-from shardtool.runtime._model import ExpertFetch, ExpertOutputs
+from shardtool.runtime.model import ExpertFetch, ExpertOutputs
 from shardtool.safeio import read_regular
 from shardtool.strict_json import loads_strict
 from shardtool.text import printable

@@ -36,11 +36,11 @@ from shardtool.keys import PrivateKey
 from shardtool.manifest import Entry, VerifiedManifest, pae
 from shardtool.manifest.audit import check_file
 from shardtool.remote import RemoteFiles, RemoteSource
-from shardtool.runtime._model import ModelConfig, run_expert
+from shardtool.runtime.model import ModelConfig, run_expert
 from shardtool.runtime._cluster_plan import NODE_READERS, ClusterPlan, node_memory_floor
-from shardtool.runtime._signed import unusable_shards, verified_config
-from shardtool.runtime._cache_policy import DEFAULT_POLICY
-from shardtool.runtime._store import ShardStore, header_memo_bytes
+from shardtool.runtime.engine._signed import unusable_shards, verified_config
+from shardtool.runtime.store import DEFAULT_POLICY
+from shardtool.runtime.store import ShardStore, header_memo_bytes
 
 NAMESPACE = "shardtool"
 ACTOR_PREFIX = "shardtool-node-"

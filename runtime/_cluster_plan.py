@@ -41,8 +41,8 @@ from shardtool import layout
 from shardtool.errors import ShardtoolError, SignatureError, UsageError, VerificationError
 from shardtool.keys import PrivateKey, PublicKey
 from shardtool.manifest import MAX_EXPERT, MAX_LAYER, Envelope, Signature, VerifiedManifest, pae, verify_envelope
-from shardtool.runtime._plan import MIN_ACTIVATION_RESERVE
-from shardtool.runtime._store import header_memo_bytes
+from shardtool.runtime.engine._plan import MIN_ACTIVATION_RESERVE
+from shardtool.runtime.store import header_memo_bytes
 from shardtool.strict_json import loads_strict
 
 NODE_CONFIG = "config.json"  # the one small file a node reads besides its experts

@@ -181,7 +181,7 @@ def _unchunked_greedy(model: Path, world, ids: list[int], new: int) -> list[int]
 
     from shardtool.keys import load_public_key
     from shardtool.manifest import load_verified_manifest
-    from shardtool.runtime._session import Session
+    from shardtool.runtime.engine._session import Session
 
     verified = load_verified_manifest(model / kit.MANIFEST, [load_public_key(world.keys.pub("A"))], 1)
     session = Session(model, verified, budget=8 << 30, max_tokens=len(ids) + new)

@@ -39,8 +39,8 @@ def _run_in_process(monkeypatch, capsys, model: Path, world, *extra: str) -> tup
 def _rewrite_after_use(monkeypatch, model: Path) -> set[str]:
     """After each file is first handed out as verified (config and tokenizer by `_signed`, shards by the
     store), flip a byte of it on disk. Returns the set of paths rewritten so far."""
-    import shardtool.runtime._signed as signed_mod
-    from shardtool.runtime._store import ShardStore
+    import shardtool.runtime.engine._signed as signed_mod
+    from shardtool.runtime.store._store import ShardStore
 
     rewritten: set[str] = set()
 
@@ -95,7 +95,7 @@ def test_toctou_rewritten_after_verification_output_unchanged(monkeypatch, capsy
 def test_toctou_rewritten_after_verification_then_evicted(monkeypatch, capsys, model, world):
     """The same, with a budget so small that shards are evicted and read again: the second read meets the
     rewritten bytes and the run stops; whatever it printed before is a prefix of the untouched output."""
-    from shardtool.runtime._store import ShardStore
+    from shardtool.runtime.store._store import ShardStore
 
     _rewrite_after_use(monkeypatch, model)
     largest = max(p.stat().st_size for p in model.rglob("*.safetensors"))

@@ -127,7 +127,7 @@ def test_what_the_memo_holds_stays_within_its_bound(case):
 
 
 def test_a_store_has_room_for_every_shard_header_within_its_limits():
-    from shardtool.runtime._store import HEADER_MEMO_MAX, HEADER_MEMO_MIN, HEADER_MEMO_PER_SHARD, header_memo_bytes
+    from shardtool.runtime.store._store import HEADER_MEMO_MAX, HEADER_MEMO_MIN, HEADER_MEMO_PER_SHARD, header_memo_bytes
 
     assert header_memo_bytes(0) == header_memo_bytes(10) == HEADER_MEMO_MIN
     assert header_memo_bytes(1000) == 1000 * HEADER_MEMO_PER_SHARD

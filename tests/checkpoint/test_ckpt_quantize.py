@@ -256,8 +256,8 @@ def test_the_shapes_split_demands_beside_a_weight_are_the_ones_the_runtime_loads
                                                                                  scale_type):
     """`_expert_check.beside` states, for split, the scale shapes the runtime's `pack` demands: tensors of exactly
     those shapes load, and a scale one column off is refused by both."""
-    from runtime._model._dtypes import FLOAT8
-    from runtime._model._packed import pack
+    from shardtool.runtime.model._dtypes import FLOAT8
+    from shardtool.runtime.model._packed import pack
     from shardtool.checkpoint._expert_check import beside
     from shardtool.errors import CheckpointFormatError
 
@@ -372,7 +372,7 @@ def test_split_refuses_a_second_stored_form_beside_a_float_weight(make_tiny, tmp
 
 
 def test_the_one_form_rule_has_one_home():
-    from runtime._model import _packed
+    from shardtool.runtime.model import _packed
     from shardtool.checkpoint import _expert_check, _quantize
 
     assert "formats.stored(" not in Path(_quantize.__file__).read_text()  # it asks _expert_check

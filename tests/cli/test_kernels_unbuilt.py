@@ -13,7 +13,7 @@ BLOCK_KERNELS = textwrap.dedent("""
     import sys
     class _NoKernels:
         def find_spec(self, name, path=None, target=None):
-            if name == "shardtool.runtime._model._kernels":
+            if name == "shardtool.runtime.model._kernels":
                 raise ImportError("not built (test)")
             return None
     sys.meta_path.insert(0, _NoKernels())

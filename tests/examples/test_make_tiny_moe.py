@@ -246,7 +246,7 @@ def test_fp8_matches_deepseek_v3_release_layout(tmp_path):
 def test_mxfp4_matches_gpt_oss_release_layout(tmp_path):
     """U8 blocks [E, out, in/32, 16] and scales [E, out, in/32] for the experts only; they decode (low nibble
     first, times 2^(scale - 127)) to weights of the size the BF16 variant has."""
-    from shardtool.runtime._model._dtypes import mxfp4_to_float32
+    from shardtool.runtime.model._dtypes import mxfp4_to_float32
 
     ckpt = mtm.make_checkpoint(tmp_path / "mx", "gpt_oss", layers=2, moe_intermediate=32, mxfp4=True)
     tensors = _tensors(ckpt)

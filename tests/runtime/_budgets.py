@@ -11,8 +11,8 @@ def budget_for_top_k_plus(model: Path, pub: Path, tokens: int, extra: int) -> in
     plan's KV cache and working memory for a run of `tokens` tokens, prompt and new, besides)."""
     from shardtool.keys import load_public_key
     from shardtool.manifest import load_verified_manifest
-    from shardtool.runtime._model import ModelConfig
-    from shardtool.runtime._plan import plan_budget
+    from shardtool.runtime.model import ModelConfig
+    from shardtool.runtime.engine._plan import plan_budget
 
     verified = load_verified_manifest(model / "manifest.msgpack", [load_public_key(pub)], 1)
     cfg = ModelConfig.from_hf_config(json.loads((model / "config.json").read_text()))

@@ -1,5 +1,5 @@
 """Test support: a plain decode loop over an in-memory `Model` (no shard store, no timing), for comparing the
-numpy forward pass with the reference. The runtime's own loop is `Session.generate` (runtime/_session.py)."""
+numpy forward pass with the reference. The runtime's own loop is `Session.generate` (runtime/engine/_session.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from shardtool.errors import UsageError
-from shardtool.runtime._model import Model, sample_token
-from shardtool.runtime._model._sampling import check_sampling
+from shardtool.runtime.engine._sampling import check_sampling, sample_token
+from shardtool.runtime.model import Model
 
 
 def stream(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,

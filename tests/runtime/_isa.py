@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from shardtool.runtime._model import _packed
+from shardtool.runtime.model import _packed
 
-_kernels = pytest.importorskip("shardtool.runtime._model._kernels", reason="the extension is not built (optional)")
+_kernels = pytest.importorskip("shardtool.runtime.model._kernels", reason="the extension is not built (optional)")
 
 SIMD = [name for name in ("plain", "avx2", "avx512") if _kernels.use_simd(name) == name]
 _kernels.use_simd(True)

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from shardtool.cli._common import MAX_MEMORY_BUDGET, parse_size
 from shardtool.cli.run_cmd import MAX_PROMPT_IDS, MAX_TOKEN_ID, parse_ids
 from shardtool.errors import CheckpointFormatError, UsageError
-from shardtool.runtime._model import DictWeightProvider, Model, ModelConfig, dequantize, quantize_fp8
-from shardtool.runtime._model._activations import prefill_chunk, step_bytes
+from shardtool.runtime.model import DictWeightProvider, Model, ModelConfig, dequantize, quantize_fp8
+from shardtool.runtime.model._activations import prefill_chunk, step_bytes
 from shardtool.hf_config import FLOAT_CAPS, INT_CAPS
-from shardtool.runtime._model._sampling import sample_token
+from shardtool.runtime.engine._sampling import sample_token
 
 from _decode import generate
 from test_model_numpy import CONFIGS, make
@@ -126,7 +126,7 @@ def test_signed_config_json_with_a_huge_integer_or_deep_nesting_is_a_verificatio
     # Python's json refuses a > 4300-digit integer with ValueError and deep nesting with RecursionError:
     # both are the signed file's fault, so a clean VerificationError, never a traceback.
     from shardtool.errors import VerificationError
-    from shardtool.runtime._signed import signed_json
+    from shardtool.runtime.engine._signed import signed_json
 
     for text in ('{"a": 1' + "0" * 5000 + "}", "[" * 100_000 + "]" * 100_000):
         (tmp_path / "config.json").write_text(text)
@@ -217,7 +217,7 @@ def test_kv_cache_never_exceeds_max_tokens():
     model.prefill([1, 2, 3, 4, 5])
     for t in (6, 7, 8, 9):
         model.decode(t)
-    from shardtool.runtime._model import bytes_per_token
+    from shardtool.runtime.model import bytes_per_token
 
     assert model.cache.nbytes == 9 * bytes_per_token(cfg)
 
@@ -236,7 +236,7 @@ def _signed_model(tmp_path, config: dict):
 
 
 def test_plan_refuses_a_sequence_the_budget_cannot_hold_naming_the_budget_needed(tmp_path):
-    from shardtool.runtime._plan import plan_budget
+    from shardtool.runtime.engine._plan import plan_budget
 
     cfg = ModelConfig.from_hf_config(CONFIGS["mixtral"])
     manifest = _signed_model(tmp_path, CONFIGS["mixtral"])

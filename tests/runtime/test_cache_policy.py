@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from shardtool.runtime import CACHE_POLICIES, DEFAULT_CACHE_POLICY
-from shardtool.runtime._cache_policy import LFU, CacheIndex, make_policy
+from shardtool.runtime.store._cache_policy import LFU, CacheIndex, make_policy
 
 
 def simulate(policy: str, capacity: int, keys: Sequence[str]) -> list[str]:

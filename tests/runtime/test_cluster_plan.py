@@ -14,8 +14,8 @@ from shardtool.manifest import Entry, VerifiedManifest, build_manifest
 from shardtool.runtime import (ClusterPlan, NodePlan, decode_plan, encode_plan, make_plan, node_memory_floor,
                                summarize)
 from shardtool.runtime._cluster_plan import MAX_PLAN_BYTES
-from shardtool.runtime._plan import MIN_ACTIVATION_RESERVE
-from shardtool.runtime._store import HEADER_MEMO_MIN
+from shardtool.runtime.engine._plan import MIN_ACTIVATION_RESERVE
+from shardtool.runtime.store._store import HEADER_MEMO_MIN
 
 MIB = 2**20
 WHAT = "cluster.plan"

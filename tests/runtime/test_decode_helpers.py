@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shardtool.runtime._model._layers import _top_k, expert_groups, picked
-from shardtool.runtime._model._rope import apply_rope, cos_sin
+from shardtool.runtime.model._layers import _top_k, expert_groups, picked
+from shardtool.runtime.model._rope import apply_rope, cos_sin
 
 
 def _rope_reference(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from shardtool.runtime._model import DictWeightProvider, Model, _decode_row, _packed
-from shardtool.runtime._model._forward import Segment, StepTrace, forward_batch
-from shardtool.runtime._model._weights import Tensors
-from shardtool.runtime._model._layers import ExpertUnavailable
+from shardtool.runtime.model import DictWeightProvider, Model, _decode_row, _packed
+from shardtool.runtime.model import Segment, StepTrace, forward_batch
+from shardtool.runtime.model import Tensors
+from shardtool.runtime.model._layers import ExpertUnavailable
 
 from test_model_numpy import CONFIGS, PROMPT, FailingProvider, make
 

@@ -319,7 +319,7 @@ def test_a_bug_outside_the_forward_pass_fails_the_batch_and_the_loop_serves_on(s
     requests in that step get a 500, later ones run."""
     import threading
 
-    import shardtool.runtime._engine as engine_mod
+    import shardtool.runtime.engine._engine as engine_mod
 
     engine = _engine(signed, tmp_path, max_batch=4)
     real = engine_mod.sample_token

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shardtool.runtime._model import _fused, _layers, _packed
+from shardtool.runtime.model import _fused, _layers, _packed
 
-_kernels = pytest.importorskip("shardtool.runtime._model._kernels", reason="the extension is not built (optional)")
+_kernels = pytest.importorskip("shardtool.runtime.model._kernels", reason="the extension is not built (optional)")
 from _isa import isa  # noqa: E402,F401  (the fixture: every instruction set the CPU has)
 
 
@@ -218,7 +218,7 @@ def test_swiglu_refuses_shapes_that_do_not_chain_and_overlaps():
 
 @pytest.mark.parametrize("nh,kvh,d", [(8, 2, 64), (4, 4, 16)])
 def test_rope_row_matches_apply_rope(monkeypatch, nh, kvh, d):
-    from shardtool.runtime._model._rope import apply_rope, cos_sin
+    from shardtool.runtime.model._rope import apply_rope, cos_sin
 
     rng = np.random.default_rng(5)
     cos, sin = cos_sin((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32), 1.0, np.array([37]))

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from shardtool.errors import CheckpointFormatError
-from shardtool.runtime._model import ModelConfig
-from shardtool.runtime._model._dtypes import FP4_E2M1, mxfp4_to_float32, quantize_mxfp4
-from shardtool.runtime._model._gpt_oss import clamped_swiglu, expert_weights, route_topk_softmax, sink_softmax
-from shardtool.runtime._model._packed import to_float32
-from shardtool.runtime._model._layers import attention
+from shardtool.runtime.model import ModelConfig
+from shardtool.runtime.model._dtypes import FP4_E2M1, mxfp4_to_float32, quantize_mxfp4
+from shardtool.runtime.model._gpt_oss import clamped_swiglu, expert_weights, route_topk_softmax, sink_softmax
+from shardtool.runtime.model._packed import to_float32
+from shardtool.runtime.model._layers import attention
 
 from _republish import republish
 from examples import make_tiny_moe as mtm

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from shardtool import blockquant
-from shardtool.runtime._model import _dtypes, _packed
+from shardtool.runtime.model import _dtypes, _packed
 
-_kernels = pytest.importorskip("shardtool.runtime._model._kernels", reason="the extension is not built (optional)")
-from shardtool.runtime._model._packed import Packed
+_kernels = pytest.importorskip("shardtool.runtime.model._kernels", reason="the extension is not built (optional)")
+from shardtool.runtime.model._packed import Packed
 
 from _isa import SIMD, isa  # noqa: E402,F401  (the fixture: every instruction set the CPU has)
 
@@ -248,7 +248,7 @@ def test_reference_path_gives_the_same_result(monkeypatch):
 
 
 def test_environment_variable_forces_the_reference():
-    code = "from shardtool.runtime._model import _packed; print(_packed.kernels())"
+    code = "from shardtool.runtime.model import _packed; print(_packed.kernels())"
     for value, want in [("0", "None"), ("1", SIMD[-1])]:
         env = {**os.environ, "SHARDTOOL_KERNELS": value}
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from shardtool.errors import CheckpointFormatError
-from shardtool.runtime._model import DictWeightProvider, Model, ModelConfig, expert_mlp, moe_layer
-from shardtool.runtime._model._llama4 import chunked_mask, nope_temperature, route
+from shardtool.runtime.model import DictWeightProvider, Model, ModelConfig, expert_mlp, moe_layer
+from shardtool.runtime.model._llama4 import chunked_mask, nope_temperature, route
 
 from _decode import generate
 

@@ -14,7 +14,7 @@ from safetensors.numpy import save as st_save
 
 from shardtool.manifest import Entry, build_manifest
 from shardtool.runtime import ShardStore
-from shardtool.runtime._model._lookahead import LookaheadStats
+from shardtool.runtime.model._lookahead import LookaheadStats
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -49,7 +49,7 @@ def test_the_prefetch_asks_first_for_the_experts_most_rows_predicted_ties_by_id(
     """One decode row (its own fast path) and several rows ask in the same order: most rows first, then by id."""
     from types import SimpleNamespace
 
-    import shardtool.runtime._model._forward as fw
+    import shardtool.runtime.model._view as fw
 
     asked = []
 
@@ -66,7 +66,7 @@ def test_the_prefetch_asks_first_for_the_experts_most_rows_predicted_ties_by_id(
     monkeypatch.setattr(fw, "prepare_layer", lambda *a, **k: {})
     monkeypatch.setattr(fw, "predict_experts", lambda hidden, router, cfg: predicted["ids"])
     cfg = SimpleNamespace(num_layers=3, moe_layers=(True, True, False), vocab_size=4, hidden_size=2)
-    weights = fw.Float32Weights(cfg, Provider())
+    weights = fw.PackedWeights(cfg, Provider())
     for ids, want in (([[7, 2, 5]], [2, 5, 7]), ([[7, 2], [2, 9], [9, 2]], [2, 9, 7])):
         predicted["ids"] = np.array(ids)
         asked.clear()
@@ -178,7 +178,7 @@ def _quarter_budget(model: Path, manifest) -> int:
     """The whole budget whose shard cache holds every non-expert shard and a quarter of the experts (at least the
     two layers' working sets lookahead needs: these models' embedding is big beside their experts)."""
     from shardtool.runtime import verified_config
-    from shardtool.runtime._plan import plan_budget
+    from shardtool.runtime.engine._plan import plan_budget
 
     config = verified_config(model, manifest)
     plan = plan_budget(1 << 30, config, manifest, max_tokens=len(PROMPT) + 12, readers=2)

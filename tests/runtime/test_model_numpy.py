@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from shardtool.errors import CheckpointFormatError, UsageError
-from shardtool.runtime._model import (DictWeightProvider, KVCache, Model, ModelConfig, bytes_per_token, dequantize,
-                                      quantize_fp8, sample_token, to_float32, trunk_shapes)
+from shardtool.runtime.engine._sampling import sample_token
+from shardtool.runtime.model import (DictWeightProvider, KVCache, Model, ModelConfig, bytes_per_token, dequantize,
+                                     quantize_fp8, to_float32, trunk_shapes)
 
 from _decode import generate, stream
 

@@ -13,7 +13,7 @@ pytest.importorskip("transformers", reason="parity oracle needs transformers (pi
 
 import _hf_oracle as oracle  # noqa: E402  (tests/runtime is on sys.path: pytest's prepend import mode)
 
-from shardtool.runtime._model import DictWeightProvider, Model, ModelConfig  # noqa: E402
+from shardtool.runtime.model import DictWeightProvider, Model, ModelConfig  # noqa: E402
 
 from _decode import generate  # noqa: E402
 
@@ -168,7 +168,7 @@ def test_llama3_rope_frequencies_match_transformers(low, high):
     from transformers import Llama4TextConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from shardtool.runtime._model._rope import inv_freq
+    from shardtool.runtime.model._rope import inv_freq
 
     params = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 16.0, "low_freq_factor": low,
               "high_freq_factor": high, "original_max_position_embeddings": 8192}

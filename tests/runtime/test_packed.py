@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from shardtool.errors import CheckpointFormatError
-from shardtool.runtime._model import _packed
-from shardtool.runtime._model._dtypes import BF16, FLOAT8
+from shardtool.runtime.model import _packed
+from shardtool.runtime.model._dtypes import BF16, FLOAT8
 
 WHERE = "layer 3 expert 5"
 

@@ -118,7 +118,7 @@ def stored_dtypes(model_dir: Path) -> set[str]:
 def test_verify_and_run_matches_transformers(name, keys, tmp_path):
     from shardtool.keys import load_public_key
     from shardtool.manifest import load_trusted_manifest
-    from shardtool.runtime._session import Session
+    from shardtool.runtime.engine._session import Session
 
     case = CASES[name]
     ref = write_checkpoint(case, tmp_path / "ck", tmp_path / "ref")

@@ -23,7 +23,7 @@ from shardtool.keys import load_private_key, load_public_key
 from shardtool.manifest import Receipt, load_trusted_manifest, open_receipt, routing_leaves, routing_root, sign_receipt
 from shardtool.runtime import (Engine, FinishEvent, SamplingParams, Tolerances, check_request, make_receipt,
                                replay_receipt)
-from shardtool.runtime._model._sampling import nucleus, sample_token, sampling_slack
+from shardtool.runtime.engine._sampling import nucleus, sample_token, sampling_slack
 
 from _receiptkit import REPO
 from _receiptkit import cli as _cli

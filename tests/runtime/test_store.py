@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import save as st_save
 
 import shardtool.manifest._files as files_mod
-import shardtool.runtime._store as store_mod
+import shardtool.runtime.store._store as store_mod
 from shardtool.errors import DigestMismatchError
 from shardtool.manifest import Entry, build_manifest
 from shardtool.errors import MissingFileError, NotARegularFileError
@@ -617,7 +617,7 @@ def test_cached_hands_out_a_warm_set_counted_as_requests_or_nothing(model, reads
 def test_provider_experts_of_a_warm_step_read_nothing(model, reads, monkeypatch):
     """VerifiedWeights.experts hands out cached experts at once, without the stream's requests, when there are at
     most `window` of them; otherwise (one not cached, or more than `window`) the stream reads only what is missing."""
-    from shardtool.runtime._provider import VerifiedWeights
+    from shardtool.runtime.engine._provider import VerifiedWeights
 
     root, e = model
     store = make_store(root, readers=2)
@@ -645,7 +645,7 @@ def test_provider_experts_of_a_warm_step_read_nothing(model, reads, monkeypatch)
 
 def test_provider_experts_index_waits_per_expert(model, monkeypatch):
     """VerifiedWeights.experts starts every load and blocks only on the expert being indexed."""
-    from shardtool.runtime._provider import VerifiedWeights
+    from shardtool.runtime.engine._provider import VerifiedWeights
 
     root, e = model
     order = []

@@ -66,7 +66,7 @@ def _trace(model: Path, pub: Path, state: Path) -> tuple[dict, list[int], int, i
     """Run the same Session in-process and note when each expert is first read (tokens printed by then)."""
     from shardtool.keys import load_public_key
     from shardtool.manifest import load_trusted_manifest
-    from shardtool.runtime._session import Session
+    from shardtool.runtime.engine._session import Session
 
     verified = load_trusted_manifest(model / "manifest.msgpack", [load_public_key(pub)], 1, state)
     session = Session(model, verified, budget=1 << 30, max_tokens=64)

@@ -18,7 +18,7 @@ import openai
 from shardtool.keys import load_public_key
 from shardtool.manifest import load_trusted_manifest
 from shardtool.runtime import Engine, SamplingParams
-from shardtool.runtime._model import bytes_per_token
+from shardtool.runtime.model import bytes_per_token
 
 from test_serve_e2e import MODEL_ID, Server, built  # noqa: F401  (the module fixture, reused)
 

@@ -9,7 +9,7 @@ from typing import Iterator
 
 from shardtool.errors import CheckpointFormatError, ShardFormatError, VerificationError
 from shardtool.manifest import VerifiedManifest, read_verified
-from shardtool.runtime._model import ModelConfig
+from shardtool.runtime.model import ModelConfig
 from shardtool.strict_json import loads_strict
 
 MAX_CONFIG_BYTES = 1024 * 1024

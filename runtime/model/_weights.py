@@ -79,6 +79,20 @@ class WeightProvider(Protocol):
         ...
 
 
+@runtime_checkable
+class Prefetcher(Protocol):
+    """A provider that can start loading experts before the forward pass asks for them: how the lookahead reaches
+    I/O without knowing what is behind it. `lookahead`: whether it takes guesses now (it may refuse them, e.g. when
+    its cache cannot hold them beside the layer computing)."""
+
+    lookahead: bool
+
+    def prefetch_experts(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """Start loading routed experts `expert_ids` of `layer` (most wanted first); errors surface only when the
+        forward pass asks for them."""
+        ...
+
+
 class DictWeightProvider:
     """A `WeightProvider` over a flat Hugging Face state dict of numpy arrays.
 

@@ -31,35 +31,34 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
 from shardtool.errors import (CheckpointFormatError, OverloadedError, RequestRefusedError, ShardtoolError,
                               UnavailableError, UsageError, VerificationError)
 from shardtool.manifest import Entry, VerifiedManifest
-from shardtool.runtime._cluster import RemoteExperts
-from shardtool.runtime._model import (ExpertUnavailable, Float32Weights, KVCache, ModelConfig, Segment, StepTrace,
-                                      bytes_per_token, forward_batch, sample_token)
-from shardtool.runtime._model._forward import prepare_expert
-from shardtool.runtime._model._activations import prefill_chunk, step_rows
-from shardtool.runtime._model._rope import inv_freq
-from shardtool.runtime._model._sampling import check_sampling
-from shardtool.runtime._plan import BudgetPlan, plan_budget
-from shardtool.runtime._record import RunRecord
-from shardtool.runtime._provider import VerifiedWeights
-from shardtool.runtime._signed import load_tokenizer, signed_json, unusable_shards, verified_config
-from shardtool.runtime._cache_policy import DEFAULT_POLICY
-from shardtool.runtime._store import ShardStore
+from shardtool.runtime.model import (ExpertFetch, ExpertUnavailable, KVCache, ModelConfig, PackedWeights, Segment,
+                                     StepTrace, bytes_per_token, forward_batch, inv_freq, prefill_chunk, prepare_expert,
+                                     step_rows)
+from shardtool.runtime.store import DEFAULT_POLICY, ShardStore
+
+from ._plan import BudgetPlan, plan_budget
+from ._provider import VerifiedWeights
+from ._record import RunRecord
+from ._sampling import SamplingParams, check_sampling, sample_token
+from ._signed import load_tokenizer, signed_json, unusable_shards, verified_config
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None  # None: the engine draws one (a receipt records the seed that was used)
-    stop_token_ids: tuple[int, ...] | None = None  # None: the model's eos ids
+class ExpertCluster(Protocol):
+    """Routed experts computed elsewhere, by a cluster's nodes (the cluster's `RemoteExperts`): what the engine asks
+    of them. Defined here so the engine does not import the cluster that implements it."""
+
+    stats: Any  # the cluster's figures: calls, wire_bytes, remote_seconds, retries, dropped, as_dict()
+
+    def fetch(self, layer: int) -> ExpertFetch:
+        """The forward pass's `ExpertFetch` for MoE layer `layer`."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -137,7 +136,7 @@ class Engine:
 
     def __init__(self, root: Path, manifest: VerifiedManifest, *, budget: int, max_batch: int = 16,
                  max_queue: int = 64, kv_cache: int | None = None, max_context: int | None = None,
-                 readers: int = 2, tokenizer=None, remote: RemoteExperts | None = None,
+                 readers: int = 2, tokenizer=None, remote: ExpertCluster | None = None,
                  fetch_missing: Callable[[Entry], None] | None = None, cache_policy: str = DEFAULT_POLICY,
                  lookahead: bool = False):
         """`remote`: a cluster's nodes compute the routed experts (`shardtool node`); `root` then needs to hold
@@ -171,7 +170,7 @@ class Engine:
         self.weights = VerifiedWeights(self.store, manifest, self.config.num_layers, window=self.config.top_k,
                                        lookahead=lookahead and remote is None)
         self.remote = remote
-        self._weights = Float32Weights(self.config, self.weights, remote.fetch if remote is not None else None)
+        self._weights = PackedWeights(self.config, self.weights, remote.fetch if remote is not None else None)
         self._rope = inv_freq(self.config.rope)
         self.bytes_per_token = bytes_per_token(self.config)
         self.stats = EngineStats()

@@ -22,10 +22,11 @@ import numpy as np
 
 from shardtool.errors import ReceiptMismatchError, UsageError
 from shardtool.manifest import Receipt, VerifiedManifest, decode_trace, routing_leaves, routing_root
-from shardtool.runtime._engine import Engine
-from shardtool.runtime._model import ModelConfig
-from shardtool.runtime._model._sampling import sampling_slack
-from shardtool.runtime._signed import verified_config
+from shardtool.runtime.model import ModelConfig
+
+from ._engine import Engine
+from ._sampling import sampling_slack
+from ._signed import verified_config
 
 
 # Leaf hashes the near-tie search may recompute in all (2^ties roots of `positions` leaves each): a few seconds.

@@ -3,7 +3,7 @@
 Per fed position (every prompt token and every generated token but the last) the engine keeps the experts
 each MoE layer chose and a fingerprint of the last hidden state; `make_receipt` binds them with the
 weights (the verified manifest's head), the request and the answer into a receipt signed by the operator.
-The format is `shardtool.manifest._receipt`; the check is `runtime/_replay.py`.
+The format is `shardtool.manifest._receipt`; the check is `_replay.py`.
 """
 
 from __future__ import annotations
@@ -11,16 +11,14 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from shardtool.keys import PrivateKey
 from shardtool.manifest import Receipt, VerifiedManifest, encode_trace, routing_leaves, routing_root, sign_receipt
-from shardtool.runtime._model import ModelConfig, StepTrace
+from shardtool.runtime.model import ModelConfig, StepTrace
 
-if TYPE_CHECKING:
-    from shardtool.runtime._engine import SamplingParams
+from ._sampling import SamplingParams
 
 
 def fingerprint_rows(hidden: np.ndarray) -> np.ndarray:
@@ -38,7 +36,7 @@ class RunRecord:
     """One request's routing and fingerprints, step by step, and its answer once it finished."""
 
     prompt: tuple[int, ...]
-    params: "SamplingParams"  # with the seed the engine used
+    params: SamplingParams  # with the seed the engine used
     stop_token_ids: tuple[int, ...]
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None

@@ -1,12 +1,24 @@
-"""Choosing the next token from logits (greedy, or temperature + top-p with a seeded generator).
+"""Choosing the next token from logits (greedy, or temperature + top-p with a seeded generator), and what a request
+asks of it (`SamplingParams`).
 
 The decode loop that uses it is the runtime's engine; a receipt's replay re-derives each draw (`sampling_slack`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from shardtool.errors import UsageError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None  # None: the engine draws one (a receipt records the seed that was used)
+    stop_token_ids: tuple[int, ...] | None = None  # None: the model's eos ids
 
 
 def check_sampling(temperature: float, top_p: float) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 from shardtool.errors import VerificationError
 from shardtool.layout import EMBED, HEAD, expert_path, trunk_path
 from shardtool.manifest import Entry, VerifiedManifest
-from shardtool.runtime._store import ShardStore
+from shardtool.runtime.store import ShardStore
 
 class VerifiedWeights:
     """A `WeightProvider` whose every array comes from bytes verified against the signed manifest."""

@@ -255,11 +255,14 @@ _PACK_BLOCKS = {formats.INT8.kernel: _pack_block, formats.INT4.kernel: _pack_blo
 _RAW = {formats.BF16.kernel: np.uint16, formats.FP8.kernel: np.uint8}
 
 
-def matmul_t(x: np.ndarray, w: Packed) -> np.ndarray:
-    """# [m, in] float32, Packed [out, in] -> [m, out] float32  (x @ W.T in the stored dtype)
+def matmul_t(x: np.ndarray, w: Packed | np.ndarray) -> np.ndarray:
+    """# [m, in] float32, [out, in] -> [m, out] float32  (x @ W.T; a `Packed` weight in its stored dtype)
 
-    Native when the extension is in use: each weight row is read once, in its stored dtype, on up to
-    `set_threads` threads; otherwise (and for empty shapes) `matmul_t_reference`."""
+    A `Packed` weight: native when the extension is in use, each weight row read once, in its stored dtype, on up to
+    `set_threads` threads; otherwise (and for empty shapes) `matmul_t_reference`. A float32 array: one BLAS product
+    (`_dense_t`)."""
+    if type(w) is not Packed:
+        return _dense_t(x, w)
     out_f, in_f = w.shape
     m, columns = x.shape[0], x.shape[1]
     if _native is None or not (m and out_f and in_f):
@@ -283,7 +286,12 @@ def _float32_rows(x: np.ndarray) -> np.ndarray:
 
 def matmul_t_reference(x: np.ndarray, w: Packed) -> np.ndarray:
     """The numpy reference of `matmul_t`: expands the weight, then one BLAS product (one row goes through gemv)."""
-    f = w.data if w.kind == formats.F32.kernel else to_float32(w)
+    return _dense_t(x, w.data if w.kind == formats.F32.kernel else to_float32(w))
+
+
+def _dense_t(x: np.ndarray, f: np.ndarray) -> np.ndarray:
+    """# [m, in], [out, in] float32 -> [m, out]. One row (every decode step) goes through gemv: OpenBLAS runs a 1-row
+    sgemm multi-threaded, which costs 10-100x more than gemv on a small or busy machine."""
     if x.shape[0] == 1:
         return (f @ x[0])[None, :]
     return x @ f.T

@@ -1,6 +1,6 @@
 """How the memory budget is split: KV cache, working buffers (reads in flight, one forward step's activations, the
 one weight still expanded per use, the shard store's parsed headers), and what remains caches verified shards.
-Weights are multiplied as they are stored (`_model._packed`): the shard cache holds their stored bytes and nothing
+Weights are multiplied as they are stored (`model._packed`): the shard cache holds their stored bytes and nothing
 else."""
 
 from __future__ import annotations
@@ -10,11 +10,8 @@ from dataclasses import dataclass
 
 from shardtool.errors import UsageError
 from shardtool.manifest import VerifiedManifest
-from shardtool.runtime._model import ModelConfig, bytes_per_token
-from shardtool.runtime._model._activations import step_bytes
-from shardtool.runtime._model import _packed
-from shardtool.runtime._model._forward import trunk_shapes
-from shardtool.runtime._store import header_memo_bytes
+from shardtool.runtime.model import ModelConfig, bytes_per_token, kernels, step_bytes, trunk_shapes
+from shardtool.runtime.store import header_memo_bytes
 
 # The least the budget keeps for one forward step's temporaries; more when the step's queries over the whole
 # sequence need more (`step_bytes`). A step takes as many rows as fit (`step_rows`, `prefill_chunk`).
@@ -84,7 +81,7 @@ def expanded_bytes(cfg: ModelConfig) -> int:
     than multiplied whole, is expanded (a float32 one is used as it is; counted anyway). Without them
     (SHARDTOOL_KERNELS=0, or the extension not built) the numpy reference expands each weight it multiplies: the
     largest one counts."""
-    if _packed.kernels() is None:
+    if kernels() is None:
         weights = [shape for layer in range(cfg.num_layers) for shape in trunk_shapes(cfg, layer)[0].values()
                    if len(shape) == 2]
         largest = max([cfg.vocab_size * cfg.hidden_size, cfg.moe_intermediate_size * cfg.hidden_size]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,19 +28,19 @@ from shardtool.errors import ShardtoolError
 
 from . import _fused, _packed
 from ._config import ModelConfig
-from ._layers import (ROW0, ExpertUnavailable, expert_mlp, gqa_attention, matmul_t, moe_layer, rms_norm, route,
-                      shared_expert, softmax_route, softmax_router)
+from ._layers import (ROW0, ExpertUnavailable, expert_mlp, gqa_attention, moe_layer, rms_norm, route, shared_expert,
+                      softmax_route, softmax_router)
+from ._packed import matmul_t
 from ._rope import cos_sin
-
-if TYPE_CHECKING:
-    from ._forward import Float32Weights, Segment
+from ._segment import Segment
+from ._view import PackedWeights
 
 _ATTENTION = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
               "self_attn.o_proj.weight")
 _BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias", "self_attn.o_proj.bias")
 
 
-def applies(cfg: ModelConfig, segments: "Sequence[Segment]") -> bool:
+def applies(cfg: ModelConfig, segments: Sequence[Segment]) -> bool:
     """True when `segments` is one sequence's one-row step that `step` runs as `forward_batch` would."""
     if len(segments) != 1 or len(segments[0].ids) != 1 or _packed._native is None:
         return False
@@ -51,8 +50,8 @@ def applies(cfg: ModelConfig, segments: "Sequence[Segment]") -> bool:
             and all(window is None or keys <= window for window in cfg.sliding_windows))
 
 
-def step(cfg: ModelConfig, weights: "Float32Weights", rope: tuple[np.ndarray, float],
-         seg: "Segment") -> np.ndarray | None:
+def step(cfg: ModelConfig, weights: PackedWeights, rope: tuple[np.ndarray, float],
+         seg: Segment) -> np.ndarray | None:
     """# one segment of one token id -> logits [1, V] (None when the segment asks for none); its keys and values
     appended to its cache, which commits only after the last layer and the head succeeded (as `forward_batch`)."""
     cache = seg.cache
@@ -86,7 +85,7 @@ def step(cfg: ModelConfig, weights: "Float32Weights", rope: tuple[np.ndarray, fl
 
 class _LayerPlan:
     """What `step` takes from one layer's checked weights `w`, worked out once per trunk shard
-    (`Float32Weights.layer_derived`) instead of at every step:
+    (`PackedWeights.layer_derived`) instead of at every step:
     - `attention`: `attention_step`'s weight arguments (norm, the four projections, biases, post-attention norm),
       or None when they are not all packed and plain (`gqa_attention` then runs);
     - `router`: the layer's `softmax_router` (None: `route` runs)."""
@@ -137,7 +136,7 @@ def _route(cfg: ModelConfig, plan: _LayerPlan, y: np.ndarray) -> tuple[np.ndarra
     return route(y, plan.w, cfg)
 
 
-def _moe(cfg: ModelConfig, plan: _LayerPlan, y: np.ndarray, h: np.ndarray, weights: "Float32Weights", layer: int,
+def _moe(cfg: ModelConfig, plan: _LayerPlan, y: np.ndarray, h: np.ndarray, weights: PackedWeights, layer: int,
          observe) -> np.ndarray:
     """# normed row y [1, H], residual h [1, H] -> h + the MoE block's output [1, H]: `_layers.moe_layer` on one
     row, in its order (route, observe, the experts' loads started, the shared expert, the routed sum in ascending

@@ -3,7 +3,7 @@
  * The weight is never expanded whole: one-row products (decode) stream each weight row once and multiply in
  * registers; several rows of x (prefill) decode one weight row at a time into a per-thread float32 row and take
  * every x row's product with it, so each weight row is read once per call. Kinds and layouts are those of
- * runtime/_model/_packed.py (`Packed`), which is the only caller and keeps the numpy reference each kind must
+ * runtime/model/_packed.py (`Packed`), which is the only caller and keeps the numpy reference each kind must
  * agree with.
  *
  * x86-64: AVX2+FMA+F16C kernels compiled with a per-function target attribute and chosen at run time
@@ -2503,7 +2503,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
-                                    "Native x @ W.T with W in its stored dtype (see runtime/_model/_packed.py).", -1,
+                                    "Native x @ W.T with W in its stored dtype (see runtime/model/_packed.py).", -1,
                                     methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__kernels(void) {

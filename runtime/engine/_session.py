@@ -10,11 +10,11 @@ from typing import Callable, Sequence
 
 from shardtool.errors import UsageError
 from shardtool.manifest import VerifiedManifest
-from shardtool.runtime._cache_policy import DEFAULT_POLICY
-from shardtool.runtime._cluster import RemoteExperts
-from shardtool.runtime._engine import Engine, SamplingParams
-from shardtool.runtime._model import Model
-from shardtool.runtime._model._sampling import check_sampling
+from shardtool.runtime.model import Model
+from shardtool.runtime.store import DEFAULT_POLICY
+
+from ._engine import Engine, ExpertCluster
+from ._sampling import SamplingParams, check_sampling
 
 @dataclass
 class RunReport:
@@ -51,7 +51,7 @@ class Session:
     first: pass the tokenizer they loaded with `load_tokenizer` to avoid reading and verifying it twice."""
 
     def __init__(self, root: Path, manifest: VerifiedManifest, *, budget: int, max_tokens: int, readers: int = 2,
-                 tokenizer=None, remote: RemoteExperts | None = None, fetch_missing=None,
+                 tokenizer=None, remote: ExpertCluster | None = None, fetch_missing=None,
                  cache_policy: str = DEFAULT_POLICY, lookahead: bool = False):
         """`remote`: the routed experts come from a cluster's nodes (the engine's `remote`); `fetch_missing`: the
         shard store's hook for shards the directory does not hold yet (the engine's); `cache_policy`: the shard

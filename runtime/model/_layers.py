@@ -17,6 +17,7 @@ from shardtool.errors import ShardtoolError
 from . import _fused, _llama4
 from ._config import ModelConfig
 from . import _packed
+from ._packed import matmul_t
 from ._gpt_oss import route_topk_softmax, sink_softmax
 from ._rope import apply_rope, apply_rope_interleave
 
@@ -34,19 +35,6 @@ Attend = Callable[[np.ndarray, Mapping[str, np.ndarray]], np.ndarray]
 ObserveRoute = Callable[[np.ndarray, np.ndarray], None]
 
 MLA_NORM_EPS = 1e-6  # DeepseekV3RMSNorm default; q_a_layernorm / kv_a_layernorm do not get rms_norm_eps
-
-
-def matmul_t(x: np.ndarray, w: np.ndarray | _packed.Packed) -> np.ndarray:
-    """# [m, in], [out, in] -> [m, out]  (x @ w.T; a `Packed` weight in its stored dtype)
-
-    One row (every decode step) goes through gemv: OpenBLAS runs a 1-row sgemm multi-threaded, which costs
-    10-100x more than gemv on a small or busy machine.
-    """
-    if type(w) is _packed.Packed:
-        return _packed.matmul_t(x, w)
-    if x.shape[0] == 1:
-        return (w @ x[0])[None, :]
-    return x @ w.T
 
 
 def linear(x: np.ndarray, w: np.ndarray | _packed.Packed, b: np.ndarray | None = None) -> np.ndarray:

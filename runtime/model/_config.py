@@ -101,7 +101,7 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()  # per layer: RoPE applied (False: a NoPE layer); () = every layer
     attention_chunks: tuple[int | None, ...] = ()  # per layer: chunked attention's chunk size; () = none
     chunked_nope: ChunkedNopeConfig | None = None  # Llama 4 attention
-    # gpt-oss (runtime/_model/_gpt_oss.py): attention sinks, router and expert biases, the clamped SwiGLU
+    # gpt-oss (runtime/model/_gpt_oss.py): attention sinks, router and expert biases, the clamped SwiGLU
     attention_sinks: bool = False
     router_bias: bool = False  # mlp.gate.bias (gpt-oss's mlp.router.bias) added to the router logits
     expert_bias: bool = False

@@ -19,10 +19,10 @@ import numpy as np
 
 from shardtool.errors import CheckpointFormatError, DigestMismatchError, MissingFileError, ShardFormatError
 from shardtool.manifest import Entry, read_verified_timed
-from shardtool.runtime._cache_policy import DEFAULT_POLICY, CacheIndex
-from shardtool.runtime._readers import ReaderPool
-from shardtool.runtime._model._weights import Tensors
 from shardtool.safetensors_format import HeaderMemo, parse_safetensors
+
+from ._cache_policy import DEFAULT_POLICY, CacheIndex
+from ._readers import ReaderPool
 
 Arrays = Mapping[str, np.ndarray]
 # Each chunk is hashed right after it is read, while it is still in the CPU cache: one pass over memory
@@ -81,17 +81,26 @@ def _count(counts: dict[str, int], kind: str) -> None:
     counts[kind] = counts.get(kind, 0) + 1
 
 
-def parse_shard(entry: Entry, data: np.ndarray | bytes, headers: HeaderMemo | None = None) -> Tensors:
-    """Parse verified bytes (`headers`: headers parsed before). Malformed-but-signed shards fail cleanly as a
-    verification error.
+class Shard(dict):
+    """One verified shard's arrays by name, and `memo`: what its users derive from them (the forward pass keeps its
+    checked, packed views of the weights there), so derived data lives exactly as long as the shard, cached or in
+    use, and is dropped with it when it is evicted."""
 
-    One `Tensors` per load: the forward pass packs its weights once (views, no copies) and keeps them on it, so
-    they are dropped with the shard when it is evicted."""
+    __slots__ = ("memo",)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.memo: dict[str, object] = {}
+
+
+def parse_shard(entry: Entry, data: np.ndarray | bytes, headers: HeaderMemo | None = None) -> Shard:
+    """Parse verified bytes (`headers`: headers parsed before). Malformed-but-signed shards fail cleanly as a
+    verification error. One `Shard` per load."""
     try:
         arrays, _ = parse_safetensors(data, headers=headers)
     except CheckpointFormatError as e:
         raise ShardFormatError(f"signed shard is not valid safetensors: {e.message}", path=entry.path) from None
-    return Tensors(arrays)
+    return Shard(arrays)
 
 
 class ShardStore:
