@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from shardtool import formats
+from shardtool import blockquant, formats
 from shardtool.checkpoint._expert_check import check_forms
 from shardtool.checkpoint._plan import Piece, ShardPlan
 from shardtool.errors import CheckpointFormatError, UsageError
@@ -195,7 +195,7 @@ def quantize(p: Piece, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     fmt = formats.BY_NAME[p.quant[0] if p.quant else ""]
     with np.errstate(over="ignore", invalid="ignore"):  # a scale beyond float16 is refused below, not warned
-        q, d = fmt.pack(w, None)
+        q, d = blockquant.pack_of(fmt)(w, None)
     if not np.all(np.isfinite(d)):
         raise CheckpointFormatError(f"cannot quantize {p.source.name!r}: a block's scale is not finite in "
                                     "float16 (a NaN/inf weight, or a weight beyond float16's range)")

@@ -1,4 +1,4 @@
-"""`shardtool plan`: place a verified model's experts on the nodes of a cluster (runtime/_cluster_plan.py)."""
+"""`shardtool plan`: place a verified model's experts on the nodes of a cluster (runtime/engine/_cluster_plan.py)."""
 
 from __future__ import annotations
 

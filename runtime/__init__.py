@@ -2,16 +2,15 @@
 before use, the reader threads, the cache and its eviction policy), the model (`model/`: config, stored formats,
 packing, the numpy forward pass and its native kernels), and the engine (`engine/`: the one decode loop, continuous
 batching under the memory budget, sessions, sampling, run receipts and their replay, and the provider that maps the
-split layout onto the store); and a cluster: the node that serves its planned experts (`_cluster_node`), the plan
-(`_cluster_plan`) and the coordinator's side that asks the nodes for them (`_cluster`), part of the engine floor."""
+split layout onto the store; and a cluster on Ray: the plan, a node's expert service and the coordinator's side)."""
 
 from shardtool.errors import ShardFormatError
-from shardtool.runtime._cluster import (ClusterStats, RemoteExperts, connect_cluster, load_plan, load_signed_plan,
-                                       signature_path)
-from shardtool.runtime._cluster_node import NodeService, NodeSetup, leave_cluster, node_alive, prepare_node, serve_node
-from shardtool.runtime._cluster_plan import (MAX_PLAN_BYTES, NODE_NAME_PATTERN, ClusterPlan, NodePlan, check_plan,
-                                             decode_plan, encode_plan, make_plan, open_signed_plan, sign_plan, node_memory_floor, summarize, node_files, NODE_CONFIG)
-from shardtool.runtime.engine import (BudgetPlan, Engine, ErrorEvent, Event, FinishEvent, RunRecord, SamplingParams,
+from shardtool.runtime.engine import (NODE_CONFIG, NODE_NAME_PATTERN, MAX_PLAN_BYTES, ClusterPlan, ClusterStats, NodePlan,
+                                      NodeService, NodeSetup, RemoteExperts, check_plan, connect_cluster, decode_plan,
+                                      encode_plan, leave_cluster, load_plan, load_signed_plan, make_plan, node_alive,
+                                      node_files, node_memory_floor, open_signed_plan, prepare_node, serve_node,
+                                      sign_plan, signature_path, summarize,
+                                      BudgetPlan, Engine, ErrorEvent, Event, FinishEvent, RunRecord, SamplingParams,
                                       Session, SignedReceipt, Ticket, TokenEvent, Tolerances, VerifiedWeights,
                                       check_request, check_weights, encode_prompt, load_tokenizer, make_receipt,
                                       plan_budget, replay_engine, replay_receipt, verified_config)

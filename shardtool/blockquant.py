@@ -242,3 +242,13 @@ def pack_mxfp4(w: np.ndarray, block: tuple[int, int] | None) -> tuple[np.ndarray
 
 def unpack_mxfp4(data: np.ndarray, scale: np.ndarray, block: tuple[int, int] | None) -> np.ndarray:
     return mxfp4_to_float32(data, scale)
+
+
+def pack_of(fmt: formats.Format):
+    """The format's numpy pack: w [out, in] float, block -> (data, scale or None) (the row's `reference` names it)."""
+    return globals()[fmt.reference[0]]
+
+
+def unpack_of(fmt: formats.Format):
+    """The format's numpy unpack: (data, scale, block) -> [out, in] float32."""
+    return globals()[fmt.reference[1]]

@@ -31,22 +31,10 @@ class Format:
     quant_method: str | None = None      # config.json quantization_config.quant_method that declares it
     split: bool = False                  # `split --quantize NAME` writes it from float weights
     trunk: bool = False                  # ... and with --quantize-trunk, the trunk's linear weights too
-    # the numpy reference, named in `shardtool.blockquant` (imported when first used: this table stays free of
-    # numpy): its pack (w [out, in] float, block) -> (data, scale or None) and unpack (data, scale, block) ->
+    # the numpy reference, named in `shardtool.blockquant` (`blockquant.pack_of(fmt)` / `unpack_of(fmt)`: this
+    # table stays free of numpy and imports nothing of ours): its pack (w [out, in] float, block) -> (data, scale or None) and unpack (data, scale, block) ->
     # [out, in] float32
     reference: tuple[str, str] = ("", "unpack_float")
-
-    @property
-    def pack(self) -> Callable:
-        from shardtool import blockquant
-
-        return getattr(blockquant, self.reference[0])
-
-    @property
-    def unpack(self) -> Callable:
-        from shardtool import blockquant
-
-        return getattr(blockquant, self.reference[1])
 
     @property
     def tensors(self) -> tuple[str, ...]:

@@ -17,11 +17,9 @@ PARTS = {"shardtool": ("shardtool", 0), "keys": ("shardtool.keys", 1), "manifest
          "cli": ("shardtool.cli", 5)}
 # The runtime's own floors, bottom up: sub-package -> floor. A module imports its own sub-package's modules and the
 # public face (`__init__`) of the sub-packages below it; `runtime/__init__.py` (the part's face) may import every
-# face. The cluster's modules at the top of runtime/ (`_cluster*.py`) belong to the engine floor, where they are
-# to move.
+# face. No module sits beside them at the top of runtime/ (a test holds that too).
 RUNTIME = "shardtool.runtime"
 SUBFLOORS = {"store": 0, "model": 1, "engine": 2}
-TOP_LEVEL_FLOOR = "engine"
 
 
 def _part_of(module: str) -> str | None:
@@ -109,12 +107,10 @@ def _violations() -> list[str]:
 
 
 def _subfloor(module: str) -> str | None:
-    """The runtime floor of a module under shardtool.runtime: its sub-package, TOP_LEVEL_FLOOR for the modules at the
-    top of runtime/, None for the runtime's face (`shardtool.runtime` itself)."""
+    """The runtime floor of a module under shardtool.runtime: its sub-package; None for the runtime's face
+    (`shardtool.runtime` itself) and for a module outside every floor (`test_every_runtime_module_is_on_a_floor`)."""
     rest = module[len(RUNTIME) + 1:].split(".") if module.startswith(RUNTIME + ".") else []
-    if not rest:
-        return None
-    return rest[0] if rest[0] in SUBFLOORS else TOP_LEVEL_FLOOR
+    return rest[0] if rest and rest[0] in SUBFLOORS else None
 
 
 def _runtime_violations() -> list[str]:
@@ -261,9 +257,9 @@ RUNTIME_PLANTED = [
     ("model_imports_the_engine_deferred", "runtime/model/_bad.py",
      "def f():\n    from shardtool.runtime.engine import Engine\n",
      ["runtime/model/_bad.py:2 imports shardtool.runtime.engine: engine is above model"]),
-    ("store_imports_the_cluster", "runtime/store/_bad.py", "import shardtool.runtime._cluster\n",
-     ["runtime/store/_bad.py:1 imports shardtool.runtime._cluster: engine is above store",
-      "runtime/store/_bad.py:1 imports shardtool.runtime._cluster: a private module of engine, not its face"]),
+    ("store_imports_the_cluster", "runtime/store/_bad.py", "import shardtool.runtime.engine._cluster\n",
+     ["runtime/store/_bad.py:1 imports shardtool.runtime.engine._cluster: engine is above store",
+      "runtime/store/_bad.py:1 imports shardtool.runtime.engine._cluster: a private module of engine, not its face"]),
     ("model_imports_the_runtime_face", "runtime/model/_bad.py", "import shardtool.runtime\n",
      ["runtime/model/_bad.py:1 imports shardtool.runtime: the runtime's face, above the model floor"]),
     ("engine_imports_a_private_model_module", "runtime/engine/_bad.py", "from shardtool.runtime.model._packed import x\n",
@@ -307,3 +303,11 @@ CYCLES_PLANTED = [
 def test_the_cycle_check_names_a_planted_cycle(tmp_path, monkeypatch, files, expected):
     _fake_repo(tmp_path, monkeypatch, files)
     assert [" -> ".join(cycle) for cycle in _cycles(_graph())] == expected
+
+
+def test_every_runtime_module_is_on_a_floor():
+    """Only the runtime's face sits at the top of runtime/: every other module belongs to store, model or engine."""
+    top = sorted(p.name for p in (REPO / "runtime").glob("*.py") if p.name != "__init__.py")
+    top += sorted(p.name + "/" for p in (REPO / "runtime").iterdir()
+                  if p.is_dir() and p.name not in SUBFLOORS and p.name != "__pycache__")
+    assert top == []

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardtool import formats
+from shardtool import blockquant, formats
 from shardtool.safetensors_format import numpy_dtype
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,7 +107,7 @@ def test_each_rows_reference_writes_what_the_row_says(fmt):
     rng = np.random.default_rng(len(fmt.name))
     out, inp = 6, 4 * 32
     w = rng.standard_normal((out, inp)).astype(np.float32)
-    data, scale = fmt.pack(w, fmt.block)
+    data, scale = blockquant.pack_of(fmt)(w, fmt.block)
     assert data.dtype == numpy_dtype(fmt.dtype) and data.shape == fmt.data_shape(out, inp)
     assert fmt.weight_shape(data.shape) == (out, inp)
     if fmt.scale is None:
@@ -115,7 +115,7 @@ def test_each_rows_reference_writes_what_the_row_says(fmt):
     else:
         assert scale.dtype == numpy_dtype(fmt.scale_dtype) and scale.shape == fmt.scale_shape(out, inp)
     assert data.nbytes + (0 if scale is None else scale.nbytes) == fmt.nbytes(out, inp)
-    back = fmt.unpack(data, scale, fmt.block)
+    back = blockquant.unpack_of(fmt)(data, scale, fmt.block)
     assert back.dtype == np.float32 and back.shape == (out, inp)
     worst = np.abs(back - w).max() / np.abs(w).max()
     assert worst <= ROUNDING[fmt.name], (fmt.name, worst)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardtool import formats
+from shardtool import blockquant, formats
 from shardtool.errors import CheckpointFormatError
 from shardtool.safetensors_format import numpy_dtype
 
@@ -303,7 +303,7 @@ def to_float32(w: Packed) -> np.ndarray:
     fmt = formats.BY_KERNEL.get(w.kind)
     if fmt is None:
         raise CheckpointFormatError(f"unknown packed weight kind {w.kind!r}")
-    return fmt.unpack(w.data, w.scale, w.block)
+    return blockquant.unpack_of(fmt)(w.data, w.scale, w.block)
 
 
 def from_float(w: np.ndarray, kind: str, block: tuple[int, int] = DEFAULT_BLOCK) -> Packed:
@@ -312,6 +312,6 @@ def from_float(w: np.ndarray, kind: str, block: tuple[int, int] = DEFAULT_BLOCK)
     fmt = formats.BY_KERNEL.get(kind)
     if fmt is None:
         raise ValueError(f"unknown packed weight kind {kind!r}")
-    data, scale = fmt.pack(w, block)
+    data, scale = blockquant.pack_of(fmt)(w, block)
     return Packed(kind, shape, data, scale, block if fmt.block_from_config else None)
 

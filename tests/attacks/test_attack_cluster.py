@@ -17,7 +17,7 @@ from shardtool.errors import SignatureError, UnavailableError  # noqa: E402
 from shardtool.keys import generate, load_private_key, load_public_key  # noqa: E402
 from shardtool.manifest import load_trusted_manifest  # noqa: E402
 from shardtool.runtime import NodeService, Session, load_signed_plan, prepare_node  # noqa: E402
-from shardtool.runtime._cluster_node import REPLY_TYPE  # noqa: E402
+from shardtool.runtime.engine._cluster_node import REPLY_TYPE  # noqa: E402
 
 PROMPT = [5, 77, 300, 12]
 NODES = ("a", "b", "c")
@@ -265,7 +265,7 @@ def test_cluster_head_without_token_auth_is_refused_unless_insecure(cluster, tmp
 JOIN = """
 import sys, ray
 from shardtool.errors import ShardtoolError
-from shardtool.runtime._cluster_node import init_ray
+from shardtool.runtime.engine._cluster_node import init_ray
 try:
     init_ray(ray, sys.argv[1], 10.0)
     print("JOINED", ray.get(ray.remote(lambda: 41 + 1).remote()))

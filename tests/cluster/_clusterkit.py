@@ -293,8 +293,8 @@ class Direct:
         return self.answer.get(node, lambda r: r)(signed)
 
     def info(self, node, nonce, timeout):
-        from shardtool.runtime._cluster import NodeFailed
-        from shardtool.runtime._cluster_node import INFO_TYPE
+        from shardtool.runtime.engine._cluster import NodeFailed
+        from shardtool.runtime.engine._cluster_node import INFO_TYPE
         if node in self.down or node not in self.services:
             raise NodeFailed(f"no node named {node} has joined the cluster")
         return self._out(node, self.services[node].info(nonce), INFO_TYPE)
@@ -304,8 +304,8 @@ class Direct:
         return node, layer, expert_ids, x, rows, nonce
 
     def result(self, pending, timeout):
-        from shardtool.runtime._cluster import NodeFailed
-        from shardtool.runtime._cluster_node import REPLY_TYPE
+        from shardtool.runtime.engine._cluster import NodeFailed
+        from shardtool.runtime.engine._cluster_node import REPLY_TYPE
         node, layer, ids, x, rows, nonce = pending
         if node in self.down:
             raise NodeFailed("ActorDiedError: the actor died unexpectedly")
@@ -323,7 +323,7 @@ def sign_plain(doc, key, payload_type: str):
     """`doc` (the `plain` form) signed with `key` as a node signs (a reply's output digests made from its arrays);
     anything but a dict is returned as it is."""
     from shardtool.manifest import pae
-    from shardtool.runtime._cluster_node import canonical_body, output_digest
+    from shardtool.runtime.engine._cluster_node import canonical_body, output_digest
     if not isinstance(doc, dict):
         return doc
     arrays = doc.get("outputs") if "layer" in doc else None
@@ -341,6 +341,6 @@ def resign(signed: dict, edit, key, payload_type: str):
 def remote_experts(plan, transport, **kwargs):
     """The coordinator's RemoteExperts over `transport`, with the plan's placement, root and node keys."""
     from shardtool.runtime import RemoteExperts
-    from shardtool.runtime._cluster import plan_placement
+    from shardtool.runtime.engine._cluster import plan_placement
     return RemoteExperts(plan_placement(plan), plan.root, transport,
                          keys={n.name: n.public_key() for n in plan.nodes}, **{"log": lambda _: None, **kwargs})

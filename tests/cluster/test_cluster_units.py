@@ -18,7 +18,7 @@ from shardtool.layout import expert_path
 from shardtool.manifest import load_trusted_manifest
 from shardtool.runtime import (Engine, ErrorEvent, NodeService, SamplingParams, Session, load_signed_plan,
                                prepare_node)
-from shardtool.runtime._cluster import NodeFailed, plan_placement
+from shardtool.runtime.engine._cluster import NodeFailed, plan_placement
 
 PROMPT = [5, 77, 300, 12]
 NONCE = "0" * 32
@@ -198,7 +198,7 @@ def test_a_malformed_info_drops_the_node_at_connect_and_its_replicas_serve(model
 
 
 def test_only_info_and_run_are_reachable_on_a_node_actor(model):
-    from shardtool.runtime._cluster_node import NodeActor
+    from shardtool.runtime.engine._cluster_node import NodeActor
     assert {name for name in vars(NodeActor) if not name.startswith("_")} == {"info", "run"}
 
 

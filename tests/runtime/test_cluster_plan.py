@@ -1,4 +1,4 @@
-"""The cluster plan (runtime/_cluster_plan.py): made from a verified manifest and node budgets, encoded once,
+"""The cluster plan (runtime/engine/_cluster_plan.py): made from a verified manifest and node budgets, encoded once,
 decoded as untrusted input with one-line refusals."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from shardtool.keys import generate
 from shardtool.manifest import Entry, VerifiedManifest, build_manifest
 from shardtool.runtime import (ClusterPlan, NodePlan, decode_plan, encode_plan, make_plan, node_memory_floor,
                                summarize)
-from shardtool.runtime._cluster_plan import MAX_PLAN_BYTES
+from shardtool.runtime.engine._cluster_plan import MAX_PLAN_BYTES
 from shardtool.runtime.engine._plan import MIN_ACTIVATION_RESERVE
 from shardtool.runtime.store._store import HEADER_MEMO_MIN
 
@@ -297,7 +297,7 @@ def test_a_plan_assumes_the_readers_a_node_starts_with_by_default():
     import typer.main
 
     from shardtool.cli import build_app
-    from shardtool.runtime._cluster_plan import NODE_READERS
+    from shardtool.runtime.engine._cluster_plan import NODE_READERS
 
     command = typer.main.get_command(build_app(("node_cmd",)))
     readers = next(p for p in command.params if p.name == "readers")

@@ -41,7 +41,7 @@ from shardtool import layout
 from shardtool.errors import ShardtoolError, SignatureError, UsageError, VerificationError
 from shardtool.keys import PrivateKey, PublicKey
 from shardtool.manifest import MAX_EXPERT, MAX_LAYER, Envelope, Signature, VerifiedManifest, pae, verify_envelope
-from shardtool.runtime.engine._plan import MIN_ACTIVATION_RESERVE
+from ._plan import MIN_ACTIVATION_RESERVE
 from shardtool.runtime.store import header_memo_bytes
 from shardtool.strict_json import loads_strict
 
@@ -282,7 +282,7 @@ NODE_READERS = 2
 
 
 def node_memory_floor(sizes: Iterable[int], per_layer: int, top_k: int, readers: int = NODE_READERS) -> int:
-    """The least memory an expert node needs to compute one step, after runtime/_plan.py's plan_budget with
+    """The least memory an expert node needs to compute one step, after plan_budget (engine/_plan.py) with
     no trunk and no KV cache: a shard cache of k + 1 of its largest expert, float32 copies of the k in use
     (4x, FP8 worst case), a read in flight on each of its `readers` threads, the store's parsed headers
     (`header_memo_bytes` of its experts) and the activation reserve. k is the contract's experts per token, capped by

@@ -37,8 +37,8 @@ from shardtool.manifest import Entry, VerifiedManifest, pae
 from shardtool.manifest.audit import check_file
 from shardtool.remote import RemoteFiles, RemoteSource
 from shardtool.runtime.model import ModelConfig, run_expert
-from shardtool.runtime._cluster_plan import NODE_READERS, ClusterPlan, node_memory_floor
-from shardtool.runtime.engine._signed import unusable_shards, verified_config
+from ._cluster_plan import NODE_READERS, ClusterPlan, node_memory_floor
+from ._signed import unusable_shards, verified_config
 from shardtool.runtime.store import DEFAULT_POLICY
 from shardtool.runtime.store import ShardStore, header_memo_bytes
 

@@ -28,9 +28,9 @@ import numpy as np
 from shardtool.errors import ShardtoolError, SignatureError, UnavailableError, UsageError
 from shardtool.keys import PublicKey
 from shardtool.manifest import VerifiedManifest, pae
-from shardtool.runtime._cluster_plan import (MAX_PLAN_BYTES, MAX_SIGNATURE_FILE, ClusterPlan, decode_plan,
+from ._cluster_plan import (MAX_PLAN_BYTES, MAX_SIGNATURE_FILE, ClusterPlan, decode_plan,
                                              open_signed_plan)
-from shardtool.runtime._cluster_node import (INFO_TYPE, NAMESPACE, NONCE, REPLY_TYPE, actor_name, import_ray, init_ray,
+from ._cluster_node import (INFO_TYPE, NAMESPACE, NONCE, REPLY_TYPE, actor_name, import_ray, init_ray,
                                              is_int, new_nonce, output_digest)
 from shardtool.runtime.model import ExpertFetch, ExpertOutputs
 from shardtool.safeio import read_regular
@@ -78,7 +78,7 @@ class ClusterStats:
 
 
 class RemoteExperts:
-    """`fetch(layer)` is the forward pass's ExpertFetch for a cluster (`Float32Weights(remote=...)`)."""
+    """`fetch(layer)` is the forward pass's ExpertFetch for a cluster (`PackedWeights(remote=...)`)."""
 
     def __init__(self, placement: Mapping[tuple[int, int], Sequence[str]], root: bytes, transport: Transport, *,
                  keys: Mapping[str, PublicKey], timeout: float = DEFAULT_TIMEOUT,
