@@ -10,32 +10,31 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[2]
+from _kit import cli
+from _kit.cli import BIN, Result
+from examples.make_tiny_moe import make_checkpoint
+
 # No usage report leaves the machine; the workers' BLAS takes one core (two share this machine); a stopped head
 # shuts down at once instead of draining for 30 s (nothing is left to drain when the tests stop it).
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "OPENBLAS_NUM_THREADS": "1", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 
 
 def env(work: Path) -> dict[str, str]:
-    return {**os.environ, **RAY_ENV, "XDG_STATE_HOME": str(work)}
+    return cli.user_env(work, RAY_ENV)
 
 
-def run(program: str, *args, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / program), *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                          env=env(cwd), timeout=timeout, stdin=subprocess.DEVNULL)
+def run(program: str, *args, cwd: Path, timeout: int = 300) -> Result:
+    """The shared runner with Ray's environment, XDG state in `cwd`."""
+    return cli.run(program, *args, cwd=cwd, state=cwd, env=RAY_ENV, timeout=timeout)
 
 
-def ok(program: str, *args, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    r = run(program, *args, cwd=cwd, timeout=timeout)
-    assert r.returncode == 0, f"{program} {' '.join(map(str, args))} exited {r.returncode}:\n{r.stderr[-3000:]}"
-    return r
+def ok(program: str, *args, cwd: Path, timeout: int = 300) -> Result:
+    return cli.ok(program, *args, cwd=cwd, state=cwd, env=RAY_ENV, timeout=timeout)
 
 
 def free_port() -> int:
@@ -58,15 +57,14 @@ class Model:
 
 
 def build_model(work: Path, family: str, *, replicas: int, nodes: tuple[str, ...], experts: int = 8,
-                layers: int = 2, extra: tuple[str, ...] = ()) -> Model:
+                layers: int = 2, **knobs) -> Model:
     """make_tiny_moe -> split -> sign -> a plan over `nodes` -> one directory per node (its planned experts,
     config.json and the manifest) and one for the coordinator (its files and the manifest)."""
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "a.key").exists():
         ok("shardtool", "keygen", "--out", "a", "--no-passphrase", cwd=work)
     model_id = f"test/tiny-{family}"
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(work / "hf"), "--family", family,
-                    "--experts", str(experts), "--layers", str(layers), *extra], check=True, capture_output=True)
+    make_checkpoint(work / "hf", family, experts=experts, layers=layers, **knobs)
     ok("shardtool", "split", "-q", work / "hf", work / "full", "--model-id", model_id, "--version", "1", cwd=work)
     ok("shardtool", "sign", work / "full", "--key", "a.key", cwd=work)
     plan = work / "plan.json"

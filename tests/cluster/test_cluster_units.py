@@ -6,8 +6,6 @@ replica, the node's checks of every argument, and a shard tampered under a node.
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,23 +19,21 @@ from shardtool.runtime import (Engine, ErrorEvent, NodeService, RemoteExperts, S
                                make_plan, prepare_node)
 from shardtool.runtime._cluster import NodeFailed, plan_placement
 
-BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[2]
+from _kit.cli import ok
+from examples.make_tiny_moe import make_checkpoint
+
 PROMPT = [5, 77, 300, 12]
 
 
 def _cli(*args, cwd: Path) -> None:
-    r = subprocess.run([str(BIN / "shardtool"), *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                       stdin=subprocess.DEVNULL, env={"XDG_STATE_HOME": str(cwd), "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 0, r.stderr
+    ok("shardtool", *args, cwd=cwd, state=cwd)
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     work = tmp_path_factory.mktemp("units")
     _cli("keygen", "--out", "a", "--no-passphrase", cwd=work)
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(work / "hf"), "--family",
-                    "mixtral", "--experts", "8", "--layers", "2"], check=True, capture_output=True)
+    make_checkpoint(work / "hf", "mixtral", experts=8, layers=2)
     _cli("split", "-q", work / "hf", work / "full", "--model-id", "test/units", "--version", "1", cwd=work)
     _cli("sign", work / "full", "--key", "a.key", cwd=work)
     verified = load_trusted_manifest(work / "full" / "manifest.msgpack", [load_public_key(work / "a.pub")], 1,
