@@ -14,13 +14,11 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from _kit import xdist_group_of
 from _kit.models import TinyModels
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TESTDATA_DIR = REPO_ROOT / "tests" / "vectors"
-# Under `pytest -n N --dist loadgroup` (make test) the tests of one of these folders run on one worker: each holds
-# session-wide servers (one Ray head; moto and the hostile mirror) that two workers would each start again.
-XDIST_GROUPS = {"cluster": "ray", "remote": "remote"}
 
 
 def _load_testdata(name: str) -> Any:
@@ -47,11 +45,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    tests = REPO_ROOT / "tests"
     for item in items:
-        parts = item.path.relative_to(tests).parts if item.path.is_relative_to(tests) else ()
-        if len(parts) > 1 and parts[0] in XDIST_GROUPS:
-            item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS[parts[0]]))
+        group = xdist_group_of(item.path)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

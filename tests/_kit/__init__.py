@@ -4,3 +4,19 @@ signed once per session (`models`, served to tests by the fixtures in tests/conf
 Imported as `_kit` (tests/ is on sys.path through tests/conftest.py). Under pytest-xdist a session is one worker, so
 a session-built model is built once per worker.
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+# Under `pytest -n N --dist loadgroup` (make test) the tests of each of these folders of tests/ run on one worker:
+# each folder holds session-wide servers (one Ray head; moto and the hostile mirror) that a second worker would
+# start again. tests/conftest.py marks them.
+XDIST_GROUPS = {"cluster": "ray", "remote": "remote"}
+
+
+def xdist_group_of(path: Path) -> str | None:
+    """The xdist group of the test file at `path` (None: any worker)."""
+    parts = path.relative_to(TESTS).parts if path.is_relative_to(TESTS) else ()
+    return XDIST_GROUPS.get(parts[0]) if len(parts) > 1 else None
