@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from _kit import xdist_group_of
+from _kit import xdist_group_of_item
 from _kit.models import TinyModels
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        group = xdist_group_of(item.path)
+        group = xdist_group_of_item(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
 

@@ -26,11 +26,24 @@ def test_a_test_file_is_grouped_by_its_folder(rel, group):
     assert xdist_group_of(REPO / "tests" / rel) == group
 
 
-def test_this_session_marked_every_grouped_test(request):
+def test_this_session_marked_every_grouped_folder(request):
     for item in request.session.items:
-        marks = [m.args for m in item.iter_markers("xdist_group")]
         group = xdist_group_of(item.path)
-        assert marks == ([(group,)] if group else []), item.nodeid
+        if group is not None:
+            assert [m.args for m in item.iter_markers("xdist_group")] == [(group,)], item.nodeid
+
+
+@pytest.fixture(scope="module")
+def built_once_per_module() -> object:
+    return object()
+
+
+def test_a_test_with_a_module_fixture_stays_with_its_file(request, built_once_per_module):
+    assert [m.args for m in request.node.iter_markers("xdist_group")] == [("tests/test_kit.py",)]
+
+
+def test_a_test_with_function_and_session_fixtures_goes_to_any_worker(request, tmp_path, tiny):
+    assert list(request.node.iter_markers("xdist_group")) == []
 
 
 def test_result_reads_as_code_out_err_and_as_a_completed_process():
