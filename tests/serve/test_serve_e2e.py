@@ -19,8 +19,7 @@ import httpx
 import openai
 import pytest
 
-from _kit import cli
-from _kit.cli import BIN, Result
+from _kit.cli import BIN, Result, run
 from examples.make_tiny_moe import make_checkpoint
 
 MODEL_ID = "test/tiny-serve"
@@ -37,9 +36,15 @@ class Built:
     plain: Path  # the same without a chat template
 
 
-def ok(*args, program: str = "shardtool", cwd: Path, timeout: int = 180) -> Result:
-    """`shardtool args...` (or `program`) through the suite's runner, XDG state in `cwd`; it must succeed."""
-    return cli.ok(program, *args, cwd=cwd, state=cwd, timeout=timeout)
+def cli(*args, program: str = "shardtool", cwd: Path, timeout: int = 180) -> Result:
+    """`shardtool args...` (or `program`) through the suite's runner, XDG state in `cwd`."""
+    return run(program, *args, cwd=cwd, state=cwd, timeout=timeout)
+
+
+def ok(*args, **kw) -> Result:
+    r = cli(*args, **kw)
+    assert r.returncode == 0, f"{' '.join(map(str, args))} exited {r.returncode}:\n{r.stderr}"
+    return r
 
 
 @pytest.fixture(scope="module")
