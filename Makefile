@@ -23,11 +23,17 @@ $(VENV)/.oracle: $(VENV)/.installed
 
 oracle: $(VENV)/.oracle
 
+# pytest-xdist: one worker per core (TEST_WORKERS=1 for a single process). `--dist loadgroup` keeps the tests that
+# share a session-wide server (tests/conftest.py's XDIST_GROUPS: the Ray head, the S3 and mirror servers) on one
+# worker; every other test goes to whichever worker is free.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
+
 test: install oracle
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q $(XDIST) --durations=25
 
 test-fast: install
-	$(PY) -m pytest -q -m "not oracle and not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not oracle and not slow"
 
 demo: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/demo.sh

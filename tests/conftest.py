@@ -1,4 +1,5 @@
-"""Fixtures shared by the whole suite: the public test vectors, fixed Ed25519 keys, exact-class raises.
+"""Fixtures shared by the whole suite: the public test vectors, fixed Ed25519 keys, exact-class raises, tiny models
+built once per session (`tiny`, from tests/_kit), and the pytest-xdist groups.
 
 The vectors live in `tests/vectors/` (byte-exact copies; sources and licences in its README.md), resolved
 from this file, never the cwd. A missing vector file fails the test: a vector test that skips proves nothing.
@@ -12,6 +13,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+
+from _kit import xdist_group_of_item
+from _kit.models import TinyModels
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TESTDATA_DIR = REPO_ROOT / "tests" / "vectors"
@@ -27,6 +31,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "vectors(file, argname, extract): parametrize `argname` with the named cases that "
         "extract(json_of(tests/vectors/file)) returns as (id, value) pairs",
     )
+    # pytest-xdist's own mark (registered here too, so a run with `-p no:xdist` does not warn about it)
+    config.addinivalue_line("markers", "xdist_group(name): run on the same xdist worker as the group's other tests")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -35,6 +41,22 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         file, argname, extract = marker.args
         cases = list(extract(_load_testdata(file)))
         metafunc.parametrize(argname, [value for _, value in cases], ids=[name for name, _ in cases])
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        group = xdist_group_of_item(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    """Generated checkpoints, keys and split+signed releases, each built once per session: `tiny.checkpoint(family,
+    **knobs)`, `tiny.keypair(name)`, `tiny.release(family, model_id=..., **knobs)`. Shared: read them, or change a
+    `_kit.models.fresh_copy` of them."""
+    return TinyModels(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="session")

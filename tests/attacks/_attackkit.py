@@ -12,8 +12,6 @@ import base64
 import json
 import os
 import shutil
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +22,11 @@ import msgpack
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[2]
+from _kit import cli
+from _kit.cli import BIN, REPO, Result  # noqa: F401  (the attack tests use them through this kit)
+
+env_for = cli.user_env  # the environment a command gets: XDG state in the given directory, no passphrase
+
 MANIFEST = "manifest.msgpack"
 PAYLOAD_TYPE = "application/vnd.shardtool.manifest-head+msgpack"
 PROMPT = "hello world"
@@ -44,39 +45,10 @@ EMBED = "trunk/embed.safetensors"
 # Running the CLIs
 
 
-@dataclass(frozen=True)
-class Result:
-    code: int
-    out: str
-    err: str
-
-    @property
-    def report(self) -> dict:
-        """`audit --json`'s document (a test failure, not a crash, when there is none)."""
-        assert self.out.strip(), f"no JSON on stdout (exit {self.code}):\n{self.err}"
-        return json.loads(self.out)
-
-    @property
-    def error_class(self) -> str | None:
-        """The `[ClassName]` at the end of the CLI's one-line error on stderr."""
-        for line in self.err.splitlines():
-            if ": error: " in line and line.rstrip().endswith("]"):
-                return line.rstrip().rsplit("[", 1)[1][:-1]
-        return None
-
-
-def env_for(state: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "SHARDTOOL_PASSPHRASE"}
-    env["XDG_STATE_HOME"] = str(state)  # belt and braces: every command also gets --state-dir
-    return env
-
-
 def run(program: str, *args: Any, cwd: Path | None = None, state: Path | None = None, timeout: int = 60,
         env: dict | None = None) -> Result:
-    base = env_for(state or Path(cwd or ".") / "xdg")
-    proc = subprocess.run([str(BIN / program), *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          env={**base, **(env or {})}, timeout=timeout, stdin=subprocess.DEVNULL)
-    return Result(proc.returncode, proc.stdout, proc.stderr)
+    """The shared runner (its state defaults to `cwd/xdg`); every command also gets --state-dir."""
+    return cli.run(program, *args, cwd=cwd, state=state, env=env, timeout=timeout)
 
 
 def trust_args(keys: Sequence[Path], threshold: int) -> list[str]:

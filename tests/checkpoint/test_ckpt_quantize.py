@@ -6,8 +6,6 @@ written, FP8/MXFP4 experts are kept as stored, join refuses, reruns reuse, the c
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,16 +16,17 @@ from shardtool.checkpoint._quantize import METHODS
 from shardtool.manifest import load_manifest
 from shardtool.safetensors_format import numpy_dtype
 
-BIN = Path(sys.executable).parent
+from _kit.cli import Result, run
+
 KNOBS = dict(moe_intermediate=160)  # hidden 64, expert width 160: both multiples of 32, all widths distinct
 
 
-def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "shardtool"), *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                          timeout=300, stdin=subprocess.DEVNULL)
+def cli(*args, cwd: Path) -> Result:
+    """The installed `shardtool args...` through the suite's runner."""
+    return run("shardtool", *args, cwd=cwd, timeout=300)
 
 
-def split(ck: Path, out: Path, *extra) -> subprocess.CompletedProcess:
+def split(ck: Path, out: Path, *extra) -> Result:
     r = cli("split", ck, out, "-q", "--model-id", "acme/q", *extra, cwd=out.parent)
     assert r.returncode == 0, r.stderr
     return r

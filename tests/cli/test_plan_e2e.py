@@ -5,9 +5,6 @@ options it cannot read. Every failure is one line; no plan file is left behind b
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,9 @@ from shardtool.keys import load_public_key
 from shardtool.manifest import load_trusted_manifest
 from shardtool.runtime import decode_plan, node_memory_floor
 
-REPO = Path(__file__).resolve().parents[2]
+from _kit.cli import ok
+from examples.make_tiny_moe import make_checkpoint
+
 MODEL_ID = "test/plan"
 
 
@@ -24,15 +23,10 @@ MODEL_ID = "test/plan"
 def split_model(tmp_path_factory) -> Path:
     """A split, signed DeepSeek-V3-layout tiny model (a dense first layer: MoE layers do not start at 0)."""
     base = tmp_path_factory.mktemp("plan-e2e")
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(base / "ck"), "--family",
-                    "deepseek_v3", "--experts", "8", "--layers", "3", "--vocab", "300", "--dtype", "f32"],
-                   check=True, capture_output=True)
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "XDG_STATE_HOME": str(base / "xdg")}
+    make_checkpoint(base / "ck", "deepseek_v3", experts=8, layers=3, vocab=300, dtype="f32")
     for args in (["keygen", "--out", "pub", "--no-passphrase"], ["keygen", "--out", "other", "--no-passphrase"],
                  ["split", "-q", "ck", "model", "--model-id", MODEL_ID], ["sign", "model", "--key", "pub.key"]):
-        subprocess.run([str(bin_dir / "shardtool"), *args], cwd=base, env=env, check=True, capture_output=True,
-                       stdin=subprocess.DEVNULL, timeout=300)
+        ok("shardtool", *args, cwd=base, timeout=300)
     return base
 
 

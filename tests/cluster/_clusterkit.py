@@ -11,14 +11,15 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[2]
+from _kit import cli
+from _kit.cli import BIN, Result
+from examples.make_tiny_moe import make_checkpoint
+
 # No usage report leaves the machine; the workers' BLAS takes one core (two share this machine); a stopped head
 # shuts down at once instead of draining for 30 s (nothing is left to drain when the tests stop it).
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "OPENBLAS_NUM_THREADS": "1", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
@@ -38,20 +39,19 @@ def token_file() -> Path:
 def env(work: Path, *, token: bool = True) -> dict[str, str]:
     """The environment of every process started here: Ray's token by file (RAY_AUTH_TOKEN_PATH), HOME in the work
     directory (so no ~/.ray/auth_token of the user's is found), none of the caller's own Ray auth settings."""
-    base = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    base = {k: v for k, v in cli.user_env(work, RAY_ENV).items()
+            if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
     auth = {"RAY_AUTH_TOKEN_PATH": str(token_file())} if token else {}
-    return {**base, **RAY_ENV, **auth, "XDG_STATE_HOME": str(work), "HOME": str(work)}
+    return {**base, **auth, "HOME": str(work)}
 
 
-def run(program: str, *args, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / program), *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                          env=env(cwd), timeout=timeout, stdin=subprocess.DEVNULL)
+def run(program: str, *args, cwd: Path, timeout: int = 300) -> Result:
+    """The shared runner with Ray's environment and this session's token, XDG state and HOME in `cwd`."""
+    return cli.run(program, *args, cwd=cwd, state=cwd, env=env(cwd), timeout=timeout)
 
 
-def ok(program: str, *args, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    r = run(program, *args, cwd=cwd, timeout=timeout)
-    assert r.returncode == 0, f"{program} {' '.join(map(str, args))} exited {r.returncode}:\n{r.stderr[-3000:]}"
-    return r
+def ok(program: str, *args, cwd: Path, timeout: int = 300) -> Result:
+    return cli.ok(program, *args, cwd=cwd, state=cwd, env=env(cwd), timeout=timeout)
 
 
 def free_port() -> int:
@@ -74,7 +74,7 @@ class Model:
 
 
 def build_model(work: Path, family: str, *, replicas: int, nodes: tuple[str, ...], experts: int = 8,
-                layers: int = 2, extra: tuple[str, ...] = ()) -> Model:
+                layers: int = 2, **knobs) -> Model:
     """make_tiny_moe -> split -> sign -> a plan over `nodes` -> one directory per node (its planned experts,
     config.json and the manifest) and one for the coordinator (its files and the manifest)."""
     work.mkdir(parents=True, exist_ok=True)
@@ -82,8 +82,7 @@ def build_model(work: Path, family: str, *, replicas: int, nodes: tuple[str, ...
         if not (work / f"{key}.key").exists():
             ok("shardtool", "keygen", "--out", key, "--no-passphrase", cwd=work)
     model_id = f"test/tiny-{family}"
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(work / "hf"), "--family", family,
-                    "--experts", str(experts), "--layers", str(layers), *extra], check=True, capture_output=True)
+    make_checkpoint(work / "hf", family, experts=experts, layers=layers, **knobs)
     ok("shardtool", "split", "-q", work / "hf", work / "full", "--model-id", model_id, "--version", "1", cwd=work)
     ok("shardtool", "sign", work / "full", "--key", "a.key", cwd=work)
     plan = work / "plan.json"

@@ -9,24 +9,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[2]
+from _kit import cli
+from _kit.cli import Result
 
 
-def env(state: Path) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if k != "SHARDTOOL_PASSPHRASE"}
-    e["XDG_STATE_HOME"] = str(state)
-    return e
-
-
-def run(program: str, *args, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / program), *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          env=env(cwd / "xdg"), timeout=timeout, stdin=subprocess.DEVNULL)
+def run(program: str, *args, cwd: Path, timeout: int = 120) -> Result:
+    """The shared runner, XDG state in `cwd/xdg`."""
+    return cli.run(program, *args, cwd=cwd, timeout=timeout)
 
 
 def kill_when(argv: list, trigger: Callable[[], bool], *, cwd: Path, timeout: float = 60) -> bool:
@@ -34,7 +27,7 @@ def kill_when(argv: list, trigger: Callable[[], bool], *, cwd: Path, timeout: fl
 
     Returns True when the process was killed, False when it finished first (its exit code must then be 0).
     """
-    proc = subprocess.Popen([str(BIN / argv[0]), *map(str, argv[1:])], cwd=cwd, env=env(cwd / "xdg"),
+    proc = subprocess.Popen(cli.argv(*argv), cwd=cwd, env=cli.user_env(cwd / "xdg"),
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + timeout
     try:

@@ -16,50 +16,15 @@ from pathlib import Path
 import blake3
 import pytest
 
+from _kit.cli import BIN, REPO, Cli, Result  # noqa: F401  (the remote tests use them through this kit)
+
 from shardtool.keys import load_public_key
 from shardtool.manifest import MANIFEST_NAME, load_trusted_manifest
 
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 HERE = Path(__file__).resolve().parent
 MODEL_ID = "test/remote"
 CHUNK = 8 * 1024 * 1024  # remote/_mirror.py's READ_CHUNK: the most a run may hold beyond the signed total
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-@dataclass
-class Result:
-    code: int
-    out: str
-    err: str
-
-    def one_line(self) -> str:
-        lines = self.err.strip().splitlines()
-        assert len(lines) == 1, f"expected one stderr line, got:\n{self.err}"
-        return lines[0]
-
-
-class Cli:
-    """The installed `shardtool` (or another of its commands, `program`), run in `cwd` with its own XDG state
-    directory (rollback state) on every call."""
-
-    def __init__(self, cwd: Path, env: dict | None = None):
-        self.cwd = cwd
-        self.env = {**os.environ, "XDG_STATE_HOME": str(cwd / "xdg"), **(env or {})}
-        self.env.pop("SHARDTOOL_PASSPHRASE", None)
-
-    def argv(self, *args, program: str = "shardtool") -> list[str]:
-        return [str(BIN / program), *map(str, args)]
-
-    def __call__(self, *args, timeout: int = 120, program: str = "shardtool") -> Result:
-        proc = subprocess.run(self.argv(*args, program=program), cwd=self.cwd, capture_output=True, text=True, env=self.env,
-                              timeout=timeout, stdin=subprocess.DEVNULL)
-        return Result(proc.returncode, proc.stdout, proc.stderr)
-
-    def ok(self, *args, **kw) -> Result:
-        r = self(*args, **kw)
-        assert r.code == 0, f"shardtool {' '.join(map(str, args))} exited {r.code}:\n{r.err}"
-        return r
 
 
 @dataclass
@@ -76,8 +41,6 @@ class World:
 
 
 def build_cli(work: Path) -> Cli:
-    if not (BIN / "shardtool").exists():
-        pytest.fail(f"the shardtool console script is not installed next to {sys.executable}; run `make install`")
     return Cli(work)
 
 

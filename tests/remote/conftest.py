@@ -17,9 +17,10 @@ import boto3
 import moto  # noqa: F401 - fail loudly at collection when the S3 test stack is missing
 import pytest
 import s3fs  # noqa: F401
-from _remotekit import (FAULTS, MODEL_ID, REPO, S3_ENV, Cli, MirrorServer, World, build_cli, free_port, stop,
+from _remotekit import (FAULTS, MODEL_ID, S3_ENV, Cli, MirrorServer, World, build_cli, free_port, stop,
                         target_file, verified_entries, wait_port)
 
+from examples.make_tiny_moe import make_checkpoint
 from shardtool.manifest import MANIFEST_NAME
 
 
@@ -28,9 +29,7 @@ def world(tmp_path_factory) -> World:
     work = tmp_path_factory.mktemp("remote-world")
     cli = build_cli(work)
     cli.ok("keygen", "--out", "publisher", "--no-passphrase")
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(work / "ck"), "--family",
-                    "mixtral", "--experts", "4", "--layers", "3", "--vocab", "300", "--dtype", "f32"], check=True,
-                   capture_output=True)
+    make_checkpoint(work / "ck", "mixtral", experts=4, layers=3, vocab=300, dtype="f32")
     cli.ok("split", "-q", "ck", "model", "--model-id", MODEL_ID)
     cli.ok("sign", "model", "--key", "publisher.key")
     shutil.copytree(work / "model", work / "unsigned")

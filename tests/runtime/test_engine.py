@@ -5,10 +5,7 @@ requests that need it. (The transformers oracle for batched output: test_parity_
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,23 +13,16 @@ import pytest
 from shardtool.errors import OverloadedError, RequestRefusedError
 from shardtool.runtime import Engine, ErrorEvent, FinishEvent, SamplingParams, TokenEvent
 
-BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[2]
+from _kit.cli import ok as _cli
+from examples.make_tiny_moe import make_checkpoint
+
 # 16 prompts of different lengths (1 to 37 tokens) and different numbers of new tokens.
 PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(1 + (i * 5) % 37)] for i in range(16)]
 NEW = [4 + (i * 3) % 17 for i in range(16)]
 
 
-def _cli(program: str, *args, cwd: Path) -> None:
-    env = {**os.environ, "XDG_STATE_HOME": str(cwd)}
-    proc = subprocess.run([str(BIN / program), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
-                          timeout=300, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, f"{program} {args} exited {proc.returncode}:\n{proc.stderr}"
-
-
 def _build(work: Path, experts: int) -> Path:
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(work / "ck"), "--family",
-                    "mixtral", "--experts", str(experts), "--layers", "2"], check=True, capture_output=True)
+    make_checkpoint(work / "ck", "mixtral", experts=experts, layers=2)
     _cli("shardtool", "split", "-q", work / "ck", work / "model", "--model-id", "test/engine", cwd=work)
     _cli("shardtool", "keygen", "--out", "k", "--no-passphrase", cwd=work)
     _cli("shardtool", "sign", work / "model", "--key", "k.key", cwd=work)

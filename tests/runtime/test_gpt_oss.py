@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +20,8 @@ from shardtool.runtime.model._layers import attention
 
 from _republish import republish
 from examples import make_tiny_moe as mtm
+from _kit.cli import run as _cli
 
-BIN = Path(sys.executable).parent
 BASE = {"model_type": "gpt_oss", "vocab_size": 97, "hidden_size": 64, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 32,
         "num_local_experts": 4, "num_experts_per_tok": 2}
@@ -256,12 +253,6 @@ def test_an_mxfp4_expert_is_multiplied_as_stored():
 
 
 # ---------------------------------------------------------------- through the installed verify-and-run
-
-
-def _cli(program: str, *args, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XDG_STATE_HOME": str(cwd)}
-    return subprocess.run([str(BIN / program), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
-                          timeout=300, stdin=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="module")

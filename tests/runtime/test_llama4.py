@@ -4,9 +4,6 @@ NoPE temperature, config.json validation (units), and a malformed signed config 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +13,8 @@ from shardtool.runtime.model import DictWeightProvider, Model, ModelConfig, expe
 from shardtool.runtime.model._llama4 import chunked_mask, nope_temperature, route
 
 from _decode import generate
+from _kit.cli import run as _cli
 
-BIN = Path(sys.executable).parent
 # 4 layers: dense / MoE interleaved, layer 1 and 3 NoPE, chunks of 4, temperature from position 1 on.
 CONFIG = {"model_type": "llama4_text", "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 4,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 16,
@@ -166,11 +163,6 @@ def test_malformed_config_is_one_clear_error(name, raises_exactly):
     with raises_exactly(CheckpointFormatError) as info:
         ModelConfig.from_hf_config({**CONFIG, **BAD[name]})
     assert "config.json" in str(info.value)
-
-
-def _cli(program: str, *args, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / program), *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300,
-                          env={"PATH": str(BIN), "XDG_STATE_HOME": str(cwd)}, stdin=subprocess.DEVNULL)
 
 
 def test_verify_and_run_refuses_a_signed_config_with_bad_no_rope_layers(tmp_path):

@@ -3,8 +3,6 @@ with lookahead on, every family gives bit-identical logits and tokens to lookahe
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import blake3
@@ -16,8 +14,9 @@ from shardtool.manifest import Entry, build_manifest
 from shardtool.runtime import ShardStore
 from shardtool.runtime.model._lookahead import LookaheadStats
 
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
+from _kit.cli import ok
+from examples.make_tiny_moe import make_checkpoint
+
 PROMPT = [5, 17, 300, 42, 9, 100, 7, 250]
 
 
@@ -156,21 +155,16 @@ FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_os
 @pytest.fixture(scope="module")
 def signed(tmp_path_factory):
     work = tmp_path_factory.mktemp("lookahead")
-    subprocess.run([str(BIN / "shardtool"), "keygen", "--out", str(work / "k"), "--no-passphrase"], check=True,
-                   capture_output=True)
+    ok("shardtool", "keygen", "--out", work / "k", "--no-passphrase", cwd=work)
     return work
 
 
 def _model(work: Path, family: str) -> Path:
     ck, out = work / f"ck-{family}", work / f"m-{family}"
     if not out.exists():
-        subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(ck), "--family", family,
-                        "--layers", "4", "--experts", "8", "--hidden", "64", "--dtype", "bf16"], check=True,
-                       capture_output=True)
-        subprocess.run([str(BIN / "shardtool"), "split", "-q", str(ck), str(out), "--model-id", f"test/{family}"],
-                       check=True, capture_output=True)
-        subprocess.run([str(BIN / "shardtool"), "sign", str(out), "--key", str(work / "k.key")], check=True,
-                       capture_output=True)
+        make_checkpoint(ck, family, layers=4, experts=8, hidden=64, dtype="bf16")
+        ok("shardtool", "split", "-q", ck, out, "--model-id", f"test/{family}", cwd=work)
+        ok("shardtool", "sign", out, "--key", work / "k.key", cwd=work)
     return out
 
 
@@ -242,14 +236,12 @@ def test_verify_and_run_reports_lookahead_figures(signed, tmp_path):
     import json
 
     model = _model(signed, "mixtral")
-    base = [str(BIN / "verify-and-run"), str(model), "--trust", str(signed / "k.pub"), "--prompt-ids",
-            ",".join(map(str, PROMPT)), "--max-new-tokens", "8", "--print-ids", "--state-dir", str(tmp_path / "st"),
-            "--model-id", "test/mixtral", "--memory-budget", "200MiB"]
+    base = [model, "--trust", signed / "k.pub", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "8",
+            "--print-ids", "--state-dir", tmp_path / "st", "--model-id", "test/mixtral", "--memory-budget", "200MiB"]
     reports = {}
     for flag in ("--lookahead", "--no-lookahead"):
         out = tmp_path / f"r{flag}.json"
-        r = subprocess.run([*base, flag, "--json-report", str(out)], capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stderr
+        r = ok("verify-and-run", *base, flag, "--json-report", out, cwd=tmp_path)
         reports[flag] = (r, json.loads(out.read_text()))
     (r_on, on), (r_off, off) = reports["--lookahead"], reports["--no-lookahead"]
     assert r_on.stdout == r_off.stdout and on["generated_ids"] == off["generated_ids"]

@@ -5,9 +5,6 @@ equal `generate(do_sample=False)` and its logits (read through the verifying sto
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,10 +15,10 @@ pytest.importorskip("torch", reason="parity oracle needs torch (pip install -e '
 pytest.importorskip("transformers", reason="parity oracle needs transformers (pip install -e '.[oracle]')")
 
 import _hf_oracle as oracle  # noqa: E402  (tests/runtime is on sys.path: pytest's prepend import mode)
+from _kit.cli import ok as cli  # noqa: E402  (every command here must succeed)
 
 pytestmark = pytest.mark.oracle
 
-BIN = Path(sys.executable).parent
 PROMPT = [3, 17, 200, 45, 9, 128, 77, 5]
 NEW = 16
 REL_TOL = 1e-4  # max |verify-and-run - torch| <= REL_TOL * max |torch|
@@ -54,14 +51,6 @@ CASES = {
     "gpt_oss-bf16": Case("gpt_oss", "bfloat16"),
     "gpt_oss-mxfp4": Case("gpt_oss", "mxfp4"),
 }
-
-
-def cli(program: str, *args, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XDG_STATE_HOME": str(cwd)}
-    proc = subprocess.run([str(BIN / program), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
-                          timeout=300, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, f"{program} {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr}"
-    return proc
 
 
 @pytest.fixture(scope="module")

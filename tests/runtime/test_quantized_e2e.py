@@ -5,33 +5,18 @@ verified (and read fewer bytes as int4 than as int8)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[2]
+from _kit.cli import ok, run
+
 PROMPT = "1,2,3,4,5,6,7,8"
 NEW = 8
 # hidden 64 and expert width 160 are multiples of the quantization block (32)
-KNOBS = ["--moe-intermediate", "160", "--dtype", "bf16"]
+KNOBS = dict(moe_intermediate=160, dtype="bf16")
 FAMILIES = ["mixtral", "qwen3_moe", "deepseek_v3", "olmoe", "qwen2_moe", "llama4",
             "gpt_oss"]
-
-
-def cli(program: str, *args, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XDG_STATE_HOME": str(cwd)}
-    return subprocess.run([str(BIN / program), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
-                          timeout=300, stdin=subprocess.DEVNULL)
-
-
-def ok(program: str, *args, cwd: Path) -> subprocess.CompletedProcess:
-    r = cli(program, *args, cwd=cwd)
-    assert r.returncode == 0, f"{program} {' '.join(map(str, args))} exited {r.returncode}:\n{r.stderr}"
-    return r
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +42,8 @@ def _run(work: Path, model: Path, key: Path) -> tuple[list[int], dict]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_split_quantize_sign_verify_and_run(tmp_path, key, family):
-    ck = tmp_path / "hf"
-    ok(sys.executable, REPO / "examples" / "make_tiny_moe.py", ck, "--family", family, *KNOBS, cwd=tmp_path)
+def test_split_quantize_sign_verify_and_run(tmp_path, key, family, tiny):
+    ck = tiny.checkpoint(family, **KNOBS)
     read = {}
     for name, args in (("int8", ["--quantize", "int8"]), ("int4", ["--quantize", "int4"]),
                        ("int8-trunk", ["--quantize", "int8", "--quantize-trunk"])):
@@ -86,10 +70,9 @@ def _dtypes(shard: Path) -> dict[str, str]:
     return {name: t["dtype"] for name, t in header.items() if name != "__metadata__"}
 
 
-def test_quantize_trunk_is_int8_only(tmp_path):
-    ck = tmp_path / "hf"
-    ok(sys.executable, REPO / "examples" / "make_tiny_moe.py", ck, "--family", "mixtral", *KNOBS, cwd=tmp_path)
+def test_quantize_trunk_is_int8_only(tmp_path, tiny):
+    ck = tiny.checkpoint("mixtral", **KNOBS)
     for args in (["--quantize", "int4", "--quantize-trunk"], ["--quantize-trunk"]):
-        r = cli("shardtool", "split", ck, tmp_path / "out", *args, cwd=tmp_path)
+        r = run("shardtool", "split", ck, tmp_path / "out", *args, cwd=tmp_path)
         assert r.returncode == 2 and "--quantize-trunk needs --quantize int8" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()

@@ -25,19 +25,16 @@ from shardtool.runtime import (Engine, FinishEvent, SamplingParams, Tolerances, 
                                replay_receipt)
 from shardtool.runtime.engine._sampling import nucleus, sample_token, sampling_slack
 
-from _receiptkit import REPO
 from _receiptkit import cli as _cli
+from examples.make_tiny_moe import make_checkpoint
 
 MODEL_ID = "test/receipts"
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 BUDGET = 1 << 30
 
 
-def _checkpoint(work: Path, name: str, family: str, *extra) -> Path:
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(work / name), "--family",
-                    family, "--experts", "8", "--layers", "2", "--vocab", "300", "--dtype", "f32", *extra], check=True,
-                   capture_output=True)
-    return work / name
+def _checkpoint(work: Path, name: str, family: str, **knobs) -> Path:
+    return make_checkpoint(work / name, family, experts=8, layers=2, vocab=300, dtype="f32", **knobs)
 
 
 def _split_and_sign(work: Path, ckpt: Path, out: str, key: str, version: int = 1) -> Path:
@@ -256,7 +253,7 @@ def test_another_release_is_detected(world):
     work, model, family = world
     v2 = work / "model-v2"
     if not v2.exists():
-        _split_and_sign(work, _checkpoint(work, "ck2", family, "--seed", "7"), "model-v2", "publisher", version=2)
+        _split_and_sign(work, _checkpoint(work, "ck2", family, seed=7), "model-v2", "publisher", version=2)
     assert not _dishonest(work, model, v2, GREEDY, key="publisher")["valid"]
     record, config = _run(work, v2, GREEDY)
     receipt, _, _ = _receipt(work, record, config, _manifest(work, v2, state="state-v2"))

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,17 +17,15 @@ from shardtool.keys import load_private_key, load_public_key
 from shardtool.manifest import load_trusted_manifest, open_receipt, sign_receipt
 from shardtool.runtime import Engine, replay_engine, replay_receipt
 
-from _receiptkit import REPO
 from _receiptkit import cli as _cli
+from examples.make_tiny_moe import make_checkpoint
 
 MODEL_ID = "test/replay-engine"
 BUDGET = 1 << 30
 
 
 def _model(work: Path, name: str, seed: int, version: int) -> Path:
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(work / f"ck-{name}"),
-                    "--family", "mixtral", "--experts", "8", "--layers", "2", "--vocab", "300", "--dtype", "f32",
-                    "--seed", str(seed)], check=True, capture_output=True)
+    make_checkpoint(work / f"ck-{name}", "mixtral", experts=8, layers=2, vocab=300, dtype="f32", seed=seed)
     _cli("shardtool", "split", "-q", work / f"ck-{name}", work / name, "--model-id", MODEL_ID, "--version", version,
          cwd=work)
     _cli("shardtool", "sign", work / name, "--key", "publisher.key", cwd=work)

@@ -4,10 +4,8 @@ flags, the JSON report, and every way a run must stop (exit 1: untrustworthy; ex
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,35 +19,21 @@ from shardtool.runtime import DEFAULT_CACHE_POLICY, encode_prompt
 
 from _budgets import budget_for_top_k_plus
 from _republish import republish
+from _kit import cli
+from _kit.cli import BIN, Result
+from examples.make_tiny_moe import make_checkpoint
 
-BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[2]
 PROMPT = "Hi"
 NEW = 24
 
 
-@dataclass
-class Result:
-    code: int
-    out: str
-    err: str
-
-    @property
-    def ids(self) -> list[int]:
-        return [int(x) for x in self.out.split()]
-
-
 def run(*args, program: str = "verify-and-run", cwd: Path | None = None, timeout: int = 120) -> Result:
-    env = {**os.environ, "XDG_STATE_HOME": str(cwd or Path.cwd())}
-    proc = subprocess.run([str(BIN / program), *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=timeout, stdin=subprocess.DEVNULL)
-    return Result(proc.returncode, proc.stdout, proc.stderr)
+    """`verify-and-run args...` (or `program`) through the suite's runner, XDG state in `cwd`."""
+    return cli.run(program, *args, cwd=cwd, state=cwd or Path.cwd(), timeout=timeout)
 
 
-def ok(*args, **kw) -> Result:
-    r = run(*args, **kw)
-    assert r.code == 0, f"{' '.join(map(str, args))} exited {r.code}:\n{r.err}"
-    return r
+def ok(*args, program: str = "verify-and-run", cwd: Path | None = None, timeout: int = 120) -> Result:
+    return cli.ok(program, *args, cwd=cwd, state=cwd or Path.cwd(), timeout=timeout)
 
 
 @dataclass
@@ -92,8 +76,7 @@ def built(tmp_path_factory) -> Built:
     if not (BIN / "verify-and-run").exists():
         pytest.fail(f"the verify-and-run console script is not installed next to {sys.executable}; run `make install`")
     work = tmp_path_factory.mktemp("var")
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(work / "ck"), "--family",
-                    "mixtral", "--experts", "16", "--layers", "2"], check=True, capture_output=True)
+    make_checkpoint(work / "ck", "mixtral", experts=16, layers=2)
     ok("split", "-q", work / "ck", work / "model", "--model-id", "test/tiny-mixtral", "--version", "3",
        program="shardtool", cwd=work)
     for name in ("a", "b"):

@@ -20,8 +20,9 @@ import httpx
 import openai
 import pytest
 
-BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[2]
+from _kit.cli import BIN, Result, run
+from examples.make_tiny_moe import make_checkpoint
+
 MODEL_ID = "test/tiny-serve"
 MAX_CONTEXT = 128
 READ_TIMEOUT = 2
@@ -36,13 +37,12 @@ class Built:
     plain: Path  # the same without a chat template
 
 
-def cli(*args, program: str = "shardtool", cwd: Path, timeout: int = 180) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XDG_STATE_HOME": str(cwd)}
-    return subprocess.run([str(BIN / program), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+def cli(*args, program: str = "shardtool", cwd: Path, timeout: int = 180) -> Result:
+    """`shardtool args...` (or `program`) through the suite's runner, XDG state in `cwd`."""
+    return run(program, *args, cwd=cwd, state=cwd, timeout=timeout)
 
 
-def ok(*args, **kw) -> subprocess.CompletedProcess:
+def ok(*args, **kw) -> Result:
     r = cli(*args, **kw)
     assert r.returncode == 0, f"{' '.join(map(str, args))} exited {r.returncode}:\n{r.stderr}"
     return r
@@ -55,10 +55,8 @@ def built(tmp_path_factory) -> Built:
     work = tmp_path_factory.mktemp("serve")
     ok("keygen", "--out", "a", "--no-passphrase", cwd=work)
     out = {}
-    for name, extra in (("model", ()), ("plain", ("--no-chat-template",))):
-        subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_moe.py"), str(work / f"{name}-hf"),
-                        "--family", "mixtral", "--experts", "8", "--layers", "2", *extra], check=True,
-                       capture_output=True)
+    for name, knobs in (("model", {}), ("plain", {"chat_template": False})):
+        make_checkpoint(work / f"{name}-hf", "mixtral", experts=8, layers=2, **knobs)
         ok("split", "-q", work / f"{name}-hf", work / name, "--model-id", MODEL_ID, "--version", "1", cwd=work)
         ok("sign", work / name, "--key", "a.key", cwd=work)
         out[name] = work / name
