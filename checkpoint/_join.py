@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from shardtool.atomic import atomic_writer
-from shardtool.checkpoint._plan import Cut, paste, uint_view
+from shardtool.checkpoint._plan_records import Cut, paste, uint_view
 from shardtool.checkpoint._writer import TensorSpec, encode_header
 from shardtool.safetensors_format import DTYPE_SIZES, MAX_HEADER_BYTES, parse_header
 from shardtool.checkpoint._split import QUANTIZED_KEY, SOURCE_FORMAT, SOURCE_KEY

@@ -1,7 +1,8 @@
-"""Where each tensor of a checkpoint goes in the split layout.
+"""The split planner: which output file each tensor of a checkpoint goes to, and how it is cut (`plan_split`).
 
 Pure functions of config.json and the tensor names/shapes (see docs/shard-layout.md for the layout); what a
-family's tensors look like comes from the family table (shardtool/families.py).
+family's tensors look like comes from the family table (shardtool/families.py); the plan it returns is made of
+the records in `_plan_records.py`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from shardtool.checkpoint._plan import Cut, Piece, ShardPlan
+from shardtool.checkpoint._plan_records import Cut, Piece, ShardPlan
 from shardtool.errors import CheckpointFormatError, UsageError
 from shardtool.families import (BY_NAME, EXPERT_PROJ_ALIASES, FUSED, PER_EXPERT, detect_family,
                                 expert_count, text_config)
