@@ -47,28 +47,26 @@ def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
 
 
 class _TextStream:
-    """Prints generated text as it is produced: decode the whole sequence, print the new suffix."""
+    """Prints generated text as it is produced, through the runtime's incremental detokenizer."""
 
     def __init__(self, session, print_ids: bool):
-        self.session, self.print_ids = session, print_ids
-        self.ids: list[int] = []
-        self.printed = ""
+        from shardtool.runtime import Detokenizer
+
+        self.print_ids = print_ids
+        self.tokens = 0
+        self.detok = Detokenizer(session.decode_text)
 
     def __call__(self, token: int) -> None:
-        self.ids.append(token)
+        self.tokens += 1
         if self.print_ids:
-            sys.stdout.write(("" if len(self.ids) == 1 else " ") + str(token))
+            sys.stdout.write(("" if self.tokens == 1 else " ") + str(token))
         else:
-            text = self.session.decode_text(self.ids)
-            # A byte-level token can end inside a UTF-8 character: hold back until it completes.
-            if text.startswith(self.printed) and not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(self.printed):])
-                self.printed = text
+            sys.stdout.write(self.detok.push(token))
         sys.stdout.flush()
 
     def finish(self) -> None:
         if not self.print_ids:
-            sys.stdout.write(self.session.decode_text(self.ids)[len(self.printed):])
+            sys.stdout.write(self.detok.finish())
         sys.stdout.write("\n")
         sys.stdout.flush()
 

@@ -11,6 +11,7 @@ from ._cluster_node import NodeService, NodeSetup, leave_cluster, node_alive, pr
 from ._cluster_plan import (MAX_PLAN_BYTES, NODE_CONFIG, NODE_NAME_PATTERN, ClusterPlan, NodePlan, check_plan,
                             decode_plan, encode_plan, make_plan, node_files, node_memory_floor, open_signed_plan,
                             sign_plan, summarize)
+from ._detok import Detokenizer
 from ._engine import Engine, ErrorEvent, Event, FinishEvent, Ticket, TokenEvent
 from ._plan import MIN_ACTIVATION_RESERVE, BudgetPlan, plan_budget
 from ._provider import VerifiedWeights
@@ -24,7 +25,7 @@ __all__ = ["NODE_CONFIG", "NODE_NAME_PATTERN", "MAX_PLAN_BYTES", "ClusterPlan", 
            "NodeService", "NodeSetup", "RemoteExperts", "check_plan", "connect_cluster", "decode_plan", "encode_plan",
            "leave_cluster", "load_plan", "load_signed_plan", "make_plan", "node_alive", "node_files", "node_memory_floor",
            "open_signed_plan", "prepare_node", "serve_node", "sign_plan", "signature_path", "summarize",
-           "MIN_ACTIVATION_RESERVE", "BudgetPlan", "Engine", "ErrorEvent", "Event", "FinishEvent", "RunRecord",
+           "MIN_ACTIVATION_RESERVE", "BudgetPlan", "Detokenizer", "Engine", "ErrorEvent", "Event", "FinishEvent", "RunRecord",
            "SamplingParams", "Session", "SignedReceipt", "Ticket", "TokenEvent", "Tolerances", "VerifiedWeights",
            "check_request", "check_weights", "encode_prompt", "load_tokenizer", "make_receipt", "plan_budget",
            "replay_engine", "replay_receipt", "verified_config"]
