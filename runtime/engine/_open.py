@@ -170,10 +170,11 @@ def open_model(source: str | Path | Sequence[str], *, trust: Sequence, threshold
     which `threshold` must have signed; `model_id` pins the model the manifest must be signed for. `cluster`
     (HOST:PORT of a Ray head) with a signed `plan` (checked against `plan_trust`) has the nodes compute the experts.
     Raises a `ShardtoolError` subclass on anything untrustworthy or malformed; nothing unverified is ever used."""
+    from shardtool.keys import trusted_keys
     from shardtool.sizes import parse_size
 
     budget = parse_size(memory_budget, "memory_budget") if isinstance(memory_budget, str) else int(memory_budget)
-    trusted = _keys(trust, "trust")
+    trusted = trusted_keys(trust)
     urls = [str(source)] if isinstance(source, str) and "://" in source else (
         [str(u) for u in source] if not isinstance(source, (str, Path)) else [])
     if urls and cache_dir is None:
@@ -186,7 +187,7 @@ def open_model(source: str | Path | Sequence[str], *, trust: Sequence, threshold
     remote = None
     try:
         if cluster is not None:
-            signed_plan = load_signed_plan(Path(plan), opened.manifest, _keys(plan_trust, "plan_trust"))
+            signed_plan = load_signed_plan(Path(plan), opened.manifest, trusted_keys(plan_trust, "plan_trust"))
             remote = connect_cluster(cluster, signed_plan, timeout=cluster_timeout, insecure=insecure_cluster)
         return VerifiedModel(opened, budget=budget, readers=readers, cache_policy=cache_policy, lookahead=lookahead,
                              cluster=remote)
@@ -200,11 +201,3 @@ def open_model(source: str | Path | Sequence[str], *, trust: Sequence, threshold
 def _path(value) -> Path | None:
     return Path(value) if value is not None else None
 
-
-def _keys(keys: Sequence, what: str) -> list:
-    """Public keys as given: loaded `PublicKey`s, or key files read now."""
-    from shardtool.keys import PublicKey, load_public_key
-
-    if not keys:
-        raise UsageError(f"no trusted public key given ({what})", hint="pass the publisher's KEY.pub")
-    return [k if isinstance(k, PublicKey) else load_public_key(Path(k)) for k in keys]
