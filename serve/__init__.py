@@ -18,7 +18,6 @@ _HOMES = {
     "_access": ("Access",),
     "_app": ("Limits", "create_app"),
     "_chat": ("ChatTemplate",),
-    "_health": ("verify_all_first",),
     "_receipts": ("ReceiptSigner",),
     "_server": ("ServerSettings", "Stopped", "bind", "check_tls_files", "run", "stop_on_signals", "url_of"),
 }
