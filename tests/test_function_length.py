@@ -12,12 +12,8 @@ import pytest
 from tests.test_architecture import PARTS, REPO
 
 MAX_BODY = 60
-# Being split (by another change) right now: allowed until then, and only while they are still too long.
-BEING_SPLIT = {
-    ("manifest/_workers.py", "run_batches"), ("manifest/_scan.py", "walk"), ("checkpoint/_join.py", "join_checkpoint"),
-    ("runtime/engine/_cluster_plan.py", "make_plan"), ("runtime/engine/_replay.py", "_compare"),
-    ("checkpoint/_families.py", "plan_split"), ("cli/_params.py", "_install_plain_conversion"),
-}
+# Functions allowed over the cap while a change splits them (only while they are still too long): none now.
+BEING_SPLIT: set[tuple[str, str]] = set()
 
 
 def body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
