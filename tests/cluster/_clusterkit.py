@@ -5,6 +5,7 @@ per-node directories that hold only what the plan gives each node."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import secrets
 import shutil
@@ -55,9 +56,26 @@ def ok(program: str, *args, cwd: Path, timeout: int = 300) -> Result:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no one listens on, below the kernel's ephemeral range. A port the kernel hands out for `bind(0)` is an
+    ephemeral one, which any outgoing connection (Ray's own gRPC clients among them) may take as its source port
+    before the head binds it: the head then dies ("Failed to bind"), as seen with two heads starting at once."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @dataclass
