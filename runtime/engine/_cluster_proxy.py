@@ -3,7 +3,8 @@
 operator's decrypted receipt key.
 
 The child is started with `subprocess` (fork + exec of a fresh interpreter: it holds no copy of the coordinator's
-memory) and is handed the cluster's address only, never a key. It dies with the coordinator (PR_SET_PDEATHSIG, and
+memory) and is handed the cluster's address only, never a key; it drops every capability (a root coordinator's proxy could
+otherwise read the coordinator's memory despite PR_SET_DUMPABLE). It dies with the coordinator (PR_SET_PDEATHSIG, and
 the end of its input pipe). The coordinator (`ProxyTransport`, a `Transport`) and the child (`serve`) speak frames
 over a pipe: a 4-byte big-endian length, then one msgpack map (`strict_map_key`, no ext types, size caps), arrays
 as {"dtype", "shape", "data": raw bytes}. The child re-encodes each node's answer into that form (its signed body,
@@ -50,7 +51,9 @@ START_SECONDS = 60.0  # for the child to import Ray and connect, on top of three
 CLOSE_SECONDS = 5.0
 _ERRORS = {cls.__name__: cls for cls in (UsageError, UnavailableError, VerificationError)}  # init's refusals
 _DTYPES = {"<f4": np.dtype("<f4"), "<i8": np.dtype("<i8")}  # the only arrays that cross the pipe
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_GET_DUMPABLE = 1, 4, 3
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_GET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 3, 24, 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_CAPSET = {"x86_64": 126, "aarch64": 91}  # capset(2)
 _CHILD = "import sys; from shardtool.runtime.engine._cluster_proxy import main; main(sys.argv[1:])"
 _ANSWER_KEYS = ({"body", "signature"}, {"body", "signature", "outputs"})
 
@@ -390,6 +393,26 @@ def _ray_line(e: BaseException) -> str:
 
 
 
+def _drop_capabilities() -> None:
+    """No capability for this process or anything it executes. Run as root, the proxy would otherwise hold
+    CAP_SYS_PTRACE, which reads a non-dumpable coordinator's memory all the same; a user's proxy has none to drop.
+    Best effort beyond Linux x86_64/aarch64 (each step that is refused leaves what it could not drop)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import platform
+
+    libc = _libc()
+    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    for cap in range(64):  # EINVAL past the kernel's last capability, EPERM without CAP_SETPCAP: both harmless
+        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+    number = _CAPSET.get(platform.machine())
+    if number is not None:
+        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+        data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable x 2 words: all empty
+        libc.syscall(number, header, data)
+
+
 def _die_with_parent(parent: int) -> None:
     """SIGKILL when the coordinator ends; it may have ended already (then exit now)."""
     if sys.platform.startswith("linux"):
@@ -471,6 +494,7 @@ class _Child:
 
 def main(argv: list[str]) -> None:
     _die_with_parent(int(argv[0]))
+    _drop_capabilities()
     # A terminal's ^C or a group's SIGTERM is for the coordinator, which ends this process when it is done with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
