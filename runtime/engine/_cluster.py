@@ -11,6 +11,8 @@ is not asked of that node again. Either way its experts are retried on their nex
 replica left raises `UnavailableError` for the rows that chose it only (the engine fails just those requests).
 
 The outputs are combined by `moe_experts`, as local ones are, so greedy and sampled output equal one process's.
+`connect_cluster` reaches Ray through a cluster proxy (`_cluster_proxy`): this process never deserializes anything
+from Ray, and every check above runs on what the proxy's pipe carries.
 """
 
 from __future__ import annotations
