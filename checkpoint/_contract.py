@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from shardtool import formats
-from shardtool.checkpoint._families import config_reader
+from shardtool.checkpoint._split_plan import config_reader
 from shardtool.errors import CheckpointFormatError
 from shardtool.families import (BY_NAME, CUSTOM, Family, detect_family, expert_count, experts_per_token,
                                 moe_layers, mxfp4_experts, text_config)
@@ -18,7 +18,7 @@ from shardtool.hf_config import ConfigReader
 
 DEFAULT_CONTEXT_TOKENS = 4096
 CONTRACT_VERSION = 1
-# config.json is untrusted: it is read with the producer's caps (checkpoint/_families.py config_reader); products
+# config.json is untrusted: it is read with the producer's caps (checkpoint/_split_plan.py config_reader); products
 # that outgrow the manifest's 63-bit contract values are refused when the manifest is built.
 
 # Order matters only for display; the manifest sorts keys.

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from shardtool import formats
-from shardtool.checkpoint._plan import Piece, ShardPlan
+from shardtool.checkpoint._plan_records import Piece, ShardPlan
 from shardtool.errors import CheckpointFormatError
 from shardtool.families import EXPERT_PROJECTIONS
 
@@ -25,7 +25,7 @@ from shardtool.families import EXPERT_PROJECTIONS
 def expected_shapes(config: Mapping[str, Any], family: str) -> dict[str, tuple[int | None, int | None]]:
     """[out, in] of each routed-expert projection as config.json states it (hidden size H, the family's expert
     intermediate size I: gate/up [I, H], down [H, I]); None where config.json does not say (a custom layout)."""
-    from shardtool.checkpoint._families import config_reader
+    from shardtool.checkpoint._split_plan import config_reader
     from shardtool.families import BY_NAME
 
     r = config_reader(config)

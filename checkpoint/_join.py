@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from shardtool.atomic import atomic_writer
-from shardtool.checkpoint._plan import Cut, paste, uint_view
+from shardtool.checkpoint._plan_records import Cut, paste, uint_view
 from shardtool.checkpoint._writer import TensorSpec, encode_header
 from shardtool.safetensors_format import DTYPE_SIZES, MAX_HEADER_BYTES, parse_header
 from shardtool.checkpoint._split import QUANTIZED_KEY, SOURCE_FORMAT, SOURCE_KEY
@@ -189,8 +189,6 @@ def join_checkpoint(out: Path, rebuilt: Path, manifest: Any, *,
     parsed (pass 1), and streamed through the same check again while its tensors are placed (pass 2), in
     pieces of at most `chunk` bytes; no rebuilt file is renamed into place unless every check passed.
     """
-    from shardtool.manifest import VerifyingStream
-
     out, rebuilt = Path(out), Path(rebuilt)
     on_bytes = on_bytes or (lambda n: None)
     if chunk < 1:
@@ -220,42 +218,63 @@ def join_checkpoint(out: Path, rebuilt: Path, manifest: Any, *,
             fh.flush()
             fds[fname] = (fh.fileno(), str(rebuilt / fname))
             written += len(f.header)
-        for entry in shards:
-            with VerifyingStream(out, entry) as stream:
-                header = headers[entry.path]
-                head = bytearray(len(header))
-                stream.readinto(memoryview(head))
-                if head != header:
-                    raise DigestMismatchError("shard changed between planning and reading", path=entry.path)
-                try:
-                    written += _place(entry.path, stream, header, files, fds, buffer)
-                except CheckpointFormatError as e:
-                    raise ShardFormatError(e.message, path=e.path) from None
-                stream.finish()
-            on_bytes(entry.size)
+        written += _place_shards(out, shards, headers, files, fds, buffer, on_bytes)
         try:
             _check_complete(files)
         except CheckpointFormatError as e:
             raise ShardFormatError(e.message, path=e.path or str(out)) from None
-        # Side files are checked before anything is renamed too: each is streamed into a temp file whose
-        # writer stays open on the stack, so a failed check discards every rebuilt file at once.
-        for entry in side:
-            target = rebuilt / entry.path
-            try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise StorageError(f"cannot create directory: {e.strerror}", path=str(target.parent)) from e
-            fh = stack.enter_context(atomic_writer(target))  # one descriptor per side file until the end
-            with VerifyingStream(out, entry) as stream:
-                while stream.done < entry.size:
-                    piece = buffer[:min(chunk, entry.size - stream.done)]
-                    stream.readinto(piece)
-                    fh.write(piece)
-                stream.finish()
-            written += entry.size
-            on_bytes(entry.size)
+        written += _copy_side_files(out, rebuilt, side, stack, buffer, on_bytes)
     tensors = sum(len(f.tensors) for f in files.values())
     return JoinResult(rebuilt, len(files) + len(side), tensors, written, time.perf_counter() - started)
+
+
+def _place_shards(out: Path, shards: list, headers: dict[str, bytes], files: dict[str, _File],
+                  fds: dict[str, tuple[int, str]], buffer: memoryview, on_bytes: Callable[[int], None]) -> int:
+    """Pass 2: each shard streamed through its entry check again, its header compared with the one pass 1
+    parsed, its tensors placed in the rebuilt files; the bytes written."""
+    from shardtool.manifest import VerifyingStream
+
+    written = 0
+    for entry in shards:
+        with VerifyingStream(out, entry) as stream:
+            header = headers[entry.path]
+            head = bytearray(len(header))
+            stream.readinto(memoryview(head))
+            if head != header:
+                raise DigestMismatchError("shard changed between planning and reading", path=entry.path)
+            try:
+                written += _place(entry.path, stream, header, files, fds, buffer)
+            except CheckpointFormatError as e:
+                raise ShardFormatError(e.message, path=e.path) from None
+            stream.finish()
+        on_bytes(entry.size)
+    return written
+
+
+def _copy_side_files(out: Path, rebuilt: Path, side: list, stack: contextlib.ExitStack, buffer: memoryview,
+                     on_bytes: Callable[[int], None]) -> int:
+    """The side files, checked before anything is renamed too: each is streamed through its entry check into a
+    temp file whose writer stays open on `stack`, so a failed check discards every rebuilt file at once; the bytes
+    written."""
+    from shardtool.manifest import VerifyingStream
+
+    written = 0
+    for entry in side:
+        target = rebuilt / entry.path
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot create directory: {e.strerror}", path=str(target.parent)) from e
+        fh = stack.enter_context(atomic_writer(target))  # one descriptor per side file until the end
+        with VerifyingStream(out, entry) as stream:
+            while stream.done < entry.size:
+                piece = buffer[:min(len(buffer), entry.size - stream.done)]
+                stream.readinto(piece)
+                fh.write(piece)
+            stream.finish()
+        written += entry.size
+        on_bytes(entry.size)
+    return written
 
 
 def _pwrite(fd: int, where: str, data: memoryview | bytes, position: int) -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 from shardtool import blockquant, formats
 from shardtool.checkpoint._expert_check import check_forms
-from shardtool.checkpoint._plan import Piece, ShardPlan
+from shardtool.checkpoint._plan_records import Piece, ShardPlan
 from shardtool.errors import CheckpointFormatError, UsageError
 from shardtool.families import EXPERT_PROJECTIONS
 

@@ -6,7 +6,7 @@ import os
 import stat
 from typing import Any, Callable
 
-from shardtool.checkpoint._plan import OutputFile
+from shardtool.checkpoint._plan_records import OutputFile
 from shardtool.checkpoint._writer import OverlappedHasher
 from shardtool.checkpoint._stream import CHUNK, Sources, stream
 

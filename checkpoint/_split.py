@@ -29,9 +29,9 @@ from shardtool.atomic import atomic_writer_at
 from shardtool.atomic import sync_filesystem
 from shardtool.checkpoint._copy import COPY_UNSUPPORTED, HashingFileWriter, HashQueue, preallocate
 from shardtool.checkpoint._contract import DEFAULT_CONTEXT_TOKENS, SplitSizes, check_config, contract_from_split
-from shardtool.checkpoint._families import decoder_layers, plan_split
+from shardtool.checkpoint._split_plan import decoder_layers, plan_split
 from shardtool.outdir import OutDir
-from shardtool.checkpoint._plan import OutputFile, Piece, ShardPlan
+from shardtool.checkpoint._plan_records import OutputFile, Piece, ShardPlan
 from shardtool.checkpoint._expert_check import check_expert_plans, expected_shapes, fp8_block
 from shardtool.checkpoint._quantize import QuantizeReport, check_method, quantize_plans
 from shardtool.checkpoint._reuse import existing_digest

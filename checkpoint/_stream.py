@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
-from shardtool.checkpoint._plan import OutputFile, Piece, cut
+from shardtool.checkpoint._plan_records import OutputFile, Piece, cut
 from shardtool.checkpoint._quantize import DATA, float_shape, quantize
 from shardtool.checkpoint._source import Checkpoint
 from shardtool.errors import CheckpointFormatError, StorageError

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import os
-import re
 import sys
 import traceback
 from pathlib import Path
@@ -15,35 +14,13 @@ import typer
 
 from shardtool.text import printable, printable_lines
 from shardtool.errors import EXIT_CRASH, EXIT_IO, EXIT_USAGE, ShardtoolError, UsageError, VerificationError
+from shardtool.layout import model_dir  # noqa: F401 - the commands check DIR with it
+from shardtool.sizes import MAX_MEMORY_BUDGET, parse_size  # noqa: F401 - the commands' sizes
 
 
 MANIFEST_HELP = "Manifest file (default: DIR/manifest.msgpack)."
 
-# ASCII digits only (`\d` would take any Unicode digit); at most 30 characters, so no text is big to parse.
-_SIZE = re.compile(r"([0-9]{1,20}(?:\.[0-9]{1,6})?)\s*(B|K|KB|KiB|M|MB|MiB|G|GB|GiB|T|TB|TiB)?",
-                   re.IGNORECASE | re.ASCII)
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
-          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
-MAX_SIZE_TEXT = 30
 DISK_GBPS_HELP = "Disk read bandwidth in GB/s (10^9 bytes a second; reports print it in GiB/s)."
-MAX_MEMORY_BUDGET = 2**50  # 1 PiB: beyond any machine's memory, and every sum the plan makes stays exact
-
-
-def parse_size(text: str, flag: str = "--memory-budget") -> int:
-    """'8GiB', '512MiB', '1.5G', '1000000' -> bytes (K/M/G/T alone are binary units), in [1, 1 PiB].
-
-    Any other text is a UsageError naming `flag`: the arithmetic is exact (integers and Fraction, never float),
-    so no string can reach an OverflowError or an infinity."""
-    from fractions import Fraction
-
-    m = _SIZE.fullmatch(text.strip()) if len(text) <= MAX_SIZE_TEXT else None
-    if not m:
-        raise UsageError(f"{flag} {text[:40]!r} is not a size from 1 byte to 1PiB (examples: 8GiB, 512MiB, "
-                         f"2000000000)")
-    value = int(Fraction(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-    if not 1 <= value <= MAX_MEMORY_BUDGET:
-        raise UsageError(f"{flag} must be between 1 byte and 1PiB, got {text!r}")
-    return value
 
 
 def disk_rate(gbps: float) -> str:
@@ -71,14 +48,6 @@ def exit_code(err: ShardtoolError) -> int:
     if _ROLE.get() == "producer" and isinstance(err, VerificationError):
         return EXIT_USAGE
     return err.exit_code
-
-
-def model_dir(path: Path) -> Path:
-    if not path.exists():
-        raise UsageError("directory does not exist", path=str(path))
-    if not path.is_dir():
-        raise UsageError("not a directory", path=str(path))
-    return path
 
 
 def manifest_path(directory: Path, override: Optional[Path]) -> Path:
@@ -122,6 +91,15 @@ def check_cluster_options(cluster: Optional[str], plan_file: Optional[Path], rem
         raise UsageError("--cluster needs --plan-trust OPERATOR.pub: the plan's signature is checked before it is used")
     if cluster is None and (plan_trust or insecure):
         raise UsageError("--plan-trust and --insecure-cluster need --cluster")
+
+
+def cluster_args(cluster: Optional[str], plan_file: Optional[Path], plan_trust: list[Path], insecure: bool,
+                 remote_timeout: float) -> dict:
+    """The checked cluster options as `open_model`'s arguments (none without --cluster)."""
+    if cluster is None:
+        return {}
+    return dict(cluster=cluster, plan=plan_file, plan_trust=plan_trust, insecure_cluster=insecure,
+                cluster_timeout=remote_timeout)
 
 
 CACHE_POLICY_HELP = ("Which cached shard is evicted first: lru, lfu or lfu-da (LFU with dynamic aging); default: "

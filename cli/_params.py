@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Any, Callable, get_args, get_origin
 
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE = frozenset({"", "0", "off", "f", "false", "n", "no"})
@@ -46,6 +46,32 @@ def _install_flag_help() -> None:
 
     display_type_rich._shardtool_flags = True  # type: ignore[attr-defined]
     TyperOption.display_type_rich = display_type_rich
+
+
+def _plain_bool(value: Any, bad: Callable[[str], Exception]) -> bool:
+    """A command-line word (or a bool given in code) as a boolean; `bad(message)` is the error for anything else."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise bad(f"{value!r} is not a valid boolean")
+
+
+def _plain_number(kind: type, info: Any, value: Any, bad: Callable[[str], Exception]) -> Any:
+    """`value` as an int or float (`kind`) within the option's min and max; `bad(message)` is the error
+    otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise bad(f"{value!r} is not a valid {kind.__name__}")
+    try:
+        number = kind(value.strip() if isinstance(value, str) else value)
+    except (ValueError, OverflowError):
+        raise bad(f"{value!r} is not a valid {kind.__name__}") from None
+    if info.min is not None and number < info.min:
+        raise bad(f"{number} is below the minimum {info.min}")
+    if info.max is not None and number > info.max:
+        raise bad(f"{number} is above the maximum {info.max}")
+    return number
 
 
 def _install_plain_conversion() -> None:
@@ -80,24 +106,12 @@ def _install_plain_conversion() -> None:
                 value = os.fsdecode(value)
             if self.kind is str:
                 return str(value)
+
+            def bad(message: str) -> Exception:
+                return BadParameter(message, ctx=ctx, param=param)
             if self.kind is bool:
-                if isinstance(value, bool):
-                    return value
-                word = str(value).strip().lower()
-                if word in _TRUE or word in _FALSE:
-                    return word in _TRUE
-                raise BadParameter(f"{value!r} is not a valid boolean", ctx=ctx, param=param)
-            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-                raise BadParameter(f"{value!r} is not a valid {self.kind.__name__}", ctx=ctx, param=param)
-            try:
-                number = self.kind(value.strip() if isinstance(value, str) else value)
-            except (ValueError, OverflowError):
-                raise BadParameter(f"{value!r} is not a valid {self.kind.__name__}", ctx=ctx, param=param) from None
-            if info.min is not None and number < info.min:
-                raise BadParameter(f"{number} is below the minimum {info.min}", ctx=ctx, param=param)
-            if info.max is not None and number > info.max:
-                raise BadParameter(f"{number} is above the maximum {info.max}", ctx=ctx, param=param)
-            return number
+                return _plain_bool(value, bad)
+            return _plain_number(self.kind, info, value, bad)
 
     def build_runtime_param(descriptor: Any) -> Any:
         annotation = descriptor.annotation

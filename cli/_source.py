@@ -1,13 +1,13 @@
-"""Where a running command's model comes from: a local split directory, or (`--remote URL --cache-dir D`) an
-untrusted store whose files are fetched into D through the verified download, the small files at start and the
-expert shards when first used. Shared by verify-and-run, serve and node; `pull` checks its URLs here too."""
+"""The options that say where a running command's model comes from: a local split directory DIR, or (`--remote URL
+--cache-dir D`) an untrusted store whose files are fetched into D; checked before anything is read. The opening
+itself is the runtime's (`open_source`, `open_model`). Shared by verify-and-run, serve and node; `pull` checks its
+URLs here too."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 from shardtool.errors import UsageError
 
@@ -57,53 +57,3 @@ def check_source(directory: Optional[Path], manifest_file: Optional[Path], remot
             raise UsageError("--cache-dir goes with --remote")
         from shardtool.cli._common import model_dir
         model_dir(directory)  # an absent DIR is named before the keys are read
-
-
-@dataclass
-class ModelSource:
-    """A verified manifest and the directory its files are read from; `fetcher` fills that directory on demand
-    (None for a local DIR). Close it when done (it holds the cache directory's lock)."""
-
-    directory: Path
-    manifest: object  # VerifiedManifest
-    fetcher: object | None = None  # RemoteFiles
-    spec: object | None = None  # the RemoteSource behind it (a cluster node hands it to its actor)
-
-    @property
-    def fetch_missing(self) -> Callable | None:
-        return self.fetcher.fetch if self.fetcher is not None else None
-
-    def close(self) -> None:
-        if self.fetcher is not None:
-            self.fetcher.close()
-            self.fetcher = None
-
-
-def open_source(directory: Optional[Path], manifest_file: Optional[Path], remote: Sequence[str],
-                cache_dir: Optional[Path], fetch_timeout: float, trusted: list, threshold: int,
-                state_dir: Optional[Path], model_id: Optional[str], *, eager: Callable, lazy: bool = True) -> ModelSource:
-    """The local DIR's manifest verified (`load_trusted_manifest`), or the store's (`fetch_trusted_manifest`: the
-    same checks on the fetched bytes), then with --remote the files `eager(entry)` selects pulled into the cache
-    directory before anything starts (a file no store serves right: exit 1). With `lazy`, the returned source's
-    fetcher brings any other listed shard in when the store first needs it."""
-    from shardtool.cli._common import manifest_path, model_dir
-    from shardtool.manifest import load_trusted_manifest
-
-    if not remote:
-        directory = model_dir(directory)
-        verified = load_trusted_manifest(manifest_path(directory, manifest_file), trusted, threshold, state_dir,
-                                         model_id=model_id)
-        return ModelSource(directory, verified)
-    from shardtool.remote import RemoteFiles, RemoteSource, fetch_trusted_manifest, pull
-
-    spec = RemoteSource(tuple(remote), fetch_timeout)
-    mirrors = spec.open()
-    try:
-        fetched = fetch_trusted_manifest(mirrors, trusted, threshold, state_dir, model_id=model_id)
-        report = pull(mirrors, cache_dir, fetched, [e for e in fetched.manifest.entries if eager(e)])
-    finally:
-        for m in mirrors:
-            m.close()
-    if report.failures:
-        raise report.failures[0]
-    return ModelSource(Path(cache_dir), fetched.manifest, RemoteFiles(Path(cache_dir), spec) if lazy else None, spec)

@@ -66,26 +66,18 @@ def sign(
     An encrypted key's passphrase: --passphrase-file, else SHARDTOOL_PASSPHRASE, else a terminal prompt.
 
     A key written with `keygen --no-passphrase` needs none."""
-    from shardtool.atomic import locked_directory
+    from shardtool.api import sign as sign_manifest
     from shardtool.cli._passphrase import get_passphrase
-    from shardtool.keys import load_private_key
-    from shardtool.manifest import load_manifest, save_manifest
 
-    directory = model_dir(directory)
-    path = manifest_path(directory, manifest_file)
-    # The key file is read once; the passphrase is asked for only if that file is encrypted.
-    private = load_private_key(key, lambda: get_passphrase(passphrase_file, new_key=False))
-    if private.protection_note:
-        say(f"note: {private.protection_note}")
-    # Read, add, write under a lock: two publishers signing at once must not lose one signature.
-    with locked_directory(path.parent if str(path.parent) else Path(".")):
-        current = load_manifest(path)  # a bad input manifest: exit 2 for a producer (`producer`)
-        signed = current.with_envelope(current.envelope.signed_by(private))
-        save_manifest(path, signed)
-    keyid = private.public.keyid
+    # The key file is read once; the passphrase is asked for only if that file is encrypted. A bad input manifest:
+    # exit 2 for a producer (`producer`).
+    signed = sign_manifest(directory, key, passphrase=lambda: get_passphrase(passphrase_file, new_key=False),
+                           manifest=manifest_file)
+    if signed.note:
+        say(f"note: {signed.note}")
     if json_out:
-        emit_json({"manifest": str(path), "keyid": keyid, "signatures": len(signed.envelope.signatures)})
-    say(f"signed {path} with key {keyid} ({len(signed.envelope.signatures)} signature(s) now)")
+        emit_json({"manifest": str(signed.manifest), "keyid": signed.keyid, "signatures": signed.signatures})
+    say(f"signed {signed.manifest} with key {signed.keyid} ({signed.signatures} signature(s) now)")
 
 
 def audit(
@@ -105,25 +97,24 @@ def audit(
                                                             "printed on stderr; the exit code says it: 0 OK."),
 ) -> None:
     """Verify the manifest's signatures, threshold, expiry and rollback floor, then every file."""
+    from shardtool.api import audit_files, trusted_manifest
     from shardtool.cli._progress import Progress
-    from shardtool.manifest import describe_head, load_trusted_manifest
-    from shardtool.manifest.audit import audit_directory
+    from shardtool.manifest import describe_head
 
     directory = model_dir(directory)
     trusted = load_trusted(trust)
     path = manifest_path(directory, manifest_file)
     started = time.monotonic()
     try:
-        verified = load_trusted_manifest(path, trusted, threshold, state_dir, model_id=expect_model)
+        path, verified = trusted_manifest(directory, trusted, threshold=threshold, manifest=path, state_dir=state_dir,
+                                          model_id=expect_model)
     except ShardtoolError as e:
         if json_out:
             emit_json({"ok": False, "manifest": str(path), "error": {"class": type(e).__name__, "message": e.one_line()}})
         raise
-    total = sum(e.size for e in verified.entries)
-    with Progress(total, "audit", enabled=not quiet) as progress:
-        report = audit_directory(directory, verified, ignore=relative_inside(directory, path),
-                                 present_only=present_only, follow_symlinks=follow_symlinks, workers=workers,
-                                 progress=progress.advance)
+    with Progress(sum(e.size for e in verified.entries), "audit", enabled=not quiet) as progress:
+        report = audit_files(directory, path, verified, present_only=present_only, follow_symlinks=follow_symlinks,
+                             workers=workers, progress=progress.advance).report
     seconds = time.monotonic() - started
     if json_out:
         emit_json({"ok": report.ok, "manifest": str(path), "directory": str(directory), "head": describe_head(verified.head),

@@ -56,7 +56,7 @@ def node(
     """Verify the manifest and the plan, check every planned file (a missing or bad one: refuse to join, exit 1),
     then serve this node's experts to the cluster's coordinator; every load verified, also after eviction."""
     from shardtool.cli._common import check_cache_policy, load_operator_key, load_trusted, parse_size, say
-    from shardtool.cli._source import check_source, open_source
+    from shardtool.cli._source import check_source
 
     budget = parse_size(memory_budget)
     if not address or len(address) > 300:
@@ -71,11 +71,12 @@ def node(
     operators = load_trusted(plan_trust)
     key = load_operator_key(node_key, node_passphrase_file, option="--node-passphrase-file")
     from shardtool.runtime import (DEFAULT_CACHE_POLICY, NODE_CONFIG, leave_cluster, load_signed_plan, node_alive,
-                                   prepare_node, serve_node)
+                                   open_source, prepare_node, serve_node)
 
     # With --remote only config.json is fetched now; the node's actor fetches each planned expert when first asked.
-    source = open_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout, trusted, threshold,
-                         state_dir, expect_model, eager=lambda e: e.path == NODE_CONFIG, lazy=False)
+    source = open_source(directory, trusted, threshold=threshold, manifest_file=manifest_file, remote=remote_store,
+                         cache_dir=cache_dir, fetch_timeout=fetch_timeout, state_dir=state_dir, model_id=expect_model,
+                         eager=lambda e: e.path == NODE_CONFIG, lazy=False)
     directory, verified = source.directory, source.manifest
     plan = load_signed_plan(plan_file, verified, operators)
 

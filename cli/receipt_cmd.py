@@ -59,16 +59,11 @@ def verify_receipt(
 ) -> None:
     """Verify a run receipt: operator signature, the weights it names, then a teacher-forced replay of prompt
     and answer (tokens, routing, activation fingerprint) within documented tolerances."""
-    from shardtool.cli._common import emit_json, load_trusted, manifest_path, model_dir, say
+    from shardtool.cli._common import emit_json, load_trusted, model_dir, say
     from shardtool.cli._common import keep_freed_memory, parse_size, set_compute_threads
 
     budget = parse_size(memory_budget)
-    if sample is not None and not (math.isfinite(sample) and 0 < sample <= 1):
-        raise UsageError(f"--sample must be a fraction in (0, 1], got {sample}")
-    if sample is not None and trace is not None:
-        raise UsageError("--trace names one receipt's trace; with --sample, NAME.trace beside NAME.receipt is used")
-    if sample is None and sample_seed is not None:
-        raise UsageError("--sample-seed needs --sample")
+    _check_sample(sample, sample_seed, trace)
     stops = _parse_stop_ids(stop_ids) if stop_ids is not None else None
     if not operator:
         raise UsageError("no operator public key given", hint="pass --operator OPERATOR.pub (repeatable)")
@@ -77,11 +72,11 @@ def verify_receipt(
     directory = model_dir(directory)
     set_compute_threads(threads, readers)
     keep_freed_memory()
-    from shardtool.manifest import load_trusted_manifest
+    from shardtool.runtime import open_source
 
-    def trusted_manifest():
-        return load_trusted_manifest(manifest_path(directory, manifest_file), trusted, threshold, state_dir,
-                                     model_id=expect_model)
+    def trusted_manifest():  # the same opening as open_model's, after the receipt's own checks
+        return open_source(directory, trusted, threshold=threshold, manifest_file=manifest_file, state_dir=state_dir,
+                           model_id=expect_model).manifest
 
     if sample is None:
         opened = _open(receipt, operators)  # a bad receipt is refused before the model is touched
@@ -104,50 +99,71 @@ def verify_receipt(
     try:
         for name in chosen:
             path = receipt / name
-            trace_path = receipt / (name[: -len(RECEIPT_SUFFIX)] + TRACE_SUFFIX)
-            # A NAME.trace that is present but a link or not a regular file is refused with its receipt, not skipped.
-            if not os.path.lexists(trace_path):
-                trace_path = None
-            try:
-                opened = _open(path, operators, in_log=True)
-                trace_bytes = _read_trace(trace_path, in_log=True) if trace_path is not None else None
-            except ShardtoolError as err:
-                if err.exit_code != 1:  # gone or unreadable since the listing: no verdict on it either way
-                    unchecked_exit = unchecked_exit or err.exit_code
-                    verdict = {"valid": None, "unchecked": err.one_line()}
-                else:
-                    verdict = {"valid": False, "error": err.one_line()}
-            else:
-                try:
-                    verdict = _verify_one(opened, path, trace_path, trace_bytes, directory, verified, budget,
-                                          readers, stops, engines)
-                except _LOCAL_WEIGHT_FAULTS as err:  # the replay's own weights failed: a local fault, not the node's
-                    raise VerificationError(f"the model directory failed verification while replaying {name} "
-                                            f"(no receipt is judged by it): {err.message}", path=err.path) from err
-                except ShardtoolError as err:
-                    if err.exit_code == 1:  # e.g. a trace that does not open the receipt's routing root
-                        verdict = {"valid": False, "error": err.one_line()}
-                    else:  # e.g. too small a --memory-budget for this receipt
-                        unchecked_exit = unchecked_exit or err.exit_code
-                        verdict = {"valid": None, "unchecked": err.one_line()}
+            verdict, code = _judge(receipt, name, operators, directory, verified, budget, readers, stops, engines)
+            unchecked_exit = unchecked_exit or code
             verdict["file"] = name
             results.append(verdict)
             if not as_json:
                 _say_verdict(say, path, verdict)
     finally:
         engines.close()
+    invalid = _log_summary(results, len(names), len(chosen), seed, engines.built, as_json)
+    raise typer.Exit(1 if invalid else unchecked_exit)
+
+
+def _log_summary(results: list[dict], listed: int, sampled: int, seed: int, built: int, as_json: bool) -> list[str]:
+    """The sampled log's summary, printed; returns the invalid receipts' names."""
+    from shardtool.cli._common import emit_json, say
+
     invalid = [r["file"] for r in results if r["valid"] is False]
     unchecked = [r["file"] for r in results if r["valid"] is None]
     valid = len(results) - len(invalid) - len(unchecked)
-    summary = {"receipts": len(names), "sampled": len(chosen), "sample_seed": seed, "valid": valid,
-               "invalid": invalid, "unchecked": unchecked, "replay_engines_built": engines.built, "results": results}
+    summary = {"receipts": listed, "sampled": sampled, "sample_seed": seed, "valid": valid,
+               "invalid": invalid, "unchecked": unchecked, "replay_engines_built": built, "results": results}
     if as_json:
         emit_json(summary)
     if not as_json or invalid or unchecked:
-        say(f"verify-receipt: {valid} of {len(chosen)} sampled receipts valid"
+        say(f"verify-receipt: {valid} of {sampled} sampled receipts valid"
             + (f", {len(unchecked)} not checked" if unchecked else "")
-            + f" ({len(names)} in the log, sample seed {seed})")
-    raise typer.Exit(1 if invalid else unchecked_exit)
+            + f" ({listed} in the log, sample seed {seed})")
+    return invalid
+
+
+def _check_sample(sample: Optional[float], sample_seed: Optional[int], trace: Optional[Path]) -> None:
+    if sample is not None and not (math.isfinite(sample) and 0 < sample <= 1):
+        raise UsageError(f"--sample must be a fraction in (0, 1], got {sample}")
+    if sample is not None and trace is not None:
+        raise UsageError("--trace names one receipt's trace; with --sample, NAME.trace beside NAME.receipt is used")
+    if sample is None and sample_seed is not None:
+        raise UsageError("--sample-seed needs --sample")
+
+
+def _judge(log: Path, name: str, operators, directory: Path, verified, budget: int, readers: int, stops,
+           engines) -> tuple[dict, int]:
+    """One sampled receipt of a log: its verdict, and the exit code it asks for when it could not be judged."""
+    path = log / name
+    trace_path = log / (name[: -len(RECEIPT_SUFFIX)] + TRACE_SUFFIX)
+    # A NAME.trace that is present but a link or not a regular file is refused with its receipt, not skipped.
+    if not os.path.lexists(trace_path):
+        trace_path = None
+    try:
+        opened = _open(path, operators, in_log=True)
+        trace_bytes = _read_trace(trace_path, in_log=True) if trace_path is not None else None
+    except ShardtoolError as err:
+        if err.exit_code != 1:  # gone or unreadable since the listing: no verdict on it either way
+            return {"valid": None, "unchecked": err.one_line()}, err.exit_code
+        return {"valid": False, "error": err.one_line()}, 0
+    try:
+        return _verify_one(opened, path, trace_path, trace_bytes, directory, verified, budget, readers, stops,
+                           engines), 0
+    except _LOCAL_WEIGHT_FAULTS as err:  # the replay's own weights failed: a local fault, not the node's
+        raise VerificationError(f"the model directory failed verification while replaying {name} "
+                                f"(no receipt is judged by it): {err.message}", path=err.path) from err
+    except ShardtoolError as err:
+        if err.exit_code == 1:  # e.g. a trace that does not open the receipt's routing root
+            return {"valid": False, "error": err.one_line()}, 0
+        # e.g. too small a --memory-budget for this receipt
+        return {"valid": None, "unchecked": err.one_line()}, err.exit_code
 
 
 def _parse_stop_ids(text: str) -> tuple[int, ...]:

@@ -11,10 +11,10 @@ from typing import List, Optional
 import typer
 
 from shardtool.cli._common import (CACHE_POLICY_HELP, INSECURE_CLUSTER_HELP, LOOKAHEAD_HELP, PLAN_TRUST_HELP,
-                                   check_cache_policy, check_cluster_options,
-                                   keep_freed_memory, parse_size, run_app, say, set_compute_threads,
-                                   share_gil_with_readers)
-from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP, check_source, open_source
+                                   check_cache_policy, check_cluster_options, cluster_args as _cluster_args,
+                                   keep_freed_memory, load_trusted, parse_size, run_app, say, set_compute_threads,
+                                   share_gil_with_readers, unpinned_warning)
+from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP, check_source
 from shardtool.errors import UsageError
 from shardtool.text import format_size
 
@@ -47,28 +47,26 @@ def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
 
 
 class _TextStream:
-    """Prints generated text as it is produced: decode the whole sequence, print the new suffix."""
+    """Prints generated text as it is produced, through the runtime's incremental detokenizer."""
 
-    def __init__(self, session, print_ids: bool):
-        self.session, self.print_ids = session, print_ids
-        self.ids: list[int] = []
-        self.printed = ""
+    def __init__(self, decode, print_ids: bool):
+        from shardtool.runtime import Detokenizer
+
+        self.print_ids = print_ids
+        self.tokens = 0
+        self.detok = Detokenizer(decode)
 
     def __call__(self, token: int) -> None:
-        self.ids.append(token)
+        self.tokens += 1
         if self.print_ids:
-            sys.stdout.write(("" if len(self.ids) == 1 else " ") + str(token))
+            sys.stdout.write(("" if self.tokens == 1 else " ") + str(token))
         else:
-            text = self.session.decode_text(self.ids)
-            # A byte-level token can end inside a UTF-8 character: hold back until it completes.
-            if text.startswith(self.printed) and not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(self.printed):])
-                self.printed = text
+            sys.stdout.write(self.detok.push(token))
         sys.stdout.flush()
 
     def finish(self) -> None:
         if not self.print_ids:
-            sys.stdout.write(self.session.decode_text(self.ids)[len(self.printed):])
+            sys.stdout.write(self.detok.finish())
         sys.stdout.write("\n")
         sys.stdout.flush()
 
@@ -119,24 +117,10 @@ def verify_and_run(
     lookahead: bool = typer.Option(False, "--lookahead/--no-lookahead", help=LOOKAHEAD_HELP),
 ) -> None:
     """Verify the signed manifest, then generate, checking every shard's BLAKE3 before its weights are used."""
-    from shardtool.atomic import atomic_write_bytes
-    from shardtool.cli._common import load_trusted, unpinned_warning
-
     # Every option is checked before anything is read: a bad value is one usage line, exit 2.
-    if (prompt is None) == (prompt_ids is None):
-        raise UsageError("give exactly one of --prompt and --prompt-ids")
-    budget = parse_size(memory_budget)
-    ids = parse_ids(prompt_ids) if prompt_ids is not None else None
-    if not math.isfinite(temperature):
-        raise UsageError(f"--temperature must be a finite number >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
-    if (receipt_key is None) != (receipt_out is None):
-        raise UsageError("--receipt-key and --receipt-out go together")
-    if receipt_key is None and (trace_out is not None or receipt_passphrase_file is not None):
-        raise UsageError("--trace-out and --receipt-passphrase-file need --receipt-key")
-    if max_new_tokens == 0 and receipt_key is not None:
-        raise UsageError("a receipt covers an answer: --max-new-tokens must be at least 1 with --receipt-key")
+    budget, ids = parse_size(memory_budget), parse_ids(prompt_ids) if prompt_ids is not None else None
+    _check_options(prompt, prompt_ids, temperature, top_p, receipt_key, receipt_out, trace_out,
+                   receipt_passphrase_file, max_new_tokens)
     check_cluster_options(cluster, plan_file, remote_timeout, plan_trust, insecure_cluster)
     check_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout)
     operator_key = None
@@ -147,56 +131,61 @@ def verify_and_run(
     keep_freed_memory()
     if lookahead:
         share_gil_with_readers()
-    from shardtool.runtime import (DEFAULT_CACHE_POLICY, Session, connect_cluster, encode_prompt, load_signed_plan,
-                                   load_tokenizer, make_receipt)
+    from shardtool.runtime import DEFAULT_CACHE_POLICY, open_model
     policy = check_cache_policy(cache_policy) or DEFAULT_CACHE_POLICY
 
-    trusted = load_trusted(trust)
     # A local DIR, or the store's files fetched into --cache-dir (the small files and the trunk now, each expert
     # when first routed to; with --cluster the nodes hold the experts, so none is fetched here).
-    source = open_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout, trusted, threshold,
-                         state_dir, expect_model, eager=lambda e: e.kind != "expert", lazy=cluster is None)
-    directory, verified = source.directory, source.manifest
-    remote = None
-    try:
-        tokenizer = load_tokenizer(directory, verified)  # verified before it is parsed, like every model file
+    model = open_model(remote_store or directory, trust=load_trusted(trust), threshold=threshold,
+                       model_id=expect_model, memory_budget=budget, cache_dir=cache_dir, fetch_timeout=fetch_timeout,
+                       manifest=manifest_file, state_dir=state_dir, readers=readers, cache_policy=policy,
+                       lookahead=lookahead, **_cluster_args(cluster, plan_file, plan_trust, insecure_cluster,
+                                                            remote_timeout))
+    with model:
         if ids is None:
-            ids = encode_prompt(tokenizer, prompt)
+            ids = model.encode(prompt)
             if not ids:
                 raise UsageError("--prompt encodes to no tokens")
-        if cluster is not None:
-            remote = connect_cluster(cluster, load_signed_plan(plan_file, verified, load_trusted(plan_trust)),
-                                         timeout=remote_timeout, insecure=insecure_cluster)
         # The KV cache is sized (and budgeted) for exactly this prompt plus the new tokens: a sequence the budget
         # cannot hold is refused here, before the first token.
-        session = Session(directory, verified, budget=budget, max_tokens=len(ids) + max_new_tokens, readers=readers,
-                          tokenizer=tokenizer, remote=remote, fetch_missing=source.fetch_missing,
-                          cache_policy=policy, lookahead=lookahead)
-    except BaseException:
-        if remote is not None:
-            remote.close()
-        source.close()
-        raise
-    try:
-        check_prompt_ids(ids, session.config.vocab_size)
+        model.prepare(len(ids) + max_new_tokens)
+        check_prompt_ids(ids, model.config.vocab_size)
         if verify_all_first:
-            checked = session.verify_all()
+            checked = model.verify_all()
             if not quiet:
-                say(f"verified all {len(verified.entries)} files ({format_size(checked)}) before the first token")
-        out = _TextStream(session, print_ids)
-        session.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, on_token=out,
-                         record=operator_key is not None)
+                say(f"verified all {len(model.manifest.entries)} files ({format_size(checked)}) before the first token")
+        out = _TextStream(model.decode, print_ids)
+        model.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, on_token=out,
+                       record=operator_key is not None)
         out.finish()
-        summary = session.summary()
-        signed = None
-        if operator_key is not None:
-            signed = make_receipt(session.record, verified, session.config, operator_key)
+        summary = model.summary()
+        signed = model.receipt(operator_key) if operator_key is not None else None
+        if signed is not None:
             summary["receipt_id"] = signed.id
-    finally:
-        session.close()
-        if remote is not None:
-            remote.close()
-        source.close()
+    _write_outputs(signed, summary, receipt_out, trace_out, json_report, quiet)
+    if expect_model is None and not quiet:  # after the output: a refused run still prints one line only
+        say(unpinned_warning(model.model_id))
+
+
+def _check_options(prompt, prompt_ids, temperature, top_p, receipt_key, receipt_out, trace_out,
+                   receipt_passphrase_file, max_new_tokens) -> None:
+    if (prompt is None) == (prompt_ids is None):
+        raise UsageError("give exactly one of --prompt and --prompt-ids")
+    if not math.isfinite(temperature):
+        raise UsageError(f"--temperature must be a finite number >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
+    if (receipt_key is None) != (receipt_out is None):
+        raise UsageError("--receipt-key and --receipt-out go together")
+    if receipt_key is None and (trace_out is not None or receipt_passphrase_file is not None):
+        raise UsageError("--trace-out and --receipt-passphrase-file need --receipt-key")
+    if max_new_tokens == 0 and receipt_key is not None:
+        raise UsageError("a receipt covers an answer: --max-new-tokens must be at least 1 with --receipt-key")
+
+
+def _write_outputs(signed, summary: dict, receipt_out, trace_out, json_report, quiet: bool) -> None:
+    from shardtool.atomic import atomic_write_bytes
+
     if signed is not None:  # the trace first: a receipt on disk always has its trace beside it when asked for
         if trace_out is not None:
             atomic_write_bytes(trace_out, signed.trace)
@@ -208,8 +197,6 @@ def verify_and_run(
         atomic_write_bytes(json_report, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
     if not quiet:
         _print_report(summary)
-    if expect_model is None and not quiet:  # after the output: a refused run still prints one line only
-        say(unpinned_warning(verified.head.model_id))
 
 
 def _print_report(s: dict) -> None:

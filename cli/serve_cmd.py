@@ -82,10 +82,10 @@ def serve(
     """Serve a verified model: POST /v1/completions and /v1/chat/completions (OpenAI-style, streaming as
     server-sent events), GET /v1/models, /health, /metrics; with --receipt-key, a signed run receipt per
     completion and GET /v1/receipts/{id}."""
-    from shardtool.cli._common import (check_cache_policy, check_cluster_options, keep_freed_memory, load_operator_key,
-                                       load_trusted, parse_size, say, set_compute_threads, share_gil_with_readers,
-                                       unpinned_warning)
-    from shardtool.cli._source import check_source, open_source
+    from shardtool.cli._common import (check_cache_policy, check_cluster_options, cluster_args, keep_freed_memory,
+                                       load_operator_key, load_trusted, parse_size, say, set_compute_threads,
+                                       share_gil_with_readers)
+    from shardtool.cli._source import check_source
 
     # Every option is checked before anything is read: a bad value is one usage line, exit 2.
     budget = parse_size(memory_budget)
@@ -96,7 +96,7 @@ def serve(
         raise UsageError(f"--read-timeout must be a number of seconds, got {read_timeout}")
     check_cluster_options(cluster, plan_file, remote_timeout, plan_trust, insecure_cluster)
     check_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout)
-    from shardtool.serve import Access, check_tls_files
+    from shardtool.serve import Access, Limits, Stopped, check_tls_files, stop_on_signals
     access = Access(tuple(allowed_hosts) or None, api_key)
     check_tls_files(*(str(p) if p is not None else None for p in (ssl_certfile, ssl_keyfile)))
     if receipt_key is None and receipt_passphrase_file is not None:
@@ -108,73 +108,70 @@ def serve(
     keep_freed_memory()
     if lookahead:
         share_gil_with_readers()
-
-    from shardtool.runtime import DEFAULT_CACHE_POLICY, Engine, connect_cluster, load_signed_plan  # loads numpy
+    from shardtool.runtime import DEFAULT_CACHE_POLICY, open_model  # loads numpy
     policy = check_cache_policy(cache_policy) or DEFAULT_CACHE_POLICY
-    from shardtool.serve import (ChatTemplate, Limits, ReceiptSigner, ServerSettings, Stopped, bind, create_app, run,
-                                 stop_on_signals, url_of, verify_all_first as check_all)
-
-    remote = source = None
+    settings = _settings(read_timeout, max_batch + max_queue, ssl_certfile, ssl_keyfile)
     with stop_on_signals():
         try:
-            trusted = load_trusted(trust)
             # A local DIR, or the store's small files and trunk fetched into --cache-dir now and each expert when
             # first routed to (with --cluster the nodes hold the experts).
-            source = open_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout, trusted,
-                                 threshold, state_dir, expect_model, eager=lambda e: e.kind != "expert",
-                                 lazy=cluster is None)
-            verified = source.manifest
-            model_id = verified.head.model_id
-            if cluster is not None:
-                remote = connect_cluster(cluster, load_signed_plan(plan_file, verified, load_trusted(plan_trust)),
-                                         timeout=remote_timeout, insecure=insecure_cluster)
-            engine = Engine(source.directory, verified, budget=budget, max_batch=max_batch, max_queue=max_queue,
-                            kv_cache=kv_bytes, max_context=max_context, readers=readers, remote=remote,
-                            fetch_missing=source.fetch_missing, cache_policy=policy, lookahead=lookahead)
-            if verify_all_first:
-                checked = check_all(source.directory, verified, remote=remote is not None,
-                                    fetch_missing=source.fetch_missing)
-                say(f"verified all {len(verified.entries)} files ({checked / 2**20:.1f} MiB) before serving")
-        except BaseException as e:
-            if remote is not None:
-                remote.close()
-            if source is not None:
-                source.close()
-            if not isinstance(e, Stopped):
-                raise
+            model = open_model(remote_store or directory, trust=load_trusted(trust), threshold=threshold,
+                               model_id=expect_model, memory_budget=budget, cache_dir=cache_dir,
+                               fetch_timeout=fetch_timeout, manifest=manifest_file, state_dir=state_dir,
+                               readers=readers, cache_policy=policy, lookahead=lookahead,
+                               **cluster_args(cluster, plan_file, plan_trust, insecure_cluster, remote_timeout))
+        except Stopped:
             say("shardtool serve: stopped before serving")
             return
-        try:
-            if engine.tokenizer is None:
-                raise UsageError("this model ships no tokenizer.json: serve answers with text, so it needs one",
-                                 hint="use verify-and-run --prompt-ids --print-ids")
-            chat = ChatTemplate.from_tokenizer_config(engine.signed_json("tokenizer_config.json"))
-            if isinstance(chat.problem, Exception) and not isinstance(chat.problem, UsageError):
-                say(f"warning: chat is unavailable (/v1/chat/completions answers 500): {chat.problem.one_line()}")
-            receipts = (ReceiptSigner(operator_key, verified, engine.config, max_receipts, receipt_bytes)
-                        if operator_key is not None else None)
-            app = create_app(engine, model_id=model_id, chat=chat,
-                             limits=Limits(max_body_bytes=body_cap, body_timeout=read_timeout), receipts=receipts,
-                             access=access)
-            settings = ServerSettings(header_timeout=read_timeout,
-                                      limit_concurrency=max_batch + max_queue + SPARE_CONNECTIONS,
-                                      ssl_certfile=ssl_certfile and str(ssl_certfile),
-                                      ssl_keyfile=ssl_keyfile and str(ssl_keyfile))
-            app.state.renderer.warm()  # chat template workers started now, not at the first chat request
-            sock = bind(host, port)
+        with model:
             try:
-                engine.start()
-                if expect_model is None:
-                    say(unpinned_warning(model_id))
-                say(f"serving {model_id} on {url_of(sock, settings.tls)} (shard cache policy {policy})")
-                run(app, sock, settings)
+                engine = model.engine(max_batch=max_batch, max_queue=max_queue, kv_cache=kv_bytes,
+                                      max_context=max_context)
+                if verify_all_first:
+                    checked = model.verify_all()
+                    say(f"verified all {len(model.manifest.entries)} files ({checked / 2**20:.1f} MiB) before serving")
+            except Stopped:
+                say("shardtool serve: stopped before serving")
+                return
+            try:
+                _serve(engine, model, operator_key, access, settings, host, port, expect_model, policy,
+                       Limits(max_body_bytes=body_cap, body_timeout=read_timeout), max_receipts, receipt_bytes)
+            except Stopped:
+                pass
             finally:
-                sock.close()
-        except Stopped:
-            pass
-        finally:
-            engine.close()
-            if remote is not None:
-                remote.close()
-            source.close()
+                engine.close()
     say("shardtool serve: stopped")
+
+
+def _settings(read_timeout: float, requests: int, ssl_certfile: Optional[Path], ssl_keyfile: Optional[Path]):
+    from shardtool.serve import ServerSettings
+
+    return ServerSettings(header_timeout=read_timeout, limit_concurrency=requests + SPARE_CONNECTIONS,
+                          ssl_certfile=ssl_certfile and str(ssl_certfile), ssl_keyfile=ssl_keyfile and str(ssl_keyfile))
+
+
+def _serve(engine, model, operator_key, access, settings, host: str, port: int, expect_model, policy: str, limits,
+           max_receipts: int, receipt_bytes: int) -> None:
+    """Serve until stopped: the app over the engine, on a socket bound now."""
+    from shardtool.cli._common import say, unpinned_warning
+    from shardtool.serve import ChatTemplate, ReceiptSigner, bind, create_app, run, url_of
+
+    if engine.tokenizer is None:
+        raise UsageError("this model ships no tokenizer.json: serve answers with text, so it needs one",
+                         hint="use verify-and-run --prompt-ids --print-ids")
+    chat = ChatTemplate.from_tokenizer_config(engine.signed_json("tokenizer_config.json"))
+    if isinstance(chat.problem, Exception) and not isinstance(chat.problem, UsageError):
+        say(f"warning: chat is unavailable (/v1/chat/completions answers 500): {chat.problem.one_line()}")
+    receipts = (ReceiptSigner(operator_key, model.manifest, engine.config, max_receipts, receipt_bytes)
+                if operator_key is not None else None)
+    app = create_app(engine, model_id=model.model_id, chat=chat, limits=limits, receipts=receipts, access=access)
+    app.state.renderer.warm()  # chat template workers started now, not at the first chat request
+    sock = bind(host, port)
+    try:
+        engine.start()
+        if expect_model is None:
+            say(unpinned_warning(model.model_id))
+        say(f"serving {model.model_id} on {url_of(sock, settings.tls)} (shard cache policy {policy})")
+        run(app, sock, settings)
+    finally:
+        sock.close()

@@ -163,6 +163,13 @@ def load_public_key(path: Path | str) -> PublicKey:
     return public_key_from_pem(read_key_file(path, "public key file", secret=False), path=str(path))
 
 
+def trusted_keys(keys, what: str = "trust") -> list[PublicKey]:
+    """Trusted public keys as a library caller gives them: loaded `PublicKey`s, or key files read now; at least one."""
+    if not keys:
+        raise UsageError(f"no trusted public key given ({what})", hint="pass the publisher's KEY.pub")
+    return [k if isinstance(k, PublicKey) else load_public_key(k) for k in keys]
+
+
 def _reencrypt_note(path: Path, kdf: str) -> str | None:
     """Advice for a key written before scrypt: how to re-encrypt it with the same parameters keygen uses."""
     from shardtool.keys._pkcs8 import SCRYPT_N, SCRYPT_P, SCRYPT_R

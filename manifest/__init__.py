@@ -11,8 +11,7 @@ modules it needs (audit never loads the receipt format).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from shardtool.lazy import lazy_exports
 
 _HOMES = {
     "_document": ("FORMAT", "MAX_MANIFEST_BYTES", "Manifest", "VerifiedManifest", "build_manifest",
@@ -32,29 +31,5 @@ _HOMES = {
     "_records": ("KINDS", "MAX_ENTRIES", "MAX_EXPERT", "MAX_LAYER", "Entry", "Head", "check_model_id_form"),
     "_state": ("check_and_record", "default_state_dir"),
 }
-_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
-__all__ = [
-    "MAX_ENTRIES", "MAX_MANIFEST_BYTES", "MAX_EXPERT", "MAX_LAYER", "FileDigest", "VerifiedBytes", "VerifyingStream", "check_entry", "check_size", "verify_open_file", "check_relpath", "read_verified_timed",
-    "verify_entry", "verify_file", "manifest_relpath", "read_manifest_bytes", "check_model_id_form",
-    "FORMAT", "KINDS", "MANIFEST_NAME", "PAYLOAD_TYPE", "Entry", "Envelope", "Head", "Manifest", "Signature",
-    "ProvenEntry", "VerifiedManifest", "build_proof", "verify_proof", "build_manifest", "check_and_record", "check_freshness", "decode_manifest",
-    "default_manifest_path", "default_state_dir", "describe_head", "entry_bytes", "hash_directory", "load_manifest", "load_trusted_manifest", "load_trusted_proof", "check_model_id",
-    "MAX_RECEIPT_BYTES", "MAX_TRACE_BYTES", "RECEIPT_FORMAT", "RECEIPT_PAYLOAD_TYPE", "Receipt", "decode_trace",
-    "encode_trace",
-    "open_receipt", "routing_leaves", "routing_root", "sign_receipt", "valid_receipt_id",
-    "load_verified_manifest", "pae", "read_verified", "read_verified_prefix", "save_manifest", "trust_manifest_bytes", "verify_envelope", "verify_manifest",
-]
-
-
-def __getattr__(name: str) -> Any:
-    module = _HOME_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__all__, __getattr__, __dir__ = lazy_exports(globals(), _HOMES)

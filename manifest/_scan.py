@@ -83,6 +83,29 @@ class _Frame:
     identity: tuple[int, int]  # (st_dev, st_ino), to check the way back up
 
 
+def _open_root(root: Path) -> int:
+    try:
+        return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise ManifestFormatError("not a directory", path=str(root)) from None
+    except OSError as e:
+        raise StorageError(f"cannot open directory: {e.strerror}", path=str(root)) from e
+
+
+def _enter(cur: int, name: str, relpath: str) -> tuple[int, list[tuple[str, str]]] | DirItem:
+    """Directory `name` in `cur`, opened and listed: (its descriptor, its listing), or the "unreadable" item it
+    is when it cannot be entered or listed."""
+    try:
+        child = os.open(name, _DIR_FLAGS, dir_fd=cur)
+    except OSError as e:
+        return DirItem(relpath, "unreadable", detail=f"cannot enter directory: {e.strerror}")
+    try:
+        return child, _listing(child)
+    except OSError as e:
+        os.close(child)
+        return DirItem(relpath, "unreadable", detail=f"cannot list directory: {e.strerror}")
+
+
 def walk(root: Path, *, stat_if: Callable[[str], bool] | None = None,
          max_depth: int | None = None) -> Iterator[DirItem]:
     """Every entry below `root`, sorted, each directory after its contents; symlinks are reported, never
@@ -97,12 +120,7 @@ def walk(root: Path, *, stat_if: Callable[[str], bool] | None = None,
     "too-deep" item: nothing below it can be a manifest path, and a walk of a hostile tree thousands of
     levels deep would otherwise hold memory quadratic in its depth (every frame keeps its whole path).
     """
-    try:
-        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
-        raise ManifestFormatError("not a directory", path=str(root)) from None
-    except OSError as e:
-        raise StorageError(f"cannot open directory: {e.strerror}", path=str(root)) from e
+    root_fd = _open_root(root)
     cur = -1
     try:
         try:
@@ -124,17 +142,11 @@ def walk(root: Path, *, stat_if: Callable[[str], bool] | None = None,
                                   detail=f"a directory {max_depth} levels deep; nothing below it can be listed, "
                                          "so it was not entered")
                     continue
-                try:
-                    child = os.open(name, _DIR_FLAGS, dir_fd=cur)
-                except OSError as e:
-                    yield DirItem(relpath, "unreadable", detail=f"cannot enter directory: {e.strerror}")
+                entered = _enter(cur, name, relpath)
+                if isinstance(entered, DirItem):
+                    yield entered
                     continue
-                try:
-                    listing = _listing(child)
-                except OSError as e:
-                    os.close(child)
-                    yield DirItem(relpath, "unreadable", detail=f"cannot list directory: {e.strerror}")
-                    continue
+                child, listing = entered
                 os.close(cur)
                 cur = child
                 frames.append(_Frame(iter(listing), relpath + "/", DirItem(relpath, "directory"), _identity(child)))

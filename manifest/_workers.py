@@ -155,22 +155,21 @@ def _fd_cap(workers: int) -> int:
     return max(1, min(workers, (soft - 16) // 3))
 
 
-def run_batches(tasks: list[list[int]], workers: int, run: Run, done: Callable[[list[int], list], None],
-                died_mapping: Callable[[int, str], object]) -> None:
-    """Run every task (a list of indices) through `run` in up to `workers` forked processes; `done(task,
-    findings)` is called in this process as each finishes. A worker killed by SIGBUS while it has a file
-    mapped costs that file a finding, `died_mapping(index, detail)`, passed to `done`; the rest of its task
-    is run again by a fresh worker. A worker that dies otherwise, or raises, ends the audit with its error."""
-    pending = deque(tasks)
-    live: dict[int, _Worker] = {}
-    selector = selectors.DefaultSelector()
-    workers = _fd_cap(workers)
-    parent = os.getpid()
+class _Pool:
+    """The forked workers of one `run_batches` call: the tasks not yet given out, the live workers by their result
+    pipe, and the selector over those pipes."""
 
-    def spawn() -> bool:
+    def __init__(self, tasks: list[list[int]], workers: int, run: Run):
+        self.pending = deque(tasks)
+        self.live: dict[int, _Worker] = {}
+        self.selector = selectors.DefaultSelector()
+        self.workers = _fd_cap(workers)
+        self.run = run
+        self.parent = os.getpid()
+
+    def spawn(self) -> bool:
         """Start a worker on the next task; False (with one or more already running) when the system has
         no descriptors or processes left for another."""
-        nonlocal workers
         signal.pthread_sigmask(signal.SIG_BLOCK, _ENDING)
         try:
             opened: list[int] = []
@@ -181,82 +180,101 @@ def run_batches(tasks: list[list[int]], workers: int, run: Run, done: Callable[[
                 pid = os.fork()
                 if pid == 0:
                     try:
-                        inherited = [fd for w in live.values() for fd in (w.task_w, w.result_r)]
-                        _worker(task_r, result_w, run, parent, inherited + [task_w, result_r])
+                        inherited = [fd for w in self.live.values() for fd in (w.task_w, w.result_r)]
+                        _worker(task_r, result_w, self.run, self.parent, inherited + [task_w, result_r])
                     finally:
                         os._exit(70)
             except OSError as e:
                 for fd in opened:
                     os.close(fd)
-                if live and e.errno in (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM):
-                    workers = len(live)  # run on with the workers there are
+                if self.live and e.errno in (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM):
+                    self.workers = len(self.live)  # run on with the workers there are
                     return False
                 raise StorageError(f"cannot start an audit worker process: {e.strerror}") from e
             os.close(task_r)
             os.close(result_w)
             worker = _Worker(pid, task_w, result_r)
-            live[result_r] = worker
-            selector.register(result_r, selectors.EVENT_READ)
-            worker.give(pending.popleft() if pending else None)
+            self.live[result_r] = worker
+            self.selector.register(result_r, selectors.EVENT_READ)
+            self._give_next(worker)
             return True
         finally:  # a SIGINT or SIGTERM held back until now finds this worker registered, so it is ended
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _ENDING)
 
-    def retire(worker: _Worker) -> int:
-        del live[worker.result_r]
-        selector.unregister(worker.result_r)
+    def _give_next(self, worker: _Worker) -> None:
+        worker.give(self.pending.popleft() if self.pending else None)
+
+    def retire(self, worker: _Worker) -> int:
+        del self.live[worker.result_r]
+        self.selector.unregister(worker.result_r)
         os.close(worker.task_w)
         os.close(worker.result_r)
         _, status = os.waitpid(worker.pid, 0)
         return status
 
+    def read(self, worker: _Worker, done: Callable[[list[int], list], None],
+             died_mapping: Callable[[int, str], object]) -> None:
+        """What a worker's result pipe holds now: its end (a fresh worker takes its place while tasks are
+        left), or messages, each handled whole."""
+        chunk = os.read(worker.result_r, 1 << 20)
+        if not chunk:
+            _ended(worker, self.retire(worker), self.pending, done, died_mapping)
+            if self.pending and len(self.live) < self.workers:
+                self.spawn()
+            return
+        worker.buf += chunk
+        while len(worker.buf) >= _HEADER.size:
+            tag, n = _HEADER.unpack_from(worker.buf)
+            if len(worker.buf) < _HEADER.size + n:
+                break
+            payload = bytes(worker.buf[_HEADER.size:_HEADER.size + n])
+            del worker.buf[:_HEADER.size + n]
+            if tag == b"M":
+                (worker.mapping,) = struct.unpack("<I", payload)
+            elif tag == b"U":
+                worker.mapping = None
+            elif tag == b"R":
+                task = worker.task
+                self._give_next(worker)
+                done(task, pickle.loads(payload))
+            else:
+                err, trace = pickle.loads(payload)
+                raise err from StorageError(f"in an audit worker process:\n{trace}")
+
+    def close(self) -> None:
+        """Kill and reap every worker still running."""
+        for worker in list(self.live.values()):
+            try:
+                os.kill(worker.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.retire(worker)
+        self.selector.close()
+
+
+def run_batches(tasks: list[list[int]], workers: int, run: Run, done: Callable[[list[int], list], None],
+                died_mapping: Callable[[int, str], object]) -> None:
+    """Run every task (a list of indices) through `run` in up to `workers` forked processes; `done(task,
+    findings)` is called in this process as each finishes. A worker killed by SIGBUS while it has a file
+    mapped costs that file a finding, `died_mapping(index, detail)`, passed to `done`; the rest of its task
+    is run again by a fresh worker. A worker that dies otherwise, or raises, ends the audit with its error."""
+    pool = _Pool(tasks, workers, run)
     own_sigterm = (threading.current_thread() is threading.main_thread()
                    and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
     if own_sigterm:
         signal.signal(signal.SIGTERM, _on_sigterm)
     terminated = False
     try:
-        for _ in range(min(workers, len(pending))):
-            if not spawn():
+        for _ in range(min(pool.workers, len(pool.pending))):
+            if not pool.spawn():
                 break
-        while live:
-            for key, _ in selector.select():
-                fd = key.fd
-                worker = live[fd]
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    _ended(worker, retire(worker), pending, done, died_mapping)
-                    if pending and len(live) < workers:
-                        spawn()
-                    continue
-                worker.buf += chunk
-                while len(worker.buf) >= _HEADER.size:
-                    tag, n = _HEADER.unpack_from(worker.buf)
-                    if len(worker.buf) < _HEADER.size + n:
-                        break
-                    payload = bytes(worker.buf[_HEADER.size:_HEADER.size + n])
-                    del worker.buf[:_HEADER.size + n]
-                    if tag == b"M":
-                        (worker.mapping,) = struct.unpack("<I", payload)
-                    elif tag == b"U":
-                        worker.mapping = None
-                    elif tag == b"R":
-                        task = worker.task
-                        worker.give(pending.popleft() if pending else None)
-                        done(task, pickle.loads(payload))
-                    else:
-                        err, trace = pickle.loads(payload)
-                        raise err from StorageError(f"in an audit worker process:\n{trace}")
+        while pool.live:
+            for key, _ in pool.selector.select():
+                pool.read(pool.live[key.fd], done, died_mapping)
     except _Terminated:
         terminated = True
     finally:
-        for worker in list(live.values()):
-            try:
-                os.kill(worker.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            retire(worker)
-        selector.close()
+        pool.close()
         if own_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if terminated:

@@ -10,18 +10,19 @@ from shardtool.runtime.engine import (NODE_CONFIG, NODE_NAME_PATTERN, MAX_PLAN_B
                                       encode_plan, leave_cluster, load_plan, load_signed_plan, make_plan, node_alive,
                                       node_files, node_memory_floor, open_signed_plan, prepare_node, serve_node,
                                       sign_plan, signature_path, summarize,
-                                      BudgetPlan, Engine, ErrorEvent, Event, FinishEvent, RunRecord, SamplingParams,
+                                      BudgetPlan, Detokenizer, Engine, ErrorEvent, Event, FinishEvent, RunRecord, SamplingParams,
                                       Session, SignedReceipt, Ticket, TokenEvent, Tolerances, VerifiedWeights,
                                       check_request, check_weights, encode_prompt, load_tokenizer, make_receipt,
-                                      plan_budget, replay_engine, replay_receipt, verified_config)
+                                      plan_budget, replay_engine, replay_receipt, verified_config,
+                                      ModelSource, open_source, verify_all, Generation, VerifiedModel, open_model)
 from shardtool.runtime.model import MAX_THREADS as MAX_KERNEL_THREADS, kernels as native_kernels
 from shardtool.runtime.model import set_threads as set_kernel_threads
 from shardtool.runtime.store import (DEFAULT_POLICY as DEFAULT_CACHE_POLICY, POLICIES as CACHE_POLICIES, ShardStore,
                                      StoreStats)
 
 __all__ = ["CACHE_POLICIES", "DEFAULT_CACHE_POLICY", "node_files", "NODE_CONFIG", "MAX_PLAN_BYTES", "NODE_NAME_PATTERN", "ClusterPlan", "NodePlan", "check_plan", "decode_plan", "encode_plan", "make_plan", "node_memory_floor",
-           "summarize", "BudgetPlan", "Engine", "ErrorEvent", "Event", "FinishEvent", "SamplingParams", "Session", "ShardFormatError",
+           "summarize", "BudgetPlan", "Detokenizer", "Engine", "ErrorEvent", "Event", "FinishEvent", "SamplingParams", "Session", "ShardFormatError",
            "Ticket", "TokenEvent", "plan_budget", "ShardStore", "StoreStats", "VerifiedWeights", "encode_prompt",
            "load_tokenizer", "verified_config", "RunRecord", "SignedReceipt", "make_receipt", "Tolerances", "check_request", "check_weights", "replay_engine", "replay_receipt",
            "ClusterStats", "RemoteExperts", "connect_cluster", "load_plan", "load_signed_plan", "signature_path", "open_signed_plan", "sign_plan", "NodeService", "NodeSetup", "leave_cluster", "node_alive",
-           "prepare_node", "serve_node", "set_kernel_threads", "MAX_KERNEL_THREADS", "native_kernels"]
+           "prepare_node", "serve_node", "ModelSource", "open_source", "verify_all", "Generation", "VerifiedModel", "open_model", "set_kernel_threads", "MAX_KERNEL_THREADS", "native_kernels"]

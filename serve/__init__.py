@@ -12,30 +12,14 @@ without the runtime's numpy.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from shardtool.lazy import lazy_exports
 
 _HOMES = {
     "_access": ("Access",),
     "_app": ("Limits", "create_app"),
     "_chat": ("ChatTemplate",),
-    "_health": ("verify_all_first",),
     "_receipts": ("ReceiptSigner",),
     "_server": ("ServerSettings", "Stopped", "bind", "check_tls_files", "run", "stop_on_signals", "url_of"),
 }
-_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
-__all__ = sorted(_HOME_OF)
-
-
-def __getattr__(name: str) -> Any:
-    module = _HOME_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__all__, __getattr__, __dir__ = lazy_exports(globals(), _HOMES)

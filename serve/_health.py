@@ -1,5 +1,5 @@
-"""What GET /health says about the weights: every listed file checked before the socket opens
-(`serve --verify-all-first`), and the files found bad by requests since the server started.
+"""What GET /health says about the weights: the files found bad by requests since the server started (every listed
+file is checked before the socket opens with `serve --verify-all-first`: the runtime's `verify_all`).
 
 A shard that fails its check fails each request that needs it (HTTP 500) and stays bad: the bytes on disk do not
 heal, so the server reports itself degraded until it is restarted on a good copy.
@@ -8,30 +8,10 @@ heal, so the server reports itself degraded until it is restarted on a good copy
 from __future__ import annotations
 
 import threading
-from pathlib import Path
-from typing import Callable
 
-from shardtool.errors import DigestMismatchError, MissingFileError, VerificationError
+from shardtool.errors import VerificationError
 
 MAX_NAMES = 64  # bad files named in /health's body (the count is always exact)
-
-
-def verify_all_first(root: Path, manifest, *, remote: bool, fetch_missing: Callable | None) -> int:
-    """Every listed file the server would read, checked (size, then BLAKE3) before it serves; raises the first
-    failure, as a verified read would. With a cluster (`remote`) the experts are the nodes' own to check.
-    Returns the bytes checked."""
-    from shardtool.manifest import verify_entry
-
-    entries = [e for e in manifest.entries if not remote or e.kind != "expert"]
-    for entry in entries:
-        try:
-            verify_entry(root, entry)
-        except (MissingFileError, DigestMismatchError):
-            if fetch_missing is None:
-                raise
-            fetch_missing(entry)  # --remote: fetched (and verified) into the cache, then checked where it landed
-            verify_entry(root, entry)
-    return sum(entry.size for entry in entries)
 
 
 class ShardHealth:

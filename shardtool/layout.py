@@ -13,6 +13,7 @@ for them.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 EMBED = "trunk/embed.safetensors"
 HEAD = "trunk/head.safetensors"
@@ -49,3 +50,14 @@ def classify(relpath: str) -> tuple[str, int | None, int | None]:
     if relpath in TOKENIZER_FILES:
         return "tokenizer", None, None
     return "other", None, None
+
+
+def model_dir(path: Path) -> Path:
+    """A model directory given by a user: it must exist and be a directory (named before anything is read)."""
+    from shardtool.errors import UsageError
+
+    if not path.exists():
+        raise UsageError("directory does not exist", path=str(path))
+    if not path.is_dir():
+        raise UsageError("not a directory", path=str(path))
+    return path

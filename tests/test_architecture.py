@@ -14,7 +14,10 @@ REPO = Path(__file__).resolve().parents[1]
 # folder -> (package, floor). A part may import its own floor's modules and the public face of lower floors.
 PARTS = {"shardtool": ("shardtool", 0), "keys": ("shardtool.keys", 1), "manifest": ("shardtool.manifest", 2),
          "remote": ("shardtool.remote", 2.5), "checkpoint": ("shardtool.checkpoint", 3), "runtime": ("shardtool.runtime", 3), "serve": ("shardtool.serve", 4),
-         "cli": ("shardtool.cli", 5)}
+         "api": ("shardtool.api", 4.5), "cli": ("shardtool.cli", 5)}
+# The one upward import allowed: the package's face (shardtool/__init__.py) hands out the library calls
+# (`shardtool.open_model`, ...) by importing this module inside its module `__getattr__`, on first use only.
+FACE, FACE_IMPORT = "shardtool/__init__.py", "shardtool.api"
 # The runtime's own floors, bottom up: sub-package -> floor. A module imports its own sub-package's modules and the
 # public face (`__init__`) of the sub-packages below it; `runtime/__init__.py` (the part's face) may import every
 # face. No module sits beside them at the top of runtime/ (a test holds that too).
@@ -93,9 +96,10 @@ def _violations() -> list[str]:
         for path in sorted((REPO / folder).rglob("*.py")):
             if folder == "shardtool" and path.relative_to(REPO / folder).parts[0] in PARTS:
                 continue
+            lazy = _lazy_face_lines(path) if path.relative_to(REPO).as_posix() == FACE else set()
             for line, module in _imports(path):
                 target = _part_of(module)
-                if target is None or target == folder:
+                if target is None or target == folder or (module == FACE_IMPORT and line in lazy):
                     continue
                 where = f"{path.relative_to(REPO)}:{line} imports {module}"
                 if PARTS[target][1] >= floor:
@@ -104,6 +108,13 @@ def _violations() -> list[str]:
                 if any(part.startswith("_") for part in rest.split(".") if part):
                     out.append(f"{where}: a private module of {target}")
     return out
+
+
+def _lazy_face_lines(path: Path) -> set[int]:
+    """The lines of the package face's module `__getattr__` (PEP 562): imports there run on first use only."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {line for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
+            for line in range(node.lineno, node.end_lineno + 1)}
 
 
 def _subfloor(module: str) -> str | None:
@@ -245,6 +256,36 @@ def test_the_check_sees_a_violation(tmp_path, monkeypatch):
     found = _violations()
     assert any("private module of checkpoint" in v for v in found)
     assert any("cli is not on a lower floor" in v for v in found)
+
+
+# The package face's one upward import: only shardtool.api, only inside its module __getattr__.
+FACE_PLANTED = [
+    ("lazy_api_import", "def __getattr__(name):\n    import shardtool.api\n", []),
+    ("api_at_import_time", "import shardtool.api\n",
+     ["shardtool/__init__.py:1 imports shardtool.api: api is not on a lower floor than shardtool"]),
+    ("lazy_runtime_import", "def __getattr__(name):\n    import shardtool.runtime\n",
+     ["shardtool/__init__.py:2 imports shardtool.runtime: runtime is not on a lower floor than shardtool"]),
+    ("api_in_another_function", "def other():\n    import shardtool.api\n",
+     ["shardtool/__init__.py:2 imports shardtool.api: api is not on a lower floor than shardtool"]),
+]
+
+
+@pytest.mark.parametrize("text, expected", [case[1:] for case in FACE_PLANTED], ids=[case[0] for case in FACE_PLANTED])
+def test_the_package_face_may_import_only_the_api_and_only_lazily(tmp_path, monkeypatch, text, expected):
+    _fake_repo(tmp_path, monkeypatch, {FACE: text})
+    assert _violations() == expected
+
+
+def test_the_package_face_hands_out_the_library_calls_lazily():
+    """`import shardtool` alone imports nothing above the base floor; `shardtool.open_model` then does."""
+    import subprocess
+    import sys
+
+    code = ("import sys, shardtool; before = {m for m in sys.modules if m.startswith('shardtool.')}; "
+            "shardtool.open_model, shardtool.sign, shardtool.verify; print(sorted(before)); "
+            "print('shardtool.api' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["[]", "True"]
 
 
 # Each planted import and the one line the runtime's floor check gives for it.

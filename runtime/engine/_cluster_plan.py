@@ -365,6 +365,25 @@ def make_plan(manifest: VerifiedManifest, nodes: Sequence[tuple[str, int, int | 
     ties go to the node listed first. The trunk and every other non-expert file stay with the coordinator.
     `keys`: node name -> its public key, named in the plan (a node without one cannot serve a cluster)."""
     node_keys = dict(keys or {})
+    _check_request(nodes, replicas, node_keys)
+    experts, others = _model(manifest)
+    top_k = experts_per_token(manifest)
+    held = _place(experts, nodes, replicas)
+    plan_nodes = tuple(NodePlan(name, budget, disk, {layer: tuple(sorted(ids)) for layer, ids in sorted(h.items())},
+                                key=node_keys[name].raw if name in node_keys else None)
+                       for (name, budget, disk), h in zip(nodes, held))
+    _check_distinct_keys([(n.name, n.key) for n in plan_nodes])
+    head = manifest.head
+    plan = ClusterPlan(head.model_id, head.version, head.merkle_root, replicas, others, plan_nodes)
+    for node in plan.nodes:
+        _check_fit(node, experts, top_k)
+    return plan
+
+
+def _check_request(nodes: Sequence[tuple[str, int, int | None]], replicas: int,
+                   node_keys: Mapping[str, PublicKey]) -> None:
+    """What `make_plan` is asked for, checked before the manifest is read: every key for a node of the plan,
+    the replica count, the node count, each node's name, budget and disk, no name twice, enough nodes."""
     unknown = sorted(set(node_keys) - {n[0] for n in nodes if isinstance(n[0], str)})
     if unknown:
         raise UsageError(f"a key is given for {unknown[0][:40]!r}, which is not a node of the plan")
@@ -383,9 +402,12 @@ def make_plan(manifest: VerifiedManifest, nodes: Sequence[tuple[str, int, int | 
         raise UsageError(f"node {next(n for n in names if names.count(n) > 1)!r} is named more than once")
     if replicas > len(nodes):
         raise UsageError(f"--replicas {replicas} needs at least {replicas} nodes, got {len(nodes)}")
-    experts, others = _model(manifest)
-    top_k = experts_per_token(manifest)
 
+
+def _place(experts: Mapping[tuple[int, int], int], nodes: Sequence[tuple[str, int, int | None]],
+           replicas: int) -> list[dict[int, list[int]]]:
+    """Per node (in plan order), layer -> the experts it holds, placed as `make_plan` says; a copy no node has
+    disk left for is a `UsageError` naming the node to grow."""
     budgets = np.array([budget for _, budget, _ in nodes], dtype=np.float64)
     disks = np.array([_UNLIMITED if disk is None else disk for _, _, disk in nodes], dtype=np.int64)
     held_bytes = np.zeros(len(nodes), dtype=np.int64)  # at most 2^62 + one expert: exact in int64
@@ -416,15 +438,7 @@ def make_plan(manifest: VerifiedManifest, nodes: Sequence[tuple[str, int, int | 
                          f"bytes ({unplaced} bytes of expert copies have no node with room; {name} has "
                          f"{disk - int(held_bytes[-neg_i])} of {disk} bytes free)",
                          hint="give a node more disk, add a node, or lower --replicas")
-    plan_nodes = tuple(NodePlan(name, budget, disk, {layer: tuple(sorted(ids)) for layer, ids in sorted(h.items())},
-                                key=node_keys[name].raw if name in node_keys else None)
-                       for (name, budget, disk), h in zip(nodes, held))
-    _check_distinct_keys([(n.name, n.key) for n in plan_nodes])
-    head = manifest.head
-    plan = ClusterPlan(head.model_id, head.version, head.merkle_root, replicas, others, plan_nodes)
-    for node in plan.nodes:
-        _check_fit(node, experts, top_k)
-    return plan
+    return held
 
 
 # ---------------------------------------------------------------------------------------------- the signature

@@ -31,7 +31,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -343,20 +343,42 @@ class Engine:
                 on_token: Callable[[int], None], *, record: bool = False) -> Ticket:
         """Generate for one request on this thread (verify-and-run). Raises what failed it, as it was raised.
         With `record`, the returned ticket's `record` is complete (RunRecord.finish_reason set)."""
+        ticket, tokens = self.generate_one(prompt_ids, params, record=record)
+        for token in tokens:
+            on_token(token)
+        return ticket
+
+    def generate_one(self, prompt_ids: Sequence[int], params: SamplingParams, *,
+                     record: bool = False) -> tuple[Ticket, Iterator[int]]:
+        """Submit one request (refused here if it cannot be admitted); its tokens come as the iterator is consumed,
+        each step run on the consumer's thread. The iterator raises what failed the request, after the tokens it
+        produced first; closed early, it cancels the request and frees its KV cache."""
+        produced: deque[int] = deque()
         failure: list[BaseException] = []
 
         def sink(event: Event) -> None:
             if isinstance(event, TokenEvent):
-                on_token(event.token)
+                produced.append(event.token)
             elif isinstance(event, ErrorEvent):
                 failure.append(event.error)
 
         ticket = self.submit(prompt_ids, params, sink, record=record)
-        while not ticket.done:
-            self.step()
+        return ticket, self._steps(ticket, produced, failure)
+
+    def _steps(self, ticket: Ticket, produced: deque, failure: list) -> Iterator[int]:
+        try:
+            while not ticket.done:
+                self.step()
+                while produced:
+                    yield produced.popleft()
+            while produced:
+                yield produced.popleft()
+        finally:
+            if not ticket.done:
+                self.cancel(ticket)
+                self.step()  # a running request leaves the batch at a step boundary
         if failure:
             raise failure[0]
-        return ticket
 
     def step(self) -> None:
         """One batched forward step over every running sequence; emits the tokens it produced."""

@@ -22,7 +22,7 @@ import numpy as np
 
 from shardtool.errors import ReceiptMismatchError, UsageError
 from shardtool.manifest import Receipt, VerifiedManifest, decode_trace, routing_leaves, routing_root
-from shardtool.runtime.model import ModelConfig
+from shardtool.runtime.model import ModelConfig, StepTrace
 
 from ._engine import Engine
 from ._sampling import sampling_slack
@@ -195,13 +195,7 @@ def _compare(engine: Engine, receipt: Receipt, claimed_routes: np.ndarray | None
         routes = np.stack(trace.routes, axis=1)  # [t, layers, k]
         replay_routes.append(routes)
         leaves.extend(routing_leaves(routes, start))
-        for slot in range(routes.shape[1]):
-            near = np.nonzero(trace.gaps[slot] <= tol.route_gap)[0]
-            for row in near:
-                alt = routes[row, slot].copy()
-                out, into = trace.swaps[slot][row]
-                alt[alt == out] = into
-                ties.append((start + int(row), slot, np.sort(alt)))
+        ties += _near_ties(routes, trace, start, tol)
         for row in range(t):
             p = start + row
             d = _check_fingerprint(trace.hidden[row], int(fp_index[p]), float(fp_value[p]), hidden_size, tol, stats)
@@ -221,19 +215,45 @@ def _compare(engine: Engine, receipt: Receipt, claimed_routes: np.ndarray | None
             break  # the rest of the replay cannot make the receipt valid
     route_verdict = "match"
     if first is None and claimed_routes is None:
-        got = routing_root(leaves)
-        if got != receipt.routing_root:
-            route_verdict = _search_ties(np.concatenate(replay_routes), leaves, ties, receipt.routing_root, tol)
-            if route_verdict == "differs":
-                first = Divergence(-1, "routing", "the routing trace the receipt commits to is not the replay's "
-                                   f"(no combination of the {len(ties)} near-tie(s) within {tol.route_gap} matches); "
-                                   "pass --trace to find the first token and layer")
-            else:
-                stats.route_ties += int(route_verdict.split()[0])
+        route_verdict, first = _check_routing_root(receipt, replay_routes, leaves, ties, tol, stats)
+    return _report(first, route_verdict, sum(len(r) for r in replay_routes), stats, tol)
+
+
+def _near_ties(routes: np.ndarray, trace: StepTrace, start: int, tol: Tolerances) -> list[tuple[int, int, np.ndarray]]:
+    """# routes [t, layers, k] -> (position, layer slot, alternative [k] row) for every choice of a segment whose
+    last chosen expert beat the first left out by at most `tol.route_gap`: the routing it would have had."""
+    ties = []
+    for slot in range(routes.shape[1]):
+        near = np.nonzero(trace.gaps[slot] <= tol.route_gap)[0]
+        for row in near:
+            alt = routes[row, slot].copy()
+            out, into = trace.swaps[slot][row]
+            alt[alt == out] = into
+            ties.append((start + int(row), slot, np.sort(alt)))
+    return ties
+
+
+def _check_routing_root(receipt: Receipt, replay_routes: list[np.ndarray], leaves: list[bytes],
+                        ties: list[tuple[int, int, np.ndarray]], tol: Tolerances, stats: _Stats
+                        ) -> tuple[str, Divergence | None]:
+    """(verdict, divergence) for a receipt without its trace: only the routing root to compare, with the
+    near-ties' alternatives searched when the replay's own root differs."""
+    if routing_root(leaves) == receipt.routing_root:
+        return "match", None
+    route_verdict = _search_ties(np.concatenate(replay_routes), leaves, ties, receipt.routing_root, tol)
+    if route_verdict == "differs":
+        return route_verdict, Divergence(-1, "routing", "the routing trace the receipt commits to is not the "
+                                         f"replay's (no combination of the {len(ties)} near-tie(s) within "
+                                         f"{tol.route_gap} matches); pass --trace to find the first token and layer")
+    stats.route_ties += int(route_verdict.split()[0])
+    return route_verdict, None
+
+
+def _report(first: Divergence | None, route_verdict: str, positions: int, stats: _Stats, tol: Tolerances) -> dict:
     return {
         "valid": first is None,
         "first_divergence": first.as_dict() if first is not None else None,
-        "positions_checked": sum(len(r) for r in replay_routes),
+        "positions_checked": positions,
         "near_ties": {"tokens": stats.token_ties, "routing": stats.route_ties, "fingerprint": stats.fingerprint_ties},
         "margins": {"max_token_deviation": stats.max_token_gap,
                     "max_fingerprint_relative_error": stats.max_fingerprint_error,

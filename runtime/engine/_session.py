@@ -6,7 +6,7 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from shardtool.errors import UsageError
 from shardtool.manifest import VerifiedManifest
@@ -15,6 +15,7 @@ from shardtool.runtime.store import DEFAULT_POLICY
 
 from ._engine import Engine, ExpertCluster
 from ._sampling import SamplingParams, check_sampling
+from ._source import verify_all
 
 @dataclass
 class RunReport:
@@ -79,24 +80,8 @@ class Session:
         self.engine.close()
 
     def verify_all(self) -> int:
-        """--verify-all-first: every listed file checked before the first token. The bytes are not used
-        (shards are read and verified again when needed), so they are streamed, as audit does, rather
-        than held whole in memory; the errors are the ones a verified read gives."""
-        from shardtool.manifest import verify_entry
-
-        from shardtool.errors import DigestMismatchError, MissingFileError
-
-        # With a cluster the experts are the nodes': each node checked its own before it joined.
-        entries = [e for e in self.manifest.entries if self.remote is None or e.kind != "expert"]
-        for entry in entries:
-            try:
-                verify_entry(self.root, entry)
-            except (MissingFileError, DigestMismatchError):
-                if self.fetch_missing is None:
-                    raise
-                self.fetch_missing(entry)  # --remote: every file is fetched (verified) into the cache first
-                verify_entry(self.root, entry)
-        return sum(entry.size for entry in entries)
+        """--verify-all-first: every listed file checked before the first token (`_source.verify_all`)."""
+        return verify_all(self.root, self.manifest, cluster=self.remote is not None, fetch_missing=self.fetch_missing)
 
     def decode_text(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer else ""
@@ -106,25 +91,30 @@ class Session:
         """Generate; with `record`, `self.record` is then the RunRecord a receipt is made from. The report (and
         `summary()`'s token counts and rates) describes this call alone: a second call on the session starts a new
         one, rather than adding its tokens to the first call's beside its own seconds."""
+        for token in self.tokens(prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                 record=record):
+            on_token(token)
+        return self.report
+
+    def tokens(self, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float, top_p: float,
+               seed: int | None, record: bool = False) -> Iterator[int]:
+        """`generate` as an iterator of the new token ids, each step run as it is consumed."""
         check_sampling(temperature, top_p)
         report = self.report = RunReport()
         report.prompt_tokens = len(prompt_ids)
         if max_new_tokens <= 0:
-            return report
-
-        def emit(token: int) -> None:
+            return
+        params = SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        ticket, produced = self.engine.generate_one(prompt_ids, params, record=record)
+        for token in produced:
             report.generated.append(token)
             report.new_tokens += 1
-            on_token(token)
-
-        params = SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-        ticket = self.engine.run_one(prompt_ids, params, emit, record=record)
+            yield token
         self.record = ticket.record
         report.prefill_seconds = ticket.prefill_seconds
         report.decode_seconds = ticket.decode_seconds
         report.decode_expert_bytes = ticket.decode_expert_bytes
         self._kv_cache_bytes = ticket.kv_bytes
-        return report
 
     def lookahead_summary(self) -> dict:
         """On or off, where the prediction is made, its recall, and what its prefetches read and how many were used."""

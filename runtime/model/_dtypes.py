@@ -12,13 +12,13 @@ import numpy as np
 
 from shardtool import formats
 from shardtool.blockquant import (BF16, COMPUTE_DTYPES, FLOAT8, FP4_E2M1, MXFP4_NAN_SCALE, dequantize,
-                                  mxfp4_to_float32, quantize_fp8, quantize_mxfp4, to_float32)
+                                  mxfp4_to_float32, quantize_mxfp4, to_float32)
 from shardtool.errors import CheckpointFormatError
 
 DEFAULT_BLOCK = formats.FP8.block  # DeepSeek-V3 `quantization_config.weight_block_size`
 MXFP4_GROUP = formats.MXFP4.block[1]
 __all__ = ["BF16", "COMPUTE_DTYPES", "DEFAULT_BLOCK", "FLOAT8", "FP4_E2M1", "MXFP4_GROUP", "MXFP4_NAN_SCALE",
-           "dequantize", "finite", "mxfp4_to_float32", "quantize_fp8", "quantize_mxfp4", "to_float32", "weight_f32"]
+           "dequantize", "finite", "mxfp4_to_float32", "quantize_mxfp4", "to_float32", "weight_f32"]
 
 
 def finite(array: np.ndarray, what: str) -> np.ndarray:

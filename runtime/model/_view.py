@@ -1,6 +1,6 @@
 """The forward pass's view of a `WeightProvider`: each shard's tensors checked and packed once per shard it hands
-out, the routed experts fetched (locally or from a cluster's nodes), and the lookahead's guesses handed to a
-`Prefetcher`."""
+out, and the routed experts fetched (locally or from a cluster's nodes); the lookahead's guesses are `Lookahead`'s
+(`_lookahead.py`), which this view hands the forward pass's calls to."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from shardtool.families import TEXT_MODEL_WRAPPER
 
 from ._config import ModelConfig
 from ._dtypes import finite, to_float32, weight_f32
-from ._layers import ROUTER_TENSORS, ExpertFetch, ExpertOutputs, ObserveRoute, predict_experts
-from ._lookahead import LookaheadStats
+from ._layers import ExpertFetch, ExpertOutputs, ObserveRoute
+from ._lookahead import Lookahead
 from ._packed import Packed, pack
 from ._prepare import expert_packed, prepare_layer, run_expert
 from ._weights import Prefetcher, WeightProvider, derived
@@ -31,20 +31,19 @@ class PackedWeights:
     `remote(layer)`, when given, computes the routed experts instead of the provider (a cluster's nodes); the
     provider then serves only the trunk.
 
-    Lookahead: when the provider is a `Prefetcher` and its `lookahead` is true, `lookahead(l, x)`
-    applies layer l's router to a hidden state that has not reached layer l and hands the predicted experts to the
-    provider, which starts reading and verifying them while the layers before l still compute. The layer itself
-    routes on its real input: a wrong guess costs a read, never a different result."""
+    Lookahead: when the provider is a `Prefetcher` and its `lookahead` is true, `lookahead(l, x)` guesses layer
+    l's experts and hands them to the provider (`Lookahead`). The layer itself routes on its real input: a wrong guess
+    costs a read, never a different result."""
 
     def __init__(self, cfg: ModelConfig, provider: WeightProvider,
                  remote: Callable[[int], ExpertFetch] | None = None):
         self.cfg = cfg
         self.provider = provider
         self.remote = remote
-        self.lookahead_stats = LookaheadStats()
         # The provider's loads the lookahead may start (None: it takes no guesses, or a cluster computes the experts).
-        self._prefetcher: Prefetcher | None = provider if remote is None and isinstance(provider, Prefetcher) else None
-        self._predicted: dict[int, np.ndarray] = {}  # layer -> [T, k] ids predicted for this step's rows
+        self._lookahead = Lookahead(cfg, provider,
+                                    provider if remote is None and isinstance(provider, Prefetcher) else None)
+        self.lookahead_stats = self._lookahead.stats
         self._lm_shape = (cfg.vocab_size, cfg.hidden_size)
 
     def embed_rows(self, ids: np.ndarray) -> np.ndarray:  # [T] -> [T, H]
@@ -98,36 +97,16 @@ class PackedWeights:
 
     @property
     def lookahead_on(self) -> bool:
-        return self._prefetcher is not None and bool(self._prefetcher.lookahead)
+        return self._lookahead.on
 
     def lookahead(self, layer: int, hidden: np.ndarray) -> None:
-        """# layer l, a hidden state [T, H] on its way to layer l -> its experts predicted and their loads started.
-        Nothing for a dense layer, past the last layer, or without a provider that prefetches."""
-        self._predicted.pop(layer, None)
-        if layer >= self.cfg.num_layers or not self.cfg.moe_layers[layer] or not self.lookahead_on:
-            return
-        router = derived(self.provider.layer(layer), "router", self.cfg,
-                         lambda t: prepare_layer(self.cfg, layer, t, only=ROUTER_TENSORS))
-        predicted = predict_experts(hidden, router, self.cfg)  # [T, k]
-        self._predicted[layer] = predicted
-        if len(predicted) == 1:  # a decode row: its k ids (distinct: every router's top-k), np.unique's order
-            self._prefetcher.prefetch_experts(layer, sorted(predicted[0].tolist()))
-            return
-        ids, rows = np.unique(predicted, return_counts=True)  # most rows first, ties by id
-        self._prefetcher.prefetch_experts(layer, [int(e) for e in ids[np.argsort(-rows, kind="stable")]])
+        """# layer l, a hidden state [T, H] on its way to layer l -> its experts guessed and their loads started
+        (`Lookahead.guess`)."""
+        self._lookahead.guess(layer, hidden)
 
     def observer(self, layer: int, observe: ObserveRoute | None) -> ObserveRoute | None:
         """`observe` for layer `layer`'s routing, first scoring it against what the lookahead predicted."""
-        predicted = self._predicted.pop(layer, None)
-        if predicted is None:
-            return observe
-
-        def scored(idx: np.ndarray, scores: np.ndarray) -> None:
-            if len(predicted) == len(idx):  # (always, unless a failed step left a guess for other rows)
-                self.lookahead_stats.add(predicted, idx)
-            if observe is not None:
-                observe(idx, scores)
-        return scored
+        return self._lookahead.observer(layer, observe)
 
     def expert_fetch(self, layer: int) -> ExpertFetch:
         if self.remote is not None:

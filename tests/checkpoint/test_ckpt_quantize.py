@@ -451,7 +451,7 @@ def test_join_refuses_a_quantized_split_however_its_records_are_edited(make_tiny
 def test_quantize_trunk_refuses_a_weight_in_two_forms(stray):
     """A trunk weight with another form's tensor beside it is refused while planning (the runtime would refuse the
     signed shard), as an expert's is."""
-    from shardtool.checkpoint._plan import Piece, ShardPlan
+    from shardtool.checkpoint._plan_records import Piece, ShardPlan
     from shardtool.checkpoint._quantize import quantize_plans
     from shardtool.errors import CheckpointFormatError
     from shardtool.safetensors_format import TensorInfo

@@ -11,7 +11,8 @@ import ml_dtypes
 import numpy as np
 
 from shardtool.families import BY_NAME
-from shardtool.runtime.model import dequantize, quantize_fp8
+from shardtool.blockquant import quantize_fp8
+from shardtool.runtime.model import dequantize
 from shardtool.runtime.model._dtypes import quantize_mxfp4
 
 _SMALL = dict(vocab_size=256, hidden_size=64, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,

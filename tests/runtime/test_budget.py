@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from shardtool.cli._common import MAX_MEMORY_BUDGET, parse_size
 from shardtool.cli.run_cmd import MAX_PROMPT_IDS, MAX_TOKEN_ID, parse_ids
 from shardtool.errors import CheckpointFormatError, UsageError
-from shardtool.runtime.model import DictWeightProvider, Model, ModelConfig, dequantize, quantize_fp8
+from shardtool.blockquant import quantize_fp8
+from shardtool.runtime.model import DictWeightProvider, Model, ModelConfig, dequantize
 from shardtool.runtime.model._activations import prefill_chunk, step_bytes
 from shardtool.hf_config import FLOAT_CAPS, INT_CAPS
 from shardtool.runtime.engine._sampling import sample_token

@@ -299,6 +299,6 @@ def test_a_plan_assumes_the_readers_a_node_starts_with_by_default():
     from shardtool.cli import build_app
     from shardtool.runtime.engine._cluster_plan import NODE_READERS
 
-    command = typer.main.get_command(build_app(("node_cmd",)))
+    command = typer.main.get_command(build_app(("node_cmd",))).commands["node"]  # the group's one command
     readers = next(p for p in command.params if p.name == "readers")
     assert readers.default == NODE_READERS

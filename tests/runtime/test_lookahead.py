@@ -48,6 +48,7 @@ def test_the_prefetch_asks_first_for_the_experts_most_rows_predicted_ties_by_id(
     """One decode row (its own fast path) and several rows ask in the same order: most rows first, then by id."""
     from types import SimpleNamespace
 
+    import shardtool.runtime.model._lookahead as la
     import shardtool.runtime.model._view as fw
 
     asked = []
@@ -62,8 +63,8 @@ def test_the_prefetch_asks_first_for_the_experts_most_rows_predicted_ties_by_id(
             asked.append((layer, ids))
 
     predicted = {}
-    monkeypatch.setattr(fw, "prepare_layer", lambda *a, **k: {})
-    monkeypatch.setattr(fw, "predict_experts", lambda hidden, router, cfg: predicted["ids"])
+    monkeypatch.setattr(la, "prepare_layer", lambda *a, **k: {})
+    monkeypatch.setattr(la, "predict_experts", lambda hidden, router, cfg: predicted["ids"])
     cfg = SimpleNamespace(num_layers=3, moe_layers=(True, True, False), vocab_size=4, hidden_size=2)
     weights = fw.PackedWeights(cfg, Provider())
     for ids, want in (([[7, 2, 5]], [2, 5, 7]), ([[7, 2], [2, 9], [9, 2]], [2, 9, 7])):

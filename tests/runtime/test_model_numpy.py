@@ -10,8 +10,9 @@ import pytest
 
 from shardtool.errors import CheckpointFormatError, UsageError
 from shardtool.runtime.engine._sampling import sample_token
+from shardtool.blockquant import quantize_fp8
 from shardtool.runtime.model import (DictWeightProvider, KVCache, Model, ModelConfig, bytes_per_token, dequantize,
-                                     quantize_fp8, to_float32, trunk_shapes)
+                                     to_float32, trunk_shapes)
 
 from _decode import generate, stream
 

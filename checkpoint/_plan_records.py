@@ -1,7 +1,8 @@
-"""What split will write: output files, the tensors in each, and how each is cut from the source.
+"""The records a split plan is made of: output files, the tensors in each, and how each is cut from the source
+(the planner that makes them: `_split_plan.py`).
 
 Pure data and arithmetic; no I/O. `Cut` is the one transform between a fused source tensor and a
-canonical per-expert tensor, and `uncut` is its exact inverse (a byte permutation, so dtype-agnostic).
+canonical per-expert tensor (`cut`), and `paste` is its exact inverse (a byte permutation, so dtype-agnostic).
 """
 
 from __future__ import annotations

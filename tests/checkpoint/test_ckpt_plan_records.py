@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardtool.checkpoint._plan import Cut, cut, paste, uint_view
+from shardtool.checkpoint._plan_records import Cut, cut, paste, uint_view
 from shardtool.errors import CheckpointFormatError
 
 

@@ -1,7 +1,8 @@
-"""Where each tensor of a checkpoint goes in the split layout.
+"""The split planner: which output file each tensor of a checkpoint goes to, and how it is cut (`plan_split`).
 
 Pure functions of config.json and the tensor names/shapes (see docs/shard-layout.md for the layout); what a
-family's tensors look like comes from the family table (shardtool/families.py).
+family's tensors look like comes from the family table (shardtool/families.py); the plan it returns is made of
+the records in `_plan_records.py`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from shardtool.checkpoint._plan import Cut, Piece, ShardPlan
+from shardtool.checkpoint._plan_records import Cut, Piece, ShardPlan
 from shardtool.errors import CheckpointFormatError, UsageError
 from shardtool.families import (BY_NAME, EXPERT_PROJ_ALIASES, FUSED, PER_EXPERT, detect_family,
                                 expert_count, text_config)
@@ -148,19 +149,8 @@ def plan_split(config: Mapping[str, Any], tensors: Mapping[str, tuple[TensorInfo
     n_layers = decoder_layers(config)
     hidden = config_reader(config).int("hidden_size", None, minimum=0)
 
-    routed = {name: r for name in tensors if (r := _classify(name, custom)) is not None}
-    for name, r in routed.items():
-        _check_index(r.layer, MAX_LAYER, "layer", name)
-        if r.expert is not None:
-            _check_index(r.expert, MAX_EXPERT, "expert", name)
-    prefixes = {r.prefix for r in routed.values()}
-    if not routed:
-        raise CheckpointFormatError(
-            f"no routed-expert tensors found in this {family} checkpoint",
-            hint="is it a dense model? for an unusual layout pass --expert-pattern REGEX")
-    if len(prefixes) > 1 and custom is None:
-        raise CheckpointFormatError(f"expert tensors under several model prefixes: {sorted(prefixes)}")
-    prefix = prefixes.pop() if len(prefixes) == 1 else "model."
+    routed = _routed_tensors(tensors, custom)
+    prefix = _model_prefix(routed, family, custom)
     layer_rx = re.compile(re.escape(prefix) + r"layers\.(\d+)\.(.+)")
 
     def is_extra_layer(layer: int) -> bool:  # DeepSeek MTP layers sit at index >= num_hidden_layers
@@ -175,16 +165,7 @@ def plan_split(config: Mapping[str, Any], tensors: Mapping[str, tuple[TensorInfo
             if r.expert is not None:
                 experts[(r.layer, r.expert)].append(Piece(r.name, info.dtype, info.shape, info, file))
                 continue
-            if len(info.shape) < 2 or info.shape[0] == 0:
-                raise CheckpointFormatError(f"fused expert tensor {name!r} has shape {list(info.shape)}, "
-                                            "expected [E, ...]")
-            _check_index(info.shape[0] - 1, MAX_EXPERT, "expert", name)
-            for canonical, c in _fused_cuts(family, r.name, info, hidden):
-                out_shape = c.out_shape(info.shape[1:])
-                for e in range(info.shape[0]):
-                    experts[(r.layer, e)].append(Piece(canonical, info.dtype, out_shape, info, file, e, c))
-                if len(experts) > MAX_ENTRIES:  # before a hostile [10^6, 0] tensor per layer eats the memory
-                    raise CheckpointFormatError(f"more than {MAX_ENTRIES} expert files, the most a manifest holds")
+            _add_fused(experts, family, name, r, info, file, hidden)
             continue
         m = layer_rx.fullmatch(name)
         if m:
@@ -209,6 +190,45 @@ def plan_split(config: Mapping[str, Any], tensors: Mapping[str, tuple[TensorInfo
     # Process outputs in source order so the source files are read front to back.
     plans.sort(key=lambda p: order(p.pieces[0]))
     return family, plans
+
+
+def _routed_tensors(tensors: Mapping[str, tuple[TensorInfo, str]], custom: re.Pattern[str] | None
+                    ) -> dict[str, _Routed]:
+    """The routed-expert tensors by name, their layer and expert numbers checked against the manifest's caps."""
+    routed = {name: r for name in tensors if (r := _classify(name, custom)) is not None}
+    for name, r in routed.items():
+        _check_index(r.layer, MAX_LAYER, "layer", name)
+        if r.expert is not None:
+            _check_index(r.expert, MAX_EXPERT, "expert", name)
+    return routed
+
+
+def _model_prefix(routed: Mapping[str, _Routed], family: str, custom: re.Pattern[str] | None) -> str:
+    """The one prefix ("model.", "model.language_model.", ...) the expert tensors sit under, which the trunk's
+    names are read against."""
+    prefixes = {r.prefix for r in routed.values()}
+    if not routed:
+        raise CheckpointFormatError(
+            f"no routed-expert tensors found in this {family} checkpoint",
+            hint="is it a dense model? for an unusual layout pass --expert-pattern REGEX")
+    if len(prefixes) > 1 and custom is None:
+        raise CheckpointFormatError(f"expert tensors under several model prefixes: {sorted(prefixes)}")
+    return prefixes.pop() if len(prefixes) == 1 else "model."
+
+
+def _add_fused(experts: dict[tuple[int, int], list[Piece]], family: str, name: str, r: _Routed, info: TensorInfo,
+               file: str, hidden: int | None) -> None:
+    """One fused [E, ...] tensor's pieces, a cut of it per canonical tensor, added to each of its E experts."""
+    if len(info.shape) < 2 or info.shape[0] == 0:
+        raise CheckpointFormatError(f"fused expert tensor {name!r} has shape {list(info.shape)}, "
+                                    "expected [E, ...]")
+    _check_index(info.shape[0] - 1, MAX_EXPERT, "expert", name)
+    for canonical, c in _fused_cuts(family, r.name, info, hidden):
+        out_shape = c.out_shape(info.shape[1:])
+        for e in range(info.shape[0]):
+            experts[(r.layer, e)].append(Piece(canonical, info.dtype, out_shape, info, file, e, c))
+        if len(experts) > MAX_ENTRIES:  # before a hostile [10^6, 0] tensor per layer eats the memory
+            raise CheckpointFormatError(f"more than {MAX_ENTRIES} expert files, the most a manifest holds")
 
 
 def _non_layer_file(name: str, prefix: str) -> str:
