@@ -30,14 +30,15 @@ import numpy as np
 from shardtool.errors import ShardtoolError, SignatureError, UnavailableError, UsageError
 from shardtool.keys import PublicKey
 from shardtool.manifest import VerifiedManifest, pae
-from ._cluster_plan import (MAX_PLAN_BYTES, MAX_SIGNATURE_FILE, ClusterPlan, decode_plan,
-                                             open_signed_plan)
-from ._cluster_node import INFO_TYPE, REPLY_TYPE, is_int, new_nonce, output_digest
-from ._cluster_proxy import NodeFailed, ProxyTransport, keep_memory_private
+from shardtool.private_memory import keep_memory_private
 from shardtool.runtime.model import ExpertFetch, ExpertOutputs
 from shardtool.safeio import read_regular
 from shardtool.strict_json import loads_strict
 from shardtool.text import printable
+
+from ._cluster_node import INFO_TYPE, REPLY_TYPE, is_int, new_nonce, output_digest
+from ._cluster_plan import MAX_PLAN_BYTES, MAX_SIGNATURE_FILE, ClusterPlan, decode_plan, open_signed_plan
+from ._cluster_proxy import NodeFailed, ProxyTransport
 
 DEFAULT_TIMEOUT = 30.0
 MAX_INFO_ENTRIES = 1 << 20  # [layer, expert] pairs (or failures) one node's info() may list

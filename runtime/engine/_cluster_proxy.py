@@ -51,7 +51,7 @@ START_SECONDS = 60.0  # for the child to import Ray and connect, on top of three
 CLOSE_SECONDS = 5.0
 _ERRORS = {cls.__name__: cls for cls in (UsageError, UnavailableError, VerificationError)}  # init's refusals
 _DTYPES = {"<f4": np.dtype("<f4"), "<i8": np.dtype("<i8")}  # the only arrays that cross the pipe
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_GET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 3, 24, 38
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 _CAPSET = {"x86_64": 126, "aarch64": 91}  # capset(2)
 _CHILD = "import sys; from shardtool.runtime.engine._cluster_proxy import main; main(sys.argv[1:])"
@@ -152,18 +152,6 @@ def decode_answer(obj: Any) -> dict:
 
 def _libc():
     return ctypes.CDLL(None, use_errno=True)
-
-
-def keep_memory_private() -> None:
-    """PR_SET_DUMPABLE 0 for this process: no other process of this user (the proxy included) may ptrace it or read
-    /proc/PID/mem, and it leaves no core dump; root (CAP_SYS_PTRACE) still can. Linux only; elsewhere a no-op."""
-    if sys.platform.startswith("linux") and _libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
-
-
-def memory_private() -> bool:
-    """Whether this process is not dumpable (`keep_memory_private` took effect)."""
-    return sys.platform.startswith("linux") and _libc().prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) == 0
 
 
 def proxy_environment() -> dict[str, str]:

@@ -23,6 +23,7 @@ import _clusterkit as ck  # noqa: E402
 from shardtool.errors import SignatureError, UnavailableError  # noqa: E402
 from shardtool.keys import generate, load_private_key, load_public_key  # noqa: E402
 from shardtool.manifest import load_trusted_manifest  # noqa: E402
+from shardtool.private_memory import memory_private  # noqa: E402
 from shardtool.runtime import NodeService, Session, load_signed_plan, prepare_node  # noqa: E402
 from shardtool.runtime.engine._cluster_node import REPLY_TYPE  # noqa: E402
 
@@ -392,14 +393,14 @@ def member(cluster, tmp_path_factory):
 def coordinator(member, monkeypatch):
     """This process as a coordinator of the member's cluster: Ray's token in its environment, a passphrase in
     SHARDTOOL_PASSPHRASE; dumpable again afterwards (connect_cluster makes it not)."""
-    from shardtool.runtime.engine import _cluster_proxy
+    from shardtool import private_memory
     for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(ck.token_file()))
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     monkeypatch.setenv("SHARDTOOL_PASSPHRASE", "pass-" + secrets.token_hex(16))
     yield member
-    _cluster_proxy._libc().prctl(_cluster_proxy.PR_SET_DUMPABLE, 1, 0, 0, 0)
+    private_memory._libc().prctl(private_memory.PR_SET_DUMPABLE, 1, 0, 0, 0)
 
 
 def _connect(cluster, head, timeout=30.0):
@@ -425,7 +426,7 @@ def test_cluster_member_pickle_runs_in_the_proxy_not_the_coordinator(cluster, co
         try:
             # Refuses /proc/PID/mem and ptrace to another process of this user; run as root, the proxy is refused
             # anyway (it holds no capability, fewer than this process): the flag is checked on its own.
-            assert _cluster_proxy.memory_private()
+            assert memory_private()
             before = len(_exec_records(log))
             assert _generate(cluster, remote) == local
             runs = _exec_records(log)[before:]
