@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from shardtool.atomic import atomic_write_bytes
 from shardtool.errors import KeyFileError, SignatureError, StorageError, UsageError
 from shardtool.keys._files import read_key_file
+from shardtool.private_memory import keep_memory_private
 
 # cryptography's `serialization` (and `_pkcs8`'s ciphers and KDF) are imported where a key is written, a private
 # key read, or an unusual public key file parsed: they cost about 30 ms at the start of every command that only
@@ -210,6 +211,7 @@ def load_private_key(path: Path | str, passphrase: Passphrase) -> PrivateKey:
         raise KeyFileError("not a PEM PKCS#8 private key", path=str(path)) from e
     if not isinstance(key, Ed25519PrivateKey):
         raise KeyFileError(f"private key is {type(key).__name__}, expected Ed25519", path=str(path))
+    keep_memory_private()  # the key now lives in this process's memory: no other process of this user may read it
     return PrivateKey(key, _reencrypt_note(path, kdf_name(data)) if encrypted else None)
 
 

@@ -11,6 +11,8 @@ is not asked of that node again. Either way its experts are retried on their nex
 replica left raises `UnavailableError` for the rows that chose it only (the engine fails just those requests).
 
 The outputs are combined by `moe_experts`, as local ones are, so greedy and sampled output equal one process's.
+`connect_cluster` reaches Ray through a cluster proxy (`_cluster_proxy`): this process never deserializes anything
+from Ray, and every check above runs on what the proxy's pipe carries.
 """
 
 from __future__ import annotations
@@ -28,23 +30,20 @@ import numpy as np
 from shardtool.errors import ShardtoolError, SignatureError, UnavailableError, UsageError
 from shardtool.keys import PublicKey
 from shardtool.manifest import VerifiedManifest, pae
-from ._cluster_plan import (MAX_PLAN_BYTES, MAX_SIGNATURE_FILE, ClusterPlan, decode_plan,
-                                             open_signed_plan)
-from ._cluster_node import (INFO_TYPE, NAMESPACE, NONCE, REPLY_TYPE, actor_name, import_ray, init_ray,
-                                             is_int, new_nonce, output_digest)
+from shardtool.private_memory import keep_memory_private
 from shardtool.runtime.model import ExpertFetch, ExpertOutputs
 from shardtool.safeio import read_regular
 from shardtool.strict_json import loads_strict
 from shardtool.text import printable
 
+from ._cluster_node import INFO_TYPE, REPLY_TYPE, is_int, new_nonce, output_digest
+from ._cluster_plan import MAX_PLAN_BYTES, MAX_SIGNATURE_FILE, ClusterPlan, decode_plan, open_signed_plan
+from ._cluster_proxy import NodeFailed, ProxyTransport
+
 DEFAULT_TIMEOUT = 30.0
 MAX_INFO_ENTRIES = 1 << 20  # [layer, expert] pairs (or failures) one node's info() may list
 MAX_BODY_BYTES = 64 * 2**20  # one signed answer's body (an info() listing every expert of a large model fits)
 _FAILED_KEY = re.compile(r"[0-9]{1,5}/[0-9]{1,7}")
-
-
-class NodeFailed(Exception):
-    """A node-level failure of one call: the node is dropped. `str()` is one line."""
 
 
 class Transport(Protocol):
@@ -348,49 +347,6 @@ class _RemoteOutputs(Mapping):
         return len(self._rows)
 
 
-class RayTransport:
-    """Calls to the named node actors of a Ray cluster (`shardtool node`)."""
-
-    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT, *, insecure: bool = False):
-        self.ray = import_ray()
-        init_ray(self.ray, address, timeout, insecure=insecure)
-        self._actors: dict[str, object] = {}
-
-    def _actor(self, node: str):
-        actor = self._actors.get(node)
-        if actor is None:
-            try:
-                actor = self.ray.get_actor(actor_name(node), namespace=NAMESPACE)
-            except ValueError:
-                raise NodeFailed(f"no node named {node} has joined the cluster") from None
-            self._actors[node] = actor
-        return actor
-
-    def info(self, node: str, nonce: str, timeout: float) -> dict:
-        return self.result(self._actor(node).info.remote(nonce), timeout)
-
-    def submit(self, node, layer, expert_ids, x, rows, nonce):
-        try:
-            return self._actor(node).run.remote(layer, expert_ids, x, rows, nonce)
-        except self.ray.exceptions.RayError as e:
-            raise NodeFailed(_ray_line(e)) from None
-
-    def result(self, pending, timeout: float) -> dict:
-        try:
-            return self.ray.get(pending, timeout=timeout)
-        except self.ray.exceptions.GetTimeoutError:
-            try:
-                self.ray.cancel(pending)  # a call still queued at the node is dropped there
-            except Exception:  # noqa: BLE001 - best effort: the node is dropped either way
-                pass
-            raise NodeFailed(f"no reply within {timeout:.1f}s") from None
-        except self.ray.exceptions.RayError as e:
-            raise NodeFailed(_ray_line(e)) from None
-
-    def close(self) -> None:
-        self.ray.shutdown()
-
-
 def load_plan(path: Path, manifest: VerifiedManifest) -> ClusterPlan:
     """A plan file, refused by size before it is read, decoded and checked against the verified manifest. Its
     signature is not checked: for choosing which verified files to fetch (`pull --plan`), never to run a cluster."""
@@ -423,10 +379,14 @@ def plan_placement(plan: ClusterPlan) -> dict[tuple[int, int], tuple[str, ...]]:
 def connect_cluster(address: str, plan: ClusterPlan, *, timeout: float = DEFAULT_TIMEOUT,
                     insecure: bool = False) -> RemoteExperts:
     """A coordinator's RemoteExperts over the Ray cluster at `address` (token authentication required unless
-    `insecure`), every planned node asked for its signed info (UnavailableError when some planned expert has no
+    `insecure`), through a cluster proxy (`_cluster_proxy`: this process never deserializes anything from Ray, and
+    is made non-dumpable first), every planned node asked for its signed info (UnavailableError when some planned expert has no
     node left that answers for this plan's root with its planned key). `plan` comes from `load_signed_plan`."""
     keys = {node.name: node.public_key() for node in plan.nodes}
-    transport = RayTransport(address, timeout, insecure=insecure)
+    # Before a byte of the cluster's arrives: the proxy (and whatever a reply runs in it) is a process of this
+    # user, which must not be able to read this one's memory (where a receipt key may be).
+    keep_memory_private()
+    transport = ProxyTransport(address, timeout, insecure=insecure)
     remote = RemoteExperts(plan_placement(plan), plan.root, transport, keys=keys, timeout=timeout)
     try:
         remote.connect()
@@ -434,15 +394,6 @@ def connect_cluster(address: str, plan: ClusterPlan, *, timeout: float = DEFAULT
         transport.close()
         raise
     return remote
-
-
-def _ray_line(e: BaseException) -> str:
-    """One line for a Ray error: its class, and for a task error the node's own one-line message."""
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, ShardtoolError):
-        return f"refused the call: {cause.one_line()}"
-    first = next((line for line in str(e).splitlines() if line.strip()), "")
-    return f"{type(e).__name__}: {' '.join(first.split())[:200]}"
 
 
 def _is_index(v) -> bool:

@@ -1,11 +1,18 @@
 """Attacks on a cluster: a client without Ray's token, a head that does not enforce it, an impostor node, a reply
-signed by another node, a replayed or re-aimed reply, an unsigned or garbled reply, a plan the operator did not sign.
-In-process nodes (`_clusterkit.Direct`) for the replies; a real local Ray head for the door."""
+signed by another node, a replayed or re-aimed reply, an unsigned or garbled reply, a plan the operator did not sign,
+a member whose reply is a pickle that runs code, a cluster proxy that dies or hangs.
+In-process nodes (`_clusterkit.Direct`) for the replies; a real local Ray head for the door and the proxy."""
 
 from __future__ import annotations
 
+import json
+import os
+import secrets
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +23,7 @@ import _clusterkit as ck  # noqa: E402
 from shardtool.errors import SignatureError, UnavailableError  # noqa: E402
 from shardtool.keys import generate, load_private_key, load_public_key  # noqa: E402
 from shardtool.manifest import load_trusted_manifest  # noqa: E402
+from shardtool.private_memory import memory_private  # noqa: E402
 from shardtool.runtime import NodeService, Session, load_signed_plan, prepare_node  # noqa: E402
 from shardtool.runtime.engine._cluster_node import REPLY_TYPE  # noqa: E402
 
@@ -294,3 +302,188 @@ def test_cluster_tls_head_with_token_is_joined_and_a_plaintext_client_refused(tm
         assert "REFUSED" in plain and "RAY_USE_TLS" in plain, plain
     finally:
         head.stop()
+
+
+# ------------------------------------------------------------------------------ a member's pickle: the cluster proxy
+
+# A member of the cluster hosting nodes a, b, c on a real Ray head: b and c honest; a answers info() honestly (a
+# member can read a node's key on its machine) and every run() with an object whose pickle calls exec: Ray runs that
+# code wherever the reply is deserialized. The code records its pid, tries to mark the coordinator's cluster module,
+# looks for the test's secret in every module it can see and in its parent's memory (/proc/PPID/mem).
+MEMBER = r"""
+import sys, time, ray
+from pathlib import Path
+from shardtool.keys import load_private_key, load_public_key
+from shardtool.manifest import load_trusted_manifest
+from shardtool.runtime import load_signed_plan, prepare_node
+from shardtool.runtime.engine._cluster_node import NAMESPACE, NodeActor, actor_name, init_ray
+
+full, work, address, log = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+CODE = '''
+import json, os, re, sys
+pid = os.getpid()
+mod = sys.modules.get("shardtool.runtime.engine._cluster")
+if mod is not None:
+    mod.HOSTILE_MARKER = pid
+seen = [getattr(m, "PROXY_TEST_SECRET") for m in list(sys.modules.values()) if hasattr(m, "PROXY_TEST_SECRET")]
+try:
+    mem = open(f"/proc/{os.getppid()}/mem", "rb", buffering=0)
+except OSError as e:
+    memory = "refused: " + type(e).__name__
+else:
+    memory = "opened"
+    with open(f"/proc/{os.getppid()}/maps") as maps:
+        for line in maps:
+            span, perms, *rest = line.split()
+            lo, hi = (int(v, 16) for v in span.split("-"))
+            if perms.startswith("rw") and (len(rest) < 4 or rest[3] == "[heap]") and hi - lo < 1 << 30:
+                try:
+                    mem.seek(lo)
+                    seen += [m.decode() for m in re.findall(rb"st-secret-[0-9a-f]{32}", mem.read(hi - lo))]
+                except OSError:
+                    pass
+with open(LOG, "a") as f:
+    f.write(json.dumps({"pid": pid, "ppid": os.getppid(), "seen": seen, "memory": memory}) + "\\n")
+'''.replace("LOG", repr(log))
+
+
+class Exec:
+    def __reduce__(self):
+        return exec, (CODE,)
+
+
+class Hostile(NodeActor):
+    def run(self, layer, expert_ids, x, rows, nonce):
+        return Exec()
+
+
+verified = load_trusted_manifest(full / "manifest.msgpack", [load_public_key(work / "a.pub")], 1, work / "member-state")
+plan = load_signed_plan(work / "plan.json", verified, [load_public_key(work / "op.pub")])
+init_ray(ray, address, 30.0)
+actors = []
+for name, cls in (("a", Hostile), ("b", NodeActor), ("c", NodeActor)):
+    key = load_private_key(work / f"node-{name}.key", None)
+    setup = prepare_node(full, verified, plan, name, budget=1 << 30, key=key)
+    actors.append(ray.remote(cls).options(name=actor_name(name), namespace=NAMESPACE, num_cpus=0,
+                                          max_concurrency=1).remote(setup))
+for actor in actors:
+    ray.get(actor.info.remote("0" * 32))
+print("MEMBER READY", flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.fixture(scope="module")
+def member(cluster, tmp_path_factory):
+    """A Ray head and the member above; the coordinator (this process) reaches it with this session's token."""
+    work = tmp_path_factory.mktemp("member")
+    head = ck.Head.start(work)
+    log = work / "exec.log"
+    proc = ck.start([sys.executable, "-c", MEMBER, str(cluster[0].full), str(cluster[0].work), head.address,
+                     str(log)], work / "member.log", cluster[0].work)
+    try:
+        proc.wait_for("MEMBER READY", 240)
+        yield head, log
+    finally:
+        proc.stop()
+        head.stop()
+
+
+@pytest.fixture
+def coordinator(member, monkeypatch):
+    """This process as a coordinator of the member's cluster: Ray's token in its environment, a passphrase in
+    SHARDTOOL_PASSPHRASE; dumpable again afterwards (connect_cluster makes it not)."""
+    from shardtool import private_memory
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(ck.token_file()))
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    monkeypatch.setenv("SHARDTOOL_PASSPHRASE", "pass-" + secrets.token_hex(16))
+    yield member
+    private_memory._libc().prctl(private_memory.PR_SET_DUMPABLE, 1, 0, 0, 0)
+
+
+def _connect(cluster, head, timeout=30.0):
+    from shardtool.runtime import connect_cluster
+    return connect_cluster(head.address, cluster[2], timeout=timeout)
+
+
+def _exec_records(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_cluster_member_pickle_runs_in_the_proxy_not_the_coordinator(cluster, coordinator):
+    """A member's reply whose pickle runs code: the code runs in the proxy (its pid), cannot mark the coordinator's
+    memory, find a secret put in a module global before connecting (the proxy is spawned, not forked) or read the
+    coordinator's memory (not dumpable); the reply is refused naming node a, and b and c serve its experts."""
+    from shardtool.runtime.engine import _cluster, _cluster_proxy
+    head, log = coordinator
+    secret = "st-secret-" + secrets.token_hex(16)
+    _cluster.PROXY_TEST_SECRET = secret
+    try:
+        local = _generate(cluster)
+        remote = _connect(cluster, head)
+        try:
+            # Refuses /proc/PID/mem and ptrace to another process of this user; run as root, the proxy is refused
+            # anyway (it holds no capability, fewer than this process): the flag is checked on its own.
+            assert memory_private()
+            before = len(_exec_records(log))
+            assert _generate(cluster, remote) == local
+            runs = _exec_records(log)[before:]
+        finally:
+            remote.close()
+    finally:
+        del _cluster.PROXY_TEST_SECRET
+    assert runs, "the member's pickle never ran: nothing was tested"
+    assert {r["pid"] for r in runs} == {remote.transport.pid} != {os.getpid()}
+    assert all(r["ppid"] == os.getpid() for r in runs)
+    assert not hasattr(_cluster, "HOSTILE_MARKER")
+    assert all(r["seen"] == [] for r in runs), runs
+    assert all(r["memory"].startswith("refused") for r in runs), runs
+    assert set(remote.stats.dropped) == {"a"} and "not a signed answer" in remote.stats.dropped["a"]
+
+
+def test_cluster_proxy_gets_no_key_in_argv_environment_or_pipe(cluster, coordinator, monkeypatch):
+    """The coordinator holds a decrypted receipt key and its passphrase is in its environment: neither is in the
+    proxy's command line or environment, nor in any frame sent to it."""
+    from shardtool.runtime.engine import _cluster_proxy
+    from shardtool.runtime.engine._cluster_node import key_seed
+    head, _ = coordinator
+    seed = key_seed(generate())
+    hidden = [seed, seed.hex().encode(), os.environ["SHARDTOOL_PASSPHRASE"].encode()]
+    sent: list[bytes] = []
+    write = _cluster_proxy.ProxyTransport._write
+    monkeypatch.setattr(_cluster_proxy.ProxyTransport, "_write",
+                        lambda self, data, deadline: sent.append(bytes(data)) or write(self, data, deadline))
+    remote = _connect(cluster, head)
+    try:
+        _generate(cluster, remote)
+        pid = remote.transport.pid
+        seen = Path(f"/proc/{pid}/cmdline").read_bytes() + Path(f"/proc/{pid}/environ").read_bytes()
+    finally:
+        remote.close()
+    assert len(sent) > 3 and b"RAY_AUTH_TOKEN_PATH" in seen
+    assert not any(s in blob for s in hidden for blob in [seen, *sent])
+
+
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+def test_cluster_proxy_that_dies_or_hangs_mid_run_fails_the_request_without_a_hang(cluster, coordinator, fault):
+    """The proxy SIGKILLed, or SIGSTOPped (hung), while a run is under way: every node fails with it, the run raises
+    UnavailableError (exit 3, HTTP 503) within the call time-out plus the proxy's grace: never a hang, no answer."""
+    from shardtool.runtime.engine._cluster_proxy import GRACE
+    head, _ = coordinator
+    timeout = 3.0
+    remote = _connect(cluster, head, timeout)
+    sig = signal.SIGKILL if fault == "killed" else signal.SIGSTOP
+    try:
+        killer = threading.Timer(0.05, os.kill, (remote.transport.pid, sig))
+        t0 = time.monotonic()
+        killer.start()
+        with pytest.raises(UnavailableError, match="no replica left"):
+            _generate(cluster, remote)
+        elapsed = time.monotonic() - t0
+        killer.join()
+    finally:
+        remote.close()
+    assert elapsed < timeout + GRACE + 10, elapsed
+    assert any("the cluster proxy failed" in why for why in remote.stats.dropped.values()), remote.stats.dropped

@@ -271,3 +271,58 @@ def test_the_calls_start_when_the_layer_asks_before_any_output_is_waited_for(mod
     assert transport.calls and sum(len(ids) for _, _, ids in transport.calls) == 4
     got = {e: outputs[e]() for e in rows}
     assert all(y.shape == (2, service.config.hidden_size) for y in got.values())
+
+
+# ------------------------------------------------------------------------------ the cluster proxy's wire form
+
+def _array(dtype="<f4", shape=(2, 3), data=None):
+    return {"dtype": dtype, "shape": list(shape), "data": bytes(24) if data is None else data}
+
+
+@pytest.mark.parametrize("data", [
+    b"\xc1",  # a msgpack byte that is never valid
+    b"\x93\x01\x02\x03",  # an array, not a map
+    b"\x81\x01\x02",  # a map with an int key (strict_map_key)
+    b"\x81\xa1a\xd4\x05\x00",  # an ext type
+    b"\x81\xa1a",  # truncated
+    b"\x81\xa1a\x01\x01",  # trailing bytes
+], ids=["invalid", "not-a-map", "int-key", "ext-type", "truncated", "trailing"])
+def test_proxy_frame_that_is_not_a_strict_msgpack_map_is_refused(data):
+    from shardtool.runtime.engine._cluster_proxy import ProtocolError, unpack
+    with pytest.raises(ProtocolError):
+        unpack(data)
+
+
+@pytest.mark.parametrize("answer", [
+    {"body": "text", "signature": b"s"},
+    {"body": b"{}"},
+    {"body": b"{}", "signature": b"s", "extra": b""},
+    {"body": b"{}", "signature": b"s", "outputs": {"0": _array()}},
+    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(dtype="<f8", data=bytes(48))]]},
+    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(dtype="|O")]]},
+    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(shape=(2, 4))]]},
+    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(shape=(6,))]]},
+    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(shape=(1 << 20, 1 << 20))]]},
+    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(shape=(-2, -3))]]},
+    {"body": b"{}", "signature": b"s", "outputs": [[0, {**_array(), "strides": [1]}]]},
+    {"body": b"{}", "signature": b"s", "outputs": [[0, _array()], [0, _array()]]},
+    {"body": b"{}", "signature": b"s", "outputs": [[-1, _array()]]},
+    {"body": b"{}", "signature": b"s", "outputs": [[True, _array()]]},
+], ids=["body-text", "no-signature", "extra-key", "outputs-map", "float64", "object-dtype", "bytes-short-of-shape",
+        "one-dimension", "huge-shape", "negative-shape", "extra-array-key", "expert-twice", "negative-expert",
+        "bool-expert"])
+def test_proxy_answer_of_the_wrong_form_is_refused(answer):
+    from shardtool.runtime.engine._cluster_proxy import ProtocolError, decode_answer
+    with pytest.raises(ProtocolError):
+        decode_answer(answer)
+
+
+def test_proxy_answer_round_trips_as_read_only_float32_arrays():
+    from shardtool.runtime.engine._cluster_proxy import decode_answer, encode_answer, pack, unpack
+    y = np.arange(6, dtype=np.float32).reshape(2, 3)
+    answer = decode_answer(unpack(pack(encode_answer({"body": b"{}", "signature": b"s", "outputs": {3: y}}))))
+    assert set(answer) == {"body", "signature", "outputs"} and set(answer["outputs"]) == {3}
+    got = answer["outputs"][3]
+    assert type(got) is np.ndarray and got.dtype == np.float32 and (got == y).all() and not got.flags.writeable
+    with pytest.raises(NodeFailed, match="not a signed answer"):
+        encode_answer(None)  # what a reply whose pickle ran `exec` unpickles to

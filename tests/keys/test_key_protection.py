@@ -182,3 +182,20 @@ def test_passphrase_is_not_asked_for_when_the_key_file_is_refused(tmp_path, rais
     os.chmod(key_path, 0o644)
     with raises_exactly(KeyFileError, match="chmod 600"):
         load_private_key(key_path, lambda: pytest.fail("asked for a passphrase for a key it refuses"))
+
+
+def test_a_process_that_loaded_a_private_key_keeps_its_memory_private(tmp_path):
+    """Once a private key is decrypted into a process, no other process of the same user may ptrace it or read its
+    /proc/PID/mem (PR_SET_DUMPABLE 0): checked in a fresh interpreter, before and after the load."""
+    import subprocess
+    import sys
+
+    from shardtool.keys import generate, write_keypair
+
+    write_keypair(tmp_path / "k", generate(), None, force=False)
+    code = ("import sys; from shardtool.keys import load_private_key; from shardtool.private_memory import "
+            "memory_private; before = memory_private(); load_private_key(sys.argv[1], None); "
+            "print(before, memory_private())")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "k.key")], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "True"]

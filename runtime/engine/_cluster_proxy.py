@@ -1,0 +1,517 @@
+"""The cluster proxy: a coordinator's Ray client, in a child process of its own, so that nothing Ray deserializes
+(a node's reply, anything a member put in the object store) is ever unpickled in the process that may hold the
+operator's decrypted receipt key.
+
+The child is started with `subprocess` (fork + exec of a fresh interpreter: it holds no copy of the coordinator's
+memory) and is handed the cluster's address only, never a key; it drops every capability (a root coordinator's proxy could
+otherwise read the coordinator's memory despite PR_SET_DUMPABLE). It dies with the coordinator (PR_SET_PDEATHSIG, and
+the end of its input pipe). The coordinator (`ProxyTransport`, a `Transport`) and the child (`serve`) speak frames
+over a pipe: a 4-byte big-endian length, then one msgpack map (`strict_map_key`, no ext types, size caps), arrays
+as {"dtype", "shape", "data": raw bytes}. The child re-encodes each node's answer into that form (its signed body,
+its signature and its arrays) and the coordinator checks all of it (`RemoteExperts`) as it would a direct answer:
+code a hostile reply runs, runs in the child, which can then only send frames, and a frame is data. A frame that
+breaks the protocol, a child that exits or answers late, is the proxy failing: it is killed, and every call from
+then on fails as a failed node does (`NodeFailed`), never a hang.
+
+    coordinator -> proxy: {"op": "init", "address", "timeout", "insecure"}   -> {"ok": true} | {"error": {...}}
+                          {"op": "info", "node", "nonce", "timeout"}         -> {"answer": {...}} | {"failed": line}
+                          {"op": "run", "id", "node", "layer", "experts", "x", "rows", "nonce"}   (no answer)
+                          {"op": "result", "id", "timeout"}                  -> {"answer": {...}} | {"failed": line}
+                          {"op": "close"}                                    (no answer; the child exits)
+    an answer: {"body": bytes, "signature": bytes[, "outputs": [[expert, array], ...]]}
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import msgpack
+import numpy as np
+
+from shardtool.errors import ShardtoolError, UnavailableError, UsageError, VerificationError
+from shardtool.text import printable
+from ._cluster_node import NAMESPACE, actor_name, import_ray, init_ray
+
+HEADER = struct.Struct(">I")
+MAX_FRAME = 1 << 30  # one frame: a call's hidden states or a reply's outputs; the caps below bound what it holds
+MAX_ARRAY_ELEMENTS = 1 << 28  # one array of a frame (a 1 GiB float32 block)
+MAX_LINE = 300  # characters of a failure line the child sends
+GRACE = 10.0  # seconds the child may take beyond a call's own time-out (Ray's get_actor has no deadline of its own)
+START_SECONDS = 60.0  # for the child to import Ray and connect, on top of three of the call time-outs
+CLOSE_SECONDS = 5.0
+_ERRORS = {cls.__name__: cls for cls in (UsageError, UnavailableError, VerificationError)}  # init's refusals
+_DTYPES = {"<f4": np.dtype("<f4"), "<i8": np.dtype("<i8")}  # the only arrays that cross the pipe
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_CAPSET = {"x86_64": 126, "aarch64": 91}  # capset(2)
+_CHILD = "import sys; from shardtool.runtime.engine._cluster_proxy import main; main(sys.argv[1:])"
+_ANSWER_KEYS = ({"body", "signature"}, {"body", "signature", "outputs"})
+
+
+class NodeFailed(Exception):
+    """A node-level failure of one call: the node is dropped. `str()` is one line."""
+
+
+class ProtocolError(Exception):
+    """A frame that breaks the pipe's protocol (from a child that misbehaves: the proxy is killed)."""
+
+
+# ------------------------------------------------------------------------------------------------ the wire form
+
+def _refuse_ext(code: int, data: bytes):
+    raise ProtocolError(f"msgpack extension type {code} in a frame")
+
+
+def unpack(data: bytes) -> dict:
+    """One frame's payload -> a map with string keys, only plain types (no ext types, no timestamps)."""
+    try:
+        # The frame's length is capped before it is read; unpackb caps each string, array and map by it.
+        doc = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, ext_hook=_refuse_ext)
+    except ProtocolError:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise ProtocolError(f"a frame that is not msgpack: {type(e).__name__}") from None
+    if not isinstance(doc, dict):
+        raise ProtocolError(f"a frame that is a {type(doc).__name__}, not a map")
+    return doc
+
+
+def pack(doc: dict) -> bytes:
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+def encode_array(a: np.ndarray) -> dict:
+    a = np.ascontiguousarray(a)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
+
+
+def decode_array(obj: Any, dtype: str, ndim: int, what: str) -> np.ndarray:
+    """A wire array -> a read-only ndarray of exactly `dtype` and `ndim` dimensions, its bytes matching its shape."""
+    if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
+        raise ProtocolError(f"{what} is not an array (dtype, shape, data)")
+    shape, data = obj["shape"], obj["data"]
+    if obj["dtype"] != dtype:
+        raise ProtocolError(f"{what} has dtype {printable(str(obj['dtype'])[:20])}, expected {dtype}")
+    if (not isinstance(shape, list) or len(shape) != ndim
+            or not all(type(n) is int and 0 <= n <= MAX_ARRAY_ELEMENTS for n in shape)):
+        raise ProtocolError(f"{what} does not have a shape of {ndim} sizes in [0, {MAX_ARRAY_ELEMENTS}]")
+    count = int(np.prod(shape, dtype=np.int64))
+    if count > MAX_ARRAY_ELEMENTS or type(data) is not bytes or len(data) != count * _DTYPES[dtype].itemsize:
+        raise ProtocolError(f"{what}: {len(data) if type(data) is bytes else 'no'} data bytes for shape {shape}")
+    return np.frombuffer(data, dtype=_DTYPES[dtype]).reshape(shape)
+
+
+def encode_answer(answer: Any) -> dict:
+    """A node's answer as Ray gave it (in the child) -> its wire form: the signed body and signature as bytes, a
+    reply's outputs as [expert, float32 array] pairs. Anything else cannot be carried: NodeFailed."""
+    if (not isinstance(answer, dict) or set(answer) not in _ANSWER_KEYS
+            or type(answer["body"]) is not bytes or type(answer["signature"]) is not bytes):
+        raise NodeFailed("the answer is not a signed answer (a mapping of body and signature bytes, and a "
+                           "reply's outputs): refused")
+    wire = {"body": answer["body"], "signature": answer["signature"]}
+    if "outputs" in answer:
+        outputs = answer["outputs"]
+        if not isinstance(outputs, dict) or not all(
+                type(e) is int and type(y) is np.ndarray and y.dtype == np.float32 and y.ndim == 2
+                for e, y in outputs.items()):
+            raise NodeFailed("the reply's outputs are not a mapping of expert ids to 2-D float32 arrays")
+        wire["outputs"] = [[e, encode_array(y)] for e, y in outputs.items()]
+    return wire
+
+
+def decode_answer(obj: Any) -> dict:
+    """An answer's wire form (from the child, untrusted) -> the mapping `RemoteExperts` checks: body, signature and
+    for a reply {expert: [t_e, H] float32}. Only the form is checked here; every other check is the coordinator's."""
+    if (not isinstance(obj, dict) or set(obj) not in _ANSWER_KEYS
+            or type(obj["body"]) is not bytes or type(obj["signature"]) is not bytes):
+        raise ProtocolError("an answer that is not body and signature bytes")
+    answer = {"body": obj["body"], "signature": obj["signature"]}
+    if "outputs" in obj:
+        pairs = obj["outputs"]
+        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and type(p[0]) is int
+                                                  and 0 <= p[0] < 1 << 31 for p in pairs):
+            raise ProtocolError("a reply's outputs that are not [expert, array] pairs")
+        outputs = {e: decode_array(y, "<f4", 2, f"expert {e}'s output") for e, y in pairs}
+        if len(outputs) != len(pairs):
+            raise ProtocolError("a reply's outputs name an expert twice")
+        answer["outputs"] = outputs
+    return answer
+
+
+# ------------------------------------------------------------------------------------------------ this process
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def proxy_environment() -> dict[str, str]:
+    """The child's environment: this one's, less shardtool's own secrets (SHARDTOOL_PASSPHRASE, the API key)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SHARDTOOL_")}
+
+
+# ------------------------------------------------------------------------------------------------ the coordinator's side
+
+class ProxyTransport:
+    """A `Transport` whose Ray client runs in a child process (the module docstring); the child connects to the
+    cluster at `address` before this returns (raising what `init_ray` raises there: UsageError, UnavailableError,
+    VerificationError)."""
+
+    def __init__(self, address: str, timeout: float, *, insecure: bool = False):
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._broken: str | None = None
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=proxy_environment(), close_fds=True)
+        self.pid = self._proc.pid
+        self._in, self._out = self._proc.stdin.fileno(), self._proc.stdout.fileno()
+        os.set_blocking(self._in, False)
+        os.set_blocking(self._out, False)
+        try:
+            reply = self._ask({"op": "init", "address": address, "timeout": float(timeout), "insecure": insecure},
+                              START_SECONDS + 3 * timeout)
+        except NodeFailed as e:
+            self.close()
+            raise UnavailableError(f"the cluster proxy did not connect to {address}: {e}") from None
+        if reply != {"ok": True}:
+            self.close()
+            raise _init_error(reply)
+
+    # -- Transport
+
+    def info(self, node: str, nonce: str, timeout: float) -> dict:
+        return self._answer(self._ask({"op": "info", "node": node, "nonce": nonce, "timeout": float(timeout)},
+                                      timeout + GRACE))
+
+    def submit(self, node, layer, expert_ids, x, rows, nonce) -> int:
+        call = next(self._ids)
+        self._tell({"op": "run", "id": call, "node": node, "layer": int(layer), "experts": [int(e) for e in expert_ids],
+                    "x": encode_array(x), "rows": [[int(e), encode_array(r)] for e, r in rows.items()],
+                    "nonce": nonce}, GRACE)
+        return call
+
+    def result(self, pending: int, timeout: float) -> dict:
+        return self._answer(self._ask({"op": "result", "id": pending, "timeout": float(timeout)}, timeout + GRACE))
+
+    def close(self) -> None:
+        """Ask the child to leave the cluster and exit; killed if it does not within a few seconds."""
+        with self._lock:
+            if self._proc.poll() is None and self._broken is None:
+                try:
+                    self._write(pack({"op": "close"}), time.monotonic() + CLOSE_SECONDS)
+                except _Broken:
+                    pass
+            self._broken = self._broken or "was closed"
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+            try:
+                self._proc.wait(CLOSE_SECONDS)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+    # -- the pipe
+
+    def _answer(self, reply: dict) -> dict:
+        if set(reply) == {"failed"} and isinstance(reply["failed"], str):
+            raise NodeFailed(printable(reply["failed"][:MAX_LINE]))
+        if set(reply) == {"answer"}:
+            try:
+                return decode_answer(reply["answer"])
+            except ProtocolError as e:
+                self._fail(str(e))
+        self._fail("sent a frame that is neither an answer nor a failure")
+
+    def _tell(self, doc: dict, seconds: float) -> None:
+        with self._lock:
+            self._check()
+            try:
+                self._write(pack(doc), time.monotonic() + seconds)
+            except _Broken as e:
+                self._fail(str(e))
+
+    def _ask(self, doc: dict, seconds: float) -> dict:
+        with self._lock:
+            self._check()
+            deadline = time.monotonic() + seconds
+            try:
+                self._write(pack(doc), deadline)
+                (size,) = HEADER.unpack(self._read(HEADER.size, deadline))
+                if size > MAX_FRAME:
+                    raise _Broken(f"announced a {size}-byte frame, at most {MAX_FRAME}")
+                return unpack(self._read(size, deadline))
+            except (_Broken, ProtocolError) as e:
+                self._fail(str(e))
+
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise NodeFailed(f"the cluster proxy {self._broken}")
+
+    def _fail(self, why: str):
+        """The child broke the protocol, exited or is late: kill it; this call and every later one fail."""
+        self._broken = f"failed: {why}"
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        raise NodeFailed(f"the cluster proxy {self._broken}")
+
+    def _write(self, data: bytes, deadline: float) -> None:
+        view = memoryview(HEADER.pack(len(data)) + data)
+        while view:
+            _wait(self._in, select.POLLOUT, deadline, self._proc)
+            try:
+                n = os.write(self._in, view)
+            except BlockingIOError:
+                continue
+            except OSError as e:  # BrokenPipeError: the child is gone
+                raise _Broken(f"exited ({_exit_text(self._proc)}): {e.strerror}") from None
+            view = view[n:]
+
+    def _read(self, n: int, deadline: float) -> bytes:
+        chunks, left = [], n
+        while left:
+            _wait(self._out, select.POLLIN, deadline, self._proc)
+            try:
+                chunk = os.read(self._out, min(left, 1 << 24))
+            except BlockingIOError:
+                continue
+            if not chunk:
+                raise _Broken(f"exited ({_exit_text(self._proc)})")
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+
+class _Broken(Exception):
+    """The pipe to the child failed: it exited, or did not answer by the deadline."""
+
+
+def _wait(fd: int, event: int, deadline: float, proc: subprocess.Popen) -> None:
+    poller = select.poll()
+    poller.register(fd, event)
+    left = deadline - time.monotonic()
+    if left <= 0 or not poller.poll(left * 1000):
+        raise _Broken(f"did not answer within the call's time-out (pid {proc.pid})")
+
+
+def _exit_text(proc: subprocess.Popen) -> str:
+    try:
+        code = proc.wait(1.0)
+    except subprocess.TimeoutExpired:
+        return "its pipe closed"
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _init_error(reply: dict) -> ShardtoolError:
+    """The child's refusal to connect, as the error class it raised there (one of `_ERRORS`), its text escaped."""
+    error = reply.get("error") if set(reply) == {"error"} else None
+    if (isinstance(error, dict) and set(error) == {"class", "message", "hint"} and error["class"] in _ERRORS
+            and isinstance(error["message"], str) and isinstance(error["hint"], (str, type(None)))):
+        hint = None if error["hint"] is None else printable(error["hint"][:MAX_LINE])
+        return _ERRORS[error["class"]](printable(error["message"][:MAX_LINE]), hint=hint)
+    return UnavailableError("the cluster proxy answered its start with a malformed frame")
+
+
+# ------------------------------------------------------------------------------------------------ the child
+
+class RayTransport:
+    """Calls to the named node actors of a Ray cluster (`shardtool node`): what the proxy runs."""
+
+    def __init__(self, address: str, timeout: float, *, insecure: bool = False):
+        self.ray = import_ray()
+        init_ray(self.ray, address, timeout, insecure=insecure)
+        self._actors: dict[str, object] = {}
+
+    def _actor(self, node: str):
+        actor = self._actors.get(node)
+        if actor is None:
+            try:
+                actor = self.ray.get_actor(actor_name(node), namespace=NAMESPACE)
+            except ValueError:
+                raise NodeFailed(f"no node named {node} has joined the cluster") from None
+            self._actors[node] = actor
+        return actor
+
+    def info(self, node: str, nonce: str, timeout: float) -> dict:
+        return self.result(self._actor(node).info.remote(nonce), timeout)
+
+    def submit(self, node, layer, expert_ids, x, rows, nonce):
+        try:
+            return self._actor(node).run.remote(layer, expert_ids, x, rows, nonce)
+        except self.ray.exceptions.RayError as e:
+            raise NodeFailed(_ray_line(e)) from None
+
+    def result(self, pending, timeout: float) -> dict:
+        try:
+            return self.ray.get(pending, timeout=timeout)
+        except self.ray.exceptions.GetTimeoutError:
+            try:
+                self.ray.cancel(pending)  # a call still queued at the node is dropped there
+            except Exception:  # noqa: BLE001 - best effort: the node is dropped either way
+                pass
+            raise NodeFailed(f"no reply within {timeout:.1f}s") from None
+        except self.ray.exceptions.RayError as e:
+            raise NodeFailed(_ray_line(e)) from None
+        except Exception as e:  # noqa: BLE001 - what a reply's pickle raised as Ray read it: that node's answer
+            raise NodeFailed(f"its answer could not be read: {type(e).__name__}") from None
+
+    def close(self) -> None:
+        self.ray.shutdown()
+
+def _ray_line(e: BaseException) -> str:
+    """One line for a Ray error: its class, and for a task error the node's own one-line message."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, ShardtoolError):
+        return f"refused the call: {cause.one_line()}"
+    first = next((line for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {' '.join(first.split())[:200]}"
+
+
+
+def _drop_capabilities() -> None:
+    """No capability for this process or anything it executes. Run as root, the proxy would otherwise hold
+    CAP_SYS_PTRACE, which reads a non-dumpable coordinator's memory all the same; a user's proxy has none to drop.
+    Best effort beyond Linux x86_64/aarch64 (each step that is refused leaves what it could not drop)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import platform
+
+    libc = _libc()
+    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    for cap in range(64):  # EINVAL past the kernel's last capability, EPERM without CAP_SETPCAP: both harmless
+        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+    number = _CAPSET.get(platform.machine())
+    if number is not None:
+        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+        data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable x 2 words: all empty
+        libc.syscall(number, header, data)
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL when the coordinator ends; it may have ended already (then exit now)."""
+    if sys.platform.startswith("linux"):
+        _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+class _Child:
+    """The proxy's loop: one frame at a time from the coordinator; `run` calls start at once (Ray's futures)."""
+
+    def __init__(self, read: Callable[[int], bytes], write: Callable[[bytes], None]):
+        self._read, self._write = read, write
+        self.transport = None
+        self.pending: dict[int, object] = {}
+
+    def frame(self) -> dict | None:
+        head = self._read(HEADER.size)
+        if len(head) < HEADER.size:
+            return None
+        (size,) = HEADER.unpack(head)
+        if size > MAX_FRAME:
+            raise ProtocolError(f"a {size}-byte frame")
+        return unpack(self._read(size))
+
+    def send(self, doc: dict) -> None:
+        data = pack(doc)
+        self._write(HEADER.pack(len(data)) + data)
+
+    def answer(self, ask: Callable[[], Any]) -> None:
+        try:
+            wire = {"answer": encode_answer(ask())}
+        except NodeFailed as e:
+            wire = {"failed": str(e)[:MAX_LINE]}
+        self.send(wire)
+
+    def init(self, doc: dict) -> None:
+        try:
+            self.transport = RayTransport(doc["address"], doc["timeout"], insecure=doc["insecure"])
+        except ShardtoolError as e:
+            name = type(e).__name__ if type(e).__name__ in _ERRORS else "UnavailableError"
+            self.send({"error": {"class": name, "message": e.message, "hint": e.hint}})
+            return
+        self.send({"ok": True})
+
+    def start(self, doc: dict) -> None:
+        try:
+            x = decode_array(doc["x"], "<f4", 2, "the hidden states")
+            rows = {e: decode_array(r, "<i8", 1, f"rows of expert {e}") for e, r in doc["rows"]}
+            self.pending[doc["id"]] = self.transport.submit(doc["node"], doc["layer"], doc["experts"], x, rows,
+                                                            doc["nonce"])
+        except NodeFailed as e:
+            self.pending[doc["id"]] = e
+
+    def collect(self, doc: dict) -> Any:
+        call = self.pending.pop(doc["id"])
+        if isinstance(call, Exception):
+            raise call
+        return self.transport.result(call, doc["timeout"])
+
+    def loop(self) -> None:
+        while (doc := self.frame()) is not None:
+            op = doc.get("op")
+            if op == "init":
+                self.init(doc)
+            elif op == "info":
+                self.answer(lambda: self.transport.info(doc["node"], doc["nonce"], doc["timeout"]))
+            elif op == "run":
+                self.start(doc)
+            elif op == "result":
+                self.answer(lambda: self.collect(doc))
+            elif op == "close":
+                break
+            else:
+                raise ProtocolError(f"unknown op {op!r}")
+        if self.transport is not None:
+            self.transport.close()
+
+
+def main(argv: list[str]) -> None:
+    _die_with_parent(int(argv[0]))
+    _drop_capabilities()
+    # A terminal's ^C or a group's SIGTERM is for the coordinator, which ends this process when it is done with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The frames keep fds 0 and 1 to themselves: whatever Ray prints goes to stderr.
+    rfd, wfd = os.dup(0), os.dup(1)
+    os.dup2(2, 1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    reader = os.fdopen(rfd, "rb", buffering=0)
+
+    def read(n: int) -> bytes:
+        chunks, left = [], n
+        while left:
+            chunk = reader.read(left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    def write(data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(wfd, view):]
+
+    try:
+        _Child(read, write).loop()
+    except BrokenPipeError:
+        pass
+    os._exit(0)  # Ray's threads are not waited for: the coordinator has what it asked for
+
