@@ -4,12 +4,12 @@ a family, a model_type or an architecture, so adding a family is adding a row. R
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
 import pytest
 
+from _kit.source import constants
 from shardtool.errors import CheckpointFormatError
 from shardtool.families import BY_NAME, TABLE, detect_family, find_family, moe_layers
 from shardtool.hf_config import CONTRACT_INT_CAPS, INT_CAPS, ConfigReader
@@ -27,16 +27,8 @@ def _mentions(root: Path) -> list[str]:
     """`path:line: 'literal'` for every string literal outside the table naming a family."""
     rx = re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(map(re.escape, sorted(_names(), key=len, reverse=True)))
                     + r")(?![A-Za-z0-9_])")
-    found = []
-    for folder in SOURCE_DIRS:
-        for path in sorted((root / folder).rglob("*.py")):
-            rel = path.relative_to(root)
-            if rel == TABLE_MODULE:
-                continue
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if isinstance(node, ast.Constant) and isinstance(node.value, str) and rx.search(node.value):
-                    found.append(f"{rel}:{node.lineno}: {rx.search(node.value)[0]!r}")
-    return found
+    return [f"{rel}:{line}: {rx.search(value)[0]!r}" for rel, line, value in constants(root, SOURCE_DIRS, TABLE_MODULE)
+            if isinstance(value, str) and rx.search(value)]
 
 
 def test_family_names_appear_only_in_the_table():

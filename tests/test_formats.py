@@ -4,13 +4,13 @@ kernel). Read from the source text with `ast`; then each row is held to what its
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from _kit.source import constants
 from shardtool import blockquant, formats
 from shardtool.safetensors_format import numpy_dtype
 
@@ -30,18 +30,8 @@ def _mentions(root: Path) -> list[str]:
     "int8|int4"), and every float literal that is a row's bits per weight. Prose that mentions a format is fine."""
     names = "|".join(map(re.escape, sorted(_names(), key=len, reverse=True)))
     rx = re.compile(rf"\s*(?:{names})(?:\s*[|,/ ]\s*(?:{names}))*\s*")
-    found = []
-    for folder in SOURCE_DIRS:
-        for path in sorted((root / folder).rglob("*.py")):
-            rel = path.relative_to(root)
-            if rel == TABLE_MODULE:
-                continue
-            hits = [(node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
-                    if isinstance(node, ast.Constant) and (isinstance(node.value, str) and rx.fullmatch(node.value)
-                                                           or isinstance(node.value, float)
-                                                           and node.value in ROW_FIGURES)]
-            found += [f"{rel}:{line}: {value!r}" for line, value in sorted(hits, key=lambda h: h[0])]
-    return found
+    return [f"{rel}:{line}: {value!r}" for rel, line, value in constants(root, SOURCE_DIRS, TABLE_MODULE)
+            if isinstance(value, str) and rx.fullmatch(value) or isinstance(value, float) and value in ROW_FIGURES]
 
 
 def test_format_names_appear_only_in_the_table():
