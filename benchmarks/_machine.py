@@ -203,7 +203,8 @@ def run(argv: Sequence[str], machine: Machine, *, data_dir: Path, env: dict | No
         wrapped = ["/bin/sh", "-c", _ENTER, "sh", str(len(group.procs_files)), *group.procs_files, *map(str, argv)]
         start = time.perf_counter()
         proc = subprocess.Popen(wrapped, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                env=env, cwd=cwd, text=True, start_new_session=True)
+                                env=env, cwd=cwd, text=True, errors="replace",
+                                start_new_session=True)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
