@@ -1,0 +1,122 @@
+"""verify-and-run on an emulated small machine (benchmarks/_machine.py): a 64 MiB memory cap that charges the page
+cache too, a disk read at 200 MB/s, caches dropped before each run. No OOM kill, the peak charge within the cap, the
+expert bytes per decode token the signed contract promises, and the same tokens as an uncapped run.
+
+Device reads per decode token are the difference between a long and a short run on the same machine, divided by the
+extra decode tokens: start-up (the interpreter and libraries re-read under the cap) cancels out.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from _kit.cli import argv, ok, user_env
+from benchmarks import _machine
+
+MIB = 2**20
+MACHINE = _machine.Machine(memory_bytes=64 * MIB, read_bps=200_000_000)
+# 4 layers x 8 experts x 1.5 MiB (f32) = 48 MiB of experts: more than the cap leaves for the page cache.
+KNOBS = dict(layers=4, experts=8, hidden=256, moe_intermediate=512, vocab=512, dtype="f32")
+PROMPT = "5,17,300,42"
+SHORT, LONG = 4, 20
+BUDGET = "42MiB"  # the runtime's own budget: the least it accepts for this model and LONG + 4 tokens
+TOLERANCE = 0.10
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return tiny.release("mixtral", model_id="test/machine", **KNOBS), tiny.keypair().with_suffix(".pub")
+
+
+def _command(model, report: Path, new_tokens: int) -> list[str]:
+    directory, pub = model
+    return argv("verify-and-run", directory, "--trust", pub, "--prompt-ids", PROMPT, "--max-new-tokens", new_tokens,
+                "--print-ids", "-q", "--memory-budget", BUDGET, "--json-report", report)
+
+
+@pytest.fixture(scope="module")
+def runs(model, tmp_path_factory):
+    """(uncapped ids, {new_tokens: (MachineRun, report)}) for the short and the long run on the small machine."""
+    work = tmp_path_factory.mktemp("machine")
+    env = user_env(work / "xdg")
+    uncapped = ok("verify-and-run", *_command(model, work / "uncapped.json", LONG)[1:], state=work / "xdg")
+    capped = {}
+    for n in (SHORT, LONG):
+        report = work / f"capped-{n}.json"
+        try:
+            run = _machine.run(_command(model, report, n), MACHINE, data_dir=model[0], env=env)
+        except _machine.MachineUnavailableError as e:
+            pytest.skip(f"no emulated machine here: {e}")
+        assert run.returncode == 0, f"exit {run.returncode} (OOM kills: {run.oom_kills}):\n{run.stderr[-3000:]}"
+        capped[n] = (run, json.loads(report.read_text()))
+    return uncapped.ids, capped
+
+
+@pytest.mark.parametrize("n", [SHORT, LONG])
+def test_no_oom_kill_and_the_peak_charge_within_the_cap(runs, n):
+    run, _ = runs[1][n]
+    assert run.oom_kills == 0
+    assert 0 < run.peak_memory_bytes <= MACHINE.memory_bytes
+
+
+@pytest.mark.parametrize("n", [SHORT, LONG])
+def test_every_byte_came_from_the_throttled_disk(model, runs, n):
+    """The caches were dropped: at least the trunk was read from the disk, no faster than the throttle allows (a token
+    bucket: a little over the rate is the kernel's own slack)."""
+    run, _ = runs[1][n]
+    trunk = sum(p.stat().st_size for p in (model[0] / "trunk").rglob("*") if p.is_file())
+    assert run.device_read_bytes >= trunk > 0
+    assert run.device_read_bytes / run.seconds <= MACHINE.read_bps * 1.15
+
+
+def test_identical_tokens_to_an_uncapped_run(runs):
+    uncapped, capped = runs
+    run, report = capped[LONG]
+    assert report["generated_ids"] == [int(x) for x in run.stdout.split()] == uncapped
+    assert len(uncapped) == LONG
+    assert capped[SHORT][1]["generated_ids"] == uncapped[:SHORT]
+
+
+def test_report_expert_bytes_per_token_match_the_contract(runs):
+    for n in (SHORT, LONG):
+        report = runs[1][n][1]
+        contract = report["contract_expert_bytes_per_token_cold"]
+        assert report["decode_expert_bytes_per_token"] == pytest.approx(contract, rel=TOLERANCE)
+
+
+def _device_bytes_per_decode_token(runs) -> tuple[float, int]:
+    (short, _), (long, report) = runs[1][SHORT], runs[1][LONG]
+    return (long.device_read_bytes - short.device_read_bytes) / (LONG - SHORT), \
+        report["contract_expert_bytes_per_token_cold"]
+
+
+def test_the_disk_carries_no_more_than_the_contract_per_token(runs):
+    measured, contract = _device_bytes_per_decode_token(runs)
+    assert 0 < measured <= contract * (1 + TOLERANCE)
+
+
+@pytest.mark.xfail(strict=True, reason="the page cache left inside the cap holds experts the shard cache evicted: "
+                   "the disk carries about half the contract's cold bytes per token (measured 35-72 %)")
+def test_the_disk_carries_the_contract_per_token(runs):
+    measured, contract = _device_bytes_per_decode_token(runs)
+    assert measured == pytest.approx(contract, rel=TOLERANCE)
+
+
+SIZE = 128 * MIB
+
+
+def test_the_machine_reads_a_file_at_its_bandwidth(tmp_path):
+    """The throttle itself, away from compute: a cold file read takes its size over the bandwidth. 128 MiB: the
+    throttle lets about one slice through at full speed first (a 48 MiB read measured 270 MB/s, 128 MiB 215 MB/s)."""
+    data = tmp_path / "data.bin"
+    data.write_bytes(bytes(range(256)) * (SIZE // 256))
+    try:
+        run = _machine.run(["dd", f"if={data}", "of=/dev/null", "bs=1M"], MACHINE, data_dir=tmp_path, env=user_env(tmp_path / "xdg"))
+    except _machine.MachineUnavailableError as e:
+        pytest.skip(f"no emulated machine here: {e}")
+    assert run.returncode == 0 and run.oom_kills == 0
+    assert run.device_read_bytes >= SIZE
+    assert 0.8 * MACHINE.read_bps <= run.device_read_bytes / run.seconds <= 1.15 * MACHINE.read_bps
