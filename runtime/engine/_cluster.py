@@ -36,7 +36,7 @@ from shardtool.safeio import read_regular
 from shardtool.strict_json import loads_strict
 from shardtool.text import printable
 
-from ._cluster_node import INFO_TYPE, REPLY_TYPE, is_int, new_nonce, output_digest
+from ._cluster_node import INFO_TYPE, REPLY_TYPE, input_digest, is_int, new_nonce, output_digest
 from ._cluster_plan import MAX_PLAN_BYTES, MAX_SIGNATURE_FILE, ClusterPlan, decode_plan, open_signed_plan
 from ._cluster_proxy import NodeFailed, ProxyTransport
 
@@ -200,7 +200,8 @@ class RemoteExperts:
         self.stats.calls += 1
         self.stats.wire_bytes += block.nbytes + sum(r.nbytes for r in local.values())
         nonce = new_nonce()
-        return self.transport.submit(node, layer, list(experts), block, local, nonce), nonce
+        sent = input_digest(block, experts, local)  # what the node must say it computed on
+        return self.transport.submit(node, layer, list(experts), block, local, nonce), (nonce, sent)
 
     def run(self, layer: int, x: np.ndarray, rows: Mapping[int, np.ndarray]) -> tuple[dict, dict]:
         """All requested experts' outputs, retried across replicas: ({expert: [t_e, H]}, {expert: why it could
@@ -208,8 +209,12 @@ class RemoteExperts:
         return _LayerCalls(self, layer, x, rows).finish()
 
     def _check_reply(self, node: str, layer: int, experts: list[int], rows: Mapping[int, np.ndarray], reply,
-                     hidden: int, nonce: str) -> tuple[dict[int, np.ndarray], dict[int, str]]:
+                     hidden: int, call: tuple[str, str]) -> tuple[dict[int, np.ndarray], dict[int, str]]:
+        """`call`: the call's (nonce, digest of the inputs sent)."""
+        nonce, sent = call
         doc = self._open(node, reply, REPLY_TYPE, nonce, "the reply", ("outputs",))
+        if doc.get("input") != sent:
+            raise NodeFailed("the reply was computed on other inputs than the ones sent: refused")
         if doc.get("layer") != layer or isinstance(doc.get("layer"), bool):
             raise NodeFailed(f"the reply is for layer {printable(str(doc.get('layer'))[:20])}, asked {layer}: refused")
         if doc.get("experts") != list(experts):
@@ -280,19 +285,19 @@ class _LayerCalls:
                 self._round[node] = (experts, *remote._send(node, layer, experts, self.x, self.rows))
             except NodeFailed as err:
                 remote._drop(node, str(err))
-                self._round[node] = (experts, None, "")
+                self._round[node] = (experts, None, ("", ""))
         self._deadline = time.monotonic() + remote.timeout
 
     def _collect(self) -> list[int]:
         """The replies of the round in flight; returns the experts to ask again elsewhere."""
         remote, layer, pending = self.remote, self.layer, []
-        for node, (experts, call, nonce) in self._round.items():
+        for node, (experts, call, sent) in self._round.items():
             if call is None:
                 pending += experts
                 continue
             try:
                 reply = remote.transport.result(call, max(self._deadline - time.monotonic(), 0.001))
-                got, failed = remote._check_reply(node, layer, experts, self.rows, reply, self.x.shape[1], nonce)
+                got, failed = remote._check_reply(node, layer, experts, self.rows, reply, self.x.shape[1], sent)
             except NodeFailed as err:
                 remote._drop(node, str(err))
                 for e in experts:

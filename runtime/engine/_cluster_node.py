@@ -61,6 +61,19 @@ def output_digest(y: np.ndarray) -> str:
     return blake3.blake3(np.ascontiguousarray(y).tobytes()).hexdigest()
 
 
+def input_digest(x: np.ndarray, ids, rows) -> str:
+    """BLAKE3 of what a call computed on: the hidden-state block [n, H] (shape, then float32 bytes) and each
+    requested expert's row indices in the order asked (id, count, int64 bytes). A node signs it, so an answer
+    computed on inputs someone between the coordinator and the node swapped is refused."""
+    h = blake3.blake3(np.asarray(x.shape, dtype="<i8").tobytes())
+    h.update(np.ascontiguousarray(x, dtype="<f4").tobytes())
+    for e in ids:
+        r = np.ascontiguousarray(rows[e], dtype="<i8")
+        h.update(np.asarray([int(e), r.size], dtype="<i8").tobytes())
+        h.update(r.tobytes())
+    return h.hexdigest()
+
+
 def actor_name(node: str) -> str:
     return ACTOR_PREFIX + node
 
@@ -229,7 +242,8 @@ class NodeService:
     def run(self, layer, expert_ids, x, rows, nonce) -> dict:
         """Each requested expert's unweighted output on its rows, `run_expert(x[rows[e]])` [t_e, H] float32; an
         expert that cannot be had is in `failed` with one line. Arguments are checked before anything runs; the
-        answer is signed over the nonce, layer, experts, each output's digest, root and this node's name."""
+        answer is signed over the nonce, layer, experts, the inputs' digest, each output's digest, root and this node's
+        name."""
         nonce = _check_nonce(nonce)
         ids, x, rows = self._check(layer, expert_ids, x, rows)
         t0 = time.perf_counter()
@@ -250,7 +264,7 @@ class NodeService:
                 with self._lock:
                     self.failed[(layer, e)] = why
                 failed[e] = why
-        body = {"layer": int(layer), "experts": [int(e) for e in ids],
+        body = {"layer": int(layer), "experts": [int(e) for e in ids], "input": input_digest(x, ids, rows),
                 "outputs": {str(e): output_digest(y) for e, y in outputs.items()},
                 "failed": {str(e): why for e, why in failed.items()}, "seconds": time.perf_counter() - t0}
         return {**self._signed(REPLY_TYPE, body, nonce), "outputs": {int(e): y for e, y in outputs.items()}}

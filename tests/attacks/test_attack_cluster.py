@@ -122,6 +122,23 @@ def test_cluster_reply_for_another_call_is_refused(cluster, forge):
     assert "refused" in remote.stats.dropped["b"] or "asked" in remote.stats.dropped["b"]
 
 
+def test_cluster_answer_computed_on_swapped_inputs_is_refused(cluster):
+    """Someone between the coordinator and node b (the proxy, Ray) hands b other hidden states: b computes and signs
+    honestly, but on inputs the coordinator never sent. The signed input digest refuses it, b is named and dropped,
+    and the replicas' answers give one process's tokens."""
+    transport = _transport(cluster)
+    submit = transport.submit
+
+    def swapped(node, layer, ids, x, rows, nonce):
+        return submit(node, layer, ids, x * 2 if node == "b" else x, rows, nonce)
+
+    transport.submit = swapped
+    remote = ck.remote_experts(cluster[2], transport)
+    remote.connect()
+    assert _generate(cluster, remote) == _generate(cluster)
+    assert "other inputs than the ones sent" in remote.stats.dropped["b"]
+
+
 def test_cluster_replayed_reply_is_refused(cluster):
     """b's genuine, signed replies of one run, answered again in order to the same calls of a second run: only the
     nonce tells them apart."""
