@@ -124,23 +124,37 @@ def serve(
             say("shardtool serve: stopped before serving")
             return
         with model:
+            _run(model, verify_all_first, dict(max_batch=max_batch, max_queue=max_queue, kv_cache=kv_bytes,
+                                               max_context=max_context),
+                 (operator_key, access, settings, host, port, expect_model, policy,
+                  Limits(max_body_bytes=body_cap, body_timeout=read_timeout), max_receipts, receipt_bytes))
+    say("shardtool serve: stopped")
+
+
+def _run(model, verify_all_first: bool, engine_options: dict, serving: tuple) -> None:
+    """The serving engine over the opened model, every shard checked first with --verify-all-first, then the HTTP
+    server until a signal. The engine's reader threads end on every path, a refused --verify-all-first included."""
+    from shardtool.cli._common import say
+    from shardtool.serve import Stopped
+
+    try:
+        engine = model.engine(**engine_options)
+    except Stopped:
+        say("shardtool serve: stopped before serving")
+        return
+    try:
+        if verify_all_first:
             try:
-                engine = model.engine(max_batch=max_batch, max_queue=max_queue, kv_cache=kv_bytes,
-                                      max_context=max_context)
-                if verify_all_first:
-                    checked = model.verify_all()
-                    say(f"verified all {len(model.manifest.entries)} files ({checked / 2**20:.1f} MiB) before serving")
+                checked = model.verify_all()
             except Stopped:
                 say("shardtool serve: stopped before serving")
                 return
-            try:
-                _serve(engine, model, operator_key, access, settings, host, port, expect_model, policy,
-                       Limits(max_body_bytes=body_cap, body_timeout=read_timeout), max_receipts, receipt_bytes)
-            except Stopped:
-                pass
-            finally:
-                engine.close()
-    say("shardtool serve: stopped")
+            say(f"verified all {len(model.manifest.entries)} files ({checked / 2**20:.1f} MiB) before serving")
+        _serve(engine, model, *serving)
+    except Stopped:
+        pass
+    finally:
+        engine.close()
 
 
 def _settings(read_timeout: float, requests: int, ssl_certfile: Optional[Path], ssl_keyfile: Optional[Path]):

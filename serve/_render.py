@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from shardtool.errors import InvalidRequestError, OverloadedError, ShardtoolError, VerificationError
+from shardtool.private_memory import child_environment
 
 _LENGTH = struct.Struct(">I")
 MAX_FRAME = 64 << 20  # a render's messages (1 Mi characters, 4 bytes each in UTF-8 at most) or its text, as JSON
@@ -79,7 +80,8 @@ class RenderPool:
         try:
             reply = await asyncio.shield(job)
         except asyncio.CancelledError:  # the client left: stop its render now rather than at its deadline
-            worker.kill()
+            worker.stop()  # the thread's read then ends (EOF); the pipes close after it has returned
+            job.add_done_callback(lambda _: worker.close())
             self._forget(worker)
             raise
         if reply is None:
@@ -149,7 +151,7 @@ class _Worker:
 
     def __init__(self, init: bytes):
         self.proc = subprocess.Popen([sys.executable, "-m", "shardtool.serve._render"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, close_fds=True)
+                                     stdout=subprocess.PIPE, close_fds=True, env=child_environment())
         self.ready = False
         self._init = init
 
@@ -157,9 +159,18 @@ class _Worker:
         return self.proc.poll() is None
 
     def kill(self) -> None:
+        self.stop()
+        self.close()
+
+    def stop(self) -> None:
+        """End the process; its pipes stay open (a thread may still be reading one: see `close`)."""
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+
+    def close(self) -> None:
+        """Close the pipes, once no thread reads them: a closed descriptor's number can be reused at once (by a new
+        client's socket), and a read still selecting on it would take that socket's bytes."""
         for pipe in (self.proc.stdin, self.proc.stdout):
             try:
                 pipe.close()

@@ -39,6 +39,7 @@ import msgpack
 import numpy as np
 
 from shardtool.errors import ShardtoolError, UnavailableError, UsageError, VerificationError
+from shardtool.private_memory import child_environment
 from shardtool.text import printable
 from ._cluster_node import NAMESPACE, actor_name, import_ray, init_ray
 
@@ -154,11 +155,6 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
-def proxy_environment() -> dict[str, str]:
-    """The child's environment: this one's, less shardtool's own secrets (SHARDTOOL_PASSPHRASE, the API key)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("SHARDTOOL_")}
-
-
 # ------------------------------------------------------------------------------------------------ the coordinator's side
 
 class ProxyTransport:
@@ -172,7 +168,7 @@ class ProxyTransport:
         self._broken: str | None = None
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _CHILD, str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env=proxy_environment(), close_fds=True)
+            env=child_environment(), close_fds=True)
         self.pid = self._proc.pid
         self._in, self._out = self._proc.stdin.fileno(), self._proc.stdout.fileno()
         os.set_blocking(self._in, False)

@@ -194,3 +194,22 @@ def test_attack_serve_health_reports_tampered_experts(world, model):
         doc = r.json()
         assert doc["status"] == "degraded" and doc["bad_files"] >= 1
         assert set(doc["files"]) <= set(EXPERTS) and doc["files"], doc
+
+
+def test_attack_serve_chat_template_worker_gets_no_secrets(monkeypatch):
+    """A render worker runs the signed template's code path; it is started without shardtool's secrets (the API
+    key, a passphrase), which the server's own environment may hold."""
+    from shardtool.serve._chat import ChatTemplate
+    from shardtool.serve._render import RenderPool
+
+    monkeypatch.setenv("SHARDTOOL_API_KEY", "key-that-must-not-leak")
+    monkeypatch.setenv("SHARDTOOL_PASSPHRASE", "passphrase-that-must-not-leak")
+    pool = RenderPool(ChatTemplate("{{ messages[0]['content'] }}", {}), workers=1)
+    try:
+        pool.warm()
+        (worker,) = list(pool._all)
+        environ = Path(f"/proc/{worker.proc.pid}/environ").read_bytes()
+        assert b"must-not-leak" not in environ and b"SHARDTOOL_" not in environ
+        assert b"PATH=" in environ  # the rest of the environment is kept
+    finally:
+        pool.close()
