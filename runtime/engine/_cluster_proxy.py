@@ -427,10 +427,14 @@ class _Child:
         self._write(HEADER.pack(len(data)) + data)
 
     def answer(self, ask: Callable[[], Any]) -> None:
+        """One call's answer, or its failure: whatever one node's reply does while Ray unpickles it here (raise any
+        exception, SystemExit included) fails that call, which drops that node only, not the proxy every node needs."""
         try:
             wire = {"answer": encode_answer(ask())}
         except NodeFailed as e:
             wire = {"failed": str(e)[:MAX_LINE]}
+        except BaseException as e:  # noqa: BLE001  (a hostile pickle's doing; the next frame is served as usual)
+            wire = {"failed": printable(f"the node's reply could not be read: {type(e).__name__}: {e}")[:MAX_LINE]}
         self.send(wire)
 
     def init(self, doc: dict) -> None:

@@ -504,3 +504,22 @@ def test_cluster_proxy_that_dies_or_hangs_mid_run_fails_the_request_without_a_ha
         remote.close()
     assert elapsed < timeout + GRACE + 10, elapsed
     assert any("the cluster proxy failed" in why for why in remote.stats.dropped.values()), remote.stats.dropped
+
+
+@pytest.mark.parametrize("raised", [RuntimeError("boom"), SystemExit(3)], ids=["exception", "system-exit"])
+def test_cluster_member_reply_that_raises_while_unpickled_fails_only_its_call(raised):
+    """A member's reply whose pickle raises (anything, SystemExit included) while the proxy's Ray client reads it
+    fails that one call, as a node failure, and the proxy goes on serving the next frame: one member cannot take
+    down the proxy every node's calls go through."""
+    from shardtool.runtime.engine import _cluster_proxy as cp
+
+    sent: list[dict] = []
+    child = cp._Child(lambda n: b"", lambda data: sent.append(cp.unpack(data[cp.HEADER.size:])))
+
+    def hostile():
+        raise raised
+
+    child.answer(hostile)
+    child.answer(lambda: (_ for _ in ()).throw(cp.NodeFailed("node b timed out")))
+    assert [set(doc) for doc in sent] == [{"failed"}, {"failed"}]
+    assert type(raised).__name__ in sent[0]["failed"] and sent[1]["failed"] == "node b timed out"
