@@ -27,6 +27,10 @@ RSS_SLACK = 150 * MIB  # verify-and-run's bound: peak RSS <= budget + 150 MiB (t
 # 16 token-id prompts of different lengths (1 to 31 tokens) and different numbers of new tokens.
 PROMPTS = [[(11 * i + 5 * j) % 500 + 3 for j in range(1 + (i * 7) % 31)] for i in range(16)]
 NEW = [6 + (i * 5) % 19 for i in range(16)]
+# The sixteen clients' answers: long enough (48-66 tokens) that their requests overlap in the engine even when a
+# loaded machine spreads their arrival (with 6-24 tokens, two xdist workers sharing two cores once spread them to
+# 1.86 sequences a step); prompt + answer stays within the solo engine's 128-token context.
+NEW_CONCURRENT = [48 + (i * 5) % 19 for i in range(16)]
 
 
 def _engine(built, model: Path, tmp: Path, **kw) -> Engine:
@@ -57,7 +61,7 @@ def _vm_hwm(pid: int) -> int:
 
 
 def test_sixteen_concurrent_clients_each_get_their_solo_tokens(built, tmp_path):  # noqa: F811
-    solo = _solo(built, tmp_path, PROMPTS, NEW)
+    solo = _solo(built, tmp_path, PROMPTS, NEW_CONCURRENT)
     server = Server(built, built.model, "--model-id", MODEL_ID, "--max-batch", "16", "--max-queue", "16")
     server.wait_listening()
     try:
@@ -66,7 +70,8 @@ def test_sixteen_concurrent_clients_each_get_their_solo_tokens(built, tmp_path):
 
         def ask(i: int) -> str:
             barrier.wait()
-            r = client.completions.create(model=MODEL_ID, prompt=PROMPTS[i], max_tokens=NEW[i], temperature=0)
+            r = client.completions.create(model=MODEL_ID, prompt=PROMPTS[i], max_tokens=NEW_CONCURRENT[i],
+                                       temperature=0)
             return r.choices[0].text
 
         with ThreadPoolExecutor(16) as pool:
