@@ -24,6 +24,9 @@ PROMPT = "5,17,300,42"
 SHORT, LONG = 4, 20
 BUDGET = "42MiB"  # the runtime's own budget: the least it accepts for this model and LONG + 4 tokens
 TOLERANCE = 0.10
+# The kernel's throttle lets a burst through at full speed before it holds the rate: measured 20-28 MB of 136 MB read
+# in 0.57 s at 200 MB/s (v1 blkio's 100 ms slice, sometimes two). An unthrottled read here takes under 0.1 s.
+BURST_SECONDS = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,7 @@ def test_every_byte_came_from_the_throttled_disk(model, runs, n):
     run, _ = runs[1][n]
     trunk = sum(p.stat().st_size for p in (model[0] / "trunk").rglob("*") if p.is_file())
     assert run.device_read_bytes >= trunk > 0
-    assert run.device_read_bytes / run.seconds <= MACHINE.read_bps * 1.15
+    assert run.seconds >= run.device_read_bytes / MACHINE.read_bps - BURST_SECONDS
 
 
 def test_identical_tokens_to_an_uncapped_run(runs):
@@ -109,8 +112,7 @@ SIZE = 128 * MIB
 
 
 def test_the_machine_reads_a_file_at_its_bandwidth(tmp_path):
-    """The throttle itself, away from compute: a cold file read takes its size over the bandwidth. 128 MiB: the
-    throttle lets about one slice through at full speed first (a 48 MiB read measured 270 MB/s, 128 MiB 215 MB/s)."""
+    """The throttle itself, away from compute: a cold file read takes its size, less one burst, over the bandwidth."""
     data = tmp_path / "data.bin"
     data.write_bytes(bytes(range(256)) * (SIZE // 256))
     try:
@@ -119,4 +121,5 @@ def test_the_machine_reads_a_file_at_its_bandwidth(tmp_path):
         pytest.skip(f"no emulated machine here: {e}")
     assert run.returncode == 0 and run.oom_kills == 0
     assert run.device_read_bytes >= SIZE
-    assert 0.8 * MACHINE.read_bps <= run.device_read_bytes / run.seconds <= 1.15 * MACHINE.read_bps
+    throttled_seconds = run.device_read_bytes / MACHINE.read_bps
+    assert throttled_seconds - BURST_SECONDS <= run.seconds <= throttled_seconds / 0.6, run
