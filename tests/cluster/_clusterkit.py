@@ -71,6 +71,16 @@ def free_port() -> int:
     raise RuntimeError(f"no free port below {low}")
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` different free ports (drawn one at a time, two could coincide: Ray refuses a port named twice, as CI saw)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def _ephemeral_low() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -250,13 +260,13 @@ class Head:
     def start(cls, work: Path, *, auth: bool = True, extra_env: dict[str, str] | None = None) -> "Head":
         # A short path: Ray's unix socket paths below it must stay under the kernel's 107-byte limit.
         temp = Path(tempfile.mkdtemp(prefix="st-ray-", dir="/tmp"))
-        port = free_port()
+        port, client, agent, metrics, env_agent, agent_grpc = free_ports(6)
         argv = [str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--block",
                 "--num-cpus", "2", "--include-dashboard", "false", "--temp-dir", str(temp),
                 "--object-store-memory", str(96 * 2**20), "--disable-usage-stats",
-                "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
-                "--metrics-export-port", str(free_port()), "--runtime-env-agent-port", str(free_port()),
-                "--dashboard-agent-grpc-port", str(free_port())]
+                "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent),
+                "--metrics-export-port", str(metrics), "--runtime-env-agent-port", str(env_agent),
+                "--dashboard-agent-grpc-port", str(agent_grpc)]
         proc = start(argv, work / "ray-head.log", work, token=auth,
                      extra_env={"RAY_AUTH_MODE": "token" if auth else "disabled", **(extra_env or {})})
         head = cls(proc, f"127.0.0.1:{port}", temp, [proc.pgid])
