@@ -116,6 +116,24 @@ def check_cache_policy(name: str | None) -> str | None:
     if name not in CACHE_POLICIES:
         raise UsageError(f"--cache-policy must be one of {', '.join(CACHE_POLICIES)}, got '{printable(name[:40])}'")
     return name
+PAGE_CACHE_HELP = ("What a verified read leaves in the kernel's page cache: keep (the next process reads the model "
+                   "from memory), drop (POSIX_FADV_DONTNEED after the read: under a memory cap that counts the page "
+                   "cache, the shard cache alone decides what stays) or direct (O_DIRECT: nothing is cached); default: "
+                   "the runtime's choice, named in the report.")
+
+
+def check_page_cache(name: str | None) -> str:
+    """--page-cache: one of the verified read's modes (None: the runtime's default)."""
+    from shardtool.manifest import PAGE_CACHE_MODES
+
+    if name is None:
+        from shardtool.runtime import DEFAULT_PAGE_CACHE
+        return DEFAULT_PAGE_CACHE
+    if name not in PAGE_CACHE_MODES:
+        raise UsageError(f"--page-cache must be one of {', '.join(PAGE_CACHE_MODES)}, got '{printable(name[:40])}'")
+    return name
+
+
 LOOKAHEAD_HELP = ("Predict each next layer's experts with its router and start reading and verifying them while "
                   "the current layer computes (not with --cluster). Off by default: on 2 busy cores it did not "
                   "halve the time waiting for shards (benchmarks/bench_runtime.py part e).")

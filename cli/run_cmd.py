@@ -10,8 +10,9 @@ from typing import List, Optional
 
 import typer
 
-from shardtool.cli._common import (CACHE_POLICY_HELP, INSECURE_CLUSTER_HELP, LOOKAHEAD_HELP, PLAN_TRUST_HELP,
-                                   check_cache_policy, check_cluster_options, cluster_args as _cluster_args,
+from shardtool.cli._common import (CACHE_POLICY_HELP, INSECURE_CLUSTER_HELP, LOOKAHEAD_HELP, PAGE_CACHE_HELP,
+                                   PLAN_TRUST_HELP, check_cache_policy, check_cluster_options, check_page_cache,
+                                   cluster_args as _cluster_args,
                                    keep_freed_memory, load_trusted, parse_size, run_app, say, set_compute_threads,
                                    share_gil_with_readers, unpinned_warning)
 from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP, check_source
@@ -85,6 +86,7 @@ def verify_and_run(
     memory_budget: str = typer.Option("8GiB", "--memory-budget", help="Cached shards + KV cache + working buffers."),
     readers: int = typer.Option(2, "--readers", min=1, max=64, help="Reader/verifier threads."),
     cache_policy: Optional[str] = typer.Option(None, "--cache-policy", help=CACHE_POLICY_HELP),
+    page_cache: Optional[str] = typer.Option(None, "--page-cache", help=PAGE_CACHE_HELP),
     threads: int = typer.Option(0, "--threads", min=0, max=1024,
                                 help="Compute threads (the weight products'); 0: the cores the readers leave free, "
                                      "at least 1 (an OPENBLAS_NUM_THREADS or OMP_NUM_THREADS setting is kept)."),
@@ -133,14 +135,15 @@ def verify_and_run(
         share_gil_with_readers()
     from shardtool.runtime import DEFAULT_CACHE_POLICY, open_model
     policy = check_cache_policy(cache_policy) or DEFAULT_CACHE_POLICY
+    page_cache = check_page_cache(page_cache)
 
     # A local DIR, or the store's files fetched into --cache-dir (the small files and the trunk now, each expert
     # when first routed to; with --cluster the nodes hold the experts, so none is fetched here).
     model = open_model(remote_store or directory, trust=load_trusted(trust), threshold=threshold,
                        model_id=expect_model, memory_budget=budget, cache_dir=cache_dir, fetch_timeout=fetch_timeout,
                        manifest=manifest_file, state_dir=state_dir, readers=readers, cache_policy=policy,
-                       lookahead=lookahead, **_cluster_args(cluster, plan_file, plan_trust, insecure_cluster,
-                                                            remote_timeout))
+                       lookahead=lookahead, page_cache=page_cache,
+                       **_cluster_args(cluster, plan_file, plan_trust, insecure_cluster, remote_timeout))
     with model:
         if ids is None:
             ids = model.encode(prompt)

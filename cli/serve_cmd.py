@@ -9,7 +9,8 @@ from typing import List, Optional
 
 import typer
 
-from shardtool.cli._common import CACHE_POLICY_HELP, INSECURE_CLUSTER_HELP, LOOKAHEAD_HELP, PLAN_TRUST_HELP
+from shardtool.cli._common import (CACHE_POLICY_HELP, INSECURE_CLUSTER_HELP, LOOKAHEAD_HELP, PAGE_CACHE_HELP,
+                                   PLAN_TRUST_HELP)
 from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP
 from shardtool.errors import UsageError
 
@@ -43,6 +44,7 @@ def serve(
                                   help="Requests waiting for admission; past it, HTTP 503 with Retry-After."),
     readers: int = typer.Option(2, "--readers", min=1, max=64, help="Reader/verifier threads."),
     cache_policy: Optional[str] = typer.Option(None, "--cache-policy", help=CACHE_POLICY_HELP),
+    page_cache: Optional[str] = typer.Option(None, "--page-cache", help=PAGE_CACHE_HELP),
     threads: int = typer.Option(0, "--threads", min=0, max=1024,
                                 help="Compute threads (the weight products'); 0: the cores the readers leave free, at least 1."),
     read_timeout: float = typer.Option(30.0, "--read-timeout", min=0.1, max=3600.0,
@@ -82,8 +84,8 @@ def serve(
     """Serve a verified model: POST /v1/completions and /v1/chat/completions (OpenAI-style, streaming as
     server-sent events), GET /v1/models, /health, /metrics; with --receipt-key, a signed run receipt per
     completion and GET /v1/receipts/{id}."""
-    from shardtool.cli._common import (check_cache_policy, check_cluster_options, cluster_args, keep_freed_memory,
-                                       load_operator_key, load_trusted, parse_size, say, set_compute_threads,
+    from shardtool.cli._common import (check_cache_policy, check_cluster_options, check_page_cache, cluster_args,
+                                       keep_freed_memory, load_operator_key, load_trusted, parse_size, say, set_compute_threads,
                                        share_gil_with_readers)
     from shardtool.cli._source import check_source
 
@@ -110,6 +112,7 @@ def serve(
         share_gil_with_readers()
     from shardtool.runtime import DEFAULT_CACHE_POLICY, open_model  # loads numpy
     policy = check_cache_policy(cache_policy) or DEFAULT_CACHE_POLICY
+    page_cache = check_page_cache(page_cache)
     settings = _settings(read_timeout, max_batch + max_queue, ssl_certfile, ssl_keyfile)
     with stop_on_signals():
         try:
@@ -118,7 +121,7 @@ def serve(
             model = open_model(remote_store or directory, trust=load_trusted(trust), threshold=threshold,
                                model_id=expect_model, memory_budget=budget, cache_dir=cache_dir,
                                fetch_timeout=fetch_timeout, manifest=manifest_file, state_dir=state_dir,
-                               readers=readers, cache_policy=policy, lookahead=lookahead,
+                               readers=readers, cache_policy=policy, lookahead=lookahead, page_cache=page_cache,
                                **cluster_args(cluster, plan_file, plan_trust, insecure_cluster, remote_timeout))
         except Stopped:
             say("shardtool serve: stopped before serving")

@@ -179,22 +179,39 @@ def _private_buffer(size: int) -> np.ndarray:
     return data
 
 
-def read_verified_timed(root: Path, entry: Entry) -> VerifiedBytes:
+# What a verified read leaves in the kernel's page cache. "keep": plain reads, the pages stay (a model read again by the
+# next process comes from memory). "drop": plain reads, then the file's cached pages are dropped (POSIX_FADV_DONTNEED):
+# under a memory cap that charges the page cache, the shard cache, not the kernel's, decides what stays, and a byte
+# is held once, not twice. "direct": O_DIRECT into an aligned private buffer: no page is cached at all (a filesystem
+# that refuses O_DIRECT is read as "drop").
+PAGE_CACHE_MODES = ("keep", "drop", "direct")
+DIRECT_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length in multiples of the logical block (<= 4 KiB)
+
+
+def read_verified_timed(root: Path, entry: Entry, page_cache: str = "keep") -> VerifiedBytes:
     """Read `entry` into private memory, hashing each chunk as it arrives; return it only if its size and
     BLAKE3 digest are the manifest's. The bytes returned are exactly the bytes hashed: no mmap, no re-read.
+    `page_cache`: one of PAGE_CACHE_MODES.
 
     One pass: each chunk is hashed right after it lands in the private buffer, on the calling thread
     only (max_threads=1): the runtime's reader pool already loads several shards at once, and BLAKE3's
     own threads on top would oversubscribe the cores that compute. The time spent reading and hashing is
     measured around the calls (`_Stopwatch`), not inside the loop.
     """
+    if page_cache not in PAGE_CACHE_MODES:
+        raise ValueError(f"page_cache must be one of {PAGE_CACHE_MODES}, got {page_cache!r}")  # a caller's bug
     opening = _Stopwatch(_open_signed_size)
     fd = opening(root, entry)
     hasher = blake3.blake3()
     reading, hashing = _Stopwatch(os.readv), _Stopwatch(hasher.update)
     try:
-        data = _private_buffer(entry.size)  # numpy is imported there, not at module level: audits never need it
-        done, extra = _read_and_hash(fd, memoryview(data), entry.size, reading, hashing)
+        if page_cache == "direct" and _set_direct(fd):
+            data, done, extra = _read_and_hash_direct(fd, entry.size, reading, hashing)
+        else:
+            data = _private_buffer(entry.size)  # numpy is imported there, not at module level: audits never need it
+            done, extra = _read_and_hash(fd, memoryview(data), entry.size, reading, hashing)
+            if page_cache != "keep":
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     except OSError as e:
         raise StorageError(f"read failed: {e.strerror}", path=entry.path) from e
     finally:
@@ -202,6 +219,39 @@ def read_verified_timed(root: Path, entry: Entry) -> VerifiedBytes:
     check_entry(entry, _read_result(entry, done, hasher, extra))
     data.flags.writeable = False
     return VerifiedBytes(data, opening.wall + reading.wall, hashing.wall, opening.cpu + reading.cpu, hashing.cpu)
+
+
+def _set_direct(fd: int) -> bool:
+    """Turn O_DIRECT on for `fd`; False where the filesystem refuses it (tmpfs, some overlays)."""
+    import fcntl  # here: only direct reads need it
+
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    except OSError:
+        return False
+    return True
+
+
+def _read_and_hash_direct(fd: int, size: int, read: Callable, update: Callable) -> tuple[np.ndarray, int, int]:
+    """The verified read's loop under O_DIRECT: whole aligned blocks into an aligned buffer with room for one block
+    past `size` (a file that grew shows there), hashing only the first `size` bytes. A read shorter than asked ends
+    the loop (the end of the file, or a file that changed: the counts then differ from the signed size). Returns
+    (the buffer's first `size` bytes, bytes read up to `size`, bytes found past it)."""
+    capacity = -(-(size + 1) // DIRECT_ALIGN) * DIRECT_ALIGN
+    base = _private_buffer(capacity + DIRECT_ALIGN)
+    start = -base.ctypes.data % DIRECT_ALIGN
+    buffer = base[start:start + capacity]  # [capacity] uint8, its address a multiple of DIRECT_ALIGN
+    view = memoryview(buffer)
+    done = 0
+    while done < capacity:
+        want = min(READ_CHUNK, capacity - done)
+        n = read(fd, [view[done:done + want]])
+        if done < size:
+            update(view[done:min(done + n, size)])
+        done += n
+        if n < want:
+            break
+    return buffer[:size], min(done, size), max(0, done - size)
 
 
 def read_verified_prefix(root: Path, entry: Entry, prefix_length: Callable[[bytes], int],

@@ -41,7 +41,7 @@ from shardtool.manifest import Entry, VerifiedManifest
 from shardtool.runtime.model import (ExpertFetch, ExpertUnavailable, KVCache, ModelConfig, PackedWeights, Segment,
                                      StepTrace, bytes_per_token, forward_batch, inv_freq, prefill_chunk, prepare_expert,
                                      step_rows)
-from shardtool.runtime.store import DEFAULT_POLICY, ShardStore
+from shardtool.runtime.store import DEFAULT_PAGE_CACHE, DEFAULT_POLICY, ShardStore
 
 from ._plan import BudgetPlan, plan_budget
 from ._provider import VerifiedWeights
@@ -138,12 +138,12 @@ class Engine:
                  max_queue: int = 64, kv_cache: int | None = None, max_context: int | None = None,
                  readers: int = 2, tokenizer=None, remote: ExpertCluster | None = None,
                  fetch_missing: Callable[[Entry], None] | None = None, cache_policy: str = DEFAULT_POLICY,
-                 lookahead: bool = False):
+                 lookahead: bool = False, page_cache: str = DEFAULT_PAGE_CACHE):
         """`remote`: a cluster's nodes compute the routed experts (`shardtool node`); `root` then needs to hold
         only the trunk and the model's small files (the plan's coordinator_files). `fetch_missing`: the shard
         store's hook for a shard `root` does not hold (`--remote URL --cache-dir D`). `cache_policy`: the
         store's eviction policy (`_cache_policy.POLICIES`). `lookahead`: predict each next layer's experts and
-        start loading them early (`VerifiedWeights`; not with `remote`)."""
+        start loading them early (`VerifiedWeights`; not with `remote`). `page_cache`: the store's."""
         if max_batch < 1:
             raise UsageError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue < 0:
@@ -166,7 +166,7 @@ class Engine:
                                             max_batch=max_batch, kv_cache=kv_cache)
         self.store = ShardStore(self.root, budget_bytes=self.plan.shard_cache, readers=readers,
                                 fetch_missing=fetch_missing, policy=cache_policy, prepare=self._prepare_shard,
-                                header_memo=self.plan.headers)
+                                header_memo=self.plan.headers, page_cache=page_cache)
         self.weights = VerifiedWeights(self.store, manifest, self.config.num_layers, window=self.config.top_k,
                                        lookahead=lookahead and remote is None)
         self.remote = remote

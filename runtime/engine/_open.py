@@ -10,7 +10,7 @@ from typing import Callable, Iterator, Sequence
 
 from shardtool.errors import UsageError
 from shardtool.manifest import VerifiedManifest
-from shardtool.runtime.store import DEFAULT_POLICY
+from shardtool.runtime.store import DEFAULT_PAGE_CACHE, DEFAULT_POLICY
 
 from ._cluster import connect_cluster, load_signed_plan
 from ._detok import Detokenizer
@@ -33,9 +33,9 @@ class VerifiedModel:
     a context manager): it holds reader threads, the cache directory's lock and the cluster connection."""
 
     def __init__(self, source: ModelSource, *, budget: int, readers: int, cache_policy: str, lookahead: bool,
-                 cluster=None):
+                 cluster=None, page_cache: str = DEFAULT_PAGE_CACHE):
         self.source, self.budget, self.cluster = source, budget, cluster
-        self._options = dict(readers=readers, cache_policy=cache_policy, lookahead=lookahead)
+        self._options = dict(readers=readers, cache_policy=cache_policy, lookahead=lookahead, page_cache=page_cache)
         self.tokenizer = load_tokenizer(source.directory, source.manifest)  # verified before it is parsed
         self._session: Session | None = None
         self._capacity = 0  # tokens the session's KV cache holds
@@ -162,7 +162,7 @@ def open_model(source: str | Path | Sequence[str], *, trust: Sequence, threshold
                manifest: str | Path | None = None, state_dir: str | Path | None = None, cluster: str | None = None,
                plan: str | Path | None = None, plan_trust: Sequence = (), insecure_cluster: bool = False,
                cluster_timeout: float = 30.0, readers: int = 2, cache_policy: str = DEFAULT_POLICY,
-               lookahead: bool = False) -> VerifiedModel:
+               lookahead: bool = False, page_cache: str = DEFAULT_PAGE_CACHE) -> VerifiedModel:
     """Verify a split model's signed manifest and open it for generation.
 
     `source`: a split model directory, or a store URL (https://, s3://, hf://; a list of them: mirrors tried in
@@ -190,7 +190,7 @@ def open_model(source: str | Path | Sequence[str], *, trust: Sequence, threshold
             signed_plan = load_signed_plan(Path(plan), opened.manifest, trusted_keys(plan_trust, "plan_trust"))
             remote = connect_cluster(cluster, signed_plan, timeout=cluster_timeout, insecure=insecure_cluster)
         return VerifiedModel(opened, budget=budget, readers=readers, cache_policy=cache_policy, lookahead=lookahead,
-                             cluster=remote)
+                             cluster=remote, page_cache=page_cache)
     except BaseException:
         if remote is not None:
             remote.close()

@@ -11,7 +11,7 @@ from typing import Callable, Iterator, Sequence
 from shardtool.errors import UsageError
 from shardtool.manifest import VerifiedManifest
 from shardtool.runtime.model import Model
-from shardtool.runtime.store import DEFAULT_POLICY
+from shardtool.runtime.store import DEFAULT_PAGE_CACHE, DEFAULT_POLICY
 
 from ._engine import Engine, ExpertCluster
 from ._sampling import SamplingParams, check_sampling
@@ -53,7 +53,7 @@ class Session:
 
     def __init__(self, root: Path, manifest: VerifiedManifest, *, budget: int, max_tokens: int, readers: int = 2,
                  tokenizer=None, remote: ExpertCluster | None = None, fetch_missing=None,
-                 cache_policy: str = DEFAULT_POLICY, lookahead: bool = False):
+                 cache_policy: str = DEFAULT_POLICY, lookahead: bool = False, page_cache: str = DEFAULT_PAGE_CACHE):
         """`remote`: the routed experts come from a cluster's nodes (the engine's `remote`); `fetch_missing`: the
         shard store's hook for shards the directory does not hold yet (the engine's); `cache_policy`: the shard
         store's eviction policy; `lookahead`: the engine's."""
@@ -64,7 +64,7 @@ class Session:
         self.lookahead_requested = lookahead and remote is None
         self.engine = Engine(self.root, manifest, budget=budget, max_batch=1, max_queue=0, max_context=max_tokens,
                              readers=readers, tokenizer=tokenizer, remote=remote, fetch_missing=fetch_missing,
-                             cache_policy=cache_policy, lookahead=lookahead)
+                             cache_policy=cache_policy, lookahead=lookahead, page_cache=page_cache)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.plan = self.engine.plan
@@ -152,7 +152,7 @@ class Session:
             "bytes_read_per_token": s.bytes_read / max(r.prompt_tokens + r.new_tokens, 1),
             "decode_expert_bytes_per_token": r.decode_expert_bytes / decode_steps if decode_steps else None,
             "contract_expert_bytes_per_token_cold": contract.get("expert_bytes_per_token_cold"),
-            "cache": {"policy": self.store.policy, "hits": s.hits, "misses": s.misses, "evictions": s.evictions,
+            "cache": {"policy": self.store.policy, "page_cache": self.store.page_cache, "hits": s.hits, "misses": s.misses, "evictions": s.evictions,
                       "peak_cached_bytes": s.peak_cached_bytes, "fetched_from_remote": s.fetched,
                       "fetch_seconds": s.fetch_seconds, "expert_requests": s.requests.get("expert", 0),
                       "expert_hits": s.request_hits.get("expert", 0), "expert_hit_rate": s.hit_rate("expert")},

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 
 from shardtool.errors import CheckpointFormatError, DigestMismatchError, MissingFileError, ShardFormatError
-from shardtool.manifest import Entry, read_verified_timed
+from shardtool.manifest import PAGE_CACHE_MODES, Entry, read_verified_timed
 from shardtool.safetensors_format import HeaderMemo, parse_safetensors
 
 from ._cache_policy import DEFAULT_POLICY, CacheIndex
@@ -27,6 +27,9 @@ from ._readers import ReaderPool
 Arrays = Mapping[str, np.ndarray]
 # Each chunk is hashed right after it is read, while it is still in the CPU cache: one pass over memory
 # instead of two (read all, then hash all), measured ~30% faster on 6 MB experts (benchmarks/bench_runtime.py).
+
+# What a verified read leaves in the kernel's page cache (`PAGE_CACHE_MODES`), unless the caller says: MEASURED_LATER
+DEFAULT_PAGE_CACHE = "keep"
 
 # Parsed shard headers a store keeps for the shards it reads again (`HeaderMemo`): room for every shard of the model
 # (a typical expert's header costs about 4 KiB remembered), at least 1 MiB and at most 96 MiB (about 19,000 shards:
@@ -108,16 +111,21 @@ class ShardStore:
 
     def __init__(self, root: Path, *, budget_bytes: int, readers: int = 2,
                  fetch_missing: Callable[[Entry], None] | None = None, policy: str = DEFAULT_POLICY,
-                 prepare: Callable[[Entry, Arrays], None] | None = None, header_memo: int = HEADER_MEMO_MIN):
+                 prepare: Callable[[Entry, Arrays], None] | None = None, header_memo: int = HEADER_MEMO_MIN,
+                 page_cache: str = DEFAULT_PAGE_CACHE):
         """`fetch_missing(entry)`: brings a listed shard that `root` does not hold into `root` (`--remote`: fetched
         from mirrors, verified, renamed into place); the store then reads it through the same entry check.
         `policy`: which cached shard is evicted first (`_cache_policy.POLICIES`); trunk shards go only when
         no expert is left (`CacheIndex`). `prepare(entry, arrays)`: run by the reader thread on a shard it verified
         and parsed, before anyone is handed it (the forward pass checks and packs an expert's weights there, off its
         own thread); an error it raises fails that load like a format error. `header_memo`: bytes for the headers of
-        shards read again (`header_memo_bytes`), outside `budget_bytes`."""
+        shards read again (`header_memo_bytes`), outside `budget_bytes`. `page_cache`: what a verified read leaves in
+        the kernel's page cache (`PAGE_CACHE_MODES`)."""
         if budget_bytes <= 0:
             raise ValueError(f"budget must be positive, got {budget_bytes}")
+        if page_cache not in PAGE_CACHE_MODES:
+            raise ValueError(f"page_cache must be one of {PAGE_CACHE_MODES}, got {page_cache!r}")
+        self.page_cache = page_cache
         self.root = Path(root)
         self.budget = budget_bytes
         self.stats = StoreStats()
@@ -146,7 +154,7 @@ class ShardStore:
         """Reader thread: read and verify, parse; then insert into the cache."""
         try:
             try:
-                loaded = read_verified_timed(self.root, entry)
+                loaded = read_verified_timed(self.root, entry, self.page_cache)
             except (MissingFileError, DigestMismatchError):
                 if self._fetch_missing is None:
                     raise  # (a cache directory's wrong or missing file is fetched again, verified, renamed over it)
@@ -155,7 +163,8 @@ class ShardStore:
                 with self._lock:
                     self.stats.fetched += 1
                     self.stats.fetch_seconds += time.perf_counter() - t0
-                loaded = read_verified_timed(self.root, entry)  # what is used is what this read verifies
+                # what is used is what this read verifies
+                loaded = read_verified_timed(self.root, entry, self.page_cache)
             t0 = time.perf_counter()
             arrays = parse_shard(entry, loaded.data, self._headers)
             if self._prepare is not None:

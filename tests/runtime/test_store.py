@@ -242,9 +242,9 @@ def test_every_policy_keeps_the_budget_and_verifies_every_load(model, monkeypatc
     verified = []
     real = store_mod.read_verified_timed
 
-    def counting(root_, entry):
+    def counting(root_, entry, *mode):
         verified.append(entry.path)
-        return real(root_, entry)
+        return real(root_, entry, *mode)
 
     monkeypatch.setattr(store_mod, "read_verified_timed", counting)
     store = make_store(root, budget_shards=2.5, readers=2, policy=policy)
@@ -393,8 +393,8 @@ def test_bytes_are_read_once_and_the_verified_bytes_are_the_parsed_bytes(model, 
     verified, parsed = {}, {}  # path -> what the read returned / what parse was given (readers run in parallel)
     real_read, real_parse = store_mod.read_verified_timed, store_mod.parse_shard
 
-    def read(r, entry):
-        verified[entry.path] = real_read(r, entry)
+    def read(r, entry, *mode):
+        verified[entry.path] = real_read(r, entry, *mode)
         return verified[entry.path]
 
     def parse(entry, data, headers):
@@ -439,10 +439,10 @@ def test_get_many_loads_in_parallel_and_keeps_order(model, monkeypatch):
     barrier = threading.Barrier(readers, timeout=10)  # breaks (and fails the test) unless 3 reads overlap
     real = store_mod.read_verified_timed
 
-    def together(root_, entry):
+    def together(root_, entry, *mode):
         if entry.expert < readers:
             barrier.wait()
-        return real(root_, entry)
+        return real(root_, entry, *mode)
 
     monkeypatch.setattr(store_mod, "read_verified_timed", together)
     store = make_store(root, readers=readers)
@@ -479,9 +479,9 @@ def test_get_joins_an_inflight_prefetch_and_gets_its_error(model, monkeypatch, r
     release = threading.Event()
     real = store_mod.read_verified_timed
 
-    def slow(root_, entry):
+    def slow(root_, entry, *mode):
         release.wait(10)
-        return real(root_, entry)
+        return real(root_, entry, *mode)
 
     monkeypatch.setattr(store_mod, "read_verified_timed", slow)
     flip_byte(root / e[1].path)
@@ -498,7 +498,8 @@ def test_concurrent_gets_of_one_shard_share_one_read(model, monkeypatch, reads):
     root, e = model
     release = threading.Event()
     real = store_mod.read_verified_timed
-    monkeypatch.setattr(store_mod, "read_verified_timed", lambda r, entry: release.wait(10) and real(r, entry))
+    monkeypatch.setattr(store_mod, "read_verified_timed",
+                        lambda r, entry, *mode: release.wait(10) and real(r, entry, *mode))
     store = make_store(root)
     results = []
     threads = [threading.Thread(target=lambda: results.append(store.get(e[0]))) for _ in range(4)]
@@ -556,10 +557,10 @@ def test_request_hands_out_each_shard_as_soon_as_it_alone_is_verified(model, mon
     release = threading.Event()
     real = store_mod.read_verified_timed
 
-    def slow_second(root_, entry):
+    def slow_second(root_, entry, *mode):
         if entry.path == e[1].path:
             assert release.wait(10), "the first waiter did not return while the second shard was loading"
-        return real(root_, entry)
+        return real(root_, entry, *mode)
 
     monkeypatch.setattr(store_mod, "read_verified_timed", slow_second)
     store = make_store(root, readers=2)
@@ -652,8 +653,8 @@ def test_provider_experts_index_waits_per_expert(model, monkeypatch):
     order = []
     real = store_mod.read_verified_timed
 
-    def traced(root_, entry):
-        got = real(root_, entry)
+    def traced(root_, entry, *mode):
+        got = real(root_, entry, *mode)
         order.append(entry.path)
         return got
 
@@ -681,12 +682,12 @@ def _one_blocked_reader(model, monkeypatch):
     release, started, order = threading.Event(), threading.Event(), []
     real = store_mod.read_verified_timed
 
-    def recording(root_, entry):
+    def recording(root_, entry, *mode):
         order.append(entry.path)
         if entry.path == e[0].path:
             started.set()
             assert release.wait(10)
-        return real(root_, entry)
+        return real(root_, entry, *mode)
 
     monkeypatch.setattr(store_mod, "read_verified_timed", recording)
     store = make_store(root, readers=1)
