@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 # torch 2.13.0 is a local CPU wheel on our machines; any other torch spec downloads gigabytes.
 ORACLE := torch==2.13.0 transformers
 
-.PHONY: install oracle test test-fast demo bench bench-llamacpp fuzz clean
+.PHONY: install oracle test test-fast demo bench bench-llamacpp bench-seed fuzz clean
 
 # setup.py and the C source: an edit rebuilds the kernels extension in place (pip install -e).
 $(VENV)/.installed: pyproject.toml setup.py runtime/model/_kernels.c
@@ -66,6 +66,11 @@ NO_AMX       := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 
 bench-llamacpp: install .venv-bench/.llama-cpp-$(LLAMA_CPP)-noamx
 	$(PY) benchmarks/bench_llamacpp.py
+
+# The seed's case on an emulated small machine (root: cgroup memory cap + read throttle): a 17.4 GiB DeepSeek-V3-shaped
+# model under M = 2 GiB at 0.85 GB/s; about 40 GiB of disk under /var/tmp and an hour (docs/seed-scale.md).
+bench-seed: install
+	$(PY) benchmarks/bench_seed.py --json docs/seed-scale.json
 
 fuzz: install
 	$(PY) -m pytest -q tests/fuzz --hypothesis-profile=long

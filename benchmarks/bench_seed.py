@@ -1,0 +1,271 @@
+"""The seed's case on an emulated small machine (`make bench-seed`): a DeepSeek-V3-shaped MoE many times larger than
+memory, streamed from a disk throttled to NVMe speed, verified shard by shard.
+
+The model (examples/make_tiny_moe.py, deepseek_v3 layout, no EOS so every run makes the tokens asked for): 16 layers,
+the first dense, 15 MoE layers of 128 routed experts (top-8, group-limited: 8 groups, 4 chosen) plus one shared
+expert, hidden 2048, expert width 768, MLA attention (q_lora_rank 384, kv_lora_rank 256), bf16: 9 MiB per expert,
+17.4 GiB in all (16.9 GiB of routed experts). Generated shard by shard (never whole in memory), split, signed; again
+with `split --quantize int4`.
+
+The machine (benchmarks/_machine.py): a cgroup whose memory cap M (default 2 GiB, 1/8 of the model) charges the
+process's memory *and* the page cache it touches, and whose disk reads are throttled to B (default 0.85 GB/s, the
+seed's NVMe); the page cache is dropped before every run. verify-and-run runs inside it with --memory-budget below M
+(the interpreter and libraries take the rest).
+
+What is measured. Each configuration runs twice per round: SHORT (2 new tokens) and LONG (--tokens) from the same
+prompt. Differences between the two cancel start-up, the manifest check, the trunk and the prompt: per decode token,
+seconds, bytes read from the throttled device (the cgroup's own counter), and expert bytes the runtime read (its
+report). The disk-limit ratio is seconds per token / (device bytes per token / B): 1.0 is a runtime that is nothing
+but its disk. Rounds interleave the configurations; the table gives medians.
+
+Usage: python benchmarks/bench_seed.py [--workdir DIR] [--repeats 3] [--tokens 12] [--memory 2GiB] [--read-bps 0.85e9]
+       [--budget 1536MiB] [--configs NAME,...] [--quick] [--json FILE] [--keep-checkpoint] [--prepare-only]
+`--quick`: the same bench on a 0.4 GiB model with a 96 MiB budget under a 224 MiB cap, to check the bench itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import _machine  # noqa: E402
+from _harness import make_without_eos  # noqa: E402
+
+SEED = dict(layers=16, dense_layers=1, experts=128, experts_per_tok=8, n_group=8, topk_group=4, hidden=2048,
+            intermediate=4096, moe_intermediate=768, heads=16, q_lora_rank=384, kv_lora_rank=256, vocab=4096,
+            mtp_layers=0, dtype="bf16", shard_size_mb=2000)
+QUICK = dict(SEED, layers=6, experts=64, hidden=512, intermediate=1024, moe_intermediate=384, heads=4, q_lora_rank=96,
+             kv_lora_rank=64, vocab=1024, shard_size_mb=200)
+PROMPT = "5,17,300,42"
+SHORT = 2
+VARIANTS = {"bf16": [], "int4": ["--quantize", "int4"]}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way of running verify-and-run on the machine."""
+
+    variant: str  # a key of VARIANTS
+    readers: int = 2
+    lookahead: bool = False
+    page_cache: str | None = None  # None: the runtime's default
+
+    @property
+    def name(self) -> str:
+        parts = [self.variant, f"r{self.readers}"]
+        if self.lookahead:
+            parts.append("lookahead")
+        if self.page_cache:
+            parts.append(self.page_cache)
+        return "-".join(parts)
+
+
+CONFIGS = [Config("bf16", readers=r) for r in (1, 2, 4)] + [
+    Config("bf16", readers=2, lookahead=True), Config("bf16", readers=4, lookahead=True),
+    Config("bf16", page_cache="keep"), Config("bf16", page_cache="drop"), Config("bf16", page_cache="direct"),
+    Config("int4"), Config("int4", lookahead=True)]
+
+
+def say(msg: str) -> None:
+    print(f"bench_seed: {msg}", file=sys.stderr, flush=True)
+
+
+def shardtool_bin(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+def prepare(work: Path, knobs: dict, keep_checkpoint: bool) -> dict[str, Path]:
+    """The signed splits of VARIANTS and the key, made once and reused while the knobs (kept in a marker) stay the
+    same; each under a temporary name renamed when complete. The checkpoint is removed afterwards (disk space)."""
+    marker = work / "knobs.json"
+    if not (marker.exists() and json.loads(marker.read_text()) == knobs):
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        marker.write_text(json.dumps(knobs))
+    if not (work / "bench.key").exists():
+        subprocess.run([shardtool_bin("shardtool"), "keygen", "--out", str(work / "bench"), "--no-passphrase"],
+                       check=True, capture_output=True)
+    paths = {v: work / f"split-{v}" for v in VARIANTS}
+    ck = work / "ck"
+    for variant, extra in VARIANTS.items():
+        if paths[variant].exists():
+            continue
+        if not ck.exists():
+            say(f"generating the checkpoint in {ck}")
+            shutil.rmtree(work / "ck.tmp", ignore_errors=True)
+            make_without_eos(work / "ck.tmp", knobs, "deepseek_v3")
+            (work / "ck.tmp").rename(ck)
+        say(f"split {' '.join(extra)} + sign -> {paths[variant]}")
+        tmp = paths[variant].with_name(paths[variant].name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        subprocess.run([shardtool_bin("shardtool"), "split", "-q", str(ck), str(tmp), "--model-id",
+                        f"bench/seed-{variant}", *extra], check=True, capture_output=True)
+        subprocess.run([shardtool_bin("shardtool"), "sign", str(tmp), "--key", str(work / "bench.key")],
+                       check=True, capture_output=True)
+        tmp.rename(paths[variant])
+    if ck.exists() and not keep_checkpoint:
+        shutil.rmtree(ck)
+    return paths
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def run_once(work: Path, model: Path, config: Config, tokens: int, machine: _machine.Machine, budget: str) -> dict:
+    """verify-and-run of `tokens` new tokens on the machine: the MachineRun's figures and the run's JSON report."""
+    report = work / "report.json"
+    report.unlink(missing_ok=True)
+    argv = [shardtool_bin("verify-and-run"), str(model), "--trust", str(work / "bench.pub"), "--prompt-ids", PROMPT,
+            "--max-new-tokens", str(tokens), "--print-ids", "-q", "--memory-budget", budget,
+            "--readers", str(config.readers), "--json-report", str(report),
+            "--lookahead" if config.lookahead else "--no-lookahead",
+            *(["--page-cache", config.page_cache] if config.page_cache else [])]
+    run = _machine.run(argv, machine, data_dir=model, timeout=3600)
+    if run.returncode != 0:
+        raise RuntimeError(f"{config.name}: exit {run.returncode} (OOM kills {run.oom_kills}):\n{run.stderr[-2000:]}")
+    return {"seconds": run.seconds, "device_read_bytes": run.device_read_bytes, "peak_memory_bytes":
+            run.peak_memory_bytes, "oom_kills": run.oom_kills, "report": json.loads(report.read_text())}
+
+
+def per_token(short: dict, long: dict, tokens: int, machine: _machine.Machine) -> dict:
+    """One configuration's figures per decode token, from its SHORT and LONG runs of one round: every figure is the
+    difference between the two over the extra tokens (start-up, trunk and prompt cancel)."""
+    steps = tokens - SHORT
+    rep, srep = long["report"], short["report"]
+
+    def delta(key: str) -> float:
+        return (long[key] - short[key]) / steps
+
+    def thread(key: str) -> float:  # seconds the run's report gives for one kind of work
+        return (rep["seconds"][key] - srep["seconds"][key]) / steps
+
+    seconds, device = delta("seconds"), delta("device_read_bytes")
+    runtime_bytes = (rep["bytes_read"] - srep["bytes_read"]) / steps
+    return {
+        "seconds_per_token": seconds,
+        "tokens_per_s": 1 / seconds if seconds > 0 else None,
+        "device_bytes_per_token": device,
+        "runtime_bytes_per_token": runtime_bytes,
+        "contract_cold_bytes_per_token": rep["contract_expert_bytes_per_token_cold"],
+        "disk_limit_ratio": seconds / (device / machine.read_bps) if device > 0 else None,
+        "runtime_disk_ratio": seconds / (runtime_bytes / machine.read_bps) if runtime_bytes > 0 else None,
+        "expert_hit_rate": rep["cache"]["expert_hit_rate"],
+        "peak_memory_bytes": max(short["peak_memory_bytes"], long["peak_memory_bytes"]),
+        "oom_kills": short["oom_kills"] + long["oom_kills"],
+        "wait_s_per_token": thread("waiting_for_shards"),
+        "verify_s_per_token": thread("verify_thread"),
+        "read_s_per_token": thread("read_thread"),
+        "compute_s_per_token": thread("compute"),
+        "report_decode_tokens_per_s": rep["decode_tokens_per_s"],
+        "page_cache": rep["cache"].get("page_cache"),
+        "generated_ids": rep["generated_ids"],
+    }
+
+
+def median_row(rows: list[dict]) -> dict:
+    out = {}
+    for key, value in rows[0].items():
+        values = [r[key] for r in rows if r[key] is not None]
+        numeric = values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        out[key] = statistics.median(values) if numeric else value
+    out["rounds"] = len(rows)
+    return out
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def print_table(results: dict[str, dict], machine: _machine.Machine) -> None:
+    print(f"\nverify-and-run on the emulated machine: M = {mib(machine.memory_bytes)}, B = {machine.read_bps / 1e9:.2f} "
+          f"GB/s; medians of {next(iter(results.values()))['rounds']} interleaved rounds, per decode token. "
+          "device: read from the throttled disk; runtime: what the shard store read; disk ratio: seconds / (device "
+          "bytes / B); wait, read, verify, compute: seconds (read and verify on the reader threads, in parallel)")
+    print(f"{'config':<22} {'tok/s':>6} {'s/tok':>6} {'device':>9} {'runtime':>9} {'cold':>9} {'dev/rt':>6} "
+          f"{'disk':>5} {'hit':>4} {'wait':>5} {'read':>5} {'verify':>6} {'compute':>7} {'peak/M':>6} {'OOM':>3}")
+    for name, r in results.items():
+        dev_rt = r["device_bytes_per_token"] / r["runtime_bytes_per_token"] if r["runtime_bytes_per_token"] else 0
+        print(f"{name:<22} {r['tokens_per_s']:>6.3f} {r['seconds_per_token']:>6.2f} "
+              f"{mib(r['device_bytes_per_token']):>9} {mib(r['runtime_bytes_per_token']):>9} "
+              f"{mib(r['contract_cold_bytes_per_token']):>9} {dev_rt:>6.2f} {r['disk_limit_ratio'] or 0:>5.2f} "
+              f"{r['expert_hit_rate'] or 0:>4.0%} {r['wait_s_per_token']:>5.2f} {r['read_s_per_token']:>5.2f} "
+              f"{r['verify_s_per_token']:>6.2f} {r['compute_s_per_token']:>7.2f} "
+              f"{r['peak_memory_bytes'] / machine.memory_bytes:>6.2f} {r['oom_kills']:>3}")
+
+
+def ratios(results: dict[str, dict]) -> list[str]:
+    """The issue's targets that one run of this bench decides, as lines."""
+    lines = []
+    for variant in VARIANTS:
+        base, look = results.get(f"{variant}-r2"), results.get(f"{variant}-r2-lookahead")
+        if base and look:
+            gain = base["seconds_per_token"] / look["seconds_per_token"] - 1
+            lines.append(f"{variant}: --lookahead vs off, 2 readers: {gain:+.0%} tokens/s")
+    for name, r in results.items():
+        if r["generated_ids"] != results[next(iter(results))]["generated_ids"] and name.startswith("bf16"):
+            lines.append(f"{name}: tokens differ from the first configuration's")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", type=Path, default=Path("/var/tmp/shardtool-bench-seed"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=12)
+    ap.add_argument("--memory", default="2GiB")
+    ap.add_argument("--read-bps", default="0.85e9")
+    ap.add_argument("--budget", default="1536MiB")
+    ap.add_argument("--configs", default="", help="comma-separated config names (default: all)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--keep-checkpoint", action="store_true", help="keep the generated HF checkpoint (GGUF conversion)")
+    ap.add_argument("--prepare-only", action="store_true", help="make the signed splits and stop")
+    a = ap.parse_args()
+    if a.quick:
+        a.memory, a.budget, a.workdir = "224MiB", "96MiB", a.workdir.with_name(a.workdir.name + "-quick")
+    machine = _machine.Machine(_machine.parse_size(a.memory), _machine.parse_size(a.read_bps))
+    configs = [c for c in CONFIGS if not a.configs or c.name in a.configs.split(",")]
+    if a.tokens <= SHORT or not configs:
+        ap.error(f"--tokens must exceed {SHORT} and --configs must name at least one of "
+                 f"{', '.join(c.name for c in CONFIGS)}")
+    paths = prepare(a.workdir, QUICK if a.quick else SEED, a.keep_checkpoint)
+    say(", ".join(f"{v}: {dir_bytes(p) / 2**30:.2f} GiB" for v, p in paths.items()))
+    if a.prepare_only:
+        return 0
+    rows: dict[str, list[dict]] = {c.name: [] for c in configs}
+    try:
+        for round_ in range(a.repeats):
+            for c in configs:
+                short = run_once(a.workdir, paths[c.variant], c, SHORT, machine, a.budget)
+                long = run_once(a.workdir, paths[c.variant], c, a.tokens, machine, a.budget)
+                rows[c.name].append(per_token(short, long, a.tokens, machine))
+                r = rows[c.name][-1]
+                say(f"round {round_ + 1}: {c.name}: {r['seconds_per_token']:.2f} s/token, "
+                    f"{mib(r['device_bytes_per_token'])} device/token, disk ratio {r['disk_limit_ratio']:.2f}")
+    except _machine.MachineUnavailableError as e:
+        say(f"no emulated machine here: {e}")
+        return 3
+    results = {name: median_row(rs) for name, rs in rows.items() if rs}
+    print_table(results, machine)
+    for line in ratios(results):
+        print(line)
+    if a.json:
+        a.json.write_text(json.dumps({"machine": {"memory_bytes": machine.memory_bytes, "read_bps": machine.read_bps},
+                                      "budget": a.budget, "tokens": a.tokens, "results": results, "rounds": rows},
+                                     indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
