@@ -269,6 +269,19 @@ class Started:
     def device_read_bytes(self) -> int:
         return self.group.readings()[1]
 
+    def rss_peak_bytes(self) -> int:
+        """The command's own high-water resident set (VmHWM; its children not included), 0 once it has exited: the
+        cgroup's peak counts the page cache too, which fills to the cap."""
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        except OSError:
+            return 0
+        for line in status.splitlines():
+            parts = line.split()  # "VmHWM:   92572 kB"
+            if len(parts) == 3 and parts[0] == "VmHWM:" and parts[2] == "kB":
+                return int(parts[1]) * 1024
+        return 0  # a zombie has no memory lines
+
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
