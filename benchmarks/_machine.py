@@ -3,6 +3,8 @@ and a read-bandwidth cap on the disk its files live on, caches dropped first, an
 
 cgroup v1 (`memory` + `blkio` hierarchies) and v2 (`memory` + `io` controllers in one hierarchy) are both handled; the
 harness creates its cgroup, moves the command into it before exec (a tiny `sh` wrapper), and always removes it.
+`run` runs one command to completion; `started` keeps a long-lived one (a server) on the machine for a `with` block
+while its clients run outside it, its disk reads readable at any moment.
 Needs root. Usage as a command:
     python benchmarks/_machine.py --memory 64MiB --read-bps 200000000 --disk-of DIR -- COMMAND ARGS...
 prints one JSON document (the MachineRun) on stdout.
@@ -11,6 +13,7 @@ prints one JSON document (the MachineRun) on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -20,7 +23,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
@@ -193,30 +196,123 @@ def drop_caches() -> None:
                                       "reads would come from memory, not the throttled disk") from e
 
 
+@contextlib.contextmanager
+def _prepared(machine: Machine, data_dir: Path) -> Iterator[_Cgroup]:
+    """A fresh cgroup capped as `machine`, throttling the disk holding `data_dir`, caches dropped; always removed."""
+    group = _Cgroup(machine, disk_of(data_dir))
+    try:
+        drop_caches()
+        yield group
+    finally:
+        group.remove()
+
+
+def _launch(group: _Cgroup, argv: Sequence[str], *, env: dict | None, cwd: Path | None, stdout, stderr,
+            text: bool) -> subprocess.Popen:
+    """`argv` started inside `group` from its first instruction, in a session of its own (its pgid is its pid)."""
+    wrapped = ["/bin/sh", "-c", _ENTER, "sh", str(len(group.procs_files)), *group.procs_files, *map(str, argv)]
+    return subprocess.Popen(wrapped, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
+                            text=text, errors="replace" if text else None, start_new_session=True)
+
+
+def _end_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signal the process group we started (by its id: the session leader's pid), if it is still there."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _result(argv: Sequence[str], group: _Cgroup, returncode: int, out: str, err: str, seconds: float) -> MachineRun:
+    peak, read, oom = group.readings()
+    return MachineRun(tuple(map(str, argv)), returncode, out, err, seconds, peak, read, oom, group.version, group.disk)
+
+
 def run(argv: Sequence[str], machine: Machine, *, data_dir: Path, env: dict | None = None, cwd: Path | None = None,
         timeout: float = 300) -> MachineRun:
     """Run `argv` on `machine`: caches dropped, memory capped, reads of the disk holding `data_dir` throttled."""
-    disk = disk_of(data_dir)
-    group = _Cgroup(machine, disk)
-    try:
-        drop_caches()
-        wrapped = ["/bin/sh", "-c", _ENTER, "sh", str(len(group.procs_files)), *group.procs_files, *map(str, argv)]
+    with _prepared(machine, data_dir) as group:
         start = time.perf_counter()
-        proc = subprocess.Popen(wrapped, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                env=env, cwd=cwd, text=True, errors="replace",
-                                start_new_session=True)
+        proc = _launch(group, argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _end_group(proc, signal.SIGKILL)
             out, err = proc.communicate()
             err += f"\n[machine] killed after {timeout}s"
-        seconds = time.perf_counter() - start
-        peak, read, oom = group.readings()
-        return MachineRun(tuple(map(str, argv)), proc.returncode, out, err, seconds, peak, read, oom,
-                          group.version, disk)
-    finally:
-        group.remove()
+        return _result(argv, group, proc.returncode, out, err, time.perf_counter() - start)
+
+
+class Started:
+    """A long-lived command (a server) running on the machine, measured from outside it while it runs.
+
+    `pid` is also its process group's id. `readings()` and `device_read_bytes()` can be taken at any moment (take
+    the difference over a window of requests); `run` is the MachineRun once the `started` block has ended it, with
+    its stdout and stderr (interleaved in `log`) as `stderr`.
+    """
+
+    def __init__(self, argv: Sequence[str], group: _Cgroup, proc: subprocess.Popen, log: Path, start: float):
+        self.argv, self.group, self.proc, self.log, self._start = tuple(map(str, argv)), group, proc, log, start
+        self.run: MachineRun | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def readings(self) -> tuple[int, int, int]:
+        """(peak charged bytes so far, bytes read from the disk so far, OOM kills so far)."""
+        return self.group.readings()
+
+    def device_read_bytes(self) -> int:
+        return self.group.readings()[1]
+
+    def rss_peak_bytes(self) -> int:
+        """The command's own high-water resident set (VmHWM; its children not included), 0 once it has exited: the
+        cgroup's peak counts the page cache too, which fills to the cap."""
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        except OSError:
+            return 0
+        for line in status.splitlines():
+            parts = line.split()  # "VmHWM:   92572 kB"
+            if len(parts) == 3 and parts[0] == "VmHWM:" and parts[2] == "kB":
+                return int(parts[1]) * 1024
+        return 0  # a zombie has no memory lines
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def _stop(self, grace: float) -> None:
+        """SIGTERM to the process group, SIGKILL to it after `grace` seconds; figures read before the cgroup goes."""
+        if self.alive():
+            _end_group(self.proc, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        _end_group(self.proc, signal.SIGKILL)  # whatever of the group outlived its leader
+        self.proc.wait()
+        self.run = _result(self.argv, self.group, self.proc.returncode, "", self.log_text(),
+                           time.perf_counter() - self._start)
+
+
+@contextlib.contextmanager
+def started(argv: Sequence[str], machine: Machine, *, data_dir: Path, log: Path, env: dict | None = None,
+            cwd: Path | None = None, grace: float = 30) -> Iterator[Started]:
+    """Start `argv` on `machine` (as `run` does) and keep it running for the block; its clients run outside the
+    machine. On leaving the block the process group gets SIGTERM, SIGKILL after `grace` seconds, the figures are
+    read into `handle.run`, and the cgroup (with anything left in it) is removed, whatever the block raised."""
+    with _prepared(machine, data_dir) as group, open(log, "w") as sink:
+        start = time.perf_counter()
+        proc = _launch(group, argv, env=env, cwd=cwd, stdout=sink, stderr=subprocess.STDOUT, text=False)
+        handle = Started(argv, group, proc, log, start)
+        try:
+            yield handle
+        finally:
+            handle._stop(grace)
 
 
 def parse_size(text: str) -> int:

@@ -9,6 +9,9 @@ extra decode tokens: start-up (the interpreter and libraries re-read under the c
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +126,46 @@ def test_the_machine_reads_a_file_at_its_bandwidth(tmp_path):
     assert run.device_read_bytes >= SIZE
     throttled_seconds = run.device_read_bytes / MACHINE.read_bps
     assert throttled_seconds - BURST_SECONDS <= run.seconds <= throttled_seconds / 0.6, run
+
+
+SERVER_SIZE = 64 * MIB
+
+
+def test_a_server_on_the_machine_is_measured_while_it_runs_and_leaves_nothing_behind(tmp_path):
+    """`started`: a long-lived command that reads a file, then waits (with a child in a session of its own, out of its
+    process group) until the block ends it. Its disk reads are seen mid-run from outside the machine; on leaving the
+    block the peak charge is within the cap, the cgroup is gone and so are both processes."""
+    data = tmp_path / "data.bin"
+    data.write_bytes(bytes(range(256)) * (SERVER_SIZE // 256))
+    script = (f"setsid sleep 600 & echo child $! ; dd if={data} of=/dev/null bs=1M 2>/dev/null ; echo read ; "
+              "exec sleep 600")
+    log = tmp_path / "server.log"
+    try:
+        with _machine.started(["/bin/sh", "-c", script], MACHINE, data_dir=tmp_path, log=log,
+                              env=user_env(tmp_path / "xdg"), grace=5) as server:
+            deadline = time.monotonic() + 20
+            while "read" not in server.log_text().split() and time.monotonic() < deadline:
+                assert server.alive(), server.log_text()
+                time.sleep(0.05)
+            mid_run = server.device_read_bytes()
+            child = int(server.log_text().split()[1])
+            groups = [Path(p).parent for p in server.group.procs_files]
+            assert server.alive() and all(g.is_dir() for g in groups)
+    except _machine.MachineUnavailableError as e:
+        pytest.skip(f"no emulated machine here: {e}")
+    assert mid_run >= SERVER_SIZE
+    run = server.run
+    assert run is not None and run.returncode == -signal.SIGTERM and run.oom_kills == 0
+    assert run.device_read_bytes >= mid_run
+    assert 0 < run.peak_memory_bytes <= MACHINE.memory_bytes
+    assert not any(g.exists() for g in groups)
+    assert _dead(server.pid) and _dead(child)
+
+
+def _dead(pid: int) -> bool:
+    """No such process, or a zombie (killed; an orphan waits for the container's init to reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
