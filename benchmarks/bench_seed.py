@@ -39,6 +39,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import _machine  # noqa: E402
+import _serve_load  # noqa: E402
 from _harness import make_without_eos  # noqa: E402
 
 SEED = dict(layers=16, dense_layers=1, experts=128, experts_per_tok=8, n_group=8, topk_group=4, hidden=2048,
@@ -73,7 +74,7 @@ class Config:
 CONFIGS = [Config("bf16", readers=r) for r in (1, 2, 4)] + [
     Config("bf16", readers=2, lookahead=True), Config("bf16", readers=4, lookahead=True),
     Config("bf16", page_cache="keep"), Config("bf16", page_cache="drop"), Config("bf16", page_cache="direct"),
-    Config("int4"), Config("int4", lookahead=True)]
+    Config("int4"), Config("int4", lookahead=True), Config("int4", page_cache="keep")]
 
 
 def say(msg: str) -> None:
@@ -169,6 +170,7 @@ def per_token(short: dict, long: dict, tokens: int, machine: _machine.Machine) -
         "compute_s_per_token": thread("compute"),
         "report_decode_tokens_per_s": rep["decode_tokens_per_s"],
         "page_cache": rep["cache"].get("page_cache"),
+        "lookahead_recall": (rep.get("lookahead") or {}).get("recall"),
         "generated_ids": rep["generated_ids"],
     }
 
@@ -218,6 +220,40 @@ def ratios(results: dict[str, dict]) -> list[str]:
     return lines
 
 
+def measure_serve(work: Path, model: Path, machine: _machine.Machine, budget: str, tokens: int,
+                  clients: tuple[int, ...], reference: list[int] | None) -> list[dict]:
+    """`serve` on the machine (bf16, the runtime's defaults), 1, 4 and 8 concurrent `openai` clients each asking for
+    the same greedy completion of PROMPT: one row per client count."""
+    argv = [shardtool_bin("shardtool"), "serve", str(model), "--trust", str(work / "bench.pub"), "--port", "0",
+            "--memory-budget", budget, "--max-context", str(len(PROMPT.split(",")) + tokens + 4),
+            "--max-batch", str(max(clients)), "--state-dir", str(work / "serve-state")]
+    rows = _serve_load.measure_serving(argv, machine, model, model="bench/seed-bf16",
+                                       prompt=[int(x) for x in PROMPT.split(",")], max_tokens=tokens,
+                                       clients=clients, log=work / "serve.log", ready_timeout=1800)
+    out = []
+    for r in rows:
+        out.append({"clients": r.clients, "tokens": r.tokens, "seconds": r.seconds, "tokens_per_s": r.tokens_per_s,
+                    "latency_p50_s": r.latency_p50_s, "expert_bytes_per_token": r.expert_bytes_per_token,
+                    "device_bytes_per_token": r.device_bytes_per_token, "peak_memory_bytes": r.peak_memory_bytes,
+                    "server_rss_peak_bytes": r.server_rss_peak_bytes, "oom_kills": r.oom_kills,
+                    "all_alike": r.agree, "errors": list(r.errors)})
+        say(f"serve, {r.clients} clients: {r.tokens_per_s:.2f} tok/s, {mib(r.device_bytes_per_token)} device/token")
+    return out
+
+
+def print_serve(rounds: list[list[dict]]) -> None:
+    print(f"\nserve on the same machine, bf16, medians of {len(rounds)} rounds (aggregate over the clients)")
+    print(f"{'clients':>7} {'tok/s':>7} {'vs 1':>5} {'device/tok':>10} {'expert/tok':>10} {'p50 s':>6} {'alike':>5}")
+    by = {r["clients"]: [x for rs in rounds for x in rs if x["clients"] == r["clients"]] for r in rounds[0]}
+    one = statistics.median(x["tokens_per_s"] for x in by[min(by)])
+    for n, xs in by.items():
+        tps = statistics.median(x["tokens_per_s"] for x in xs)
+        expert = [x["expert_bytes_per_token"] for x in xs if x["expert_bytes_per_token"] is not None]
+        print(f"{n:>7} {tps:>7.2f} {tps / one:>5.2f} {mib(statistics.median(x['device_bytes_per_token'] for x in xs)):>10} "
+              f"{mib(statistics.median(expert)) if expert else '-':>10} "
+              f"{statistics.median(x['latency_p50_s'] for x in xs):>6.1f} {str(all(x['all_alike'] for x in xs)):>5}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=Path("/var/tmp/shardtool-bench-seed"))
@@ -231,6 +267,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep-checkpoint", action="store_true", help="keep the generated HF checkpoint (GGUF conversion)")
     ap.add_argument("--prepare-only", action="store_true", help="make the signed splits and stop")
+    ap.add_argument("--serve", default="1,4,8", help="client counts for serve on the bf16 model ('' : no serving)")
+    ap.add_argument("--serve-tokens", type=int, default=16)
     a = ap.parse_args()
     if a.quick:
         a.memory, a.budget, a.workdir = "224MiB", "96MiB", a.workdir.with_name(a.workdir.name + "-quick")
@@ -260,10 +298,15 @@ def main() -> int:
     print_table(results, machine)
     for line in ratios(results):
         print(line)
+    clients = tuple(int(x) for x in a.serve.split(",") if x)
+    serving = [measure_serve(a.workdir, paths["bf16"], machine, a.budget, a.serve_tokens, clients, None)
+               for _ in range(a.repeats)] if clients else []
+    if serving:
+        print_serve(serving)
     if a.json:
         a.json.write_text(json.dumps({"machine": {"memory_bytes": machine.memory_bytes, "read_bps": machine.read_bps},
-                                      "budget": a.budget, "tokens": a.tokens, "results": results, "rounds": rows},
-                                     indent=1))
+                                      "budget": a.budget, "tokens": a.tokens, "results": results, "rounds": rows,
+                                      "serve": serving}, indent=1))
     return 0
 
 

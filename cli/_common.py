@@ -118,19 +118,19 @@ def check_cache_policy(name: str | None) -> str | None:
     return name
 PAGE_CACHE_HELP = ("What a verified read leaves in the kernel's page cache: keep (the next process reads the model "
                    "from memory), drop (POSIX_FADV_DONTNEED after the read: under a memory cap that counts the page "
-                   "cache, the shard cache alone decides what stays) or direct (O_DIRECT: nothing is cached); default: "
-                   "the runtime's choice, named in the report.")
+                   "cache, the shard cache alone decides what stays), direct (O_DIRECT: nothing is cached) or auto "
+                   "(the default: keep when the shard cache holds the whole model, else drop); the report names it.")
 
 
 def check_page_cache(name: str | None) -> str:
-    """--page-cache: one of the verified read's modes (None: the runtime's default)."""
-    from shardtool.manifest import PAGE_CACHE_MODES
+    """--page-cache: auto or one of the verified read's modes (None: the runtime's default). Call after
+    `set_compute_threads`, like `check_cache_policy`."""
+    from shardtool.runtime import DEFAULT_PAGE_CACHE, PAGE_CACHE_CHOICES
 
     if name is None:
-        from shardtool.runtime import DEFAULT_PAGE_CACHE
         return DEFAULT_PAGE_CACHE
-    if name not in PAGE_CACHE_MODES:
-        raise UsageError(f"--page-cache must be one of {', '.join(PAGE_CACHE_MODES)}, got '{printable(name[:40])}'")
+    if name not in PAGE_CACHE_CHOICES:
+        raise UsageError(f"--page-cache must be one of {', '.join(PAGE_CACHE_CHOICES)}, got '{printable(name[:40])}'")
     return name
 
 

@@ -211,7 +211,7 @@ def read_verified_timed(root: Path, entry: Entry, page_cache: str = "keep") -> V
             data = _private_buffer(entry.size)  # numpy is imported there, not at module level: audits never need it
             done, extra = _read_and_hash(fd, memoryview(data), entry.size, reading, hashing)
             if page_cache != "keep":
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                _drop_cached_pages(fd)
     except OSError as e:
         raise StorageError(f"read failed: {e.strerror}", path=entry.path) from e
     finally:
@@ -219,6 +219,14 @@ def read_verified_timed(root: Path, entry: Entry, page_cache: str = "keep") -> V
     check_entry(entry, _read_result(entry, done, hasher, extra))
     data.flags.writeable = False
     return VerifiedBytes(data, opening.wall + reading.wall, hashing.wall, opening.cpu + reading.cpu, hashing.cpu)
+
+
+def _drop_cached_pages(fd: int) -> None:
+    """Advise the kernel to drop `fd`'s cached pages (clean ones go at once). Advice only: a refusal loses nothing."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
 
 
 def _set_direct(fd: int) -> bool:

@@ -17,10 +17,10 @@ from shardtool.runtime.engine import (NODE_CONFIG, NODE_NAME_PATTERN, MAX_PLAN_B
                                       ModelSource, open_source, verify_all, Generation, VerifiedModel, open_model)
 from shardtool.runtime.model import MAX_THREADS as MAX_KERNEL_THREADS, kernels as native_kernels
 from shardtool.runtime.model import set_threads as set_kernel_threads
-from shardtool.runtime.store import (DEFAULT_PAGE_CACHE, DEFAULT_POLICY as DEFAULT_CACHE_POLICY, POLICIES as CACHE_POLICIES,
-                                     ShardStore, StoreStats)
+from shardtool.runtime.store import (DEFAULT_PAGE_CACHE, DEFAULT_POLICY as DEFAULT_CACHE_POLICY, PAGE_CACHE_CHOICES,
+                                     POLICIES as CACHE_POLICIES, ShardStore, StoreStats)
 
-__all__ = ["CACHE_POLICIES", "DEFAULT_CACHE_POLICY", "DEFAULT_PAGE_CACHE", "node_files", "NODE_CONFIG", "MAX_PLAN_BYTES", "NODE_NAME_PATTERN", "ClusterPlan", "NodePlan", "check_plan", "decode_plan", "encode_plan", "make_plan", "node_memory_floor",
+__all__ = ["CACHE_POLICIES", "DEFAULT_CACHE_POLICY", "DEFAULT_PAGE_CACHE", "PAGE_CACHE_CHOICES", "node_files", "NODE_CONFIG", "MAX_PLAN_BYTES", "NODE_NAME_PATTERN", "ClusterPlan", "NodePlan", "check_plan", "decode_plan", "encode_plan", "make_plan", "node_memory_floor",
            "summarize", "BudgetPlan", "Detokenizer", "Engine", "ErrorEvent", "Event", "FinishEvent", "SamplingParams", "Session", "ShardFormatError",
            "Ticket", "TokenEvent", "plan_budget", "ShardStore", "StoreStats", "VerifiedWeights", "encode_prompt",
            "load_tokenizer", "verified_config", "RunRecord", "SignedReceipt", "make_receipt", "Tolerances", "check_request", "check_weights", "replay_engine", "replay_receipt",

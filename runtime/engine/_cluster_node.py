@@ -40,7 +40,7 @@ from shardtool.runtime.model import ModelConfig, run_expert
 from ._cluster_plan import NODE_READERS, ClusterPlan, node_memory_floor
 from ._signed import unusable_shards, verified_config
 from shardtool.runtime.store import DEFAULT_POLICY
-from shardtool.runtime.store import ShardStore, header_memo_bytes
+from shardtool.runtime.store import DEFAULT_PAGE_CACHE, ShardStore, header_memo_bytes, page_cache_mode
 
 NAMESPACE = "shardtool"
 ACTOR_PREFIX = "shardtool-node-"
@@ -219,7 +219,9 @@ class NodeService:
         self.fetcher = RemoteFiles(Path(setup.directory), setup.remote) if setup.remote is not None else None
         self.store = ShardStore(Path(setup.directory), budget_bytes=setup.budget, readers=setup.readers,
                                 fetch_missing=self.fetcher.fetch if self.fetcher is not None else None,
-                                policy=setup.cache_policy, header_memo=header_memo_bytes(len(setup.entries)))
+                                policy=setup.cache_policy, header_memo=header_memo_bytes(len(setup.entries)),
+                                page_cache=page_cache_mode(DEFAULT_PAGE_CACHE, sum(e.size for e in setup.entries),
+                                                           setup.budget))
         self.failed: dict[tuple[int, int], str] = {}
         self.calls = 0
         self._lock = threading.Lock()

@@ -41,7 +41,7 @@ from shardtool.manifest import Entry, VerifiedManifest
 from shardtool.runtime.model import (ExpertFetch, ExpertUnavailable, KVCache, ModelConfig, PackedWeights, Segment,
                                      StepTrace, bytes_per_token, forward_batch, inv_freq, prefill_chunk, prepare_expert,
                                      step_rows)
-from shardtool.runtime.store import DEFAULT_PAGE_CACHE, DEFAULT_POLICY, ShardStore
+from shardtool.runtime.store import DEFAULT_PAGE_CACHE, DEFAULT_POLICY, ShardStore, page_cache_mode
 
 from ._plan import BudgetPlan, plan_budget
 from ._provider import VerifiedWeights
@@ -113,6 +113,13 @@ class Ticket:
         return len(self.prompt) + self.params.max_new_tokens
 
 
+def _weight_bytes(manifest: VerifiedManifest, with_experts: bool) -> int:
+    """The bytes of the shard files this engine's store may read: the trunk, and the experts unless a cluster holds
+    them."""
+    kinds = ("trunk", "expert") if with_experts else ("trunk",)
+    return sum(e.size for e in manifest.entries if e.kind in kinds)
+
+
 @dataclass
 class EngineStats:
     admitted: int = 0
@@ -166,7 +173,9 @@ class Engine:
                                             max_batch=max_batch, kv_cache=kv_cache)
         self.store = ShardStore(self.root, budget_bytes=self.plan.shard_cache, readers=readers,
                                 fetch_missing=fetch_missing, policy=cache_policy, prepare=self._prepare_shard,
-                                header_memo=self.plan.headers, page_cache=page_cache)
+                                header_memo=self.plan.headers,
+                                page_cache=page_cache_mode(page_cache, _weight_bytes(manifest, remote is None),
+                                                           self.plan.shard_cache))
         self.weights = VerifiedWeights(self.store, manifest, self.config.num_layers, window=self.config.top_k,
                                        lookahead=lookahead and remote is None)
         self.remote = remote

@@ -7,6 +7,8 @@ derive from a shard to the shard (`Shard.memo`) or do it on the reader thread (`
 """
 
 from ._cache_policy import DEFAULT_POLICY, POLICIES, CacheIndex
-from ._store import DEFAULT_PAGE_CACHE, Shard, ShardStore, StoreStats, header_memo_bytes
+from ._store import (DEFAULT_PAGE_CACHE, PAGE_CACHE_CHOICES, Shard, ShardStore, StoreStats, header_memo_bytes,
+                     page_cache_mode)
 
-__all__ = ["DEFAULT_PAGE_CACHE", "DEFAULT_POLICY", "POLICIES", "CacheIndex", "Shard", "ShardStore", "StoreStats", "header_memo_bytes"]
+__all__ = ["DEFAULT_PAGE_CACHE", "PAGE_CACHE_CHOICES", "page_cache_mode", "DEFAULT_POLICY", "POLICIES", "CacheIndex",
+           "Shard", "ShardStore", "StoreStats", "header_memo_bytes"]

@@ -28,8 +28,22 @@ Arrays = Mapping[str, np.ndarray]
 # Each chunk is hashed right after it is read, while it is still in the CPU cache: one pass over memory
 # instead of two (read all, then hash all), measured ~30% faster on 6 MB experts (benchmarks/bench_runtime.py).
 
-# What a verified read leaves in the kernel's page cache (`PAGE_CACHE_MODES`), unless the caller says: MEASURED_LATER
-DEFAULT_PAGE_CACHE = "keep"
+# What a verified read leaves in the kernel's page cache: one of `PAGE_CACHE_MODES`, or "auto" (`page_cache_mode`).
+DEFAULT_PAGE_CACHE = "auto"
+PAGE_CACHE_CHOICES = ("auto", *PAGE_CACHE_MODES)
+
+
+def page_cache_mode(choice: str, model_bytes: int, shard_cache_bytes: int) -> str:
+    """The page-cache mode for a store of `shard_cache_bytes` over a model of `model_bytes` (its shard files).
+    "auto": a model the shard cache holds whole is read once per process and kept in the page cache (the next process
+    starts from memory); a model it cannot hold is streamed, and then each read's pages are dropped ("drop"): the
+    shard cache alone decides what stays, each byte is held once under a memory cap that counts the page cache, and
+    the disk carries the bytes the shard store reads (benchmarks/bench_seed.py; tests/bench/test_machine.py)."""
+    if choice not in PAGE_CACHE_CHOICES:
+        raise ValueError(f"page_cache must be one of {PAGE_CACHE_CHOICES}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    return "keep" if model_bytes <= shard_cache_bytes else "drop"
 
 # Parsed shard headers a store keeps for the shards it reads again (`HeaderMemo`): room for every shard of the model
 # (a typical expert's header costs about 4 KiB remembered), at least 1 MiB and at most 96 MiB (about 19,000 shards:
@@ -112,7 +126,7 @@ class ShardStore:
     def __init__(self, root: Path, *, budget_bytes: int, readers: int = 2,
                  fetch_missing: Callable[[Entry], None] | None = None, policy: str = DEFAULT_POLICY,
                  prepare: Callable[[Entry, Arrays], None] | None = None, header_memo: int = HEADER_MEMO_MIN,
-                 page_cache: str = DEFAULT_PAGE_CACHE):
+                 page_cache: str = "keep"):
         """`fetch_missing(entry)`: brings a listed shard that `root` does not hold into `root` (`--remote`: fetched
         from mirrors, verified, renamed into place); the store then reads it through the same entry check.
         `policy`: which cached shard is evicted first (`_cache_policy.POLICIES`); trunk shards go only when
@@ -120,7 +134,8 @@ class ShardStore:
         and parsed, before anyone is handed it (the forward pass checks and packs an expert's weights there, off its
         own thread); an error it raises fails that load like a format error. `header_memo`: bytes for the headers of
         shards read again (`header_memo_bytes`), outside `budget_bytes`. `page_cache`: what a verified read leaves in
-        the kernel's page cache (`PAGE_CACHE_MODES`)."""
+        the kernel's page cache (`PAGE_CACHE_MODES`; a caller that knows the model resolves "auto" with
+        `page_cache_mode`)."""
         if budget_bytes <= 0:
             raise ValueError(f"budget must be positive, got {budget_bytes}")
         if page_cache not in PAGE_CACHE_MODES:

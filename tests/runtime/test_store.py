@@ -742,3 +742,18 @@ def test_close_cancels_queued_loads(model, monkeypatch):
     with pytest.raises(Exception):
         queued()  # cancelled, never read
     assert e[4].path not in order
+
+
+@pytest.mark.parametrize("choice, model, cache, mode", [
+    ("auto", 100, 100, "keep"), ("auto", 101, 100, "drop"), ("auto", 0, 1, "keep"),
+    ("keep", 10**12, 1, "keep"), ("drop", 1, 10**12, "drop"), ("direct", 1, 1, "direct")])
+def test_page_cache_mode_keeps_a_model_the_cache_holds_and_drops_a_streamed_one(choice, model, cache, mode):
+    assert store_mod.page_cache_mode(choice, model, cache) == mode
+
+
+@pytest.mark.parametrize("bad", ["", "AUTO", "mmap", None])
+def test_page_cache_mode_refuses_what_it_does_not_know(bad):
+    with pytest.raises(ValueError, match="page_cache"):
+        store_mod.page_cache_mode(bad, 1, 1)
+    with pytest.raises(ValueError, match="page_cache"):
+        store_mod.ShardStore(".", budget_bytes=1, page_cache=bad)

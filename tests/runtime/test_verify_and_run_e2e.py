@@ -207,6 +207,23 @@ def test_cache_policy_option_under_a_budget_that_evicts(built, tmp_path, policy)
     assert s["cache"]["peak_cached_bytes"] <= s["budget"]["shard_cache"]
 
 
+@pytest.mark.parametrize("mode, streamed, expected", [("auto", False, "keep"), ("auto", True, "drop"),
+                                                     ("keep", True, "keep"), ("drop", False, "drop"),
+                                                     ("direct", True, "direct")])
+def test_page_cache_option_and_its_automatic_choice(built, tmp_path, mode, streamed, expected):
+    """auto keeps the pages of a model the shard cache holds whole and drops those of a model it streams; the other
+    modes are taken as given; none changes a token."""
+    budget = _budget_for_top_k_plus(built, 1) if streamed else "1GiB"
+    report = tmp_path / "report.json"
+    r = var(built, built.model, "--prompt", PROMPT, "--max-new-tokens", NEW, "--print-ids", "--memory-budget", budget,
+            "--page-cache", mode, "--json-report", report, state=tmp_path)
+    assert r.code == 0, r.err
+    assert r.ids == built.greedy
+    s = json.loads(report.read_text())
+    assert s["cache"]["page_cache"] == expected
+    assert (s["cache"]["evictions"] > 0) == streamed
+
+
 # --- a tampered shard stops the run at once, and nothing computed from it is printed ---------------------
 
 def _latest_first_use(built) -> tuple[tuple[int, int], int]:
@@ -363,6 +380,7 @@ OUR_USAGE = {  # name: args after the model directory; these are our UsageErrors
     "budget too small": ("--prompt", "x", "--memory-budget", "1MiB"),
     "budget not a size": ("--prompt", "x", "--memory-budget", "lots"),
     "unknown cache policy": ("--prompt", "x", "--cache-policy", "mru"),
+    "unknown page-cache mode": ("--prompt", "x", "--page-cache", "mmap"),
     "prompt ids not integers": ("--prompt-ids", "1,x"),
     "prompt id outside vocabulary": ("--prompt-ids", "1,99999"),
 }
