@@ -64,6 +64,22 @@ NO_AMX       := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 	.venv-bench/bin/pip install -q $(ORACLE) sentencepiece pyyaml tqdm requests
 	touch $@
 
+# llama.cpp's own HTTP server, from the same sdist's vendored sources with the same flags (the serving benches start
+# it as `llama-server -m GGUF -np N`): built static (no libllama.so to find), without the web UI (its assets would be
+# downloaded) and without OpenSSL (the bench speaks plain HTTP on localhost).
+LLAMA_SERVER_BUILD := .venv-bench/llama-server-build
+.venv-bench/bin/llama-server: .venv-bench/.llama-cpp-$(LLAMA_CPP)-noamx
+	rm -rf $(LLAMA_SERVER_BUILD) && mkdir -p $(LLAMA_SERVER_BUILD)
+	tar -xzf $(LLAMA_SDIST) -C $(LLAMA_SERVER_BUILD)
+	cmake -S $(LLAMA_SERVER_BUILD)/llama_cpp_python-$(LLAMA_CPP)/vendor/llama.cpp -B $(LLAMA_SERVER_BUILD)/build \
+	  -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DGGML_CUDA=OFF \
+	  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	  -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+	  '-DCMAKE_C_FLAGS=$(NO_AMX)' '-DCMAKE_CXX_FLAGS=$(NO_AMX)' >/dev/null
+	cmake --build $(LLAMA_SERVER_BUILD)/build --target llama-server -j2 >/dev/null
+	install -m 755 $(LLAMA_SERVER_BUILD)/build/bin/llama-server $@.tmp && mv $@.tmp $@
+	rm -rf $(LLAMA_SERVER_BUILD)
+
 bench-llamacpp: install .venv-bench/.llama-cpp-$(LLAMA_CPP)-noamx
 	$(PY) benchmarks/bench_llamacpp.py
 
