@@ -38,6 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import _llamacpp  # noqa: E402
 import _machine  # noqa: E402
 import _serve_load  # noqa: E402
 from _harness import make_without_eos  # noqa: E402
@@ -50,19 +51,28 @@ QUICK = dict(SEED, layers=6, experts=64, hidden=512, intermediate=1024, moe_inte
 PROMPT = "5,17,300,42"
 SHORT = 2
 VARIANTS = {"bf16": [], "int4": ["--quantize", "int4"]}
+# llama.cpp's GGUFs of the same checkpoint (its own converter; Q4_0 by its own quantizer from the BF16 GGUF), and the
+# shardtool variant each is held against.
+GGUFS = {"BF16": "bf16", "Q4_0": "int4"}
 
 
 @dataclass(frozen=True)
 class Config:
     """One way of running verify-and-run on the machine."""
 
-    variant: str  # a key of VARIANTS
+    variant: str  # a key of VARIANTS, or of GGUFS for llama.cpp
     readers: int = 2
     lookahead: bool = False
     page_cache: str | None = None  # None: the runtime's default
 
     @property
+    def llama(self) -> bool:
+        return self.variant in GGUFS
+
+    @property
     def name(self) -> str:
+        if self.llama:
+            return f"llama.cpp-{self.variant}"
         parts = [self.variant, f"r{self.readers}"]
         if self.lookahead:
             parts.append("lookahead")
@@ -74,7 +84,8 @@ class Config:
 CONFIGS = [Config("bf16", readers=r) for r in (1, 2, 4)] + [
     Config("bf16", readers=2, lookahead=True), Config("bf16", readers=4, lookahead=True),
     Config("bf16", page_cache="keep"), Config("bf16", page_cache="drop"), Config("bf16", page_cache="direct"),
-    Config("int4"), Config("int4", lookahead=True), Config("int4", page_cache="keep")]
+    Config("int4"), Config("int4", lookahead=True), Config("int4", page_cache="keep"),
+    Config("BF16"), Config("Q4_0")]
 
 
 def say(msg: str) -> None:
@@ -119,19 +130,52 @@ def prepare(work: Path, knobs: dict, keep_checkpoint: bool) -> dict[str, Path]:
     return paths
 
 
+def prepare_ggufs(work: Path, knobs: dict) -> dict[str, Path]:
+    """llama.cpp's GGUFs (GGUFS) of the same checkpoint, generated again (the values are seeded) when it was removed;
+    the checkpoint is removed afterwards."""
+    paths = {f: work / f"model-{f}.gguf" for f in GGUFS}
+    ck = work / "ck"
+    if not paths["BF16"].exists():
+        if not ck.exists():
+            say(f"generating the checkpoint again in {ck} (for llama.cpp's converter)")
+            shutil.rmtree(work / "ck.tmp", ignore_errors=True)
+            make_without_eos(work / "ck.tmp", knobs, "deepseek_v3")
+            (work / "ck.tmp").rename(ck)
+        say(f"llama.cpp's converter -> {paths['BF16']}")
+        _llamacpp.convert(ck, "bf16", paths["BF16"])
+    shutil.rmtree(ck, ignore_errors=True)
+    if not paths["Q4_0"].exists():
+        say(f"llama.cpp's quantizer -> {paths['Q4_0']}")
+        _llamacpp.quantize(paths["BF16"], paths["Q4_0"], "Q4_0")
+    return paths
+
+
 def dir_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def llama_argv(gguf: Path, tokens: int, report: Path) -> list[str]:
+    """llama.cpp greedy on the machine: the GGUF mmap'd (its default; the cap cannot hold a copy), every weight used
+    from the mapping (no repacking into private memory, which would not fit either), 2 threads, no warm-up, an F32 KV
+    cache (verify-and-run's arithmetic: with llama.cpp's F16 default the first greedy token of the --quick model
+    already differed)."""
+    return _llamacpp.greedy_argv(gguf, [int(x) for x in PROMPT.split(",")], tokens, report, threads=2, warmup=0,
+                                 repack=False, f32_kv=True)
+
+
 def run_once(work: Path, model: Path, config: Config, tokens: int, machine: _machine.Machine, budget: str) -> dict:
-    """verify-and-run of `tokens` new tokens on the machine: the MachineRun's figures and the run's JSON report."""
+    """verify-and-run (or llama.cpp) of `tokens` new tokens on the machine: the MachineRun's figures and the run's
+    JSON report."""
     report = work / "report.json"
     report.unlink(missing_ok=True)
-    argv = [shardtool_bin("verify-and-run"), str(model), "--trust", str(work / "bench.pub"), "--prompt-ids", PROMPT,
-            "--max-new-tokens", str(tokens), "--print-ids", "-q", "--memory-budget", budget,
-            "--readers", str(config.readers), "--json-report", str(report),
-            "--lookahead" if config.lookahead else "--no-lookahead",
-            *(["--page-cache", config.page_cache] if config.page_cache else [])]
+    argv = llama_argv(model, tokens, report) if config.llama else [
+        shardtool_bin("verify-and-run"), str(model), "--trust", str(work / "bench.pub"), "--prompt-ids", PROMPT,
+        "--max-new-tokens", str(tokens), "--print-ids", "-q", "--memory-budget", budget,
+        "--readers", str(config.readers), "--json-report", str(report),
+        "--lookahead" if config.lookahead else "--no-lookahead",
+        *(["--page-cache", config.page_cache] if config.page_cache else [])]
     run = _machine.run(argv, machine, data_dir=model, timeout=3600)
     if run.returncode != 0:
         raise RuntimeError(f"{config.name}: exit {run.returncode} (OOM kills {run.oom_kills}):\n{run.stderr[-2000:]}")
@@ -144,6 +188,16 @@ def per_token(short: dict, long: dict, tokens: int, machine: _machine.Machine) -
     difference between the two over the extra tokens (start-up, trunk and prompt cancel)."""
     steps = tokens - SHORT
     rep, srep = long["report"], short["report"]
+    if "bytes_read" not in rep:  # llama.cpp: its own decode counter and the machine's figures only
+        seconds, device = (long["seconds"] - short["seconds"]) / steps, \
+            (long["device_read_bytes"] - short["device_read_bytes"]) / steps
+        return {"seconds_per_token": seconds, "tokens_per_s": 1 / seconds if seconds > 0 else None,
+                "device_bytes_per_token": device, "runtime_bytes_per_token": None,
+                "contract_cold_bytes_per_token": None,
+                "disk_limit_ratio": seconds / (device / machine.read_bps) if device > 0 else None,
+                "peak_memory_bytes": max(short["peak_memory_bytes"], long["peak_memory_bytes"]),
+                "oom_kills": short["oom_kills"] + long["oom_kills"],
+                "report_decode_tokens_per_s": rep["decode_tokens_per_s"], "generated_ids": rep["generated_ids"]}
 
     def delta(key: str) -> float:
         return (long[key] - short[key]) / steps
@@ -189,21 +243,33 @@ def mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
+def _cell(value, fmt: str, width: int) -> str:
+    return f"{'-' if value is None else format(value, fmt):>{width}}"
+
+
 def print_table(results: dict[str, dict], machine: _machine.Machine) -> None:
-    print(f"\nverify-and-run on the emulated machine: M = {mib(machine.memory_bytes)}, B = {machine.read_bps / 1e9:.2f} "
-          f"GB/s; medians of {next(iter(results.values()))['rounds']} interleaved rounds, per decode token. "
-          "device: read from the throttled disk; runtime: what the shard store read; disk ratio: seconds / (device "
-          "bytes / B); wait, read, verify, compute: seconds (read and verify on the reader threads, in parallel)")
+    print(f"\nverify-and-run and llama.cpp on the emulated machine: M = {mib(machine.memory_bytes)}, B = "
+          f"{machine.read_bps / 1e9:.2f} GB/s; medians of {next(iter(results.values()))['rounds']} interleaved rounds, "
+          "per decode token. device: read from the throttled disk; runtime: what the shard store read; disk ratio: "
+          "seconds / (device bytes / B); wait, read, verify, compute: seconds (read and verify on the reader threads)")
     print(f"{'config':<22} {'tok/s':>6} {'s/tok':>6} {'device':>9} {'runtime':>9} {'cold':>9} {'dev/rt':>6} "
           f"{'disk':>5} {'hit':>4} {'wait':>5} {'read':>5} {'verify':>6} {'compute':>7} {'peak/M':>6} {'OOM':>3}")
     for name, r in results.items():
-        dev_rt = r["device_bytes_per_token"] / r["runtime_bytes_per_token"] if r["runtime_bytes_per_token"] else 0
+        get = r.get
+        rt = get("runtime_bytes_per_token")
         print(f"{name:<22} {r['tokens_per_s']:>6.3f} {r['seconds_per_token']:>6.2f} "
-              f"{mib(r['device_bytes_per_token']):>9} {mib(r['runtime_bytes_per_token']):>9} "
-              f"{mib(r['contract_cold_bytes_per_token']):>9} {dev_rt:>6.2f} {r['disk_limit_ratio'] or 0:>5.2f} "
-              f"{r['expert_hit_rate'] or 0:>4.0%} {r['wait_s_per_token']:>5.2f} {r['read_s_per_token']:>5.2f} "
-              f"{r['verify_s_per_token']:>6.2f} {r['compute_s_per_token']:>7.2f} "
+              f"{mib(r['device_bytes_per_token']):>9} {mib(rt) if rt else '-':>9} "
+              f"{mib(get('contract_cold_bytes_per_token')) if get('contract_cold_bytes_per_token') else '-':>9} "
+              f"{_cell(r['device_bytes_per_token'] / rt if rt else None, '.2f', 6)} "
+              f"{_cell(get('disk_limit_ratio'), '.2f', 5)} {_cell(get('expert_hit_rate'), '.0%', 4)} "
+              f"{_cell(get('wait_s_per_token'), '.2f', 5)} {_cell(get('read_s_per_token'), '.2f', 5)} "
+              f"{_cell(get('verify_s_per_token'), '.2f', 6)} {_cell(get('compute_s_per_token'), '.2f', 7)} "
               f"{r['peak_memory_bytes'] / machine.memory_bytes:>6.2f} {r['oom_kills']:>3}")
+
+
+def agreement(a: list[int], b: list[int]) -> str:
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"{same} of {len(a)} tokens alike before the first difference"
 
 
 def ratios(results: dict[str, dict]) -> list[str]:
@@ -213,10 +279,17 @@ def ratios(results: dict[str, dict]) -> list[str]:
         base, look = results.get(f"{variant}-r2"), results.get(f"{variant}-r2-lookahead")
         if base and look:
             gain = base["seconds_per_token"] / look["seconds_per_token"] - 1
-            lines.append(f"{variant}: --lookahead vs off, 2 readers: {gain:+.0%} tokens/s")
+            lines.append(f"{variant}: --lookahead vs off, 2 readers: {gain:+.0%} tokens/s "
+                         f"(recall {look.get('lookahead_recall') or 0:.0%}, device bytes/token "
+                         f"{look['device_bytes_per_token'] / base['device_bytes_per_token']:.2f} x)")
+    for fmt, variant in GGUFS.items():
+        ours, theirs = results.get(f"{variant}-r2"), results.get(f"llama.cpp-{fmt}")
+        if ours and theirs:
+            lines.append(f"{variant} / llama.cpp {fmt} mmap: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f} x "
+                         f"tokens/s; {agreement(ours['generated_ids'], theirs['generated_ids'])}")
     for name, r in results.items():
-        if r["generated_ids"] != results[next(iter(results))]["generated_ids"] and name.startswith("bf16"):
-            lines.append(f"{name}: tokens differ from the first configuration's")
+        if name.startswith("bf16") and r["generated_ids"] != results["bf16-r2"]["generated_ids"]:
+            lines.append(f"{name}: tokens differ from bf16-r2's")
     return lines
 
 
@@ -277,7 +350,13 @@ def main() -> int:
     if a.tokens <= SHORT or not configs:
         ap.error(f"--tokens must exceed {SHORT} and --configs must name at least one of "
                  f"{', '.join(c.name for c in CONFIGS)}")
-    paths = prepare(a.workdir, QUICK if a.quick else SEED, a.keep_checkpoint)
+    knobs = QUICK if a.quick else SEED
+    if any(c.llama for c in configs) and not _llamacpp.available():
+        say(f"llama.cpp is not built ({_llamacpp.available().reason}): its rows are left out")
+        configs = [c for c in configs if not c.llama]
+    paths = prepare(a.workdir, knobs, a.keep_checkpoint or any(c.llama for c in configs))
+    if any(c.llama for c in configs):
+        paths.update(prepare_ggufs(a.workdir, knobs))
     say(", ".join(f"{v}: {dir_bytes(p) / 2**30:.2f} GiB" for v, p in paths.items()))
     if a.prepare_only:
         return 0
@@ -290,7 +369,8 @@ def main() -> int:
                 rows[c.name].append(per_token(short, long, a.tokens, machine))
                 r = rows[c.name][-1]
                 say(f"round {round_ + 1}: {c.name}: {r['seconds_per_token']:.2f} s/token, "
-                    f"{mib(r['device_bytes_per_token'])} device/token, disk ratio {r['disk_limit_ratio']:.2f}")
+                    f"{mib(r['device_bytes_per_token'])} device/token, disk ratio "
+                    f"{_cell(r['disk_limit_ratio'], '.2f', 0)}")
     except _machine.MachineUnavailableError as e:
         say(f"no emulated machine here: {e}")
         return 3
