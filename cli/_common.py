@@ -123,12 +123,12 @@ PAGE_CACHE_HELP = ("What a verified read leaves in the kernel's page cache: keep
 
 
 def check_page_cache(name: str | None) -> str:
-    """--page-cache: auto or one of the verified read's modes (None: the runtime's default). Call after
-    `set_compute_threads`, like `check_cache_policy`."""
-    from shardtool.runtime import DEFAULT_PAGE_CACHE, PAGE_CACHE_CHOICES
+    """--page-cache: auto or one of the verified read's modes (None: "auto", the runtime's default). Loads neither the
+    runtime nor numpy: it runs with the first option checks, before any file (a receipt key) is read."""
+    from shardtool.manifest import PAGE_CACHE_CHOICES
 
     if name is None:
-        return DEFAULT_PAGE_CACHE
+        return "auto"
     if name not in PAGE_CACHE_CHOICES:
         raise UsageError(f"--page-cache must be one of {', '.join(PAGE_CACHE_CHOICES)}, got '{printable(name[:40])}'")
     return name

@@ -125,6 +125,7 @@ def verify_and_run(
                    receipt_passphrase_file, max_new_tokens)
     check_cluster_options(cluster, plan_file, remote_timeout, plan_trust, insecure_cluster)
     check_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout)
+    page_cache = check_page_cache(page_cache)
     operator_key = None
     if receipt_key is not None:  # before any work: a wrong key or passphrase fails here, not after generating
         from shardtool.cli._common import load_operator_key
@@ -135,7 +136,6 @@ def verify_and_run(
         share_gil_with_readers()
     from shardtool.runtime import DEFAULT_CACHE_POLICY, open_model
     policy = check_cache_policy(cache_policy) or DEFAULT_CACHE_POLICY
-    page_cache = check_page_cache(page_cache)
 
     # A local DIR, or the store's files fetched into --cache-dir (the small files and the trunk now, each expert
     # when first routed to; with --cluster the nodes hold the experts, so none is fetched here).

@@ -98,6 +98,7 @@ def serve(
         raise UsageError(f"--read-timeout must be a number of seconds, got {read_timeout}")
     check_cluster_options(cluster, plan_file, remote_timeout, plan_trust, insecure_cluster)
     check_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout)
+    page_cache = check_page_cache(page_cache)
     from shardtool.serve import Access, Limits, Stopped, check_tls_files, stop_on_signals
     access = Access(tuple(allowed_hosts) or None, api_key)
     check_tls_files(*(str(p) if p is not None else None for p in (ssl_certfile, ssl_keyfile)))
@@ -112,7 +113,6 @@ def serve(
         share_gil_with_readers()
     from shardtool.runtime import DEFAULT_CACHE_POLICY, open_model  # loads numpy
     policy = check_cache_policy(cache_policy) or DEFAULT_CACHE_POLICY
-    page_cache = check_page_cache(page_cache)
     settings = _settings(read_timeout, max_batch + max_queue, ssl_certfile, ssl_keyfile)
     with stop_on_signals():
         try:

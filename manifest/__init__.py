@@ -19,7 +19,7 @@ _HOMES = {
         "verify_manifest"),
     "_envelope": ("PAYLOAD_TYPE", "Envelope", "Signature", "pae", "verify_envelope"),
     "_files": ("FileDigest", "VerifiedBytes", "VerifyingStream", "check_entry", "check_size", "read_verified",
-        "read_verified_prefix", "read_verified_timed", "PAGE_CACHE_MODES", "verify_entry", "verify_file", "verify_open_file"),
+        "read_verified_prefix", "read_verified_timed", "PAGE_CACHE_CHOICES", "PAGE_CACHE_MODES", "verify_entry", "verify_file", "verify_open_file"),
     "_paths": ("check_relpath",),
     "_io": ("MANIFEST_NAME", "default_manifest_path", "hash_directory", "load_manifest", "load_trusted_manifest",
         "load_trusted_proof", "load_verified_manifest", "manifest_relpath", "read_manifest_bytes",

@@ -4,6 +4,7 @@ only bytes that were hashed and matched the manifest (no second read, no shared 
 
 from __future__ import annotations
 
+import errno
 import functools
 import mmap
 import os
@@ -185,6 +186,7 @@ def _private_buffer(size: int) -> np.ndarray:
 # is held once, not twice. "direct": O_DIRECT into an aligned private buffer: no page is cached at all (a filesystem
 # that refuses O_DIRECT is read as "drop").
 PAGE_CACHE_MODES = ("keep", "drop", "direct")
+PAGE_CACHE_CHOICES = ("auto", *PAGE_CACHE_MODES)  # "auto": the runtime picks per model (runtime.store.page_cache_mode)
 DIRECT_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length in multiples of the logical block (<= 4 KiB)
 
 
@@ -210,8 +212,8 @@ def read_verified_timed(root: Path, entry: Entry, page_cache: str = "keep") -> V
         else:
             data = _private_buffer(entry.size)  # numpy is imported there, not at module level: audits never need it
             done, extra = _read_and_hash(fd, memoryview(data), entry.size, reading, hashing)
-            if page_cache != "keep":
-                _drop_cached_pages(fd)
+        if page_cache != "keep":  # also after a direct read that went on with plain reads
+            _drop_cached_pages(fd)
     except OSError as e:
         raise StorageError(f"read failed: {e.strerror}", path=entry.path) from e
     finally:
@@ -229,12 +231,13 @@ def _drop_cached_pages(fd: int) -> None:
         pass
 
 
-def _set_direct(fd: int) -> bool:
-    """Turn O_DIRECT on for `fd`; False where the filesystem refuses it (tmpfs, some overlays)."""
+def _set_direct(fd: int, on: bool = True) -> bool:
+    """Turn O_DIRECT on (or off) for `fd`; False where the filesystem refuses it."""
     import fcntl  # here: only direct reads need it
 
     try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
     except OSError:
         return False
     return True
@@ -242,23 +245,38 @@ def _set_direct(fd: int) -> bool:
 
 def _read_and_hash_direct(fd: int, size: int, read: Callable, update: Callable) -> tuple[np.ndarray, int, int]:
     """The verified read's loop under O_DIRECT: whole aligned blocks into an aligned buffer with room for one block
-    past `size` (a file that grew shows there), hashing only the first `size` bytes. A read shorter than asked ends
-    the loop (the end of the file, or a file that changed: the counts then differ from the signed size). Returns
-    (the buffer's first `size` bytes, bytes read up to `size`, bytes found past it)."""
+    past `size` (a file that grew shows there), hashing only the first `size` bytes. As in the plain loop, only a read
+    of 0 bytes ends the file before `size` (FUSE, NFS and CIFS may return short reads mid-file); a short read that
+    leaves the offset unaligned, or a filesystem that took the flag but refuses the reads (EINVAL), turns O_DIRECT off
+    and the same loop goes on with plain reads. Returns (the buffer's first `size` bytes, bytes read up to `size`,
+    bytes found past it); nothing reachable from the bytes returned is writeable."""
     capacity = -(-(size + 1) // DIRECT_ALIGN) * DIRECT_ALIGN
     base = _private_buffer(capacity + DIRECT_ALIGN)
     start = -base.ctypes.data % DIRECT_ALIGN
     buffer = base[start:start + capacity]  # [capacity] uint8, its address a multiple of DIRECT_ALIGN
     view = memoryview(buffer)
-    done = 0
+    done, direct = 0, True
     while done < capacity:
         want = min(READ_CHUNK, capacity - done)
-        n = read(fd, [view[done:done + want]])
+        try:
+            n = read(fd, [view[done:done + want]])
+        except OSError as e:
+            if not (direct and e.errno == errno.EINVAL and _set_direct(fd, False)):
+                raise
+            direct = False
+            continue
+        if n == 0:
+            break
         if done < size:
             update(view[done:min(done + n, size)])
         done += n
-        if n < want:
+        if n < want and done >= size:  # the end of the file, at or past the signed size
             break
+        if direct and done % DIRECT_ALIGN:
+            direct = not _set_direct(fd, False)
+            if direct:  # O_DIRECT cannot go on from an unaligned offset, and cannot be turned off: a read error
+                raise OSError(errno.EINVAL, "a short O_DIRECT read left an unaligned offset")
+    base.flags.writeable = False
     return buffer[:size], min(done, size), max(0, done - size)
 
 

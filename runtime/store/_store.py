@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 
 from shardtool.errors import CheckpointFormatError, DigestMismatchError, MissingFileError, ShardFormatError
-from shardtool.manifest import PAGE_CACHE_MODES, Entry, read_verified_timed
+from shardtool.manifest import PAGE_CACHE_CHOICES, PAGE_CACHE_MODES, Entry, read_verified_timed
 from shardtool.safetensors_format import HeaderMemo, parse_safetensors
 
 from ._cache_policy import DEFAULT_POLICY, CacheIndex
@@ -30,7 +30,6 @@ Arrays = Mapping[str, np.ndarray]
 
 # What a verified read leaves in the kernel's page cache: one of `PAGE_CACHE_MODES`, or "auto" (`page_cache_mode`).
 DEFAULT_PAGE_CACHE = "auto"
-PAGE_CACHE_CHOICES = ("auto", *PAGE_CACHE_MODES)
 
 
 def page_cache_mode(choice: str, model_bytes: int, shard_cache_bytes: int) -> str:
