@@ -96,6 +96,17 @@ def shardtool_bin(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
+def checkpoint(work: Path, knobs: dict) -> Path:
+    """The generated HF checkpoint, made (again: its values are seeded, so it is the same) when it is not there."""
+    ck = work / "ck"
+    if not ck.exists():
+        say(f"generating the checkpoint in {ck}")
+        shutil.rmtree(work / "ck.tmp", ignore_errors=True)
+        make_without_eos(work / "ck.tmp", knobs, "deepseek_v3")
+        (work / "ck.tmp").rename(ck)
+    return ck
+
+
 def prepare(work: Path, knobs: dict, keep_checkpoint: bool) -> dict[str, Path]:
     """The signed splits of VARIANTS and the key, made once and reused while the knobs (kept in a marker) stay the
     same; each under a temporary name renamed when complete. The checkpoint is removed afterwards (disk space)."""
@@ -112,11 +123,7 @@ def prepare(work: Path, knobs: dict, keep_checkpoint: bool) -> dict[str, Path]:
     for variant, extra in VARIANTS.items():
         if paths[variant].exists():
             continue
-        if not ck.exists():
-            say(f"generating the checkpoint in {ck}")
-            shutil.rmtree(work / "ck.tmp", ignore_errors=True)
-            make_without_eos(work / "ck.tmp", knobs, "deepseek_v3")
-            (work / "ck.tmp").rename(ck)
+        checkpoint(work, knobs)
         say(f"split {' '.join(extra)} + sign -> {paths[variant]}")
         tmp = paths[variant].with_name(paths[variant].name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -136,11 +143,7 @@ def prepare_ggufs(work: Path, knobs: dict) -> dict[str, Path]:
     paths = {f: work / f"model-{f}.gguf" for f in GGUFS}
     ck = work / "ck"
     if not paths["BF16"].exists():
-        if not ck.exists():
-            say(f"generating the checkpoint again in {ck} (for llama.cpp's converter)")
-            shutil.rmtree(work / "ck.tmp", ignore_errors=True)
-            make_without_eos(work / "ck.tmp", knobs, "deepseek_v3")
-            (work / "ck.tmp").rename(ck)
+        checkpoint(work, knobs)
         say(f"llama.cpp's converter -> {paths['BF16']}")
         _llamacpp.convert(ck, "bf16", paths["BF16"])
     shutil.rmtree(ck, ignore_errors=True)
@@ -288,21 +291,38 @@ def ratios(results: dict[str, dict]) -> list[str]:
             lines.append(f"{variant} / llama.cpp {fmt} mmap: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f} x "
                          f"tokens/s; {agreement(ours['generated_ids'], theirs['generated_ids'])}")
     for name, r in results.items():
-        if name.startswith("bf16") and r["generated_ids"] != results["bf16-r2"]["generated_ids"]:
+        if name.startswith("bf16") and "bf16-r2" in results \
+                and r["generated_ids"] != results["bf16-r2"]["generated_ids"]:
             lines.append(f"{name}: tokens differ from bf16-r2's")
     return lines
 
 
-def measure_serve(work: Path, model: Path, machine: _machine.Machine, budget: str, tokens: int,
-                  clients: tuple[int, ...], reference: list[int] | None) -> list[dict]:
-    """`serve` on the machine (bf16, the runtime's defaults), 1, 4 and 8 concurrent `openai` clients each asking for
-    the same greedy completion of PROMPT: one row per client count."""
-    argv = [shardtool_bin("shardtool"), "serve", str(model), "--trust", str(work / "bench.pub"), "--port", "0",
+def serve_argv(work: Path, model: Path, budget: str, tokens: int, clients: tuple[int, ...]) -> list[str]:
+    """`shardtool serve` on the bf16 model, the runtime's defaults, a batch for the most clients."""
+    return [shardtool_bin("shardtool"), "serve", str(model), "--trust", str(work / "bench.pub"), "--port", "0",
             "--memory-budget", budget, "--max-context", str(len(PROMPT.split(",")) + tokens + 4),
             "--max-batch", str(max(clients)), "--state-dir", str(work / "serve-state")]
-    rows = _serve_load.measure_serving(argv, machine, model, model="bench/seed-bf16",
+
+
+def llama_server_argv(gguf: Path, tokens: int, clients: tuple[int, ...]) -> tuple[list[str], str]:
+    """llama.cpp's own server on the BF16 GGUF, one slot per client (`-np`), 2 threads; its argv and base URL."""
+    import socket
+
+    with socket.socket() as s:  # a free port (the server binds it a moment later)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = max(clients) * (len(PROMPT.split(",")) + tokens + 8)
+    return _llamacpp.server_argv(gguf, port, parallel=max(clients), ctx_size=ctx, threads=2), \
+        f"http://127.0.0.1:{port}"
+
+
+def measure_serve(work: Path, argv: list[str], data_dir: Path, machine: _machine.Machine, tokens: int,
+                  clients: tuple[int, ...], url: str | None = None) -> list[dict]:
+    """A server (`argv`) on the machine, 1, 4 and 8 concurrent `openai` clients each asking for the same greedy
+    completion of PROMPT: one row per client count."""
+    rows = _serve_load.measure_serving(argv, machine, data_dir, model="bench/seed-bf16",
                                        prompt=[int(x) for x in PROMPT.split(",")], max_tokens=tokens,
-                                       clients=clients, log=work / "serve.log", ready_timeout=1800)
+                                       clients=clients, log=work / "serve.log", ready_timeout=1800, url=url)
     out = []
     for r in rows:
         out.append({"clients": r.clients, "tokens": r.tokens, "seconds": r.seconds, "tokens_per_s": r.tokens_per_s,
@@ -310,12 +330,13 @@ def measure_serve(work: Path, model: Path, machine: _machine.Machine, budget: st
                     "device_bytes_per_token": r.device_bytes_per_token, "peak_memory_bytes": r.peak_memory_bytes,
                     "server_rss_peak_bytes": r.server_rss_peak_bytes, "oom_kills": r.oom_kills,
                     "all_alike": r.agree, "errors": list(r.errors)})
-        say(f"serve, {r.clients} clients: {r.tokens_per_s:.2f} tok/s, {mib(r.device_bytes_per_token)} device/token")
+        say(f"{Path(argv[0]).name}, {r.clients} clients: {r.tokens_per_s:.2f} tok/s, "
+            f"{mib(r.device_bytes_per_token)} device/token")
     return out
 
 
-def print_serve(rounds: list[list[dict]]) -> None:
-    print(f"\nserve on the same machine, bf16, medians of {len(rounds)} rounds (aggregate over the clients)")
+def print_serve(title: str, rounds: list[list[dict]]) -> None:
+    print(f"\n{title} on the same machine, bf16, medians of {len(rounds)} rounds (aggregate over the clients)")
     print(f"{'clients':>7} {'tok/s':>7} {'vs 1':>5} {'device/tok':>10} {'expert/tok':>10} {'p50 s':>6} {'alike':>5}")
     by = {r["clients"]: [x for rs in rounds for x in rs if x["clients"] == r["clients"]] for r in rounds[0]}
     one = statistics.median(x["tokens_per_s"] for x in by[min(by)])
@@ -335,20 +356,21 @@ def main() -> int:
     ap.add_argument("--memory", default="2GiB")
     ap.add_argument("--read-bps", default="0.85e9")
     ap.add_argument("--budget", default="1536MiB")
-    ap.add_argument("--configs", default="", help="comma-separated config names (default: all)")
+    ap.add_argument("--configs", default="", help="comma-separated config names (default: all; none: serving only)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep-checkpoint", action="store_true", help="keep the generated HF checkpoint (GGUF conversion)")
     ap.add_argument("--prepare-only", action="store_true", help="make the signed splits and stop")
     ap.add_argument("--serve", default="1,4,8", help="client counts for serve on the bf16 model ('' : no serving)")
     ap.add_argument("--serve-tokens", type=int, default=16)
+    ap.add_argument("--serve-llama", action="store_true", help="llama.cpp's llama-server -np N on the BF16 GGUF too")
     a = ap.parse_args()
     if a.quick:
         a.memory, a.budget, a.workdir = "224MiB", "96MiB", a.workdir.with_name(a.workdir.name + "-quick")
     machine = _machine.Machine(_machine.parse_size(a.memory), _machine.parse_size(a.read_bps))
-    configs = [c for c in CONFIGS if not a.configs or c.name in a.configs.split(",")]
-    if a.tokens <= SHORT or not configs:
-        ap.error(f"--tokens must exceed {SHORT} and --configs must name at least one of "
+    configs = [] if a.configs == "none" else [c for c in CONFIGS if not a.configs or c.name in a.configs.split(",")]
+    if a.tokens <= SHORT or not (configs or a.configs == "none"):
+        ap.error(f"--tokens must exceed {SHORT} and --configs must be none or name at least one of "
                  f"{', '.join(c.name for c in CONFIGS)}")
     knobs = QUICK if a.quick else SEED
     if any(c.llama for c in configs) and not _llamacpp.available():
@@ -375,14 +397,23 @@ def main() -> int:
         say(f"no emulated machine here: {e}")
         return 3
     results = {name: median_row(rs) for name, rs in rows.items() if rs}
-    print_table(results, machine)
-    for line in ratios(results):
-        print(line)
+    if results:
+        print_table(results, machine)
+        for line in ratios(results):
+            print(line)
     clients = tuple(int(x) for x in a.serve.split(",") if x)
-    serving = [measure_serve(a.workdir, paths["bf16"], machine, a.budget, a.serve_tokens, clients, None)
-               for _ in range(a.repeats)] if clients else []
-    if serving:
-        print_serve(serving)
+    servers = {"serve": lambda: (serve_argv(a.workdir, paths["bf16"], a.budget, a.serve_tokens, clients), None)}
+    if clients and a.serve_llama and _llamacpp.available(server=True):
+        gguf = prepare_ggufs(a.workdir, knobs)["BF16"]
+        servers["llama-server"] = lambda: llama_server_argv(gguf, a.serve_tokens, clients)
+    serving: dict[str, list[list[dict]]] = {name: [] for name in servers} if clients else {}
+    for _ in range(a.repeats if clients else 0):
+        for name, start in servers.items():  # interleaved, a fresh server each round
+            argv, url = start()
+            serving[name].append(measure_serve(a.workdir, argv, paths["bf16"], machine, a.serve_tokens, clients,
+                                               url))
+    for name, rounds in serving.items():
+        print_serve(name, rounds)
     if a.json:
         a.json.write_text(json.dumps({"machine": {"memory_bytes": machine.memory_bytes, "read_bps": machine.read_bps},
                                       "budget": a.budget, "tokens": a.tokens, "results": results, "rounds": rows,
