@@ -116,19 +116,21 @@ def check_cache_policy(name: str | None) -> str | None:
     if name not in CACHE_POLICIES:
         raise UsageError(f"--cache-policy must be one of {', '.join(CACHE_POLICIES)}, got '{printable(name[:40])}'")
     return name
+
+
 PAGE_CACHE_HELP = ("What a verified read leaves in the kernel's page cache: keep (the next process reads the model "
                    "from memory), drop (POSIX_FADV_DONTNEED after the read: under a memory cap that counts the page "
                    "cache, the shard cache alone decides what stays), direct (O_DIRECT: nothing is cached) or auto "
                    "(the default: keep when the shard cache holds the whole model, else drop); the report names it.")
 
 
-def check_page_cache(name: str | None) -> str:
-    """--page-cache: auto or one of the verified read's modes (None: "auto", the runtime's default). Loads neither the
-    runtime nor numpy: it runs with the first option checks, before any file (a receipt key) is read."""
+def check_page_cache(name: str | None) -> str | None:
+    """--page-cache: auto or one of the verified read's modes (None: the runtime's default). Loads neither the runtime
+    nor numpy: it runs with the first option checks, before any file (a receipt key) is read."""
     from shardtool.manifest import PAGE_CACHE_CHOICES
 
     if name is None:
-        return "auto"
+        return None
     if name not in PAGE_CACHE_CHOICES:
         raise UsageError(f"--page-cache must be one of {', '.join(PAGE_CACHE_CHOICES)}, got '{printable(name[:40])}'")
     return name

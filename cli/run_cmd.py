@@ -134,7 +134,7 @@ def verify_and_run(
     keep_freed_memory()
     if lookahead:
         share_gil_with_readers()
-    from shardtool.runtime import DEFAULT_CACHE_POLICY, open_model
+    from shardtool.runtime import DEFAULT_CACHE_POLICY, DEFAULT_PAGE_CACHE, open_model
     policy = check_cache_policy(cache_policy) or DEFAULT_CACHE_POLICY
 
     # A local DIR, or the store's files fetched into --cache-dir (the small files and the trunk now, each expert
@@ -142,7 +142,7 @@ def verify_and_run(
     model = open_model(remote_store or directory, trust=load_trusted(trust), threshold=threshold,
                        model_id=expect_model, memory_budget=budget, cache_dir=cache_dir, fetch_timeout=fetch_timeout,
                        manifest=manifest_file, state_dir=state_dir, readers=readers, cache_policy=policy,
-                       lookahead=lookahead, page_cache=page_cache,
+                       lookahead=lookahead, page_cache=page_cache or DEFAULT_PAGE_CACHE,
                        **_cluster_args(cluster, plan_file, plan_trust, insecure_cluster, remote_timeout))
     with model:
         if ids is None:

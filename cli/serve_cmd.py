@@ -85,8 +85,8 @@ def serve(
     server-sent events), GET /v1/models, /health, /metrics; with --receipt-key, a signed run receipt per
     completion and GET /v1/receipts/{id}."""
     from shardtool.cli._common import (check_cache_policy, check_cluster_options, check_page_cache, cluster_args,
-                                       keep_freed_memory, load_operator_key, load_trusted, parse_size, say, set_compute_threads,
-                                       share_gil_with_readers)
+                                       keep_freed_memory, load_operator_key, load_trusted, parse_size, say,
+                                       set_compute_threads, share_gil_with_readers)
     from shardtool.cli._source import check_source
 
     # Every option is checked before anything is read: a bad value is one usage line, exit 2.
@@ -111,7 +111,7 @@ def serve(
     keep_freed_memory()
     if lookahead:
         share_gil_with_readers()
-    from shardtool.runtime import DEFAULT_CACHE_POLICY, open_model  # loads numpy
+    from shardtool.runtime import DEFAULT_CACHE_POLICY, DEFAULT_PAGE_CACHE, open_model  # loads numpy
     policy = check_cache_policy(cache_policy) or DEFAULT_CACHE_POLICY
     settings = _settings(read_timeout, max_batch + max_queue, ssl_certfile, ssl_keyfile)
     with stop_on_signals():
@@ -121,7 +121,8 @@ def serve(
             model = open_model(remote_store or directory, trust=load_trusted(trust), threshold=threshold,
                                model_id=expect_model, memory_budget=budget, cache_dir=cache_dir,
                                fetch_timeout=fetch_timeout, manifest=manifest_file, state_dir=state_dir,
-                               readers=readers, cache_policy=policy, lookahead=lookahead, page_cache=page_cache,
+                               readers=readers, cache_policy=policy, lookahead=lookahead,
+                               page_cache=page_cache or DEFAULT_PAGE_CACHE,
                                **cluster_args(cluster, plan_file, plan_trust, insecure_cluster, remote_timeout))
         except Stopped:
             say("shardtool serve: stopped before serving")
