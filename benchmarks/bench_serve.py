@@ -250,6 +250,7 @@ CACHED_MODEL = dict(layers=4, experts=8, experts_per_tok=2, hidden=512, intermed
 LLAMA_CLIENTS = (1, 16)
 ONE_CLIENT_REQUESTS = 3  # one after another: the 1-client figure is their tokens over their wall time
 THREADS = 2
+STEP_SECONDS = "shardtool_step_seconds_total"  # the engine's forward steps, wall seconds (a counter)
 
 
 def _free_port() -> int:
@@ -261,20 +262,28 @@ def _free_port() -> int:
 
 
 def _load_phases(server: Server, tokens: int) -> dict:
-    """A warm-up, then ONE_CLIENT_REQUESTS single requests and one window of 16 at once: aggregate tok/s each."""
-    from _serve_load import run_clients
+    """A warm-up, then ONE_CLIENT_REQUESTS single requests and one window of 16 at once: aggregate tok/s each. Where
+    the server exports its engine's step seconds (shardtool), also where a token's wall time went: the engine's
+    forward steps, and the rest (sampling, the hand-off to the event loop, text, HTTP), per token."""
+    from _serve_load import run_clients, scrape
 
     prompt = PROMPTS[0]
     run_clients(server.url, MODEL_ID, prompt, 4, 1)  # every expert read (shardtool) and warm caches, both servers
     out = {}
     for clients in LLAMA_CLIENTS:
+        before = scrape(server.url)
         windows = [run_clients(server.url, MODEL_ID, prompt, tokens, clients)
                    for _ in range(ONE_CLIENT_REQUESTS if clients == 1 else 1)]
+        after = scrape(server.url)
         errors = [e for w in windows for e in w.errors]
         if errors:
             raise RuntimeError(f"{clients} clients: {errors[0]}")
-        out[clients] = {"tokens": sum(w.tokens for w in windows),
-                        "tokens_per_s": sum(w.tokens for w in windows) / sum(w.seconds for w in windows)}
+        n, wall = sum(w.tokens for w in windows), sum(w.seconds for w in windows)
+        out[clients] = {"tokens": n, "tokens_per_s": n / wall}
+        if STEP_SECONDS in after:
+            steps = after[STEP_SECONDS] - before[STEP_SECONDS]
+            out[clients] |= {"wall_ms_per_token": wall / n * 1e3, "step_ms_per_token": steps / n * 1e3,
+                             "rest_ms_per_token": (wall - steps) / n * 1e3}
     return out
 
 
@@ -328,6 +337,13 @@ def vs_llama(work: Path, repeats: int, tokens: int) -> dict:
         for c in LLAMA_CLIENTS:
             print(f"{name:<16} {c:>2} client(s): {med[name][c]:7.1f} tok/s  runs "
                   + " ".join(f"{r[c]['tokens_per_s']:.1f}" for r in runs[name]))
+    for c in LLAMA_CLIENTS:
+        split = {k: median([r[c][k] for r in runs["shardtool serve"]])
+                 for k in ("wall_ms_per_token", "step_ms_per_token", "rest_ms_per_token")}
+        print(f"shardtool serve {c:>2} client(s), where a token's wall time went (aggregate): engine steps "
+              f"{split['step_ms_per_token']:.3f} ms, the rest {split['rest_ms_per_token']:.3f} ms "
+              f"({split['rest_ms_per_token'] / split['step_ms_per_token']:.1%} of the steps) of "
+              f"{split['wall_ms_per_token']:.3f} ms")
     ratios = {"serve_1_vs_verify_and_run": ours[1] / vr,
               **{f"serve_vs_llama_server_{c}": ours[c] / theirs[c] for c in LLAMA_CLIENTS}}
     print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
