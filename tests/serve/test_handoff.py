@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from shardtool.runtime import ErrorEvent, FinishEvent, TokenEvent
-from shardtool.serve._handoff import Mailbox
+from shardtool.serve._handoff import BURST, Mailbox
 
 TOKENS = [TokenEvent(t) for t in (7, 3, 9, 3, 11)]
 ENDS = {"finish": FinishEvent("length"), "cancelled": FinishEvent("cancelled"),
@@ -77,6 +77,36 @@ def test_events_while_a_wakeup_is_pending_ride_along():
 
     box, got = asyncio.run(main())
     assert got == TOKENS and box.wakeups == 1
+
+
+def test_a_long_answer_read_in_one_go_lets_other_tasks_run():
+    events = [TokenEvent(t % 500) for t in range(10 * BURST)] + [ENDS["finish"]]
+
+    async def main():
+        box = Mailbox(asyncio.get_running_loop(), every_token=False)
+        _from_engine_thread(box, events)  # all queued before the reader starts, as at a JSON answer's end
+        ticks = 0
+
+        async def other_request():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        other = asyncio.ensure_future(other_request())
+        await asyncio.sleep(0)
+        seen = []
+        for _ in events:
+            seen.append(await box.get())
+            seen.append(ticks)
+        other.cancel()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[0::2] == events
+    ticks = seen[1::2]
+    assert ticks[-1] - ticks[0] >= len(events) // BURST - 1  # the other task ran at least once per burst
+    assert ticks[BURST - 2] == ticks[0]  # and a burst is read without yielding
 
 
 def test_a_closed_loop_is_not_an_error_for_the_engine():
