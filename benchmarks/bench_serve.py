@@ -8,7 +8,11 @@
     share of the phase's wall time the reader threads spent hashing (shardtool_verify_seconds_total delta).
 The model is a Mixtral-shaped checkpoint from examples/make_tiny_moe.py whose experts exceed the shard cache:
 the budget is planned (runtime.plan_budget, through Engine) so the cache holds only --cache-experts experts.
-Usage: python benchmarks/bench_serve.py [--repeats 3] [--quick] [--tokens 64] [--workdir DIR] [--json FILE]
+With --vs-llama, instead: the model that fits in memory (f32, hidden 512, every expert cached) served by
+`shardtool serve --threads 2` and by llama.cpp's `llama-server -np 16 -t 2` (its converter's F32 GGUF, F32 KV
+cache, EOS ignored), each alone, interleaved with `verify-and-run --threads 2`: aggregate tok/s at 1 and 16 clients,
+serve / llama-server and serve (1 client) / verify-and-run's decode tok/s, medians of --repeats.
+Usage: python benchmarks/bench_serve.py [--repeats 3] [--quick] [--tokens 64] [--workdir DIR] [--json FILE] [--vs-llama]
 """
 
 from __future__ import annotations
@@ -56,24 +60,26 @@ def percentile(xs, q):
 
 # --- the model ----------------------------------------------------------------------------------------------
 
-def build(work: Path) -> Path:
-    """Generate, split and sign the model once through the real CLI (reused across runs while MODEL holds)."""
-    out, marker = work / "model", work / "signed.json"
-    if marker.exists() and json.loads(marker.read_text()) == MODEL:
+def build(work: Path, knobs: dict = MODEL, name: str = "model", keep_checkpoint: bool = False) -> Path:
+    """Generate, split and sign the model once through the real CLI (reused across runs while `knobs` hold); with
+    `keep_checkpoint`, its Hugging Face checkpoint stays in WORK/NAME-ck (for llama.cpp's converter)."""
+    out, marker = work / name, work / ("signed.json" if name == "model" else f"{name}-signed.json")
+    ck = work / (f"{name}-ck" if keep_checkpoint else "ck")
+    if marker.exists() and json.loads(marker.read_text()) == knobs and (ck.exists() or not keep_checkpoint):
         return out
-    for p in (out, work / "ck", work / "state", work / "cli-state"):
+    for p in (out, ck, work / "state", work / "cli-state"):
         shutil.rmtree(p, ignore_errors=True)
     shardtool = str(VENV_BIN / "shardtool")
     if not (work / "bench.key").exists():
         subprocess.run([shardtool, "keygen", "--out", str(work / "bench"), "--no-passphrase"], check=True,
                        capture_output=True)
-    ck = work / "ck"
-    make_mixtral_without_eos(ck, MODEL)
+    make_mixtral_without_eos(ck, knobs)
     subprocess.run([shardtool, "split", "-q", str(ck), str(out), "--model-id", MODEL_ID], check=True,
                    capture_output=True)
     subprocess.run([shardtool, "sign", str(out), "--key", str(work / "bench.key")], check=True, capture_output=True)
-    shutil.rmtree(ck)
-    marker.write_text(json.dumps(MODEL))
+    if not keep_checkpoint:
+        shutil.rmtree(ck)
+    marker.write_text(json.dumps(knobs))
     return out
 
 
@@ -115,25 +121,42 @@ class Server:
     """One `shardtool serve` in its own session; stopped by signalling its own process group only."""
 
     def __init__(self, work: Path, model: Path, budget: int, kv_cache: int, max_context: int):
+        self.start(work, [str(VENV_BIN / "shardtool"), "serve", str(model), "--trust", str(work / "bench.pub"),
+                          "--port", "0", "--model-id", MODEL_ID, "--state-dir", str(work / "state"), "--memory-budget",
+                          str(budget), "--kv-cache", str(kv_cache), "--max-context", str(max_context),
+                          "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE)])
+
+    def start(self, work: Path, argv: list[str], url: str = "") -> None:
+        """`argv` in its own session; `url`: where it listens, when known (else read from its log)."""
         self.log = work / "serve.log"
         self.err = open(self.log, "w+")
-        self.proc = subprocess.Popen(
-            [str(VENV_BIN / "shardtool"), "serve", str(model), "--trust", str(work / "bench.pub"), "--port", "0",
-             "--model-id", MODEL_ID, "--state-dir", str(work / "state"), "--memory-budget", str(budget),
-             "--kv-cache", str(kv_cache), "--max-context", str(max_context), "--max-batch", str(MAX_BATCH),
-             "--max-queue", str(MAX_QUEUE)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.err, start_new_session=True)
-        self.url = ""
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.err,
+                                     start_new_session=True)
+        self.url = url
+
+    @classmethod
+    def of(cls, work: Path, argv: list[str], url: str = "") -> "Server":
+        server = cls.__new__(cls)
+        server.start(work, argv, url)
+        return server
 
     def wait_listening(self, seconds: float = 120) -> "Server":
+        import httpx
+
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            m = re.search(r"serving \S+ on (http://\S+)", self.log.read_text())
+            m = None if self.url else re.search(r"serving \S+ on (http://\S+)", self.log.read_text())
             if m:
                 self.url = m.group(1)
-                return self
+            if self.url:
+                try:
+                    if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    pass
             if self.proc.poll() is not None:
-                raise RuntimeError(f"shardtool serve exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+                raise RuntimeError(f"{Path(self.proc.args[0]).name} exited {self.proc.returncode}: "
+                                   f"{self.log.read_text()[-2000:]}")
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"shardtool serve did not listen within {seconds}s: {self.log.read_text()[-2000:]}")
@@ -220,9 +243,149 @@ def cli_run(work: Path, model: Path, budget: int, tokens: int) -> dict:
     return {"wall_s": total_s, "tokens": total_tokens, "tokens_per_s": total_tokens / total_s}
 
 
+# --- against llama.cpp's server, the model in memory -------------------------------------------------------
+
+# 54 M parameters, f32: 8 experts of 3 x 1024 x 512 per layer, top-2, 4 layers; the whole model fits the budget.
+CACHED_MODEL = dict(layers=4, experts=8, experts_per_tok=2, hidden=512, intermediate=1024, moe_intermediate=1024,
+                    heads=8, kv_heads=4, vocab=1024, dtype="f32")
+LLAMA_CLIENTS = (1, 16)
+ONE_CLIENT_REQUESTS = 3  # one after another: the 1-client figure is their tokens over their wall time
+THREADS = 2
+STEP_SECONDS = "shardtool_step_seconds_total"  # the engine's forward steps, wall seconds (a counter)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # a free port (the server binds it a moment later)
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load_phases(server: Server, tokens: int) -> dict:
+    """A warm-up, then ONE_CLIENT_REQUESTS single requests and one window of 16 at once: aggregate tok/s each. Where
+    the server exports its engine's step seconds (shardtool), also where a token's wall time went: the engine's
+    forward steps, and the rest (sampling, the hand-off to the event loop, text, HTTP), per token."""
+    from _serve_load import run_clients, scrape
+
+    prompt = PROMPTS[0]
+    run_clients(server.url, MODEL_ID, prompt, 4, 1)  # every expert read (shardtool) and warm caches, both servers
+    out = {}
+    for clients in LLAMA_CLIENTS:
+        before = scrape(server.url)
+        windows = [run_clients(server.url, MODEL_ID, prompt, tokens, clients)
+                   for _ in range(ONE_CLIENT_REQUESTS if clients == 1 else 1)]
+        after = scrape(server.url)
+        errors = [e for w in windows for e in w.errors]
+        if errors:
+            raise RuntimeError(f"{clients} clients: {errors[0]}")
+        n, wall = sum(w.tokens for w in windows), sum(w.seconds for w in windows)
+        out[clients] = {"tokens": n, "tokens_per_s": n / wall}
+        if STEP_SECONDS in after:
+            steps = after[STEP_SECONDS] - before[STEP_SECONDS]
+            out[clients] |= {"wall_ms_per_token": wall / n * 1e3, "step_ms_per_token": steps / n * 1e3,
+                             "rest_ms_per_token": (wall - steps) / n * 1e3}
+    return out
+
+
+def vs_llama(work: Path, repeats: int, tokens: int) -> dict:
+    import _llamacpp
+
+    ready = _llamacpp.available(server=True)
+    if not ready:
+        raise SystemExit(f"--vs-llama: {ready.reason}")
+    model = build(work, CACHED_MODEL, "cached", keep_checkpoint=True)
+    gguf = work / "cached-f32.gguf"
+    if not gguf.exists():
+        _llamacpp.convert(work / "cached-ck", "f32", gguf)
+    ctx = max(map(len, PROMPTS)) + tokens + 8
+    shardtool = [str(VENV_BIN / "shardtool"), "serve", str(model), "--trust", str(work / "bench.pub"), "--port", "0",
+                 "--model-id", MODEL_ID, "--state-dir", str(work / "state"), "--memory-budget", "4GiB",
+                 "--max-context", str(ctx), "--max-batch", str(max(LLAMA_CLIENTS)), "--threads", str(THREADS)]
+
+    def llama() -> Server:
+        port = _free_port()
+        argv = _llamacpp.server_argv(gguf, port, parallel=max(LLAMA_CLIENTS), ctx_size=max(LLAMA_CLIENTS) * ctx,
+                                     threads=THREADS) + ["-ctk", "f32", "-ctv", "f32", "--ignore-eos"]
+        return Server.of(work, argv, f"http://127.0.0.1:{port}")
+
+    def in_process_tps() -> float:
+        """The same request through verify-and-run's loop with every expert cached, without HTTP: the library call
+        under it, the second of two generations in one process, new tokens over its wall time (prefill included,
+        as serve's figure). The command itself reads and checks each expert at its first use, which a short run
+        cannot amortize."""
+        out = subprocess.run([sys.executable, __file__, "--_warm", str(model), str(work / "bench.pub"),
+                              ",".join(map(str, PROMPTS[0])), str(tokens)], check=True, capture_output=True, text=True)
+        return float(out.stdout.split()[-1])
+
+    def decode_tps() -> float:
+        report = work / "cli-report.json"
+        report.unlink(missing_ok=True)
+        run_command([str(VENV_BIN / "verify-and-run"), str(model), "--trust", str(work / "bench.pub"), "--prompt-ids",
+                     ",".join(map(str, PROMPTS[0])), "--max-new-tokens", str(tokens), "--memory-budget", "4GiB",
+                     "--threads", str(THREADS), "-q", "--print-ids", "--state-dir", str(work / "cli-state"),
+                     "--json-report", str(report)])
+        return json.loads(report.read_text())["decode_tokens_per_s"]
+
+    runs: dict[str, list] = {"verify-and-run": [], "warm": [], "shardtool serve": [], "llama-server": []}
+    for _ in range(repeats):  # interleaved, each server alone on the machine
+        runs["verify-and-run"].append(decode_tps())
+        runs["warm"].append(in_process_tps())
+        for name, start in (("shardtool serve", lambda: Server.of(work, shardtool)), ("llama-server", llama)):
+            server = start().wait_listening()
+            try:
+                runs[name].append(_load_phases(server, tokens))
+            finally:
+                server.stop()
+    vr, warm = median(runs["verify-and-run"]), median(runs["warm"])
+    med = {name: {c: median([r[c]["tokens_per_s"] for r in runs[name]]) for c in LLAMA_CLIENTS}
+           for name in ("shardtool serve", "llama-server")}
+    ours, theirs = med["shardtool serve"], med["llama-server"]
+    print(f"\n## serve vs llama-server: {CACHED_MODEL}, every expert cached, {tokens} new tokens per request "
+          f"(greedy), {THREADS} threads, {repeats} interleaved repeat(s), medians")
+    print(f"verify-and-run decode: {vr:.1f} tok/s  runs " + " ".join(f"{x:.1f}" for x in runs["verify-and-run"])
+          + " (each expert read and checked at its first use)")
+    print(f"the same request in one process, every expert cached, no HTTP (prefill included): {warm:.1f} tok/s  "
+          "runs " + " ".join(f"{x:.1f}" for x in runs["warm"]))
+    for name in med:
+        for c in LLAMA_CLIENTS:
+            print(f"{name:<16} {c:>2} client(s): {med[name][c]:7.1f} tok/s  runs "
+                  + " ".join(f"{r[c]['tokens_per_s']:.1f}" for r in runs[name]))
+    for c in LLAMA_CLIENTS:
+        split = {k: median([r[c][k] for r in runs["shardtool serve"]])
+                 for k in ("wall_ms_per_token", "step_ms_per_token", "rest_ms_per_token")}
+        print(f"shardtool serve {c:>2} client(s), where a token's wall time went (aggregate): engine steps "
+              f"{split['step_ms_per_token']:.3f} ms, the rest {split['rest_ms_per_token']:.3f} ms "
+              f"({split['rest_ms_per_token'] / split['step_ms_per_token']:.1%} of the steps) of "
+              f"{split['wall_ms_per_token']:.3f} ms")
+    ratios = {"serve_1_vs_verify_and_run": ours[1] / vr, "serve_1_vs_in_process": ours[1] / warm,
+              **{f"serve_vs_llama_server_{c}": ours[c] / theirs[c] for c in LLAMA_CLIENTS}}
+    print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    return {"model": CACHED_MODEL, "tokens_per_request": tokens, "repeats": repeats, "threads": THREADS,
+            "verify_and_run_decode_tokens_per_s": vr, "in_process_tokens_per_s": warm,
+            "tokens_per_s": {n: {str(c): v for c, v in m.items()} for n, m in med.items()},
+            "ratios": ratios, "runs": runs}
+
+
+def run_warm(model: str, pub: str, prompt: str, tokens: str) -> None:
+    """Print the new tokens per wall second (prefill included, as a served request's) of the second of two greedy
+    generations in this process (`verify-and-run`'s threads)."""
+    from shardtool.cli._common import set_compute_threads  # the CLI's own sizing, before numpy loads
+
+    set_compute_threads(THREADS, 2)
+    from shardtool.api import open_model
+
+    ids = [int(x) for x in prompt.split(",")]
+    with open_model(model, trust=[pub], memory_budget="4GiB", state_dir=Path(model).parent / "warm-state") as m:
+        m.generate(ids, int(tokens))
+        t = time.perf_counter()
+        m.generate(ids, int(tokens))
+        print(int(tokens) / (time.perf_counter() - t))
+
+
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--_plan":
-        run_plan(*sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] in ("--_plan", "--_warm"):
+        (run_plan if sys.argv[1] == "--_plan" else run_warm)(*sys.argv[2:])
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -231,12 +394,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 repeat, 16 new tokens per request")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/shardtool-bench-serve"))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--vs-llama", action="store_true", help="the in-memory model against llama.cpp's llama-server")
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.tokens = 1, 16
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (shared: trust ratios, not times)")
+    if args.vs_llama:
+        result = vs_llama(work, args.repeats, args.tokens)
+        print(json.dumps(result))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+        return
     model = build(work)
     ctx = max(map(len, PROMPTS)) + args.tokens
     p = plan(work, model, ctx, args.cache_experts)

@@ -35,6 +35,7 @@ from shardtool.manifest import valid_receipt_id
 from shardtool.runtime import ErrorEvent, FinishEvent, SamplingParams, TokenEvent, encode_prompt
 from shardtool.serve._access import Access
 from shardtool.serve._chat import ChatTemplate, encode_rendered
+from shardtool.serve._handoff import Mailbox
 from shardtool.serve._health import ShardHealth
 from shardtool.serve._metrics import CONTENT_TYPE, Metrics
 from shardtool.serve._protocol import Sampling, parse_chat, parse_completion
@@ -169,16 +170,9 @@ class _API:
             max_tokens = max(1, self.engine.max_request_tokens - len(ids))
         params = SamplingParams(max_new_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                                 seed=sampling.seed)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-
-        def sink(event) -> None:  # on the engine's thread: never blocks, never raises
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the event loop is closed: the server is gone, nobody is listening
-                pass
-
-        ticket = self.engine.submit(ids, params, sink, record=self.receipts is not None)
+        # A JSON answer without stop strings needs nothing before its end: its tokens wake the event loop not once.
+        events = Mailbox(asyncio.get_running_loop(), every_token=stream or bool(sampling.stop))
+        ticket = self.engine.submit(ids, params, events.put, record=self.receipts is not None)
         text = TextStream(self._decode, sampling.stop)
         return _Generation(self.engine, ticket, events, text, fmt, len(ids), stream, include_usage, self.receipts,
                            self.shards)
@@ -391,7 +385,7 @@ class _ChatFormat(_CompletionFormat):
 class _Generation(Response):
     """An ASGI response that waits for the engine's events while watching for the client going away."""
 
-    def __init__(self, engine, ticket, events: asyncio.Queue, text: TextStream, fmt: _CompletionFormat,
+    def __init__(self, engine, ticket, events: Mailbox, text: TextStream, fmt: _CompletionFormat,
                  prompt_tokens: int, stream: bool, include_usage: bool, receipts: ReceiptSigner | None = None,
                  shards: ShardHealth | None = None):
         self.engine, self.ticket, self.events, self.text, self.fmt = engine, ticket, events, text, fmt

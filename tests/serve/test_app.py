@@ -177,6 +177,36 @@ def test_a_streamed_completion_with_usage_and_a_stop_string(url, engine, tok):
     assert engine.cancels == [engine.submitted[0].id]
 
 
+@pytest.mark.parametrize("name, body, most", [
+    ("json", {}, 1),  # only its end: the tokens before it are read in one go
+    ("json with a stop string", {"stop": "zzz"}, None),  # watched token by token
+    ("stream", {"stream": True}, None),
+])
+def test_engine_to_loop_wakeups(url, engine, tok, monkeypatch, name, body, most):
+    """A JSON answer's tokens cost the event loop no wake-up each (the engine thread's call_soon_threadsafe)."""
+    import asyncio
+
+    calls = []
+    real = asyncio.BaseEventLoop.call_soon_threadsafe
+
+    def counting(loop, *args, **kw):
+        if threading.current_thread().name == "fake-engine":
+            calls.append(args[0])
+        return real(loop, *args, **kw)
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "call_soon_threadsafe", counting)
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 40, **body})
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["text"] if not body.get("stream") else \
+        "".join(c["choices"][0]["text"] for c in sse(r.text)[:-1])
+    assert text == REPLY
+    tokens = len(tok.encode(REPLY).ids) + 1
+    if most is not None:
+        assert len(calls) == most, calls
+    else:  # each token was delivered as it came (the fake engine's steps are 2 ms apart: none rode along)
+        assert len(calls) >= tokens // 2, calls
+
+
 def test_a_chat_completion_and_its_stream(url, engine, tok):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 40}
     doc = post(url, "/v1/chat/completions", body).json()
