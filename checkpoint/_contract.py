@@ -303,7 +303,7 @@ def check_contract_keys(contract: Mapping[str, int]) -> None:
     """A contract this version can read: version CONTRACT_VERSION, exactly the KEYS. The manifest decoder
     checks only its form (a flat map of small names to integers); what the names mean is known here."""
     version = contract.get("contract_version")
-    if version != CONTRACT_VERSION:
+    if type(version) is not int or version != CONTRACT_VERSION:  # True == 1
         raise CheckpointFormatError(f"resource contract version is {version!r}, this tool reads {CONTRACT_VERSION}")
     missing = [k for k in KEYS if k not in contract]
     unknown = sorted(set(contract) - set(KEYS))

@@ -192,7 +192,7 @@ def decode_payload(payload: bytes) -> Receipt:
     d = _canonical.take_fields(_canonical.decode(payload, max_size=MAX_RECEIPT_PAYLOAD, what="receipt payload"),
                                ("type", "version", "id", "created", "model", "request", "answer", "routing",
                                 "fingerprint"), "receipt")
-    if d["type"] != RECEIPT_TYPE or d["version"] != RECEIPT_VERSION:
+    if d["type"] != RECEIPT_TYPE or type(d["version"]) is not int or d["version"] != RECEIPT_VERSION:  # True == 1
         raise ManifestFormatError(f"receipt type/version is {str(d['type'])[:64]!r}/{str(d['version'])[:20]}, "
                                   f"expected {RECEIPT_TYPE!r}/{RECEIPT_VERSION}")
     model = _canonical.take_fields(d["model"], ("model_id", "manifest_version", "merkle_root"), "receipt.model")

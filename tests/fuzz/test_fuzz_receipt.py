@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given
 from hypothesis import strategies as st
@@ -40,6 +41,16 @@ def _genuine() -> Receipt:
 GENUINE = _genuine()
 SIGNED = sign_receipt(GENUINE, OPERATOR)
 TRACE = encode_trace(GENUINE.id, GENUINE.moe_layers, GENUINE.top_k, ROUTES)
+
+
+@pytest.mark.parametrize("version", [True, False, "1", 2, 0])
+def test_a_receipt_version_that_only_compares_equal_is_refused(version):
+    """msgpack's true compares equal to version 1 in Python: only the integer 1 is a version-1 receipt (the fuzzer
+    found `version: true`, in canonical form, accepted and re-encoded as 1)."""
+    payload = GENUINE.to_payload()
+    payload["version"] = version
+    with pytest.raises(ShardtoolError, match="type/version"):
+        decode_payload(_canonical.encode(payload))
 
 
 def test_genuine_receipt_round_trips():
