@@ -84,9 +84,10 @@ bench-llamacpp: install .venv-bench/.llama-cpp-$(LLAMA_CPP)-noamx
 	$(PY) benchmarks/bench_llamacpp.py
 
 # The seed's case on an emulated small machine (root: cgroup memory cap + read throttle): a 17.4 GiB DeepSeek-V3-shaped
-# model under M = 2 GiB at 0.85 GB/s; about 40 GiB of disk under /var/tmp and an hour (docs/seed-scale.md).
+# model under M = 2 GiB at 0.85 GB/s; about 45 GiB of disk under /var/tmp and an hour; figures in bench-seed.json
+# (the runs docs/seed-scale.md quotes: docs/seed-scale.json).
 bench-seed: install
-	$(PY) benchmarks/bench_seed.py --json docs/seed-scale.json
+	$(PY) benchmarks/bench_seed.py --json bench-seed.json
 
 fuzz: install
 	$(PY) -m pytest -q tests/fuzz --hypothesis-profile=long
