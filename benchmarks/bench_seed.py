@@ -403,7 +403,9 @@ def main() -> int:
             print(line)
     clients = tuple(int(x) for x in a.serve.split(",") if x)
     servers = {"serve": lambda: (serve_argv(a.workdir, paths["bf16"], a.budget, a.serve_tokens, clients), None)}
-    if clients and a.serve_llama and _llamacpp.available(server=True):
+    if clients and a.serve_llama and not _llamacpp.available(server=True):
+        say(f"llama-server is not built ({_llamacpp.available(server=True).reason}): its rows are left out")
+    elif clients and a.serve_llama:
         gguf = prepare_ggufs(a.workdir, knobs)["BF16"]
         servers["llama-server"] = lambda: llama_server_argv(gguf, a.serve_tokens, clients)
     serving: dict[str, list[list[dict]]] = {name: [] for name in servers} if clients else {}
