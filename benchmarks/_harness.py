@@ -5,6 +5,7 @@ measured in the same run. The machine is shared and noisy: trust the ratios, not
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -128,3 +129,22 @@ def make_without_eos(ck: Path, knobs: dict, family: str) -> None:
         g = json.loads(gen.read_text())
         g.pop("eos_token_id", None)
         gen.write_text(json.dumps(g, indent=2))
+
+
+def split_and_sign(ck: Path, out: Path, model_id: str, extra: Sequence[str], key: Path) -> Path:
+    """`shardtool split` of checkpoint `ck` (with `extra` options, e.g. --quantize int4) and `sign` with `key`, made
+    under a temporary name and renamed to `out` when complete."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    subprocess.run([str(VENV_BIN / "shardtool"), "split", "-q", str(ck), str(tmp), "--model-id", model_id, *extra],
+                   check=True, capture_output=True)
+    subprocess.run([str(VENV_BIN / "shardtool"), "sign", str(tmp), "--key", str(key)], check=True, capture_output=True)
+    tmp.rename(out)
+    return out
+
+
+def agreement(a: list[int], b: list[int]) -> str:
+    """How two greedy runs' tokens agree: how many positions hold the same token, and the first that differs."""
+    same = sum(x == y for x, y in zip(a, b))
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return f"{same}/{len(a)}" + ("" if first is None else f" (first difference at token {first})")

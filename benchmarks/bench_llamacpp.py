@@ -51,6 +51,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _llamacpp  # noqa: E402  (benchmarks/ is not a package)
+from _harness import agreement, make_mixtral_without_eos, split_and_sign  # noqa: E402
 from _llamacpp import LLAMA_CPP_VERSION  # noqa: E402
 
 PROMPT = [5, 17, 300, 42, 9, 100, 7, 250]
@@ -96,9 +97,6 @@ def build(work: Path, name: str, quants: list[str], formats: list[str]) -> dict[
     """Checkpoint, the GGUFs of `formats` (and F32, Q4_0's source) and signed splits of model `name`. Each is made
     once, under a temporary name renamed when complete, and reused while the knobs (kept in a marker) stay the
     same."""
-    sys.path.insert(0, str(HERE))
-    from _harness import make_mixtral_without_eos
-
     base = work / name
     marker = base / "knobs.json"
     want = {"knobs": MODELS[name], "llama_cpp": LLAMA_CPP_VERSION}
@@ -133,13 +131,7 @@ def build(work: Path, name: str, quants: list[str], formats: list[str]) -> dict[
             continue
         extra = [] if variant == "float" else QUANT_ARGS[variant]
         say(f"[{name}] shardtool split {' '.join(extra)} + sign")
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        subprocess.run([shardtool_bin("shardtool"), "split", "-q", str(ck), str(tmp), "--model-id",
-                        f"bench/{name}-{variant}", *extra], check=True, capture_output=True)
-        subprocess.run([shardtool_bin("shardtool"), "sign", str(tmp), "--key", str(work / "bench.key")],
-                       check=True, capture_output=True)
-        tmp.rename(out)
+        split_and_sign(ck, out, f"bench/{name}-{variant}", extra, work / "bench.key")
     shutil.rmtree(ck)
     return paths
 
@@ -201,12 +193,6 @@ def run_llama(work: Path, gguf: Path, threads: int, tokens: int) -> dict:
     rep = _llamacpp.greedy(gguf, PROMPT, tokens, work / "llama.json", threads=threads,
                            f32_kv=gguf.name.endswith("-F32.gguf"))
     return {"tok_s": rep["decode_tokens_per_s"], "ids": rep["generated_ids"], "system_info": rep["system_info"]}
-
-
-def agreement(a: list[int], b: list[int]) -> str:
-    same = sum(x == y for x, y in zip(a, b))
-    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    return f"{same}/{len(a)}" + ("" if first is None else f" (first difference at token {first})")
 
 
 def bench_model(work: Path, name: str, paths: dict[str, Path], quants: list[str], threads: list[int], repeats: int,

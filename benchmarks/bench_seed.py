@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE.parent))
 import _llamacpp  # noqa: E402
 import _machine  # noqa: E402
 import _serve_load  # noqa: E402
-from _harness import make_without_eos  # noqa: E402
+from _harness import VENV_BIN, agreement, make_without_eos, split_and_sign  # noqa: E402
 
 SEED = dict(layers=16, dense_layers=1, experts=128, experts_per_tok=8, n_group=8, topk_group=4, hidden=2048,
             intermediate=4096, moe_intermediate=768, heads=16, q_lora_rank=384, kv_lora_rank=256, vocab=4096,
@@ -92,10 +92,6 @@ def say(msg: str) -> None:
     print(f"bench_seed: {msg}", file=sys.stderr, flush=True)
 
 
-def shardtool_bin(name: str) -> str:
-    return str(Path(sys.executable).parent / name)
-
-
 def checkpoint(work: Path, knobs: dict) -> Path:
     """The generated HF checkpoint, made (again: its values are seeded, so it is the same) when it is not there."""
     ck = work / "ck"
@@ -116,7 +112,7 @@ def prepare(work: Path, knobs: dict, keep_checkpoint: bool) -> dict[str, Path]:
         work.mkdir(parents=True)
         marker.write_text(json.dumps(knobs))
     if not (work / "bench.key").exists():
-        subprocess.run([shardtool_bin("shardtool"), "keygen", "--out", str(work / "bench"), "--no-passphrase"],
+        subprocess.run([str(VENV_BIN / "shardtool"), "keygen", "--out", str(work / "bench"), "--no-passphrase"],
                        check=True, capture_output=True)
     paths = {v: work / f"split-{v}" for v in VARIANTS}
     ck = work / "ck"
@@ -125,13 +121,7 @@ def prepare(work: Path, knobs: dict, keep_checkpoint: bool) -> dict[str, Path]:
             continue
         checkpoint(work, knobs)
         say(f"split {' '.join(extra)} + sign -> {paths[variant]}")
-        tmp = paths[variant].with_name(paths[variant].name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        subprocess.run([shardtool_bin("shardtool"), "split", "-q", str(ck), str(tmp), "--model-id",
-                        f"bench/seed-{variant}", *extra], check=True, capture_output=True)
-        subprocess.run([shardtool_bin("shardtool"), "sign", str(tmp), "--key", str(work / "bench.key")],
-                       check=True, capture_output=True)
-        tmp.rename(paths[variant])
+        split_and_sign(ck, paths[variant], f"bench/seed-{variant}", extra, work / "bench.key")
     if ck.exists() and not keep_checkpoint:
         shutil.rmtree(ck)
     return paths
@@ -174,7 +164,7 @@ def run_once(work: Path, model: Path, config: Config, tokens: int, machine: _mac
     report = work / "report.json"
     report.unlink(missing_ok=True)
     argv = llama_argv(model, tokens, report) if config.llama else [
-        shardtool_bin("verify-and-run"), str(model), "--trust", str(work / "bench.pub"), "--prompt-ids", PROMPT,
+        str(VENV_BIN / "verify-and-run"), str(model), "--trust", str(work / "bench.pub"), "--prompt-ids", PROMPT,
         "--max-new-tokens", str(tokens), "--print-ids", "-q", "--memory-budget", budget,
         "--readers", str(config.readers), "--json-report", str(report),
         "--lookahead" if config.lookahead else "--no-lookahead",
@@ -191,44 +181,37 @@ def per_token(short: dict, long: dict, tokens: int, machine: _machine.Machine) -
     difference between the two over the extra tokens (start-up, trunk and prompt cancel)."""
     steps = tokens - SHORT
     rep, srep = long["report"], short["report"]
+    seconds = (long["seconds"] - short["seconds"]) / steps
+    device = (long["device_read_bytes"] - short["device_read_bytes"]) / steps
+    machine_figures = {
+        "seconds_per_token": seconds,
+        "tokens_per_s": 1 / seconds if seconds > 0 else None,
+        "device_bytes_per_token": device,
+        "disk_limit_ratio": seconds / (device / machine.read_bps) if device > 0 else None,
+        "peak_memory_bytes": max(short["peak_memory_bytes"], long["peak_memory_bytes"]),
+        "oom_kills": short["oom_kills"] + long["oom_kills"],
+        "report_decode_tokens_per_s": rep["decode_tokens_per_s"],
+        "generated_ids": rep["generated_ids"],
+    }
     if "bytes_read" not in rep:  # llama.cpp: its own decode counter and the machine's figures only
-        seconds, device = (long["seconds"] - short["seconds"]) / steps, \
-            (long["device_read_bytes"] - short["device_read_bytes"]) / steps
-        return {"seconds_per_token": seconds, "tokens_per_s": 1 / seconds if seconds > 0 else None,
-                "device_bytes_per_token": device, "runtime_bytes_per_token": None,
-                "contract_cold_bytes_per_token": None,
-                "disk_limit_ratio": seconds / (device / machine.read_bps) if device > 0 else None,
-                "peak_memory_bytes": max(short["peak_memory_bytes"], long["peak_memory_bytes"]),
-                "oom_kills": short["oom_kills"] + long["oom_kills"],
-                "report_decode_tokens_per_s": rep["decode_tokens_per_s"], "generated_ids": rep["generated_ids"]}
-
-    def delta(key: str) -> float:
-        return (long[key] - short[key]) / steps
+        return {**machine_figures, "runtime_bytes_per_token": None, "contract_cold_bytes_per_token": None}
 
     def thread(key: str) -> float:  # seconds the run's report gives for one kind of work
         return (rep["seconds"][key] - srep["seconds"][key]) / steps
 
-    seconds, device = delta("seconds"), delta("device_read_bytes")
     runtime_bytes = (rep["bytes_read"] - srep["bytes_read"]) / steps
     return {
-        "seconds_per_token": seconds,
-        "tokens_per_s": 1 / seconds if seconds > 0 else None,
-        "device_bytes_per_token": device,
+        **machine_figures,
         "runtime_bytes_per_token": runtime_bytes,
         "contract_cold_bytes_per_token": rep["contract_expert_bytes_per_token_cold"],
-        "disk_limit_ratio": seconds / (device / machine.read_bps) if device > 0 else None,
         "runtime_disk_ratio": seconds / (runtime_bytes / machine.read_bps) if runtime_bytes > 0 else None,
         "expert_hit_rate": rep["cache"]["expert_hit_rate"],
-        "peak_memory_bytes": max(short["peak_memory_bytes"], long["peak_memory_bytes"]),
-        "oom_kills": short["oom_kills"] + long["oom_kills"],
         "wait_s_per_token": thread("waiting_for_shards"),
         "verify_s_per_token": thread("verify_thread"),
         "read_s_per_token": thread("read_thread"),
         "compute_s_per_token": thread("compute"),
-        "report_decode_tokens_per_s": rep["decode_tokens_per_s"],
         "page_cache": rep["cache"].get("page_cache"),
         "lookahead_recall": (rep.get("lookahead") or {}).get("recall"),
-        "generated_ids": rep["generated_ids"],
     }
 
 
@@ -270,11 +253,6 @@ def print_table(results: dict[str, dict], machine: _machine.Machine) -> None:
               f"{r['peak_memory_bytes'] / machine.memory_bytes:>6.2f} {r['oom_kills']:>3}")
 
 
-def agreement(a: list[int], b: list[int]) -> str:
-    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return f"{same} of {len(a)} tokens alike before the first difference"
-
-
 def ratios(results: dict[str, dict]) -> list[str]:
     """The issue's targets that one run of this bench decides, as lines."""
     lines = []
@@ -299,7 +277,7 @@ def ratios(results: dict[str, dict]) -> list[str]:
 
 def serve_argv(work: Path, model: Path, budget: str, tokens: int, clients: tuple[int, ...]) -> list[str]:
     """`shardtool serve` on the bf16 model, the runtime's defaults, a batch for the most clients."""
-    return [shardtool_bin("shardtool"), "serve", str(model), "--trust", str(work / "bench.pub"), "--port", "0",
+    return [str(VENV_BIN / "shardtool"), "serve", str(model), "--trust", str(work / "bench.pub"), "--port", "0",
             "--memory-budget", budget, "--max-context", str(len(PROMPT.split(",")) + tokens + 4),
             "--max-batch", str(max(clients)), "--state-dir", str(work / "serve-state")]
 
@@ -373,8 +351,9 @@ def main() -> int:
         ap.error(f"--tokens must exceed {SHORT} and --configs must be none or name at least one of "
                  f"{', '.join(c.name for c in CONFIGS)}")
     knobs = QUICK if a.quick else SEED
-    if any(c.llama for c in configs) and not _llamacpp.available():
-        say(f"llama.cpp is not built ({_llamacpp.available().reason}): its rows are left out")
+    built = _llamacpp.available()
+    if any(c.llama for c in configs) and not built:
+        say(f"llama.cpp is not built ({built.reason}): its rows are left out")
         configs = [c for c in configs if not c.llama]
     paths = prepare(a.workdir, knobs, a.keep_checkpoint or any(c.llama for c in configs))
     if any(c.llama for c in configs):
