@@ -46,6 +46,9 @@ ENGINE_HELP = {
     "cluster_call_seconds_total": "Seconds the engine spent starting and waiting for cluster node calls.",
     "cluster_expert_retries_total": "Experts asked again of another replica after a node failed or refused.",
     "cluster_nodes_dropped": "Cluster nodes no longer asked (died, timed out, refused or answered wrongly).",
+    "cluster_nodes_readmitted_total": "Lost cluster nodes taken back after answering as a new, re-verified process.",
+    "cluster_expert_calls_total": "Routed experts asked of each cluster node (label node).",
+    "cluster_expert_calls_busiest_over_mean": "The busiest cluster node's expert calls over the mean node's.",
 }
 
 
@@ -58,14 +61,21 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator:
         for key, value in sorted(self._read().items()):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            by_node = isinstance(value, Mapping)  # {cluster node: figure}: one sample per node, labelled `node`
+            samples = sorted(value.items()) if by_node else [("", value)]
+            samples = [(node, v) for node, v in samples if not isinstance(v, bool) and isinstance(v, (int, float))]
+            if not samples or (by_node and not all(isinstance(node, str) for node, _ in samples)):
                 continue
             help_text = self._help.get(key, f"Engine figure {key}.")
+            labels = ["node"] if by_node else None
             if key.endswith("_total"):
                 # prometheus_client appends _total to a counter's name itself.
-                yield CounterMetricFamily(PREFIX + key[: -len("_total")], help_text, value=value)
+                family = CounterMetricFamily(PREFIX + key[: -len("_total")], help_text, labels=labels)
             else:
-                yield GaugeMetricFamily(PREFIX + key, help_text, value=value)
+                family = GaugeMetricFamily(PREFIX + key, help_text, labels=labels)
+            for node, v in samples:
+                family.add_metric([node] if by_node else [], v)
+            yield family
 
     def describe(self) -> list:
         return []  # the names are known only at scrape time: no registration-time collision check

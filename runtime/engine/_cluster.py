@@ -1,14 +1,23 @@
 """The coordinator's side of a cluster: each MoE layer's routed experts computed by the nodes that hold them.
 
-Per layer, every needed expert goes to one live node of its replicas (spread over them by expert id); each node
-gets one call with the rows its experts need, all nodes in parallel. Every call has a time-out and a fresh nonce.
+Per layer, every needed expert goes to the least loaded live node of its replicas (`choose_replica`: fewest expert
+calls in flight from this coordinator, then fewest asked so far, then plan order); each node gets one call with the
+rows its experts need, all nodes in parallel. Every call has a time-out and a fresh nonce.
 A reply must be signed by the key the operator's signed plan names for the node asked (checked first, before its
 body is parsed), its body must name that node, the coordinator's manifest root, the call's nonce, layer and experts,
 and it must carry exactly the requested experts' outputs, each [t_e, H] float32 with the BLAKE3 the body signs;
 anything else (an impostor, another node's reply, a replay, a garbled answer) counts as that node failing. A node that fails (died, timed out, refused, answered
 wrongly) is dropped for the rest of the run; an expert a node reports failed (its shard failed verification there)
-is not asked of that node again. Either way its experts are retried on their next replica; an expert with no
-replica left raises `UnavailableError` for the rows that chose it only (the engine fails just those requests).
+is not asked of that node again. Either way its experts are retried at once on another replica, whose bytes that
+node verified itself (its subset check at join, BLAKE3 on every read); an expert with no replica left raises
+`UnavailableError` naming the lost node and the experts it held, for the rows that chose it only (the engine fails
+just those requests).
+
+A lost node is asked for its signed info() again (`probe`, backing off while it stays away) and taken back only
+when it answers as a new process: every info() carries the node process's boot id, drawn when its service starts,
+and `shardtool node` starts that service only after hashing every file the plan gives it against the manifest. A
+boot id other than the lost one's is therefore a node that verified its subset again; the same boot id (a node
+that was slow, or answered wrongly, and is still the same process) is not readmitted.
 
 The outputs are combined by `moe_experts`, as local ones are, so greedy and sampled output equal one process's.
 `connect_cluster` reaches Ray through a cluster proxy (`_cluster_proxy`): this process never deserializes anything
@@ -41,9 +50,14 @@ from ._cluster_plan import MAX_PLAN_BYTES, MAX_SIGNATURE_FILE, ClusterPlan, deco
 from ._cluster_proxy import NodeFailed, ProxyTransport
 
 DEFAULT_TIMEOUT = 30.0
+PROBE_SECONDS = 2.0  # a lost node is asked again this long after it was lost; the gap doubles while it stays away
+MAX_PROBE_SECONDS = 60.0
+PROBE_TIMEOUT = 2.0  # at most this long for a probe's info() (the generation waits for it)
+MAX_HELD_NAMED = 24  # experts a lost node held named in an error line; the rest are counted
 MAX_INFO_ENTRIES = 1 << 20  # [layer, expert] pairs (or failures) one node's info() may list
 MAX_BODY_BYTES = 64 * 2**20  # one signed answer's body (an info() listing every expert of a large model fits)
 _FAILED_KEY = re.compile(r"[0-9]{1,5}/[0-9]{1,7}")
+_BOOT = re.compile(r"[0-9a-f]{32}")
 
 
 class Transport(Protocol):
@@ -70,10 +84,27 @@ class ClusterStats:
     remote_seconds: float = 0.0  # wall seconds the coordinator spent starting and waiting for node calls
     retries: int = 0  # experts sent again to another replica
     dropped: dict[str, str] = field(default_factory=dict)  # node -> why it is no longer asked
+    readmitted: int = 0  # lost nodes taken back after answering as a new process (that verified its subset again)
+    expert_calls: dict[str, int] = field(default_factory=dict)  # node -> experts it was asked to compute
+
+    def busiest_over_mean(self) -> float | None:
+        """The busiest node's expert calls over the mean of every planned node's (1.0: perfectly even)."""
+        total = sum(self.expert_calls.values())
+        return max(self.expert_calls.values()) * len(self.expert_calls) / total if total else None
 
     def as_dict(self) -> dict:
+        balance = self.busiest_over_mean()
         return {"calls": self.calls, "wire_bytes": self.wire_bytes, "remote_seconds": round(self.remote_seconds, 6),
-                "retries": self.retries, "dropped_nodes": dict(self.dropped)}
+                "retries": self.retries, "dropped_nodes": dict(self.dropped), "readmitted": self.readmitted,
+                "expert_calls": dict(sorted(self.expert_calls.items())),
+                "busiest_over_mean": None if balance is None else round(balance, 4)}
+
+
+def choose_replica(candidates: Sequence[str], in_flight: Mapping[str, int], asked: Mapping[str, int]) -> str:
+    """The holder an expert's rows go to: the fewest expert calls in flight from this coordinator (the ones already
+    given out in this layer count), then the fewest asked so far, then the first in plan order. Deterministic: the
+    same calls in the same order choose the same nodes."""
+    return min(candidates, key=lambda node: (in_flight.get(node, 0), asked.get(node, 0)))
 
 
 class RemoteExperts:
@@ -81,9 +112,10 @@ class RemoteExperts:
 
     def __init__(self, placement: Mapping[tuple[int, int], Sequence[str]], root: bytes, transport: Transport, *,
                  keys: Mapping[str, PublicKey], timeout: float = DEFAULT_TIMEOUT,
-                 log: Callable[[str], None] | None = None):
-        """`placement`: (layer, expert) -> the nodes holding it, in the order they are tried; `keys`: node -> the
-        key its answers must be signed with (from the operator-signed plan)."""
+                 log: Callable[[str], None] | None = None, probe_seconds: float = PROBE_SECONDS):
+        """`placement`: (layer, expert) -> the nodes holding it, in plan order (ties of `choose_replica` go to the
+        first); `keys`: node -> the key its answers must be signed with (from the operator-signed plan);
+        `probe_seconds`: how long after it was lost a node is first asked again."""
         self.placement = {key: tuple(nodes) for key, nodes in placement.items()}
         unkeyed = sorted({n for nodes in self.placement.values() for n in nodes} - set(keys))
         if unkeyed:
@@ -96,6 +128,11 @@ class RemoteExperts:
         self._log = log or (lambda line: print(printable(line), file=sys.stderr, flush=True))
         self._failed: dict[str, set[tuple[int, int]]] = {}  # node -> experts it reported failed
         self._lock = threading.Lock()
+        self.stats.expert_calls = {node: 0 for node in self.nodes}
+        self._in_flight: dict[str, int] = dict.fromkeys(self.nodes, 0)  # expert calls started and not yet collected
+        self._boots: dict[str, str] = {}  # node -> the boot id of the process that answered for it
+        self.probe_seconds = probe_seconds
+        self._probe_at: dict[str, tuple[float, float]] = {}  # lost node -> (when to ask it next, the gap after that)
 
     @property
     def nodes(self) -> list[str]:
@@ -114,6 +151,7 @@ class RemoteExperts:
                 self._drop(node, str(e))
                 continue
             infos[node] = info
+            self._boots[node] = info["boot"]
             self._failed.setdefault(node, set()).update(_failed_pairs(info["failed"]))
         for (layer, expert), nodes in sorted(self.placement.items()):
             if not self._candidates(layer, expert, set()):
@@ -162,6 +200,8 @@ class RemoteExperts:
         if (not isinstance(failed, dict) or len(failed) > MAX_INFO_ENTRIES
                 or not all(isinstance(k, str) and _FAILED_KEY.fullmatch(k) for k in failed)):
             raise NodeFailed(f"node {node} answered info() without a mapping of 'layer/expert' failures: refused")
+        if not isinstance(info.get("boot"), str) or not _BOOT.fullmatch(info["boot"]):
+            raise NodeFailed(f"node {node} answered info() without a boot id (32 lowercase hex digits): refused")
         held = {(int(a), int(b)) for a, b in experts}
         planned = {key for key, nodes in self.placement.items() if node in nodes}
         if not planned <= held:
@@ -174,7 +214,58 @@ class RemoteExperts:
             if node in self.stats.dropped:
                 return
             self.stats.dropped[node] = why
+            self._probe_at[node] = (time.monotonic() + self.probe_seconds, self.probe_seconds)
         self._log(f"cluster: node {node} dropped: {why}")
+
+    def probe(self) -> None:
+        """Ask each lost node whose time has come for its signed info() again. One that answers, checked as at
+        connect, with a boot id other than the lost process's is readmitted (with the failures its new process
+        reports); any other outcome leaves it lost and doubles the wait before it is asked again."""
+        now = time.monotonic()
+        with self._lock:
+            due = sorted(node for node, (at, _) in self._probe_at.items() if at <= now)
+        for node in due:
+            old = self._boots.get(node)
+            try:
+                nonce = new_nonce()
+                info = self._check_info(node, self.transport.info(node, nonce, min(self.timeout, PROBE_TIMEOUT)),
+                                        nonce)
+                if info["boot"] == old:
+                    raise NodeFailed("it answers as the same process that was lost (boot id unchanged): it was "
+                                     "not started and checked again")
+            except NodeFailed:
+                with self._lock:
+                    _, gap = self._probe_at[node]
+                    gap = min(2 * gap, MAX_PROBE_SECONDS)
+                    self._probe_at[node] = (time.monotonic() + gap, gap)
+                continue
+            with self._lock:
+                self._boots[node] = info["boot"]
+                self._failed[node] = _failed_pairs(info["failed"])
+                del self._probe_at[node], self.stats.dropped[node]
+                self.stats.readmitted += 1
+            self._log(f"cluster: node {node} readmitted: it answered as a new process (boot id {info['boot'][:8]}), "
+                      f"which checked its {len(info['experts'])} planned experts against the manifest before joining")
+
+    def _lost_text(self, node: str) -> str:
+        """'node N was lost (why); it held layer 0 experts 1, 3; layer 1 experts 2' (at most MAX_HELD_NAMED named)."""
+        held = sorted(pair for pair, nodes in self.placement.items() if node in nodes)
+        by_layer: dict[int, list[str]] = {}
+        for layer, expert in held[:MAX_HELD_NAMED]:
+            by_layer.setdefault(layer, []).append(str(expert))
+        named = "; ".join(f"layer {layer} expert{'s' if len(ids) > 1 else ''} {', '.join(ids)}"
+                          for layer, ids in by_layer.items())
+        more = f" and {len(held) - MAX_HELD_NAMED} more ({len(held)} in all)" if len(held) > MAX_HELD_NAMED else ""
+        return f"node {node} was lost ({self.stats.dropped[node]}); it held {named}{more}"
+
+    def _no_replica(self, layer: int, expert: int, last: str | None) -> str:
+        """Why (layer, expert) cannot be had: every planned holder lost or refusing it, the lost ones named with
+        what they held."""
+        planned = self.placement.get((layer, expert), ())
+        with self._lock:
+            lost = [self._lost_text(n) for n in planned if n in self.stats.dropped]
+        return (f"no replica left for layer {layer} expert {expert} (planned on {', '.join(planned) or 'no node'})"
+                + "".join(f": {text}" for text in lost[:2]) + (f"; last: {last}" if last else ""))
 
     def _candidates(self, layer: int, expert: int, tried: set[str]) -> list[str]:
         return [n for n in self.placement.get((layer, expert), ())
@@ -187,6 +278,7 @@ class RemoteExperts:
 
     def fetch(self, layer: int) -> ExpertFetch:
         def fetch(x: np.ndarray, rows: Mapping[int, np.ndarray]) -> ExpertOutputs:
+            self.probe()
             return _RemoteOutputs(self, layer, x, rows)
         return fetch
 
@@ -252,7 +344,17 @@ class _LayerCalls:
         self.last: dict[int, str] = {}
         self._round: dict[str, tuple[list[int], object | None, str]] = {}
         self._deadline = 0.0
-        self._timed(self._dispatch, list(rows))
+        self._charged: dict[str, int] = {}  # node -> this layer's expert calls counted in flight there
+        self._timed(self._dispatch, sorted(rows))
+
+    def _release(self, node: str) -> None:
+        with self.remote._lock:
+            self.remote._in_flight[node] -= self._charged.pop(node, 0)
+
+    def __del__(self):
+        # A layer whose outputs were never waited for (the step failed first) must not stay in flight for ever.
+        for node in list(getattr(self, "_charged", ())):
+            self._release(node)
 
     def _timed(self, fn, *args):
         t0 = time.perf_counter()
@@ -268,13 +370,13 @@ class _LayerCalls:
         for e in pending:
             nodes = remote._candidates(layer, e, self.tried[e])
             if not nodes:
-                planned = ", ".join(remote.placement.get((layer, e), ())) or "no node"
-                self.missing[e] = (f"layer {layer} expert {e}: no replica left (planned on {planned}"
-                                   + (f"; last: {self.last[e]}" if e in self.last else "") + ")")
+                self.missing[e] = remote._no_replica(layer, e, self.last.get(e))
                 continue
-            # Each expert has a home among its live replicas, spread so each holder takes ~1/R of the calls (and
-            # keeps its own experts cached); it moves only when that node fails.
-            node = nodes[(layer + e) % len(nodes)]
+            with remote._lock:
+                node = choose_replica(nodes, remote._in_flight, remote.stats.expert_calls)
+                remote._in_flight[node] += 1
+                remote.stats.expert_calls[node] += 1
+            self._charged[node] = self._charged.get(node, 0) + 1
             by_node.setdefault(node, []).append(e)
             self.tried[e].add(node)
             if len(self.tried[e]) > 1:
@@ -292,6 +394,7 @@ class _LayerCalls:
         """The replies of the round in flight; returns the experts to ask again elsewhere."""
         remote, layer, pending = self.remote, self.layer, []
         for node, (experts, call, sent) in self._round.items():
+            self._release(node)  # collected (or failed) now, whatever comes of it
             if call is None:
                 pending += experts
                 continue

@@ -226,18 +226,21 @@ class NodeService:
         self.calls = 0
         self._lock = threading.Lock()
         self._key = key_from_seed(setup.key_seed)
+        # Drawn once per service, which `shardtool node` starts only after its subset check passed: a coordinator
+        # that lost this node takes it back only under a boot id other than the lost one's.
+        self.boot = new_nonce()
 
     def _signed(self, payload_type: str, doc: dict, nonce: str) -> dict:
         body = canonical_body({**doc, "name": self.setup.name, "root": self.setup.root.hex(), "nonce": nonce})
         return {"body": body, "signature": self._key.sign(pae(payload_type, body))}
 
     def info(self, nonce) -> dict:
-        """This node's name, root, experts and failures, signed for the caller's `nonce`."""
+        """This node's name, root, boot id, experts and failures, signed for the caller's `nonce`."""
         nonce = _check_nonce(nonce)
         s = self.setup
         with self._lock:
             failed = {f"{layer}/{expert}": why for (layer, expert), why in sorted(self.failed.items())}
-        return self._signed(INFO_TYPE, {"manifest_version": s.manifest_version, "experts": sorted(
+        return self._signed(INFO_TYPE, {"manifest_version": s.manifest_version, "boot": self.boot, "experts": sorted(
             [layer, expert] for layer, expert in self.held), "failed": failed, "calls": self.calls,
             "store": self.store.stats.as_dict()}, nonce)
 

@@ -342,7 +342,11 @@ class RayTransport:
         return actor
 
     def info(self, node: str, nonce: str, timeout: float) -> dict:
-        return self.result(self._actor(node).info.remote(nonce), timeout)
+        try:
+            return self.result(self._actor(node).info.remote(nonce), timeout)
+        except NodeFailed:
+            self._actors.pop(node, None)  # a node that comes back is a new actor under the same name
+            raise
 
     def submit(self, node, layer, expert_ids, x, rows, nonce):
         try:

@@ -569,11 +569,14 @@ class Engine:
         """How well the lookahead predicted each next layer's experts (a `LookaheadStats`)."""
         return self._weights.lookahead_stats
 
-    def _cluster_metrics(self) -> dict[str, int | float]:
+    def _cluster_metrics(self) -> dict[str, int | float | dict[str, int]]:
         c = self.remote.stats
+        balance = c.busiest_over_mean()
         return {"cluster_node_calls_total": c.calls, "cluster_wire_bytes_total": c.wire_bytes,
                 "cluster_call_seconds_total": c.remote_seconds, "cluster_expert_retries_total": c.retries,
-                "cluster_nodes_dropped": len(c.dropped)}
+                "cluster_nodes_dropped": len(c.dropped), "cluster_nodes_readmitted_total": c.readmitted,
+                "cluster_expert_calls_total": dict(c.expert_calls),
+                **({"cluster_expert_calls_busiest_over_mean": balance} if balance is not None else {})}
 
 
 def _deliver(ticket: Ticket, event: Event) -> None:

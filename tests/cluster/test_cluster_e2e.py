@@ -6,6 +6,7 @@ none is."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -187,6 +188,8 @@ def test_greedy_parity_on_other_layouts_and_a_clean_failure_without_replicas(hea
         assert code == 3, err
         last = err.strip().splitlines()[-1]
         assert last.startswith("verify-and-run: error:") and "no replica left" in last, err
+        victim = model.nodes[0]  # the error names the lost node and what it held (all of it, with R = 1)
+        assert f"node {victim} was lost (" in last and "; it held layer " in last, err
         assert 1 <= len(printed) < len(local) and local[:len(printed)] == printed
     finally:
         nodes.stop_all()
@@ -195,7 +198,7 @@ def test_greedy_parity_on_other_layouts_and_a_clean_failure_without_replicas(hea
 # ---------------------------------------------------------------------------------------------------- faults
 
 
-LONG = 48  # new tokens of a run that a node is killed in the middle of
+LONG = 64  # new tokens of a run that a node is killed in the middle of
 
 
 def _kill_mid_run(model: kit.Model, address: str, nodes: Nodes, victim: str) -> tuple[int, list[int], str]:
@@ -218,6 +221,22 @@ def _kill_mid_run(model: kit.Model, address: str, nodes: Nodes, victim: str) -> 
             kit._killpg(run.pid, signal.SIGKILL)
             run.wait()
     return run.returncode, [int(t) for t in (first + out).decode().split()], err.decode()
+
+
+def test_expert_calls_balance_over_the_replicas_of_a_real_cluster(mixtral, head):
+    """R = 2 on 3 nodes, a 64-token greedy run: the run report counts each node's expert calls, and the busiest node
+    is asked for at most 1.2 x the mean node's (each expert's rows go to the less loaded of its two holders)."""
+    model, _ = mixtral
+    local = _ids(kit.verify_and_run(model, model.full, "--prompt-ids", PROMPT_IDS, "--print-ids",
+                                    "--max-new-tokens", str(LONG)))
+    r = kit.verify_and_run(model, model.coordinator, "--prompt-ids", PROMPT_IDS, "--print-ids", "--max-new-tokens",
+                           str(LONG), "--json-report", "balance.json", cluster=head.address)
+    assert _ids(r) == local
+    cluster = json.loads((model.work / "balance.json").read_text())["cluster"]
+    calls = cluster["expert_calls"]
+    assert set(calls) == {"mx-a", "mx-b", "mx-c"} and cluster["dropped_nodes"] == {} and cluster["retries"] == 0
+    assert cluster["busiest_over_mean"] == round(max(calls.values()) * 3 / sum(calls.values()), 4)
+    assert cluster["busiest_over_mean"] <= 1.2, calls
 
 
 def test_a_shard_tampered_under_a_running_node_is_no_longer_served_and_is_routed_around(mixtral, head):
@@ -250,8 +269,72 @@ def test_sigkill_of_a_node_mid_run_with_replicas_gives_the_same_tokens(mixtral, 
                                     "--max-new-tokens", str(LONG)))
     code, printed, err = _kill_mid_run(model, head.address, nodes, "mx-b")
     assert code == 0, err
-    assert printed == local
+    assert printed == local and len(local) == LONG
     assert "node mx-b dropped" in err  # -q still says that a node was dropped
+
+
+def _metrics(url: str) -> dict[str, float]:
+    import httpx
+    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in
+            httpx.get(url + "/metrics").text.splitlines() if line.startswith("shardtool_cluster"))}
+
+
+def test_serve_loses_a_node_mid_request_changing_no_token_and_readmits_it_once_it_is_back(mixtral, head):
+    """`serve --cluster`, R = 2: mx-b (back after the test above killed it; it checked its subset before joining)
+    is SIGKILLed while a 64-token greedy completion streams: the completion is the local run's text, no error. mx-b
+    is started again (it checks its subset again), and the server, which probes the lost node, takes it back and
+    asks it for experts again."""
+    import httpx
+
+    model, nodes = mixtral
+    nodes.start("mx-b")
+    prompt = "The miller said the river"
+    expected = kit.verify_and_run(model, model.full, "--prompt", prompt, "--max-new-tokens", str(LONG)).stdout[:-1]
+    argv = [str(kit.BIN / "shardtool"), "serve", str(model.coordinator), "--trust", str(model.work / "a.pub"),
+            "--state-dir", str(model.work / "state-serve"), "--model-id", model.model_id, "--port", "0",
+            "--cluster", head.address, "--plan", str(model.plan), "--plan-trust", str(model.work / "op.pub"),
+            "--memory-budget", "256MiB", "--max-context", "128", "--max-batch", "4", "--readers", "1",
+            "--remote-timeout", "10"]
+    server = kit.start(argv, model.work / f"serve-{time.monotonic_ns()}.log", model.work)
+    try:
+        url = server.wait_for(r"serving \S+ on (http://127\.0\.0\.1:\d+)", 180).group(1)
+        request = {"model": model.model_id, "prompt": prompt, "max_tokens": LONG, "temperature": 0}
+        assert _metrics(url)["shardtool_cluster_nodes_dropped"] == 0
+        text, after_kill = [], 0
+        with httpx.stream("POST", url + "/v1/completions", json={**request, "stream": True}, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                assert "error" not in chunk, chunk
+                text.append(chunk["choices"][0]["text"])
+                if len(text) == 1:
+                    nodes.kill("mx-b")
+                else:
+                    after_kill += 1
+        assert "".join(text) == expected
+        assert after_kill >= 8, "the completion ended before mx-b died: nothing was tested"
+        lost = _metrics(url)
+        assert lost["shardtool_cluster_nodes_dropped"] == 1 and lost["shardtool_cluster_expert_retries_total"] >= 1
+        assert "cluster: node mx-b dropped" in server.text()
+
+        nodes.start("mx-b")
+        deadline = time.monotonic() + 120  # the server probes a lost node at growing gaps while it serves
+        while "cluster: node mx-b readmitted" not in server.text() and time.monotonic() < deadline:
+            httpx.post(url + "/v1/completions", json={**request, "max_tokens": 4}, timeout=120).raise_for_status()
+            time.sleep(0.5)
+        assert "cluster: node mx-b readmitted: it answered as a new process" in server.text(), server.text()[-2000:]
+        back = _metrics(url)
+        assert back["shardtool_cluster_nodes_dropped"] == 0 and back["shardtool_cluster_nodes_readmitted_total"] == 1
+        got = httpx.post(url + "/v1/completions", json=request, timeout=120).json()
+        assert got["choices"][0]["text"] == expected
+        after = _metrics(url)
+        assert after['shardtool_cluster_expert_calls_total{node="mx-b"}'] > back['shardtool_cluster_expert_calls_total{node="mx-b"}']
+        assert after["shardtool_cluster_nodes_dropped"] == 0
+    finally:
+        code = server.stop()
+        assert code == 0, server.text()[-2000:]
 
 
 def test_cluster_options_and_an_unreachable_head_are_one_line_each(mixtral):

@@ -1,5 +1,6 @@
 """`shardtool serve --cluster`: the coordinator behind the OpenAI-style API, driven by the official `openai` client.
-Same text as single-process verify-and-run; with a node gone and no replica, HTTP 503 with a JSON error body."""
+Same text as single-process verify-and-run; with a node gone and no replica, HTTP 503 with a JSON error body that
+names the lost node and the experts it held."""
 
 from __future__ import annotations
 
@@ -65,6 +66,8 @@ def test_completions_equal_verify_and_run_and_a_lost_node_is_a_503(served):
     assert info.value.status_code == 503
     body = httpx.post(url + "/v1/completions", json={"model": model.model_id, "prompt": "Hi", "max_tokens": 8,
                                                      "temperature": 0}, timeout=120)
-    assert body.status_code == 503 and "no replica left" in body.json()["error"]["message"]
+    message = body.json()["error"]["message"]
+    assert body.status_code == 503 and "no replica left" in message
+    assert "node sv-b was lost (" in message and "; it held layer " in message, message  # the node and its experts
     assert httpx.get(url + "/health").json() == {"status": "ok"}  # the server itself stays up
     assert "shardtool_cluster_nodes_dropped 1.0" in httpx.get(url + "/metrics").text

@@ -18,7 +18,7 @@ from shardtool.layout import expert_path
 from shardtool.manifest import load_trusted_manifest
 from shardtool.runtime import (Engine, ErrorEvent, NodeService, SamplingParams, Session, load_signed_plan,
                                prepare_node)
-from shardtool.runtime.engine._cluster import NodeFailed, plan_placement
+from shardtool.runtime.engine._cluster import NodeFailed, choose_replica, plan_placement
 
 PROMPT = [5, 77, 300, 12]
 NONCE = "0" * 32
@@ -56,12 +56,12 @@ def _remote(model, transport):
     return remote
 
 
-def _generate(model, remote=None, **sampling) -> list[int]:
+def _generate(model, remote=None, new: int = 12, **sampling) -> list[int]:
     work, verified, _ = model
-    session = Session(work / "full", verified, budget=1 << 30, max_tokens=len(PROMPT) + 12, remote=remote)
+    session = Session(work / "full", verified, budget=1 << 30, max_tokens=len(PROMPT) + new, remote=remote)
     try:
         out: list[int] = []
-        session.generate(PROMPT, 12, temperature=sampling.get("temperature", 0.0), top_p=1.0,
+        session.generate(PROMPT, new, temperature=sampling.get("temperature", 0.0), top_p=1.0,
                          seed=sampling.get("seed"), on_token=out.append)
         return out
     finally:
@@ -152,6 +152,11 @@ def test_with_no_replica_left_only_the_requests_that_chose_its_experts_fail_with
             finally:
                 alone.close()
             assert [ev.token for ev in events[i] if hasattr(ev, "token")] == tokens
+    # Each error names a lost node and the experts it held (what an operator must bring back).
+    held = {n: [e for (lay, e) in plan_placement(plan) if lay == 0 and n in plan.holders(0, e)] for n in "ab"}
+    assert all(any(f"node {n} was lost (ActorDiedError" in e.message
+                   and f"it held layer 0 experts {', '.join(map(str, held[n]))}; layer 1 experts" in e.message
+                   for n in "ab") for e in errors), errors[0].message
     transport.down |= {"c"}
     with pytest.raises(UnavailableError, match="no replica left"):  # one run alone: its own error, exit 3
         _generate(model, remote)
@@ -184,7 +189,11 @@ def _call(service: NodeService, layer=0, ids=None, x=None, rows=None):
     lambda r: {**r, "experts": 7},
     lambda r: {**r, "experts": [[[0, 1]]]},
     lambda r: {**r, "experts": [[0, True]] + r["experts"]},
-], ids=["failed-key", "failed-int-key", "failed-list", "experts-int", "experts-nested", "experts-bool"])
+    lambda r: {k: v for k, v in r.items() if k != "boot"},
+    lambda r: {**r, "boot": r["boot"].upper()},
+    lambda r: {**r, "boot": 7},
+], ids=["failed-key", "failed-int-key", "failed-list", "experts-int", "experts-nested", "experts-bool", "boot-missing",
+        "boot-upper", "boot-int"])
 def test_a_malformed_info_drops_the_node_at_connect_and_its_replicas_serve(model, forge):
     """A node's info() is untrusted: a malformed one is that node failing (one line), never a crash of the
     coordinator."""
@@ -326,3 +335,97 @@ def test_proxy_answer_round_trips_as_read_only_float32_arrays():
     assert type(got) is np.ndarray and got.dtype == np.float32 and (got == y).all() and not got.flags.writeable
     with pytest.raises(NodeFailed, match="not a signed answer"):
         encode_answer(None)  # what a reply whose pickle ran `exec` unpickles to
+
+
+# ------------------------------------------------------------------------------ replicas: balance and readmission
+
+GEN = 64  # tokens of the runs below (the issue's "64-token generation")
+
+
+@pytest.mark.parametrize("candidates, in_flight, asked, chosen", [
+    (["a", "b"], {}, {}, "a"),  # all even: plan order
+    (["a", "b"], {"a": 1}, {}, "b"),  # fewer in flight first
+    (["a", "b"], {"a": 1, "b": 1}, {"a": 5, "b": 4}, "b"),  # then fewer asked so far
+    (["b", "a"], {"a": 0, "b": 0}, {"a": 3, "b": 3}, "b"),  # then the first holder of the plan
+    (["a", "c"], {"a": 2, "b": 0, "c": 1}, {"c": 99}, "c"),  # only the candidates count (b is lost or refused)
+], ids=["plan-order", "in-flight", "asked", "first-holder", "candidates-only"])
+def test_choose_replica_takes_the_less_loaded_holder_deterministically(candidates, in_flight, asked, chosen):
+    assert choose_replica(candidates, in_flight, asked) == chosen
+
+
+def test_expert_calls_balance_over_the_replicas_with_r2_on_3_nodes(model):
+    """A 64-token greedy run's real routing, every expert on 2 of 3 nodes: each expert's rows go to the less loaded
+    holder, and the busiest node is asked for at most 1.2 x the mean node's expert calls (what the run report and
+    /metrics export)."""
+    transport = Direct(_services(model))
+    remote = _remote(model, transport)
+    assert _generate(model, remote, GEN) == _generate(model, None, GEN)
+    per_node = {n: sum(len(ids) for node, _, ids in transport.calls if node == n) for n in "abc"}
+    assert remote.stats.expert_calls == per_node
+    balance = max(per_node.values()) / (sum(per_node.values()) / 3)
+    assert remote.stats.busiest_over_mean() == pytest.approx(balance)
+    assert remote.stats.as_dict()["busiest_over_mean"] == round(balance, 4)
+    assert balance <= 1.2, per_node
+    assert remote._in_flight == {"a": 0, "b": 0, "c": 0}  # every call collected
+
+
+def test_a_node_lost_mid_run_changes_no_token_and_is_readmitted_only_as_a_new_checked_process(model):
+    """R = 2: node b dies in the middle of a 64-token run; the step that hit it asks its experts of the other holder,
+    and the tokens are a local run's. b answering again as the same process (same boot id) is not taken back; a new
+    service for b (which `shardtool node` starts only after its subset check) is, and is asked again."""
+    work, verified, plan = model
+    services = _services(model)
+    transport = Direct(services)
+    remote = kit.remote_experts(plan, transport, timeout=5, probe_seconds=0)
+    remote.connect()
+    logged: list[str] = []
+    remote._log = logged.append
+    local = _generate(model, None, GEN)
+
+    submit = transport.submit
+
+    def dies_on_its_tenth_call(node, *args):
+        pending = submit(node, *args)
+        if node == "b" and sum(1 for n, _, _ in transport.calls if n == "b") == 10:
+            transport.down.add("b")  # between the call's start and its result: a SIGKILL mid-layer
+        return pending
+
+    transport.submit = dies_on_its_tenth_call
+    assert _generate(model, remote, GEN) == local
+    assert "b" in remote.stats.dropped and remote.stats.retries >= 1
+    assert any("node b dropped: ActorDiedError" in line for line in logged)
+    asked_while_lost = remote.stats.expert_calls["b"]
+
+    transport.down.discard("b")  # the same process answers again: its boot id is the lost one's
+    assert _generate(model, remote, 4) == local[:4]
+    assert "b" in remote.stats.dropped and remote.stats.readmitted == 0
+    assert remote.stats.expert_calls["b"] == asked_while_lost
+
+    services["b"] = NodeService(prepare_node(work / "full", verified, plan, "b", budget=1 << 30, key=_keys(model)["b"]))
+    assert _generate(model, remote, GEN) == local
+    assert "b" not in remote.stats.dropped and remote.stats.readmitted == 1
+    assert remote.stats.expert_calls["b"] > asked_while_lost
+    assert any(line.startswith("cluster: node b readmitted: it answered as a new process") for line in logged)
+
+
+def test_a_lost_node_is_probed_with_a_growing_gap(model):
+    """While a lost node stays away it is asked less and less often (a probe holds up the step that makes it)."""
+    _, _, plan = model
+    transport = Direct(_services(model))
+    remote = kit.remote_experts(plan, transport, timeout=5, probe_seconds=0.5)
+    remote.connect()
+    asked: list[str] = []
+    info = transport.info
+    transport.info = lambda node, nonce, timeout: (asked.append(node), info(node, nonce, timeout))[1]
+    transport.down.add("c")
+    remote._drop("c", "ActorDiedError: test")
+    remote.probe()
+    assert asked == []  # not yet due
+    import time
+    gaps = []
+    for _ in range(3):
+        remote._probe_at["c"] = (0.0, remote._probe_at["c"][1])  # due now
+        remote.probe()
+        gaps.append(remote._probe_at["c"][1])
+    assert asked == ["c"] * 3 and gaps == [1.0, 2.0, 4.0]
+    assert remote._probe_at["c"][0] > time.monotonic() + 3
