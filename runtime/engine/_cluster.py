@@ -235,14 +235,16 @@ class RemoteExperts:
                                      "not started and checked again")
             except NodeFailed:
                 with self._lock:
-                    _, gap = self._probe_at[node]
-                    gap = min(2 * gap, MAX_PROBE_SECONDS)
-                    self._probe_at[node] = (time.monotonic() + gap, gap)
+                    if node in self._probe_at:  # (not readmitted meanwhile by a probe on another thread)
+                        gap = min(2 * self._probe_at[node][1], MAX_PROBE_SECONDS)
+                        self._probe_at[node] = (time.monotonic() + gap, gap)
                 continue
             with self._lock:
+                if self._probe_at.pop(node, None) is None:
+                    continue
                 self._boots[node] = info["boot"]
                 self._failed[node] = _failed_pairs(info["failed"])
-                del self._probe_at[node], self.stats.dropped[node]
+                del self.stats.dropped[node]
                 self.stats.readmitted += 1
             self._log(f"cluster: node {node} readmitted: it answered as a new process (boot id {info['boot'][:8]}), "
                       f"which checked its {len(info['experts'])} planned experts against the manifest before joining")
