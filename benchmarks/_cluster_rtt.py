@@ -6,7 +6,8 @@ Parts, each a median over `--calls` calls (layers and top-k experts drawn at ran
   node work      the `seconds` each node signs into its reply (checks, store, expert, digests)
   proxy + Ray    the coordinator's pipe to its proxy and the proxy's Ray calls (round less node work)
   ray info()     a bare Ray driver calling a node's info() (Ray's round trip plus one signature), from a child
-  ray echo       a bare Ray driver calling an actor of its own that returns its [1, H] argument (Ray's floor)
+  ray echo       a bare Ray driver calling an actor of its own that returns its [1, H] argument (Ray's floor);
+                 also without Ray's task events (`enable_task_events=False`), and as a Compiled Graph
 
 Also the CPU seconds per round of the coordinator and of its proxy (on a machine whose cores the nodes, Ray and
 other jobs share, CPU turns into latency). bench_cluster.py prints the round from `coordinator_rounds` beside its
@@ -118,6 +119,15 @@ t = []
 for i in range(calls + 10):
     t0 = time.perf_counter(); ray.get(echo.echo.remote(x)); t.append(time.perf_counter() - t0)
 out["ray_echo"] = t[10:]
+t = []
+quiet = echo.echo.options(enable_task_events=False)
+for i in range(calls + 10):
+    t0 = time.perf_counter(); ray.get(quiet.remote(x)); t.append(time.perf_counter() - t0)
+out["ray_echo_without_task_events"] = t[10:]
+t = []
+for i in range(calls + 10):
+    t0 = time.perf_counter(); ray.get(node.info.options(enable_task_events=False).remote(new_nonce())); t.append(time.perf_counter() - t0)
+out["ray_info_without_task_events"] = t[10:]
 try:
     from ray.dag import InputNode
     with InputNode() as inp:

@@ -7,9 +7,10 @@ memory) and is handed the cluster's address only, never a key; it drops every ca
 otherwise read the coordinator's memory despite PR_SET_DUMPABLE). It dies with the coordinator (PR_SET_PDEATHSIG, and
 the end of its input pipe). The coordinator (`ProxyTransport`, a `Transport`) and the child (`serve`) speak frames
 over a pipe: a 4-byte big-endian length, then one msgpack map (`strict_map_key`, no ext types, size caps), arrays
-as {"dtype", "shape", "data": raw bytes}. The child re-encodes each node's answer into that form (its signed body,
-its signature and its arrays) and the coordinator checks all of it (`RemoteExperts`) as it would a direct answer:
-code a hostile reply runs, runs in the child, which can then only send frames, and a frame is data. A frame that
+as {"dtype", "shape", "data": raw bytes} (`_cluster_wire`). The child re-encodes an info() answer into that form (its
+signed body and signature) and forwards a run's answer, bytes the node encoded in that form, unread; the coordinator
+checks all of it (`RemoteExperts`) as it would a direct answer: code a hostile reply runs, runs in the child, which
+can then only send frames, and a frame is data. A frame that
 breaks the protocol, a child that exits or answers late, is the proxy failing: it is killed, and every call from
 then on fails as a failed node does (`NodeFailed`), never a hang.
 
