@@ -164,32 +164,12 @@ def main() -> None:
     work = args.workdir
     bc.build_loopback(work)
     os.environ.update(bc.RAY_ENV)
-    temp = Path(tempfile.mkdtemp(prefix="st-ray-", dir="/tmp"))
-    port = bc.free_port()
-    address = f"127.0.0.1:{port}"
-    head = bc.Group([bc.VENV_BIN / "ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--port", port,
-                     "--block", "--num-cpus", "2", "--include-dashboard", "false", "--temp-dir", temp,
-                     "--disable-usage-stats", "--object-store-memory", 96 * MIB, "--ray-client-server-port",
-                     bc.free_port(), "--dashboard-agent-listen-port", bc.free_port(), "--metrics-export-port",
-                     bc.free_port(), "--runtime-env-agent-port", bc.free_port(), "--dashboard-agent-grpc-port",
-                     bc.free_port()], work / "head.log", work)
-    nodes = []
+    cluster = bc.LoopbackCluster(work, args.node_budget * MIB)
     try:
-        head.wait_for("Ray runtime started")
-        for name in bc.LOOP_NODES:
-            nodes.append(bc.Group([bc.VENV_BIN / "shardtool", "node", work / f"node-{name}", "--trust",
-                                   work / "a.pub", "--state-dir", work / f"state-{name}", "--plan", work / "plan.json",
-                                   "--name", name, "--plan-trust", work / "op.pub", "--node-key",
-                                   work / f"node-{name}.key", "--memory-budget", args.node_budget * MIB,
-                                   "--address", address, "--readers", "1"], work / f"node-{name}.log", work))
-        for name, node in zip(bc.LOOP_NODES, nodes):
-            node.wait_for(f"node {name} ready")
-        co = coordinator_rounds(work, address, args.calls)
-        bare = bare_ray(work, address, args.calls)
+        co = coordinator_rounds(work, cluster.address, args.calls)
+        bare = bare_ray(work, cluster.address, args.calls)
     finally:
-        for node in nodes:
-            node.stop()
-        head.stop()
+        cluster.stop()
     print(f"## one MoE layer's round at batch 1, {args.calls} calls, {co['calls_per_round']:.2f} node calls a round")
     print(f"round (RemoteExperts.run)        {_ms(co['round'])}")
     print(f"  node work (signed 'seconds')   {_ms(co['node_work'])}")

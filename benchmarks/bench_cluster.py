@@ -385,30 +385,50 @@ def session_cpu(sid: int) -> float:
     return total
 
 
+class LoopbackCluster:
+    """A Ray head on 127.0.0.1 (own session, temp dir and free ports) and the `shardtool node`s of a built loopback
+    work directory (`build_loopback`), each with `node_budget` bytes; `stop` ends them by their process groups."""
+
+    def __init__(self, work: Path, node_budget: int):
+        self.temp = Path(tempfile.mkdtemp(prefix="st-ray-", dir="/tmp"))
+        port = free_port()
+        self.address = f"127.0.0.1:{port}"
+        self.head = Group([VENV_BIN / "ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--port", port,
+                           "--block", "--num-cpus", "2", "--include-dashboard", "false", "--temp-dir", self.temp,
+                           "--disable-usage-stats", "--object-store-memory", 96 * MIB, "--ray-client-server-port",
+                           free_port(), "--dashboard-agent-listen-port", free_port(), "--metrics-export-port",
+                           free_port(), "--runtime-env-agent-port", free_port(), "--dashboard-agent-grpc-port",
+                           free_port()], work / "head.log", work)
+        self.nodes: list[Group] = []
+        try:
+            self.head.wait_for("Ray runtime started")
+            for name in LOOP_NODES:
+                self.nodes.append(Group([VENV_BIN / "shardtool", "node", work / f"node-{name}", "--trust",
+                                         work / "a.pub", "--state-dir", work / f"state-{name}", "--plan",
+                                         work / "plan.json", "--name", name, "--plan-trust", work / "op.pub",
+                                         "--node-key", work / f"node-{name}.key", "--memory-budget", node_budget,
+                                         "--address", self.address, "--readers", "1"], work / f"node-{name}.log",
+                                        work))
+            for name, node in zip(LOOP_NODES, self.nodes):
+                node.wait_for(f"node {name} ready")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        self.head.stop()
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
 def measure_loopback(work: Path, repeats: int, tokens: int) -> dict:
     """The measured part: 1 process vs coordinator + 2 nodes on loopback (same model, each process holding what it
     serves), and the layer round trip between the decode runs."""
     build_loopback(work)
-    temp = Path(tempfile.mkdtemp(prefix="st-ray-", dir="/tmp"))
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    head = Group([VENV_BIN / "ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--port", port, "--block",
-                  "--num-cpus", "2", "--include-dashboard", "false", "--temp-dir", temp, "--disable-usage-stats",
-                  "--object-store-memory", 96 * MIB, "--ray-client-server-port", free_port(),
-                  "--dashboard-agent-listen-port", free_port(), "--metrics-export-port", free_port(),
-                  "--runtime-env-agent-port", free_port(), "--dashboard-agent-grpc-port", free_port()],
-                 work / "head.log", work)
-    nodes = []
+    cluster = LoopbackCluster(work, LOOP_NODE_BUDGET)
+    address, head = cluster.address, cluster.head
     try:
-        head.wait_for("Ray runtime started")
-        for name in LOOP_NODES:
-            nodes.append(Group([VENV_BIN / "shardtool", "node", work / f"node-{name}", "--trust", work / "a.pub",
-                                "--state-dir", work / f"state-{name}", "--plan", work / "plan.json", "--name", name,
-                                "--plan-trust", work / "op.pub", "--node-key", work / f"node-{name}.key",
-                                "--memory-budget", LOOP_NODE_BUDGET, "--address", address, "--readers", "1"],
-                               work / f"node-{name}.log", work))
-        for name, node in zip(LOOP_NODES, nodes):
-            node.wait_for(f"node {name} ready")
         runs = {"1 process": [], "coordinator + 2 nodes": []}
         rounds = []
         from _cluster_rtt import coordinator_rounds
@@ -421,10 +441,7 @@ def measure_loopback(work: Path, repeats: int, tokens: int) -> dict:
             runs["coordinator + 2 nodes"].append(run)
             rounds.append(coordinator_rounds(work, address, LOOP_ROUND_CALLS))
     finally:
-        for node in nodes:
-            node.stop()
-        head.stop()
-        shutil.rmtree(temp, ignore_errors=True)
+        cluster.stop()
     local, remote = runs["1 process"], runs["coordinator + 2 nodes"]
     same = all(r["ids"] == local[0]["ids"] for r in local + remote)
     rows = {}
