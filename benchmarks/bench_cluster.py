@@ -7,8 +7,11 @@ Parts:
   scale model   `scale_model(...)`: seconds per token for 1-64 nodes, R = 1 and 2, for the seed's 2.78 T / 896-expert
                 / 16-active configuration and for DeepSeek-V3; disk and network terms and which one limits.
   loopback      measured (not with --scale-only): 1 process vs a coordinator + 2 `shardtool node` processes on a
-                local Ray head, same model and total budget: decode tok/s, p50 s/token, wire bytes per token, share
-                of time in Ray calls (`measure_loopback`).
+                local Ray head, same model, every process holding what it serves in memory (the model fits one
+                process): decode tok/s, p50 s/token, wire bytes per token, share of time in Ray calls, CPU seconds
+                per run of the coordinator (with its proxy) and of the Ray session (head, raylet, the nodes' actors),
+                and the round trip of one MoE layer at batch 1 (`_cluster_rtt.coordinator_rounds`), each run
+                interleaved with the decode runs (`measure_loopback`).
 
 Usage: python benchmarks/bench_cluster.py [--scale-only] [--verify-gbps G] [--disk-gbps 2] [--net-gbit 25]
                                           [--node-memory-gb 128] [--repeats 5] [--workdir DIR] [--json OUT]
@@ -219,9 +222,13 @@ def print_scale(cfg: ModelConfig, *, node_read_gbps: float, net_gbit: float, nod
 #   - decode tokens/s and the p50 time per generated token (gaps between tokens streamed on stdout),
 #   - wire bytes per fed token (hidden-state rows and row indices sent to nodes + expert outputs received),
 #   - the share of the run's wall time the coordinator spent starting and waiting for node calls.
+#   - CPU seconds of the run's coordinator (with its cluster proxy) and of the Ray session (head, raylet, workers:
+#     the nodes' actors among them), so the share of each figure that is CPU contention on this machine shows,
+#   - the round trip of one MoE layer at batch 1, coordinator -> nodes -> coordinator, between decode runs.
 # The model is Mixtral-shaped (examples/make_tiny_moe.py) with no EOS, so every run makes exactly --tokens tokens;
-# its experts exceed the one process's shard cache, so both set-ups read and verify experts again as they go. The
-# Ray head runs on 127.0.0.1 in its own process group and temp dir, and is stopped by that group's id.
+# every process holds the experts it serves in memory (after their first verified read): the case where the model
+# fits one process, which isolates the cost of the round trips. The Ray head runs on 127.0.0.1 in its own process
+# group and temp dir, and is stopped by that group's id.
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import VENV_BIN, make_mixtral_without_eos  # noqa: E402
@@ -232,11 +239,11 @@ LOOP_MODEL_ID = "bench/cluster"
 LOOP_MODEL = dict(layers=4, experts=8, experts_per_tok=2, hidden=256, moe_intermediate=512, heads=4, kv_heads=2,
              vocab=1024, dtype="f32")
 LOOP_NODES = ("n1", "n2")
-# The same total: one process gets all of it; the coordinator (trunk, KV cache, working buffers) and each node
-# (its experts' cache and working buffers) share it.
+# One process holds every expert (48 MiB) in its cache; each node holds its 16 (24 MiB) above its floor of 52.5 MiB.
 LOOP_TOTAL_BUDGET = 180 * MIB
 LOOP_COORDINATOR_BUDGET = 72 * MIB
-LOOP_NODE_BUDGET = (LOOP_TOTAL_BUDGET - LOOP_COORDINATOR_BUDGET) // len(LOOP_NODES)
+LOOP_NODE_BUDGET = 96 * MIB
+LOOP_ROUND_CALLS = 200  # layer round trips timed between decode runs
 LOOP_PROMPT_IDS = "5,77,300,12,9,41,600,8"
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "OPENBLAS_NUM_THREADS": "1", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 
@@ -336,6 +343,7 @@ def one_run(work: Path, directory: str, tokens: int, *, cluster: str | None, bud
         argv += ["--cluster", cluster, "--plan", work / "plan.json", "--plan-trust", work / "op.pub"]
     proc = subprocess.Popen([str(a) for a in argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=work,
                             env={**os.environ, **RAY_ENV, "XDG_STATE_HOME": str(work)}, stdin=subprocess.DEVNULL)
+    cpu0 = _children_cpu()
     stamps, text = [], ""
     while True:
         ch = proc.stdout.read(1)
@@ -349,42 +357,91 @@ def one_run(work: Path, directory: str, tokens: int, *, cluster: str | None, bud
         raise RuntimeError(f"verify-and-run exited {proc.returncode}: {err[-2000:]}")
     summary = json.loads(report.read_text())
     report.unlink()
-    return {"ids": text.split(), "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "report": summary}
+    return {"ids": text.split(), "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "report": summary,
+            "cpu": _children_cpu() - cpu0}
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's waited-for children (a run's coordinator and its proxy)."""
+    import resource
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def session_cpu(sid: int) -> float:
+    """User + system CPU seconds so far of the live processes of session `sid` (a Ray head started in its own
+    session: its GCS, raylet and workers, the nodes' actors among them), from /proc."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[3]) == sid:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+class LoopbackCluster:
+    """A Ray head on 127.0.0.1 (own session, temp dir and free ports) and the `shardtool node`s of a built loopback
+    work directory (`build_loopback`), each with `node_budget` bytes; `stop` ends them by their process groups."""
+
+    def __init__(self, work: Path, node_budget: int):
+        self.temp = Path(tempfile.mkdtemp(prefix="st-ray-", dir="/tmp"))
+        port = free_port()
+        self.address = f"127.0.0.1:{port}"
+        self.head = Group([VENV_BIN / "ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--port", port,
+                           "--block", "--num-cpus", "2", "--include-dashboard", "false", "--temp-dir", self.temp,
+                           "--disable-usage-stats", "--object-store-memory", 96 * MIB, "--ray-client-server-port",
+                           free_port(), "--dashboard-agent-listen-port", free_port(), "--metrics-export-port",
+                           free_port(), "--runtime-env-agent-port", free_port(), "--dashboard-agent-grpc-port",
+                           free_port()], work / "head.log", work)
+        self.nodes: list[Group] = []
+        try:
+            self.head.wait_for("Ray runtime started")
+            for name in LOOP_NODES:
+                self.nodes.append(Group([VENV_BIN / "shardtool", "node", work / f"node-{name}", "--trust",
+                                         work / "a.pub", "--state-dir", work / f"state-{name}", "--plan",
+                                         work / "plan.json", "--name", name, "--plan-trust", work / "op.pub",
+                                         "--node-key", work / f"node-{name}.key", "--memory-budget", node_budget,
+                                         "--address", self.address, "--readers", "1"], work / f"node-{name}.log",
+                                        work))
+            for name, node in zip(LOOP_NODES, self.nodes):
+                node.wait_for(f"node {name} ready")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        self.head.stop()
+        shutil.rmtree(self.temp, ignore_errors=True)
 
 
 def measure_loopback(work: Path, repeats: int, tokens: int) -> dict:
-    """The measured part: 1 process vs coordinator + 2 nodes on loopback (same model, same total budget)."""
+    """The measured part: 1 process vs coordinator + 2 nodes on loopback (same model, each process holding what it
+    serves), and the layer round trip between the decode runs."""
     build_loopback(work)
-    temp = Path(tempfile.mkdtemp(prefix="st-ray-", dir="/tmp"))
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    head = Group([VENV_BIN / "ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--port", port, "--block",
-                  "--num-cpus", "2", "--include-dashboard", "false", "--temp-dir", temp, "--disable-usage-stats",
-                  "--object-store-memory", 96 * MIB, "--ray-client-server-port", free_port(),
-                  "--dashboard-agent-listen-port", free_port(), "--metrics-export-port", free_port(),
-                  "--runtime-env-agent-port", free_port(), "--dashboard-agent-grpc-port", free_port()],
-                 work / "head.log", work)
-    nodes = []
+    cluster = LoopbackCluster(work, LOOP_NODE_BUDGET)
+    address, head = cluster.address, cluster.head
     try:
-        head.wait_for("Ray runtime started")
-        for name in LOOP_NODES:
-            nodes.append(Group([VENV_BIN / "shardtool", "node", work / f"node-{name}", "--trust", work / "a.pub",
-                                "--state-dir", work / f"state-{name}", "--plan", work / "plan.json", "--name", name,
-                                "--plan-trust", work / "op.pub", "--node-key", work / f"node-{name}.key",
-                                "--memory-budget", LOOP_NODE_BUDGET, "--address", address, "--readers", "1"],
-                               work / f"node-{name}.log", work))
-        for name, node in zip(LOOP_NODES, nodes):
-            node.wait_for(f"node {name} ready")
         runs = {"1 process": [], "coordinator + 2 nodes": []}
+        rounds = []
+        from _cluster_rtt import coordinator_rounds
+        os.environ.update(RAY_ENV)  # the round trips' proxy is this process's child: Ray's token, by file
         for _ in range(repeats):  # interleaved: drift in the machine's load hits both alike
             runs["1 process"].append(one_run(work, "full", tokens, cluster=None, budget=LOOP_TOTAL_BUDGET))
-            runs["coordinator + 2 nodes"].append(one_run(work, "coordinator", tokens, cluster=address,
-                                                         budget=LOOP_COORDINATOR_BUDGET))
+            ray0 = session_cpu(head.proc.pid)
+            run = one_run(work, "coordinator", tokens, cluster=address, budget=LOOP_COORDINATOR_BUDGET)
+            run["ray_cpu"] = session_cpu(head.proc.pid) - ray0
+            runs["coordinator + 2 nodes"].append(run)
+            rounds.append(coordinator_rounds(work, address, LOOP_ROUND_CALLS))
     finally:
-        for node in nodes:
-            node.stop()
-        head.stop()
-        shutil.rmtree(temp, ignore_errors=True)
+        cluster.stop()
     local, remote = runs["1 process"], runs["coordinator + 2 nodes"]
     same = all(r["ids"] == local[0]["ids"] for r in local + remote)
     rows = {}
@@ -403,18 +460,35 @@ def measure_loopback(work: Path, repeats: int, tokens: int) -> dict:
             # wall time per layer round (the calls of one layer run in parallel): what a round trip costs here
             "ms_per_layer_round": statistics.median(1e3 * c["remote_seconds"] / (f * LOOP_MODEL["layers"])
                                                     for c, f in zip(cl, fed)) if cl[0] else 0.0,
+            "coordinator_cpu_seconds": statistics.median(r["cpu"] for r in rs),
+            "ray_session_cpu_seconds": statistics.median(r.get("ray_cpu", 0.0) for r in rs),
+            "wall_seconds": statistics.median(wall),
         }
     ref = rows["1 process"]["decode_tokens_per_s"]
     print(f"\n## coordinator + {len(LOOP_NODES)} nodes vs 1 process on loopback ({tokens} new tokens, "
-          f"{repeats} runs each, total budget {LOOP_TOTAL_BUDGET // MIB} MiB; same tokens: {same})")
+          f"{repeats} runs each; budgets: 1 process {LOOP_TOTAL_BUDGET // MIB} MiB, coordinator "
+          f"{LOOP_COORDINATOR_BUDGET // MIB} MiB, each node {LOOP_NODE_BUDGET // MIB} MiB; same tokens: {same})")
     print(f"{'set-up':<24} {'decode tok/s':>12} {'ratio':>6} {'p50 s/token':>12} {'wire B/token':>13} "
-          f"{'in Ray calls':>13} {'calls/token':>12} {'ms/layer round':>15}")
+          f"{'in Ray calls':>13} {'calls/token':>12} {'ms/layer round':>15} {'wall s':>7} {'coord CPU s':>12} "
+          f"{'Ray CPU s':>10}")
     for name, row in rows.items():
         print(f"{name:<24} {row['decode_tokens_per_s']:12.2f} {row['decode_tokens_per_s'] / ref:6.2f} "
               f"{row['p50_seconds_per_token']:12.4f} {row['wire_bytes_per_fed_token']:13.0f} "
               f"{row['ray_call_share']:13.1%} {row['node_calls_per_fed_token']:12.2f} "
-              f"{row['ms_per_layer_round']:15.2f}")
-    return {"same_tokens": same, "rows": rows, "tokens": tokens, "repeats": repeats}
+              f"{row['ms_per_layer_round']:15.2f} {row['wall_seconds']:7.3f} {row['coordinator_cpu_seconds']:12.3f} "
+              f"{row['ray_session_cpu_seconds']:10.3f}")
+    trip = {"median_ms_per_run": [statistics.median(r["round"]) * 1e3 for r in rounds],
+            "node_work_ms_per_run": [statistics.median(r["node_work"]) * 1e3 for r in rounds],
+            "coordinator_cpu_ms": statistics.median(r["cpu"] for r in rounds) * 1e3,
+            "proxy_cpu_ms": statistics.median(r["proxy_cpu"] for r in rounds) * 1e3,
+            "node_calls_per_round": statistics.median(r["calls_per_round"] for r in rounds)}
+    trip["median_ms"] = statistics.median(trip["median_ms_per_run"])
+    print(f"one MoE layer's round trip at batch 1 (coordinator -> nodes -> coordinator, {LOOP_ROUND_CALLS} calls a "
+          f"run, {trip['node_calls_per_round']:.2f} node calls a round): median {trip['median_ms']:.2f} ms (runs: "
+          f"{', '.join(f'{v:.2f}' for v in trip['median_ms_per_run'])}); of it the nodes' own work "
+          f"{statistics.median(trip['node_work_ms_per_run']):.2f} ms; CPU per round: coordinator "
+          f"{trip['coordinator_cpu_ms']:.2f} ms, its proxy {trip['proxy_cpu_ms']:.2f} ms")
+    return {"same_tokens": same, "rows": rows, "tokens": tokens, "repeats": repeats, "round_trip": trip}
 
 
 def main() -> None:

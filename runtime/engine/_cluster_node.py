@@ -11,7 +11,8 @@ Every answer is signed with the node's key (the one the operator's signed plan n
 "signature": bytes}` plus, for run(), `"outputs": {expert: [t_e, H] float32}`. The body is canonical JSON naming the
 kind, the node, the manifest root and the caller's nonce, and for run() the layer, the experts asked, each output's
 BLAKE3 and each failure; the signature is Ed25519 over PAE(the kind's payload type, body). Only plain types cross
-the wire: bytes, ints, strings and numpy arrays in plain dicts.
+the wire: info() takes a string and answers bytes in a plain dict; the actor's run() takes and answers one msgpack
+bytes object each (`_cluster_wire`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from shardtool.manifest.audit import check_file
 from shardtool.remote import RemoteFiles, RemoteSource
 from shardtool.runtime.model import ModelConfig, run_expert
 from ._cluster_plan import NODE_READERS, ClusterPlan, node_memory_floor
+from ._cluster_wire import decode_call, encode_answer, pack
 from ._signed import unusable_shards, verified_config
 from shardtool.runtime.store import DEFAULT_POLICY
 from shardtool.runtime.store import DEFAULT_PAGE_CACHE, ShardStore, header_memo_bytes, page_cache_mode
@@ -321,8 +323,11 @@ class NodeActor:
     def info(self, nonce) -> dict:
         return self._service.info(nonce)
 
-    def run(self, layer, expert_ids, x, rows, nonce) -> dict:
-        return self._service.run(layer, expert_ids, x, rows, nonce)
+    def run(self, call) -> bytes:
+        """A run call as one bytes object (`_cluster_wire.encode_call`), its answer as one too (`encode_answer`,
+        packed): Ray carries bytes as they are, where it would pickle and rebuild every array both ways."""
+        layer, expert_ids, x, rows, nonce = decode_call(call)
+        return pack(encode_answer(self._service.run(layer, expert_ids, x, rows, nonce)))
 
 
 def key_seed(key: PrivateKey) -> bytes:

@@ -7,18 +7,25 @@ memory) and is handed the cluster's address only, never a key; it drops every ca
 otherwise read the coordinator's memory despite PR_SET_DUMPABLE). It dies with the coordinator (PR_SET_PDEATHSIG, and
 the end of its input pipe). The coordinator (`ProxyTransport`, a `Transport`) and the child (`serve`) speak frames
 over a pipe: a 4-byte big-endian length, then one msgpack map (`strict_map_key`, no ext types, size caps), arrays
-as {"dtype", "shape", "data": raw bytes}. The child re-encodes each node's answer into that form (its signed body,
-its signature and its arrays) and the coordinator checks all of it (`RemoteExperts`) as it would a direct answer:
-code a hostile reply runs, runs in the child, which can then only send frames, and a frame is data. A frame that
+as {"dtype", "shape", "data": raw bytes} (`_cluster_wire`). The child re-encodes an info() answer into that form (its
+signed body and signature) and forwards a run's answer, bytes the node encoded in that form, unread; the coordinator
+checks all of it (`RemoteExperts`) as it would a direct answer: code a hostile reply runs, runs in the child, which
+can then only send frames, and a frame is data. A frame that
 breaks the protocol, a child that exits or answers late, is the proxy failing: it is killed, and every call from
 then on fails as a failed node does (`NodeFailed`), never a hang.
 
     coordinator -> proxy: {"op": "init", "address", "timeout", "insecure"}   -> {"ok": true} | {"error": {...}}
                           {"op": "info", "node", "nonce", "timeout"}         -> {"answer": {...}} | {"failed": line}
-                          {"op": "run", "id", "node", "layer", "experts", "x", "rows", "nonce"}   (no answer)
-                          {"op": "result", "id", "timeout"}                  -> {"answer": {...}} | {"failed": line}
+                          {"op": "round", "timeout", "calls": [{"id", "node", "call": bytes}, ...]}
+                                   -> {"answers": [[id, {"packed": bytes} | {"failed": line}], ...]}
                           {"op": "close"}                                    (no answer; the child exits)
     an answer: {"body": bytes, "signature": bytes[, "outputs": [[expert, array], ...]]}
+    a call's bytes and a packed answer: an encoded call and answer (`_cluster_wire`), which the child forwards as
+    they are: a node's actor takes and returns them, so the child reads none of a run's arrays
+
+A layer's calls cross the pipe as one round: `submit` only queues a call, and the first `result` of the round sends
+every queued call in one frame; the child starts them all at once (Ray's futures, the nodes compute in parallel)
+and answers them all in one frame, in the order sent. One pipe round trip a layer, whatever the number of nodes.
 """
 
 from __future__ import annotations
@@ -35,120 +42,24 @@ import threading
 import time
 from typing import Any, Callable
 
-import msgpack
-import numpy as np
-
 from shardtool.errors import ShardtoolError, UnavailableError, UsageError, VerificationError
 from shardtool.private_memory import child_environment
 from shardtool.text import printable
 from ._cluster_node import NAMESPACE, actor_name, import_ray, init_ray
+from ._cluster_wire import (MAX_FRAME, NodeFailed, ProtocolError, decode_answer, encode_answer, encode_call, pack,
+                            unpack)
 
 HEADER = struct.Struct(">I")
-MAX_FRAME = 1 << 30  # one frame: a call's hidden states or a reply's outputs; the caps below bound what it holds
-MAX_ARRAY_ELEMENTS = 1 << 28  # one array of a frame (a 1 GiB float32 block)
 MAX_LINE = 300  # characters of a failure line the child sends
+MAX_CALLS = 1 << 12  # calls of one round (one per node asked at a layer)
 GRACE = 10.0  # seconds the child may take beyond a call's own time-out (Ray's get_actor has no deadline of its own)
 START_SECONDS = 60.0  # for the child to import Ray and connect, on top of three of the call time-outs
 CLOSE_SECONDS = 5.0
 _ERRORS = {cls.__name__: cls for cls in (UsageError, UnavailableError, VerificationError)}  # init's refusals
-_DTYPES = {"<f4": np.dtype("<f4"), "<i8": np.dtype("<i8")}  # the only arrays that cross the pipe
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 _CAPSET = {"x86_64": 126, "aarch64": 91}  # capset(2)
 _CHILD = "import sys; from shardtool.runtime.engine._cluster_proxy import main; main(sys.argv[1:])"
-_ANSWER_KEYS = ({"body", "signature"}, {"body", "signature", "outputs"})
-
-
-class NodeFailed(Exception):
-    """A node-level failure of one call: the node is dropped. `str()` is one line."""
-
-
-class ProtocolError(Exception):
-    """A frame that breaks the pipe's protocol (from a child that misbehaves: the proxy is killed)."""
-
-
-# ------------------------------------------------------------------------------------------------ the wire form
-
-def _refuse_ext(code: int, data: bytes):
-    raise ProtocolError(f"msgpack extension type {code} in a frame")
-
-
-def unpack(data: bytes) -> dict:
-    """One frame's payload -> a map with string keys, only plain types (no ext types, no timestamps)."""
-    try:
-        # The frame's length is capped before it is read; unpackb caps each string, array and map by it.
-        doc = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, ext_hook=_refuse_ext)
-    except ProtocolError:
-        raise
-    except (ValueError, TypeError, msgpack.UnpackException) as e:
-        raise ProtocolError(f"a frame that is not msgpack: {type(e).__name__}") from None
-    if not isinstance(doc, dict):
-        raise ProtocolError(f"a frame that is a {type(doc).__name__}, not a map")
-    return doc
-
-
-def pack(doc: dict) -> bytes:
-    return msgpack.packb(doc, use_bin_type=True)
-
-
-def encode_array(a: np.ndarray) -> dict:
-    a = np.ascontiguousarray(a)
-    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
-
-
-def decode_array(obj: Any, dtype: str, ndim: int, what: str) -> np.ndarray:
-    """A wire array -> a read-only ndarray of exactly `dtype` and `ndim` dimensions, its bytes matching its shape."""
-    if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
-        raise ProtocolError(f"{what} is not an array (dtype, shape, data)")
-    shape, data = obj["shape"], obj["data"]
-    if obj["dtype"] != dtype:
-        raise ProtocolError(f"{what} has dtype {printable(str(obj['dtype'])[:20])}, expected {dtype}")
-    if (not isinstance(shape, list) or len(shape) != ndim
-            or not all(type(n) is int and 0 <= n <= MAX_ARRAY_ELEMENTS for n in shape)):
-        raise ProtocolError(f"{what} does not have a shape of {ndim} sizes in [0, {MAX_ARRAY_ELEMENTS}]")
-    count = int(np.prod(shape, dtype=np.int64))
-    if count > MAX_ARRAY_ELEMENTS or type(data) is not bytes or len(data) != count * _DTYPES[dtype].itemsize:
-        raise ProtocolError(f"{what}: {len(data) if type(data) is bytes else 'no'} data bytes for shape {shape}")
-    return np.frombuffer(data, dtype=_DTYPES[dtype]).reshape(shape)
-
-
-def encode_answer(answer: Any) -> dict:
-    """A node's answer as Ray gave it (in the child) -> its wire form: the signed body and signature as bytes, a
-    reply's outputs as [expert, float32 array] pairs. Anything else cannot be carried: NodeFailed."""
-    if (not isinstance(answer, dict) or set(answer) not in _ANSWER_KEYS
-            or type(answer["body"]) is not bytes or type(answer["signature"]) is not bytes):
-        raise NodeFailed("the answer is not a signed answer (a mapping of body and signature bytes, and a "
-                           "reply's outputs): refused")
-    wire = {"body": answer["body"], "signature": answer["signature"]}
-    if "outputs" in answer:
-        outputs = answer["outputs"]
-        if not isinstance(outputs, dict) or not all(
-                type(e) is int and type(y) is np.ndarray and y.dtype == np.float32 and y.ndim == 2
-                for e, y in outputs.items()):
-            raise NodeFailed("the reply's outputs are not a mapping of expert ids to 2-D float32 arrays")
-        wire["outputs"] = [[e, encode_array(y)] for e, y in outputs.items()]
-    return wire
-
-
-def decode_answer(obj: Any) -> dict:
-    """An answer's wire form (from the child, untrusted) -> the mapping `RemoteExperts` checks: body, signature and
-    for a reply {expert: [t_e, H] float32}. Only the form is checked here; every other check is the coordinator's."""
-    if (not isinstance(obj, dict) or set(obj) not in _ANSWER_KEYS
-            or type(obj["body"]) is not bytes or type(obj["signature"]) is not bytes):
-        raise ProtocolError("an answer that is not body and signature bytes")
-    answer = {"body": obj["body"], "signature": obj["signature"]}
-    if "outputs" in obj:
-        pairs = obj["outputs"]
-        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and type(p[0]) is int
-                                                  and 0 <= p[0] < 1 << 31 for p in pairs):
-            raise ProtocolError("a reply's outputs that are not [expert, array] pairs")
-        outputs = {e: decode_array(y, "<f4", 2, f"expert {e}'s output") for e, y in pairs}
-        if len(outputs) != len(pairs):
-            raise ProtocolError("a reply's outputs name an expert twice")
-        answer["outputs"] = outputs
-    return answer
-
-
 # ------------------------------------------------------------------------------------------------ this process
 
 def _libc():
@@ -166,6 +77,8 @@ class ProxyTransport:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._broken: str | None = None
+        self._queued: list[dict] = []  # calls submitted, not yet sent (the round's first `result` sends them)
+        self._answers: dict[int, dict] = {}  # call id -> its answer frame, until `result` takes it
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _CHILD, str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env=child_environment(), close_fds=True)
@@ -190,14 +103,34 @@ class ProxyTransport:
                                       timeout + GRACE))
 
     def submit(self, node, layer, expert_ids, x, rows, nonce) -> int:
+        """Queue a call; it is sent with the rest of its round by the round's first `result`."""
         call = next(self._ids)
-        self._tell({"op": "run", "id": call, "node": node, "layer": int(layer), "experts": [int(e) for e in expert_ids],
-                    "x": encode_array(x), "rows": [[int(e), encode_array(r)] for e, r in rows.items()],
-                    "nonce": nonce}, GRACE)
+        with self._lock:
+            self._check()
+            self._queued.append({"id": call, "node": node, "call": encode_call(layer, expert_ids, x, rows, nonce)})
         return call
 
     def result(self, pending: int, timeout: float) -> dict:
-        return self._answer(self._ask({"op": "result", "id": pending, "timeout": float(timeout)}, timeout + GRACE))
+        with self._lock:
+            if pending not in self._answers and any(c["id"] == pending for c in self._queued):
+                self._round(timeout)
+            frame = self._answers.pop(pending, None)
+        if frame is None:
+            self._check()  # the round that carried it broke the proxy: say so
+            raise NodeFailed(f"call {pending} was never submitted, or its answer was taken already")
+        return self._answer(frame)
+
+    def _round(self, timeout: float) -> None:
+        """Send every queued call in one frame, and keep their answers (one frame, in the order sent)."""
+        calls, self._queued = self._queued, []
+        reply = self._exchange({"op": "round", "timeout": float(timeout), "calls": calls}, timeout + GRACE)
+        answers = reply.get("answers") if set(reply) == {"answers"} else None
+        if (not isinstance(answers, list) or len(answers) != len(calls)
+                or not all(isinstance(a, list) and len(a) == 2 and a[0] == c["id"] and isinstance(a[1], dict)
+                           for a, c in zip(answers, calls))):
+            self._fail("answered a round with a frame that is not one answer per call, in the order sent")
+        # Answers of an earlier round no one asked for (its layer was abandoned) are dropped, not kept forever.
+        self._answers = {**dict(list(self._answers.items())[-len(calls):]), **{a[0]: a[1] for a in answers}}
 
     def close(self) -> None:
         """Ask the child to leave the cluster and exit; killed if it does not within a few seconds."""
@@ -224,6 +157,11 @@ class ProxyTransport:
     def _answer(self, reply: dict) -> dict:
         if set(reply) == {"failed"} and isinstance(reply["failed"], str):
             raise NodeFailed(printable(reply["failed"][:MAX_LINE]))
+        if set(reply) == {"packed"} and type(reply["packed"]) is bytes:
+            try:  # the node's own bytes, forwarded by the child: a wrong answer is the node's failure
+                return decode_answer(unpack(reply["packed"]))
+            except ProtocolError as e:
+                raise NodeFailed(f"the answer is not a signed answer ({e}): refused") from None
         if set(reply) == {"answer"}:
             try:
                 return decode_answer(reply["answer"])
@@ -231,26 +169,22 @@ class ProxyTransport:
                 self._fail(str(e))
         self._fail("sent a frame that is neither an answer nor a failure")
 
-    def _tell(self, doc: dict, seconds: float) -> None:
-        with self._lock:
-            self._check()
-            try:
-                self._write(pack(doc), time.monotonic() + seconds)
-            except _Broken as e:
-                self._fail(str(e))
-
     def _ask(self, doc: dict, seconds: float) -> dict:
         with self._lock:
-            self._check()
-            deadline = time.monotonic() + seconds
-            try:
-                self._write(pack(doc), deadline)
-                (size,) = HEADER.unpack(self._read(HEADER.size, deadline))
-                if size > MAX_FRAME:
-                    raise _Broken(f"announced a {size}-byte frame, at most {MAX_FRAME}")
-                return unpack(self._read(size, deadline))
-            except (_Broken, ProtocolError) as e:
-                self._fail(str(e))
+            return self._exchange(doc, seconds)
+
+    def _exchange(self, doc: dict, seconds: float) -> dict:
+        """One frame out, one frame back (the caller holds the lock)."""
+        self._check()
+        deadline = time.monotonic() + seconds
+        try:
+            self._write(pack(doc), deadline)
+            (size,) = HEADER.unpack(self._read(HEADER.size, deadline))
+            if size > MAX_FRAME:
+                raise _Broken(f"announced a {size}-byte frame, at most {MAX_FRAME}")
+            return unpack(self._read(size, deadline))
+        except (_Broken, ProtocolError) as e:
+            self._fail(str(e))
 
     def _check(self) -> None:
         if self._broken is not None:
@@ -348,9 +282,10 @@ class RayTransport:
             self._actors.pop(node, None)  # a node that comes back is a new actor under the same name
             raise
 
-    def submit(self, node, layer, expert_ids, x, rows, nonce):
+    def submit(self, node: str, call: bytes):
+        """Start node `node`'s run on a call's bytes (`encode_call`); its answer is bytes too."""
         try:
-            return self._actor(node).run.remote(layer, expert_ids, x, rows, nonce)
+            return self._actor(node).run.remote(call)
         except self.ray.exceptions.RayError as e:
             raise NodeFailed(_ray_line(e)) from None
 
@@ -410,12 +345,11 @@ def _die_with_parent(parent: int) -> None:
 
 
 class _Child:
-    """The proxy's loop: one frame at a time from the coordinator; `run` calls start at once (Ray's futures)."""
+    """The proxy's loop: one frame at a time from the coordinator; a round's calls start at once (Ray's futures)."""
 
     def __init__(self, read: Callable[[int], bytes], write: Callable[[bytes], None]):
         self._read, self._write = read, write
         self.transport = None
-        self.pending: dict[int, object] = {}
 
     def frame(self) -> dict | None:
         head = self._read(HEADER.size)
@@ -431,15 +365,25 @@ class _Child:
         self._write(HEADER.pack(len(data)) + data)
 
     def answer(self, ask: Callable[[], Any]) -> None:
+        self.send(self.wire(ask))
+
+    @staticmethod
+    def wire(ask: Callable[[], Any], *, packed: bool = False) -> dict:
         """One call's answer, or its failure: whatever one node's reply does while Ray unpickles it here (raise any
-        exception, SystemExit included) fails that call, which drops that node only, not the proxy every node needs."""
+        exception, SystemExit included) fails that call, which drops that node only, not the proxy every node needs.
+        `packed`: a run's answer, bytes the node encoded, forwarded as they are."""
         try:
-            wire = {"answer": encode_answer(ask())}
+            if not packed:
+                return {"answer": encode_answer(ask())}
+            answer = ask()
+            if type(answer) is not bytes:
+                raise NodeFailed(f"the answer is not a signed answer (msgpack bytes), a {type(answer).__name__}: "
+                                 f"refused")
+            return {"packed": answer}
         except NodeFailed as e:
-            wire = {"failed": str(e)[:MAX_LINE]}
+            return {"failed": str(e)[:MAX_LINE]}
         except BaseException as e:  # noqa: BLE001  (a hostile pickle's doing; the next frame is served as usual)
-            wire = {"failed": printable(f"the node's reply could not be read: {type(e).__name__}: {e}")[:MAX_LINE]}
-        self.send(wire)
+            return {"failed": printable(f"the node's reply could not be read: {type(e).__name__}: {e}")[:MAX_LINE]}
 
     def init(self, doc: dict) -> None:
         try:
@@ -450,20 +394,27 @@ class _Child:
             return
         self.send({"ok": True})
 
-    def start(self, doc: dict) -> None:
+    def start(self, call: dict) -> object:
+        """Start one call of a round: its Ray future, or the NodeFailed that kept it from starting."""
         try:
-            x = decode_array(doc["x"], "<f4", 2, "the hidden states")
-            rows = {e: decode_array(r, "<i8", 1, f"rows of expert {e}") for e, r in doc["rows"]}
-            self.pending[doc["id"]] = self.transport.submit(doc["node"], doc["layer"], doc["experts"], x, rows,
-                                                            doc["nonce"])
+            return self.transport.submit(call["node"], call["call"])
         except NodeFailed as e:
-            self.pending[doc["id"]] = e
+            return e
 
-    def collect(self, doc: dict) -> Any:
-        call = self.pending.pop(doc["id"])
-        if isinstance(call, Exception):
-            raise call
-        return self.transport.result(call, doc["timeout"])
+    def round(self, doc: dict) -> None:
+        """Every call of a round started before any is waited for; each waited for until the round's deadline."""
+        calls = doc["calls"]
+        if not isinstance(calls, list) or not 1 <= len(calls) <= MAX_CALLS:
+            raise ProtocolError(f"a round of {len(calls) if isinstance(calls, list) else 'no'} calls")
+        started = [(call["id"], self.start(call)) for call in calls]
+        deadline = time.monotonic() + doc["timeout"]
+
+        def collect(pending: object) -> Any:
+            if isinstance(pending, Exception):
+                raise pending
+            return self.transport.result(pending, max(deadline - time.monotonic(), 0.001))
+
+        self.send({"answers": [[call, self.wire(lambda p=pending: collect(p), packed=True)] for call, pending in started]})
 
     def loop(self) -> None:
         while (doc := self.frame()) is not None:
@@ -472,10 +423,8 @@ class _Child:
                 self.init(doc)
             elif op == "info":
                 self.answer(lambda: self.transport.info(doc["node"], doc["nonce"], doc["timeout"]))
-            elif op == "run":
-                self.start(doc)
-            elif op == "result":
-                self.answer(lambda: self.collect(doc))
+            elif op == "round":
+                self.round(doc)
             elif op == "close":
                 break
             else:

@@ -370,7 +370,7 @@ class Exec:
 
 
 class Hostile(NodeActor):
-    def run(self, layer, expert_ids, x, rows, nonce):
+    def run(self, call):
         return Exec()
 
 

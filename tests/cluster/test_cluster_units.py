@@ -5,6 +5,7 @@ replica, the node's checks of every argument, and a shard tampered under a node.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -15,10 +16,11 @@ from shardtool.errors import UnavailableError, UsageError
 import _clusterkit as kit
 from shardtool.keys import load_private_key, load_public_key
 from shardtool.layout import expert_path
-from shardtool.manifest import load_trusted_manifest
+from shardtool.manifest import load_trusted_manifest, pae
 from shardtool.runtime import (Engine, ErrorEvent, NodeService, SamplingParams, Session, load_signed_plan,
                                prepare_node)
 from shardtool.runtime.engine._cluster import NodeFailed, choose_replica, plan_placement
+from shardtool.runtime.engine._cluster_node import REPLY_TYPE
 
 PROMPT = [5, 77, 300, 12]
 NONCE = "0" * 32
@@ -429,3 +431,150 @@ def test_a_lost_node_is_probed_with_a_growing_gap(model):
         gaps.append(remote._probe_at["c"][1])
     assert asked == ["c"] * 3 and gaps == [1.0, 2.0, 4.0]
     assert remote._probe_at["c"][0] > time.monotonic() + 3
+
+
+# ------------------------------------------------------------------------------ a run call's bytes, and its rounds
+
+def _packed_call(**doc) -> bytes:
+    import msgpack
+    call = {"layer": 0, "experts": [0], "x": _array(), "rows": [[0, _array("<i8", (1,), bytes(8))]],
+            "nonce": NONCE, **doc}
+    return msgpack.packb({k: v for k, v in call.items() if v is not None}, use_bin_type=True)
+
+
+@pytest.mark.parametrize("call", [
+    {"layer": 0},  # not bytes (what Ray would hand a node from a caller that pickled a dict)
+    b"\xc1",
+    _packed_call(nonce=None),
+    _packed_call(extra=1),
+    _packed_call(x=_array(dtype="<f8", data=bytes(48))),
+    _packed_call(x=_array(shape=(6,))),
+    _packed_call(x=_array(shape=(2, 4))),
+    _packed_call(rows={"0": _array("<i8", (1,), bytes(8))}),
+    _packed_call(rows=[[0, _array("<i4", (1,), bytes(4))]]),
+    _packed_call(rows=[[0, _array("<i8", (1,), bytes(8))], [0, _array("<i8", (1,), bytes(8))]]),
+    _packed_call(rows=[["0", _array("<i8", (1,), bytes(8))]]),
+], ids=["not-bytes", "not-msgpack", "no-nonce", "extra-key", "x-float64", "x-one-dimension", "x-bytes-short",
+        "rows-map", "rows-int32", "rows-expert-twice", "rows-expert-text"])
+def test_a_node_actor_refuses_a_call_of_the_wrong_form(model, call):
+    from shardtool.runtime.engine._cluster_node import NodeActor
+    work, verified, plan = model
+    actor = NodeActor(prepare_node(work / "full", verified, plan, "a", budget=1 << 30, key=_keys(model)["a"]))
+    with pytest.raises(UsageError) as info:
+        actor.run(call)
+    assert len(str(info.value)) < 300 and actor._service.calls == 0
+
+
+def test_a_node_actor_answers_a_calls_bytes_with_its_services_signed_answer_as_bytes(model):
+    """One bytes object each way (Ray carries it without pickling arrays): the same signed answer as the service's."""
+    from shardtool.runtime.engine._cluster_node import NodeActor
+    from shardtool.runtime.engine._cluster_wire import decode_answer, encode_call, unpack
+    work, verified, plan = model
+    actor = NodeActor(prepare_node(work / "full", verified, plan, "a", budget=1 << 30, key=_keys(model)["a"]))
+    service = actor._service
+    ids = sorted(e for (lay, e) in service.held if lay == 0)[:2]
+    x = np.arange(3 * service.config.hidden_size, dtype=np.float32).reshape(3, -1) / 100
+    rows = {ids[0]: np.array([0, 2], np.int64), ids[1]: np.array([1], np.int64)}
+    packed = actor.run(encode_call(0, ids, x, rows, NONCE))
+    assert type(packed) is bytes
+    got, want = decode_answer(unpack(packed)), _call(service, ids=ids, x=x, rows=rows)
+    body, expected = json.loads(got["body"]), json.loads(want["body"])
+    assert {**body, "seconds": 0} == {**expected, "seconds": 0}
+    assert set(got["outputs"]) == set(ids) and all((got["outputs"][e] == want["outputs"][e]).all() for e in ids)
+    plan.node("a").public_key().verify(got["signature"], pae(REPLY_TYPE, got["body"]))
+
+
+class _FakeRay:
+    """What the proxy's child calls Ray through (`RayTransport`'s submit/result), logging the order of the calls."""
+
+    def __init__(self, answers: dict):
+        self.answers, self.log = answers, []
+
+    def submit(self, node, call):
+        self.log.append(("submit", node))
+        if isinstance(self.answers[node], Exception):
+            raise self.answers[node]
+        return node
+
+    def result(self, pending, timeout):
+        self.log.append(("result", pending))
+        return self.answers[pending]
+
+
+def test_the_proxy_child_starts_every_call_of_a_round_before_waiting_and_answers_them_in_one_frame():
+    from shardtool.runtime.engine import _cluster_proxy as cp
+    sent: list[dict] = []
+    child = cp._Child(lambda n: b"", lambda data: sent.append(cp.unpack(data[cp.HEADER.size:])))
+    child.transport = _FakeRay({"a": b"packed by a", "b": {"body": b"{}", "signature": b"s"},
+                                "c": NodeFailed("no node named c has joined the cluster")})
+    child.round({"timeout": 5.0, "calls": [{"id": 7, "node": "a", "call": b"1"}, {"id": 8, "node": "b", "call": b"2"},
+                                           {"id": 9, "node": "c", "call": b"3"}]})
+    assert child.transport.log == [("submit", "a"), ("submit", "b"), ("submit", "c"), ("result", "a"), ("result", "b")]
+    assert len(sent) == 1 and [pair[0] for pair in sent[0]["answers"]] == [7, 8, 9]
+    (_, a), (_, b), (_, c) = sent[0]["answers"]
+    assert a == {"packed": b"packed by a"}  # forwarded as the node encoded it, never read here
+    assert "not a signed answer" in b["failed"] and c == {"failed": "no node named c has joined the cluster"}
+
+
+class _Proc:
+    pid = 0
+
+    def poll(self):
+        return 0
+
+    def wait(self, timeout=None):
+        return 0
+
+
+def _proxy(frames: list[dict], sent: list[dict]):
+    """A ProxyTransport whose pipe is `frames` (answered in turn) and `sent` (what it wrote), without a child."""
+    import itertools
+    import threading
+    from shardtool.runtime.engine._cluster_proxy import ProxyTransport
+    proxy = object.__new__(ProxyTransport)
+    proxy._lock, proxy._ids, proxy._broken, proxy._queued, proxy._answers = threading.Lock(), itertools.count(), None, [], {}
+    proxy._proc = _Proc()
+    replies = iter(frames)
+    proxy._exchange = lambda doc, seconds: sent.append(doc) or next(replies)
+    return proxy
+
+
+def _reply(service, ids, nonce=NONCE):
+    from shardtool.runtime.engine._cluster_wire import encode_answer, pack
+    return pack(encode_answer(service.run(0, ids, np.ones((1, service.config.hidden_size), np.float32),
+                                          {e: np.array([0], np.int64) for e in ids}, nonce)))
+
+
+def test_the_coordinator_sends_a_layers_calls_to_its_proxy_as_one_frame(model):
+    services = _services(model)
+    held = {n: sorted(e for (lay, e) in s.held if lay == 0)[:1] for n, s in services.items()}
+    sent: list[dict] = []
+    x, rows = np.ones((1, services["a"].config.hidden_size), np.float32), {}
+    frames = [{"answers": [[i, {"packed": _reply(services[n], held[n])}] for i, n in enumerate("abc")]}]
+    proxy = _proxy(frames, sent)
+    calls = [proxy.submit(n, 0, held[n], x, {e: np.array([0], np.int64) for e in held[n]}, NONCE) for n in "abc"]
+    assert sent == []  # queued: nothing crosses the pipe before the layer waits for an answer
+    got = [proxy.result(c, 5.0) for c in (calls[1], calls[0], calls[2])]
+    assert len(sent) == 1 and sent[0]["op"] == "round" and [c["node"] for c in sent[0]["calls"]] == list("abc")
+    assert [json.loads(g["body"])["name"] for g in got] == ["b", "a", "c"] and len(sent) == 1
+    with pytest.raises(NodeFailed, match="never submitted"):
+        proxy.result(calls[0], 5.0)
+
+
+@pytest.mark.parametrize("frame, error, proxy_broken", [
+    ({"answers": [[1, {"failed": "x"}], [0, {"failed": "y"}]]}, "the cluster proxy failed", True),
+    ({"answers": [[0, {"failed": "x"}]]}, "the cluster proxy failed", True),
+    ({"answers": "no"}, "the cluster proxy failed", True),
+    ({"answers": [[0, {"packed": b"\xc1"}], [1, {"failed": "y"}]]}, "not a signed answer", False),
+    ({"answers": [[0, {"packed": b"\x80"}], [1, {"failed": "y"}]]}, "not a signed answer", False),
+    ({"answers": [[0, {"failed": "node a: ActorDiedError"}], [1, {"failed": "y"}]]}, "ActorDiedError", False),
+], ids=["out-of-order", "one-answer-short", "not-a-list", "packed-not-msgpack", "packed-empty-map", "failed"])
+def test_a_rounds_answer_frame_of_the_wrong_form_breaks_the_proxy_and_a_bad_node_answer_fails_that_node(
+        frame, error, proxy_broken):
+    sent: list[dict] = []
+    proxy = _proxy([frame], sent)
+    x, rows = np.ones((1, 4), np.float32), {0: np.array([0], np.int64)}
+    calls = [proxy.submit(n, 0, [0], x, rows, NONCE) for n in "ab"]
+    with pytest.raises(NodeFailed, match=error):
+        proxy.result(calls[0], 5.0)
+    assert (proxy._broken is not None) == proxy_broken

@@ -1,0 +1,184 @@
+"""Where a cluster's layer round trip goes (issue 39): a coordinator -> nodes -> coordinator round at batch one,
+timed whole and in its parts, on a local Ray head with bench_cluster's loopback model and two `shardtool node`s.
+
+Parts, each a median over `--calls` calls (layers and top-k experts drawn at random, fixed seed):
+  round          RemoteExperts.run(layer, x[1, H], rows): what one MoE layer costs the coordinator
+  node work      the `seconds` each node signs into its reply (checks, store, expert, digests)
+  proxy + Ray    the coordinator's pipe to its proxy and the proxy's Ray calls (round less node work)
+  ray info()     a bare Ray driver calling a node's info() (Ray's round trip plus one signature), from a child
+  ray echo       a bare Ray driver calling an actor of its own that returns its [1, H] argument (Ray's floor);
+                 also without Ray's task events (`enable_task_events=False`), and as a Compiled Graph
+
+Also the CPU seconds per round of the coordinator and of its proxy (on a machine whose cores the nodes, Ray and
+other jobs share, CPU turns into latency). bench_cluster.py prints the round from `coordinator_rounds` beside its
+decode figures.
+
+Usage: python benchmarks/_cluster_rtt.py [--calls 300] [--workdir DIR] [--node-budget MIB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_cluster as bc  # noqa: E402
+
+MIB = 2**20
+
+
+def _ms(values) -> str:
+    return f"{statistics.median(values) * 1e3:.3f} ms (p10 {np.percentile(values, 10) * 1e3:.3f}, " \
+           f"p90 {np.percentile(values, 90) * 1e3:.3f})"
+
+
+def coordinator_rounds(work: Path, address: str, calls: int) -> dict:
+    """Timed RemoteExperts.run at batch one, through the proxy, as `--cluster` runs it; CPU seconds per round of
+    this process and of the proxy."""
+    from shardtool.keys import load_public_key
+    from shardtool.manifest import load_trusted_manifest
+    from shardtool.runtime import connect_cluster, load_signed_plan
+
+    verified = load_trusted_manifest(work / "full" / "manifest.msgpack", [load_public_key(work / "a.pub")], 1,
+                                     work / "probe-state")
+    plan = load_signed_plan(work / "plan.json", verified, [load_public_key(work / "op.pub")])
+    remote = connect_cluster(address, plan)
+    cfg = bc.LOOP_MODEL
+    rng = np.random.default_rng(0)
+    node_seconds: list[float] = []
+    transport = remote.transport
+    submit, result = transport.submit, transport.result
+
+    def timed_result(pending, timeout):
+        reply = result(pending, timeout)
+        node_seconds.append(json.loads(reply["body"])["seconds"])
+        return reply
+
+    transport.result = timed_result
+    rounds, node_work = [], []
+    proxy_cpu, cpu = _cpu_seconds(transport.pid), time.process_time()
+    try:
+        for i in range(calls + 20):
+            layer = int(rng.integers(cfg["layers"]))
+            experts = sorted(int(e) for e in rng.choice(cfg["experts"], size=cfg["experts_per_tok"], replace=False))
+            x = rng.standard_normal((1, cfg["hidden"]), dtype=np.float32)
+            rows = {e: np.zeros(1, dtype=np.int64) for e in experts}
+            node_seconds.clear()
+            t0 = time.perf_counter()
+            outputs, missing = remote.run(layer, x, rows)
+            dt = time.perf_counter() - t0
+            assert not missing and set(outputs) == set(experts), missing
+            if i >= 20:  # the first calls load and verify the experts: not a round trip's cost
+                rounds.append(dt)
+                node_work.append(max(node_seconds))
+        proxy_cpu, cpu = _cpu_seconds(transport.pid) - proxy_cpu, time.process_time() - cpu
+    finally:
+        transport.submit, transport.result = submit, result
+        remote.close()
+    return {"round": rounds, "node_work": node_work, "calls_per_round": remote.stats.calls / (calls + 20),
+            "proxy_cpu": proxy_cpu / (calls + 20), "cpu": cpu / (calls + 20)}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (/proc/PID/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+_RAY_CHILD = r'''
+import json, sys, time, statistics
+import numpy as np
+import ray
+from shardtool.runtime.engine._cluster_node import NAMESPACE, actor_name, new_nonce
+address, calls, hidden = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False, include_dashboard=False)
+out = {}
+node = ray.get_actor(actor_name("n1"), namespace=NAMESPACE)
+t = []
+for i in range(calls + 10):
+    t0 = time.perf_counter(); ray.get(node.info.remote(new_nonce())); t.append(time.perf_counter() - t0)
+out["ray_info"] = t[10:]
+
+@ray.remote(num_cpus=0, max_concurrency=1)
+class Echo:
+    def echo(self, x):
+        return x
+echo = Echo.remote()
+x = np.ones((1, hidden), dtype=np.float32)
+t = []
+for i in range(calls + 10):
+    t0 = time.perf_counter(); ray.get(echo.echo.remote(x)); t.append(time.perf_counter() - t0)
+out["ray_echo"] = t[10:]
+t = []
+quiet = echo.echo.options(enable_task_events=False)
+for i in range(calls + 10):
+    t0 = time.perf_counter(); ray.get(quiet.remote(x)); t.append(time.perf_counter() - t0)
+out["ray_echo_without_task_events"] = t[10:]
+t = []
+for i in range(calls + 10):
+    t0 = time.perf_counter(); ray.get(node.info.options(enable_task_events=False).remote(new_nonce())); t.append(time.perf_counter() - t0)
+out["ray_info_without_task_events"] = t[10:]
+try:
+    from ray.dag import InputNode
+    with InputNode() as inp:
+        dag = echo.echo.bind(inp)
+    compiled = dag.experimental_compile()
+    t = []
+    for i in range(calls + 10):
+        t0 = time.perf_counter(); ray.get(compiled.execute(x)); t.append(time.perf_counter() - t0)
+    out["ray_echo_compiled"] = t[10:]
+    compiled.teardown()
+except Exception as e:
+    out["compiled_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+print("RESULT " + json.dumps(out))
+ray.kill(echo)
+'''
+
+
+def bare_ray(work: Path, address: str, calls: int) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _RAY_CHILD, address, str(calls), str(bc.LOOP_MODEL["hidden"])],
+                          capture_output=True, text=True, cwd=work, timeout=600,
+                          env={**os.environ, **bc.RAY_ENV, "XDG_STATE_HOME": str(work)})
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"the bare Ray driver failed: {proc.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "shardtool-cluster-rtt")
+    ap.add_argument("--node-budget", type=int, default=128, help="MiB per node (its experts fit: the round trip only)")
+    args = ap.parse_args()
+    work = args.workdir
+    bc.build_loopback(work)
+    os.environ.update(bc.RAY_ENV)
+    cluster = bc.LoopbackCluster(work, args.node_budget * MIB)
+    try:
+        co = coordinator_rounds(work, cluster.address, args.calls)
+        bare = bare_ray(work, cluster.address, args.calls)
+    finally:
+        cluster.stop()
+    print(f"## one MoE layer's round at batch 1, {args.calls} calls, {co['calls_per_round']:.2f} node calls a round")
+    print(f"round (RemoteExperts.run)        {_ms(co['round'])}")
+    print(f"  node work (signed 'seconds')   {_ms(co['node_work'])}")
+    print(f"  the rest: proxy, Ray, checks   {_ms([r - w for r, w in zip(co['round'], co['node_work'])])}")
+    print(f"coordinator CPU per round        {co['cpu'] * 1e3:.3f} ms")
+    print(f"proxy CPU per round              {co['proxy_cpu'] * 1e3:.3f} ms")
+    for key, values in bare.items():
+        print(f"{key:<32} {_ms(values) if isinstance(values, list) else values}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The wire form of a cluster's calls and answers: msgpack maps of plain types (no ext types, size caps), arrays as
+{"dtype", "shape", "data": raw bytes}. What crosses the coordinator's pipe to its cluster proxy, and what a node's
+actor takes and returns for a `run` call: one bytes object each way, which Ray carries as it is (no pickled arrays
+to rebuild on either side) and the proxy forwards without reading.
+
+    a call:    {"layer", "experts", "x": array [n, H] float32, "rows": [[expert, array [t_e] int64], ...], "nonce"}
+    an answer: {"body": bytes, "signature": bytes[, "outputs": [[expert, array [t_e, H] float32], ...]]}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from shardtool.errors import UsageError
+from shardtool.text import printable
+
+MAX_FRAME = 1 << 30  # one frame: a call's hidden states or a reply's outputs; the caps below bound what it holds
+MAX_ARRAY_ELEMENTS = 1 << 28  # one array of a frame (a 1 GiB float32 block)
+_DTYPES = {"<f4": np.dtype("<f4"), "<i8": np.dtype("<i8")}  # the only arrays that cross the wire
+_ANSWER_KEYS = ({"body", "signature"}, {"body", "signature", "outputs"})
+_CALL_KEYS = {"layer", "experts", "x", "rows", "nonce"}
+
+
+class NodeFailed(Exception):
+    """A node-level failure of one call: the node is dropped. `str()` is one line."""
+
+
+class ProtocolError(Exception):
+    """A frame that breaks the pipe's protocol (from a child that misbehaves: the proxy is killed)."""
+
+
+def _refuse_ext(code: int, data: bytes):
+    raise ProtocolError(f"msgpack extension type {code} in a frame")
+
+
+def unpack(data: bytes) -> dict:
+    """One frame's payload -> a map with string keys, only plain types (no ext types, no timestamps)."""
+    try:
+        # The frame's length is capped before it is read; unpackb caps each string, array and map by it.
+        doc = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, ext_hook=_refuse_ext)
+    except ProtocolError:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise ProtocolError(f"a frame that is not msgpack: {type(e).__name__}") from None
+    if not isinstance(doc, dict):
+        raise ProtocolError(f"a frame that is a {type(doc).__name__}, not a map")
+    return doc
+
+
+def pack(doc: dict) -> bytes:
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+def encode_array(a: np.ndarray) -> dict:
+    a = np.ascontiguousarray(a)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
+
+
+def decode_array(obj: Any, dtype: str, ndim: int, what: str) -> np.ndarray:
+    """A wire array -> a read-only ndarray of exactly `dtype` and `ndim` dimensions, its bytes matching its shape."""
+    if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
+        raise ProtocolError(f"{what} is not an array (dtype, shape, data)")
+    shape, data = obj["shape"], obj["data"]
+    if obj["dtype"] != dtype:
+        raise ProtocolError(f"{what} has dtype {printable(str(obj['dtype'])[:20])}, expected {dtype}")
+    if (not isinstance(shape, list) or len(shape) != ndim
+            or not all(type(n) is int and 0 <= n <= MAX_ARRAY_ELEMENTS for n in shape)):
+        raise ProtocolError(f"{what} does not have a shape of {ndim} sizes in [0, {MAX_ARRAY_ELEMENTS}]")
+    count = int(np.prod(shape, dtype=np.int64))
+    if count > MAX_ARRAY_ELEMENTS or type(data) is not bytes or len(data) != count * _DTYPES[dtype].itemsize:
+        raise ProtocolError(f"{what}: {len(data) if type(data) is bytes else 'no'} data bytes for shape {shape}")
+    return np.frombuffer(data, dtype=_DTYPES[dtype]).reshape(shape)
+
+
+def encode_answer(answer: Any) -> dict:
+    """A node's answer as Ray gave it (in the child) -> its wire form: the signed body and signature as bytes, a
+    reply's outputs as [expert, float32 array] pairs. Anything else cannot be carried: NodeFailed."""
+    if (not isinstance(answer, dict) or set(answer) not in _ANSWER_KEYS
+            or type(answer["body"]) is not bytes or type(answer["signature"]) is not bytes):
+        raise NodeFailed("the answer is not a signed answer (a mapping of body and signature bytes, and a "
+                           "reply's outputs): refused")
+    wire = {"body": answer["body"], "signature": answer["signature"]}
+    if "outputs" in answer:
+        outputs = answer["outputs"]
+        if not isinstance(outputs, dict) or not all(
+                type(e) is int and type(y) is np.ndarray and y.dtype == np.float32 and y.ndim == 2
+                for e, y in outputs.items()):
+            raise NodeFailed("the reply's outputs are not a mapping of expert ids to 2-D float32 arrays")
+        wire["outputs"] = [[e, encode_array(y)] for e, y in outputs.items()]
+    return wire
+
+
+def decode_answer(obj: Any) -> dict:
+    """An answer's wire form (from the child, untrusted) -> the mapping `RemoteExperts` checks: body, signature and
+    for a reply {expert: [t_e, H] float32}. Only the form is checked here; every other check is the coordinator's."""
+    if (not isinstance(obj, dict) or set(obj) not in _ANSWER_KEYS
+            or type(obj["body"]) is not bytes or type(obj["signature"]) is not bytes):
+        raise ProtocolError("an answer that is not body and signature bytes")
+    answer = {"body": obj["body"], "signature": obj["signature"]}
+    if "outputs" in obj:
+        pairs = obj["outputs"]
+        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and type(p[0]) is int
+                                                  and 0 <= p[0] < 1 << 31 for p in pairs):
+            raise ProtocolError("a reply's outputs that are not [expert, array] pairs")
+        outputs = {e: decode_array(y, "<f4", 2, f"expert {e}'s output") for e, y in pairs}
+        if len(outputs) != len(pairs):
+            raise ProtocolError("a reply's outputs name an expert twice")
+        answer["outputs"] = outputs
+    return answer
+
+
+
+def encode_call(layer: int, expert_ids, x: np.ndarray, rows, nonce: str) -> bytes:
+    """One `run` call's arguments as the bytes a node's actor takes (`decode_call`)."""
+    return pack({"layer": int(layer), "experts": [int(e) for e in expert_ids], "x": encode_array(x),
+                 "rows": [[int(e), encode_array(r)] for e, r in rows.items()], "nonce": nonce})
+
+
+def decode_call(call: Any) -> tuple[Any, Any, np.ndarray, dict[int, np.ndarray], Any]:
+    """A call's bytes (at a node, from the wire) -> (layer, expert ids, x [n, H] float32, {expert: rows int64},
+    nonce), their form checked here (a UsageError naming what is wrong); their values are NodeService.run's to check."""
+    if type(call) is not bytes or len(call) > MAX_FRAME:
+        raise UsageError(f"a call must be at most {MAX_FRAME} bytes of msgpack, got a {type(call).__name__}")
+    try:
+        doc = unpack(call)
+        if set(doc) != _CALL_KEYS:
+            raise ProtocolError(f"a call must have exactly the keys {sorted(_CALL_KEYS)}")
+        pairs = doc["rows"]
+        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and type(p[0]) is int
+                                                  for p in pairs):
+            raise ProtocolError("a call's rows are not [expert, array] pairs")
+        rows = {e: decode_array(r, "<i8", 1, f"rows of expert {e}") for e, r in pairs}
+        if len(rows) != len(pairs):
+            raise ProtocolError("a call's rows name an expert twice")
+        x = decode_array(doc["x"], "<f4", 2, "the hidden states")
+    except ProtocolError as e:
+        raise UsageError(str(e)) from None
+    return doc["layer"], doc["experts"], x, rows, doc["nonce"]
