@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import CACHED_MODEL, PROMPTS  # noqa: E402
 
 from shardtool.runtime.model import (DictWeightProvider, KVCache, Model, ModelConfig, Segment, _forward,  # noqa: E402
-                                     _layers, forward_batch, set_threads)
+                                     _layers, forward_batch, set_threads, trunk_shapes)
 
 PARTS = ("projections", "attention core", "router", "routed experts", "shared expert", "head")
 
@@ -47,23 +47,22 @@ def _model(seed: int = 0) -> Model:
         "num_attention_heads": k["heads"], "num_key_value_heads": k["kv_heads"], "intermediate_size": k["intermediate"],
         "num_local_experts": k["experts"], "num_experts_per_tok": k["experts_per_tok"], "max_position_embeddings": 256})
     rng = np.random.default_rng(seed)
-    h, i, hd = cfg.hidden_size, cfg.moe_intermediate_size, cfg.head_dim
-    state = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab_size, h), np.float32),
-             "model.norm.weight": np.ones(h, np.float32), "lm_head.weight": rng.standard_normal((cfg.vocab_size, h),
-                                                                                                np.float32) * 0.05}
+
+    def rand(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name.endswith("norm.weight"):
+            return np.ones(shape, np.float32)
+        return rng.standard_normal(shape, np.float32) * np.float32(1.0 if name == "embed" else 0.05)
+
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    state = {"model.embed_tokens.weight": rand("embed", (cfg.vocab_size, h)),
+             "model.norm.weight": rand("norm.weight", (h,)), "lm_head.weight": rand("lm_head", (cfg.vocab_size, h))}
     for layer in range(cfg.num_layers):
-        p = f"model.layers.{layer}."
-        for name, shape in (("self_attn.q_proj", (cfg.num_heads * hd, h)), ("self_attn.k_proj", (cfg.num_kv_heads * hd, h)),
-                            ("self_attn.v_proj", (cfg.num_kv_heads * hd, h)), ("self_attn.o_proj", (h, cfg.num_heads * hd)),
-                            ("block_sparse_moe.gate", (cfg.num_experts, h))):
-            state[p + name + ".weight"] = rng.standard_normal(shape, np.float32) * 0.05
-        state[p + "input_layernorm.weight"] = np.ones(h, np.float32)
-        state[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
+        required, _ = trunk_shapes(cfg, layer)
+        state |= {f"model.layers.{layer}.{name}": rand(name, shape) for name, shape in required.items()}
         for e in range(cfg.num_experts):
-            q = f"{p}block_sparse_moe.experts.{e}."
-            state |= {q + "w1.weight": rng.standard_normal((i, h), np.float32) * 0.05,
-                      q + "w3.weight": rng.standard_normal((i, h), np.float32) * 0.05,
-                      q + "w2.weight": rng.standard_normal((h, i), np.float32) * 0.05}
+            p = f"model.layers.{layer}.mlp.experts.{e}."
+            state |= {p + "gate_proj.weight": rand("", (i, h)), p + "up_proj.weight": rand("", (i, h)),
+                      p + "down_proj.weight": rand("", (h, i))}
     return Model(cfg, DictWeightProvider(state))
 
 

@@ -29,10 +29,11 @@ def forward_batch(cfg: ModelConfig, weights: PackedWeights, rope: tuple[np.ndarr
     """# segments of t_i token ids -> logits [n, V] for the rows the segments ask for, in segment order
     (None when none asks).
 
-    The rows of every segment go through each layer together: attention's products run on all rows at once and
-    its scores each segment against its own cache and positions; the MLP and the experts run on all rows at once, so an expert chosen by several
-    sequences is fetched once per step. Each segment's keys and values are appended to its cache, and every
-    cache commits only after the last layer and the head succeeded: a step that fails leaves all as they were.
+    The rows of every segment go through each layer together: the attention's products run on all rows at once,
+    its scores each segment against its own cache and positions; the MLP and the experts run on all rows at once,
+    so an expert chosen by several sequences is fetched once per step. Each segment's keys and values are appended
+    to its cache, and every cache commits only after the last layer and the head succeeded: a step that fails
+    leaves all as they were.
     """
     if _decode_row.applies(cfg, segments):  # one sequence's decode row: the same result with less Python
         return _decode_row.step(cfg, weights, rope, segments[0])
