@@ -285,7 +285,26 @@ def _load_phases(server: Server, tokens: int) -> dict:
             steps = after[STEP_SECONDS] - before[STEP_SECONDS]
             out[clients] |= {"wall_ms_per_token": wall / n * 1e3, "step_ms_per_token": steps / n * 1e3,
                              "rest_ms_per_token": (wall - steps) / n * 1e3}
+        out[clients] |= _step_timings(before, after, wall)
     return out
+
+
+def _step_timings(before: dict, after: dict, wall: float) -> dict:
+    """Each server's own per-step figures from its /metrics deltas around a phase: shardtool's mean forward step
+    (step seconds over steps) and mean batch; llama-server's (--metrics) mean time a slot took per generated token,
+    which at one token per slot per llama_decode is the wall time of a decode step, and the phase's wall time over
+    its llama_decode calls (the server loop's whole iteration)."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    if delta("shardtool_steps_total"):
+        return {"step_ms": delta(STEP_SECONDS) / delta("shardtool_steps_total") * 1e3,
+                "rows_per_step": delta("shardtool_step_sequences_total") / delta("shardtool_steps_total")}
+    if delta("llamacpp:n_decode_total") and delta("llamacpp:tokens_predicted_total"):
+        return {"step_ms": delta("llamacpp:tokens_predicted_seconds_total") / delta("llamacpp:tokens_predicted_total")
+                * 1e3, "wall_ms_per_decode": wall / delta("llamacpp:n_decode_total") * 1e3,
+                "rows_per_step": delta("llamacpp:tokens_predicted_total") / delta("llamacpp:n_decode_total")}
+    return {}
 
 
 def vs_llama(work: Path, repeats: int, tokens: int) -> dict:
@@ -306,7 +325,7 @@ def vs_llama(work: Path, repeats: int, tokens: int) -> dict:
     def llama() -> Server:
         port = _free_port()
         argv = _llamacpp.server_argv(gguf, port, parallel=max(LLAMA_CLIENTS), ctx_size=max(LLAMA_CLIENTS) * ctx,
-                                     threads=THREADS) + ["-ctk", "f32", "-ctv", "f32", "--ignore-eos"]
+                                     threads=THREADS) + ["-ctk", "f32", "-ctv", "f32", "--ignore-eos", "--metrics"]
         return Server.of(work, argv, f"http://127.0.0.1:{port}")
 
     def in_process_tps() -> float:
@@ -358,6 +377,15 @@ def vs_llama(work: Path, repeats: int, tokens: int) -> dict:
               f"{split['step_ms_per_token']:.3f} ms, the rest {split['rest_ms_per_token']:.3f} ms "
               f"({split['rest_ms_per_token'] / split['step_ms_per_token']:.1%} of the steps) of "
               f"{split['wall_ms_per_token']:.3f} ms")
+    for name in med:
+        for c in LLAMA_CLIENTS:
+            timed = [r[c] for r in runs[name] if "step_ms" in r[c]]
+            if timed:
+                print(f"{name:<16} {c:>2} client(s), its own per-step timing: "
+                      f"{median([r['step_ms'] for r in timed]):.2f} ms a step, "
+                      f"{median([r['rows_per_step'] for r in timed]):.1f} rows a step"
+                      + (f", {median([r['wall_ms_per_decode'] for r in timed]):.2f} ms of wall time a llama_decode"
+                         if "wall_ms_per_decode" in timed[0] else ""))
     ratios = {"serve_1_vs_verify_and_run": ours[1] / vr, "serve_1_vs_in_process": ours[1] / warm,
               **{f"serve_vs_llama_server_{c}": ours[c] / theirs[c] for c in LLAMA_CLIENTS}}
     print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))

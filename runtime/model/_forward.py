@@ -3,7 +3,7 @@ at a time."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from itertools import accumulate, chain
 
@@ -16,7 +16,7 @@ from ._activations import prefill_chunk
 from ._cache import KVCache
 from ._config import ModelConfig
 from ._llama4 import chunked_mask
-from ._layers import Attend, ExpertUnavailable, causal_mask, decoder_layer, gqa_attention, mla_attention, rms_norm
+from ._layers import GQA, MLA, Attend, AttentionParts, ExpertUnavailable, causal_mask, decoder_layer, rms_norm
 from ._packed import matmul_t
 from ._rope import cos_sin, inv_freq
 from ._segment import Segment
@@ -29,10 +29,11 @@ def forward_batch(cfg: ModelConfig, weights: PackedWeights, rope: tuple[np.ndarr
     """# segments of t_i token ids -> logits [n, V] for the rows the segments ask for, in segment order
     (None when none asks).
 
-    The rows of every segment go through each layer together: attention runs each segment against its own
-    cache and positions, the MLP and the experts run on all rows at once, so an expert chosen by several
-    sequences is fetched once per step. Each segment's keys and values are appended to its cache, and every
-    cache commits only after the last layer and the head succeeded: a step that fails leaves all as they were.
+    The rows of every segment go through each layer together: the attention's products run on all rows at once,
+    its scores each segment against its own cache and positions; the MLP and the experts run on all rows at once,
+    so an expert chosen by several sequences is fetched once per step. Each segment's keys and values are appended
+    to its cache, and every cache commits only after the last layer and the head succeeded: a step that fails
+    leaves all as they were.
     """
     if _decode_row.applies(cfg, segments):  # one sequence's decode row: the same result with less Python
         return _decode_row.step(cfg, weights, rope, segments[0])
@@ -85,7 +86,7 @@ def _attends(cfg: ModelConfig, rope: tuple[np.ndarray, float], segments: Sequenc
         kv_len = seg.cache.length + len(seg.ids)
         where.append((cos, sin, {(w, c): causal_mask(q_pos, kv_len, w) if c is None else chunked_mask(q_pos, kv_len, c)
                                  for w, c in kinds}))
-    attention = mla_attention if cfg.mla is not None else gqa_attention
+    attention = MLA if cfg.mla is not None else GQA
     attends = []
     for layer, (span, rotated) in enumerate(zip(spans, rotary)):
         # per segment: its rows, and attention's arguments after (x, w, cfg): cos, sin, mask, append_kv
@@ -95,15 +96,19 @@ def _attends(cfg: ModelConfig, rope: tuple[np.ndarray, float], segments: Sequenc
     return attends
 
 
-def _attend(attention: Callable, cfg: ModelConfig, parts: list[tuple]) -> Attend:
-    """One layer's `Attend` over the segments' (rows lo:hi, attention's arguments after x, w and cfg)."""
+def _attend(attention: AttentionParts, cfg: ModelConfig, parts: list[tuple]) -> Attend:
+    """One layer's `Attend` over the segments' (rows lo:hi, attention's arguments after x, w and cfg): the
+    attention's row-wise parts (projections, output product) once on all the step's rows, its `attend` on each
+    segment's rows against that segment's cache."""
     if len(parts) == 1:  # one sequence: all the rows, no slicing and no concatenation
         (_, _, (cos, sin), mask, append_kv), = parts
         return lambda xn, w: attention(xn, w, cfg, cos, sin, mask, append_kv)
 
     def attend(xn: np.ndarray, w: Mapping[str, np.ndarray]) -> np.ndarray:  # [sum t, H] -> [sum t, H]
-        return np.concatenate([attention(xn[lo:hi], w, cfg, cos, sin, mask, append_kv)
-                               for lo, hi, (cos, sin), mask, append_kv in parts])
+        rows, extra = attention.project(xn, w, cfg)  # each [sum t, ...]
+        out = np.concatenate([attention.attend(*(a[lo:hi] for a in rows), w, cfg, cos, sin, mask, append_kv)
+                              for lo, hi, (cos, sin), mask, append_kv in parts])  # [sum t, ...]
+        return attention.output(out, w, cfg, extra)
     return attend
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -148,12 +149,42 @@ def attention_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> 
     return (softmax(scores) @ v).reshape(1, nh, dv)
 
 
+@dataclass(frozen=True)
+class AttentionParts:
+    """A family's self-attention in the parts a batched step runs apart: `project` on all the step's rows at once
+    (products, biases, QK norms, clipping: nothing that depends on a row's sequence), `attend` on each sequence's
+    rows against its own cache (rotary embedding at its positions, cache append, scores, mask, softmax, sinks,
+    values), `output` on all rows again (the output products). Called as a function, the three in a row: one
+    sequence's attention, the definition the batched step splits.
+
+    - project: normed rows [T, H], w, cfg -> (per-row tensors, each [T, ...]; what `output` needs besides them)
+    - attend: one sequence's rows [t, ...] of each per-row tensor, w, cfg, cos, sin, mask, append_kv -> [t, ...]
+    - output: the sequences' results concatenated [T, ...], w, cfg, what `project` gave besides -> [T, H]
+    """
+
+    project: Callable
+    attend: Callable
+    output: Callable
+
+    def __call__(self, x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray | None, sin: np.ndarray | None,
+                 mask: np.ndarray | None, append_kv: Callable) -> np.ndarray:
+        """# one sequence's normed rows [T, H] -> [T, H]"""
+        rows, extra = self.project(x, w, cfg)
+        return self.output(self.attend(*rows, w, cfg, cos, sin, mask, append_kv), w, cfg, extra)
+
+
 def gqa_attention(x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray, sin: np.ndarray,
                   mask: np.ndarray | None, append_kv: Callable) -> np.ndarray:
-    """# [T, H] -> [T, H]  (Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE self-attention with a KV cache)
+    """# [T, H] -> [T, H]  (Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE/Llama 4/gpt-oss self-attention with a KV cache)
 
     `append_kv(k [kvh, T, d], v [kvh, T, d])` stores this step's keys/values and returns all of them [kvh, S, d].
     """
+    return GQA(x, w, cfg, cos, sin, mask, append_kv)
+
+
+def _gqa_project(x: np.ndarray, w: Weights, cfg: ModelConfig) -> tuple[tuple[np.ndarray, ...], None]:
+    """# normed rows [T, H] -> (q [T, nh, hd], k [T, kvh, hd], v [T, kvh, hd]), None: the projections with their
+    biases, OLMoE's whole-projection QK norm, the clip, Qwen3's per-head QK norm"""
     t = x.shape[0]
     nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = linear(x, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
@@ -168,6 +199,14 @@ def gqa_attention(x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray, 
     if cfg.qk_norm == "per_head":  # Qwen3: norm over each head's channels
         q = rms_norm(q, w["self_attn.q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, w["self_attn.k_norm.weight"], cfg.rms_norm_eps)
+    return (q, k, v), None
+
+
+def _gqa_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray | None,
+                sin: np.ndarray | None, mask: np.ndarray | None, append_kv: Callable) -> np.ndarray:
+    """# one sequence's q [t, nh, hd], k [t, kvh, hd], v [t, kvh, hd] -> [t, nh * hd]: rotary embedding (Llama 4's
+    or a NoPE layer's positions), its keys and values appended to its cache, attention over them (mask, sinks)"""
+    t = q.shape[0]
     if cfg.chunked_nope is not None:  # Llama 4: interleaved RoPE + L2 norm, or a NoPE layer (cos is None)
         q, k = _llama4.position_qk(q, k, cos, sin, cfg.chunked_nope, cfg.rms_norm_eps,
                                    cfg.rope.interleave)
@@ -177,7 +216,15 @@ def gqa_attention(x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray, 
     if cfg.chunked_nope is not None and cos is None:
         q = _llama4.nope_temperature(q, keys.shape[1] - t, cfg.chunked_nope)
     out = attention(q, keys, values, cfg.attn_scale, mask, w.get("self_attn.sinks"))
-    return linear(out.reshape(t, nh * hd), w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+    return out.reshape(t, cfg.num_heads * cfg.head_dim)
+
+
+def _gqa_output(out: np.ndarray, w: Weights, cfg: ModelConfig, extra: None) -> np.ndarray:
+    """# [T, nh * hd] -> [T, H]"""
+    return linear(out, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+
+
+GQA = AttentionParts(_gqa_project, _gqa_attend, _gqa_output)
 
 
 def mla_attention(x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray, sin: np.ndarray,
@@ -189,6 +236,13 @@ def mla_attention(x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray, 
     cached token, kv_b_proj is folded into the query and the output ("weight absorption"); the result is
     the same sum of products in a different order.
     """
+    return MLA(x, w, cfg, cos, sin, mask, append_kv)
+
+
+def _mla_project(x: np.ndarray, w: Weights, cfg: ModelConfig) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """# normed rows [T, H] -> (q_latent [T, nh, r], q_pe [T, nh, dr], latent [T, r], k_pe [T, dr]), kv_b_proj
+    [nh, dn + dv, r] float32: the low-rank projections and their norms, the query's no-rotary part absorbed into
+    the latent space (q_latent), the rotary parts not rotated yet"""
     m = cfg.mla
     t, nh = x.shape[0], cfg.num_heads
     dn, dr, dv, r = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
@@ -200,23 +254,44 @@ def mla_attention(x: np.ndarray, w: Weights, cfg: ModelConfig, cos: np.ndarray, 
     q = q.reshape(t, nh, dn + dr)
     compressed = linear(x, w["self_attn.kv_a_proj_with_mqa.weight"], w.get("self_attn.kv_a_proj_with_mqa.bias"))
     latent = rms_norm(compressed[:, :r], w["self_attn.kv_a_layernorm.weight"], MLA_NORM_EPS)  # [T, r]
-    rope = apply_rope_interleave if cfg.rope.interleave else apply_rope
-    q_rot = rope(q[:, :, dn:], cos, sin)  # [T, nh, dr]
-    k_rot = rope(compressed[:, None, r:], cos, sin)[:, 0]  # [T, dr], one head shared by all
-    latents, k_rots = append_kv(latent, k_rot)  # [S, r], [S, dr]
-    s = latents.shape[0]
-
     w_kv = _dense(w["self_attn.kv_b_proj.weight"]).reshape(nh, dn + dv, r)
     q_latent = q[:, :, :dn].transpose(1, 0, 2) @ w_kv[:, :dn]  # [nh, T, dn] @ [nh, dn, r] -> [nh, T, r]
-    scores = (q_latent.reshape(nh * t, r) @ latents.T
+    return (q_latent.transpose(1, 0, 2), q[:, :, dn:], latent, compressed[:, r:]), w_kv
+
+
+def _mla_attend(q_latent: np.ndarray, q_pe: np.ndarray, latent: np.ndarray, k_pe: np.ndarray, w: Weights,
+                cfg: ModelConfig, cos: np.ndarray, sin: np.ndarray, mask: np.ndarray | None,
+                append_kv: Callable) -> np.ndarray:
+    """# one sequence's q_latent [t, nh, r], q_pe [t, nh, dr], latent [t, r], k_pe [t, dr] -> out_latent [t, nh, r]:
+    rotary embedding at its positions, its latents and rotary keys appended to its cache, attention over them in
+    the latent space"""
+    t, nh, r = q_latent.shape
+    dr = q_pe.shape[2]
+    rope = apply_rope_interleave if cfg.rope.interleave else apply_rope
+    q_rot = rope(q_pe, cos, sin)  # [t, nh, dr]
+    k_rot = rope(k_pe[:, None], cos, sin)[:, 0]  # [t, dr], one head shared by all
+    latents, k_rots = append_kv(latent, k_rot)  # [S, r], [S, dr]
+    s = latents.shape[0]
+    scores = (q_latent.transpose(1, 0, 2).reshape(nh * t, r) @ latents.T
               + q_rot.transpose(1, 0, 2).reshape(nh * t, dr) @ k_rots.T).reshape(nh, t, s)
     scores *= np.float32(cfg.attn_scale)
     if mask is not None:
         scores = np.where(mask[None], scores, -np.inf)
     out_latent = (softmax(scores).reshape(nh * t, s) @ latents).reshape(nh, t, r)
-    out = out_latent @ w_kv[:, dn:].transpose(0, 2, 1)  # [nh, T, r] @ [nh, r, dv] -> [nh, T, dv]
+    return out_latent.transpose(1, 0, 2)
+
+
+def _mla_output(out_latent: np.ndarray, w: Weights, cfg: ModelConfig, w_kv: np.ndarray) -> np.ndarray:
+    """# out_latent [T, nh, r], kv_b_proj [nh, dn + dv, r] -> [T, H]: the latent values back to each head's (the
+    absorbed value projection), then the output product"""
+    t, nh, _ = out_latent.shape
+    dn, dv = cfg.mla.qk_nope_head_dim, cfg.mla.v_head_dim
+    out = out_latent.transpose(1, 0, 2) @ w_kv[:, dn:].transpose(0, 2, 1)  # [nh, T, r] @ [nh, r, dv] -> [nh, T, dv]
     out = out.transpose(1, 0, 2).reshape(t, nh * dv)
     return linear(out, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+
+
+MLA = AttentionParts(_mla_project, _mla_attend, _mla_output)
 
 
 def _dense(w: np.ndarray | _packed.Packed) -> np.ndarray:
