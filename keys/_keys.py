@@ -184,8 +184,9 @@ def _reencrypt_note(path: Path, kdf: str) -> str | None:
             f"-scrypt_r {SCRYPT_R} -scrypt_p {SCRYPT_P} -in {name} -out {new}) && mv {new} {name}")
 
 
-def load_private_key(path: Path | str, passphrase: Passphrase) -> PrivateKey:
-    """Read the key file once (owner-only, regular, capped); ask for the passphrase only if it is encrypted."""
+def read_private_key(path: Path | str, passphrase: Passphrase, expected: type, expected_name: str):
+    """The private key in a key file read once (owner-only, regular, capped), which must be an `expected`;
+    the passphrase is asked for only if it is encrypted. Returns (the key, advice on its protection or None)."""
     path = Path(path)
     from cryptography.hazmat.primitives import serialization
 
@@ -203,16 +204,22 @@ def load_private_key(path: Path | str, passphrase: Passphrase) -> PrivateKey:
     try:
         key = serialization.load_pem_private_key(data, password=passphrase if encrypted else None)
     except UnsupportedAlgorithm as e:  # a curve, key type or cipher cryptography cannot load
-        raise KeyFileError(f"private key type or encryption is not supported ({e}), expected Ed25519",
+        raise KeyFileError(f"private key type or encryption is not supported ({e}), expected {expected_name}",
                            path=str(path)) from e
     except (ValueError, TypeError) as e:
         if encrypted:
             raise KeyFileError("wrong passphrase (or a corrupt encrypted key)", path=str(path)) from e
         raise KeyFileError("not a PEM PKCS#8 private key", path=str(path)) from e
-    if not isinstance(key, Ed25519PrivateKey):
-        raise KeyFileError(f"private key is {type(key).__name__}, expected Ed25519", path=str(path))
+    if not isinstance(key, expected):
+        raise KeyFileError(f"private key is {type(key).__name__}, expected {expected_name}", path=str(path))
     keep_memory_private()  # the key now lives in this process's memory: no other process of this user may read it
-    return PrivateKey(key, _reencrypt_note(path, kdf_name(data)) if encrypted else None)
+    return key, (_reencrypt_note(path, kdf_name(data)) if encrypted else None)
+
+
+def load_private_key(path: Path | str, passphrase: Passphrase) -> PrivateKey:
+    """An Ed25519 private key file (`read_private_key`)."""
+    key, note = read_private_key(path, passphrase, Ed25519PrivateKey, "Ed25519")
+    return PrivateKey(key, note)
 
 
 def write_keypair(out: Path | str, key: PrivateKey, passphrase: bytes | None, *, force: bool) -> tuple[Path, Path]:
