@@ -203,7 +203,7 @@ def _serialization(raw: Any, where: str | None) -> tuple[str, bool, tuple[str, .
     if ser["method"] != "files":
         raise _fail(f"serialization method {str(ser['method'])[:40]!r} is not supported", where,
                     hint="shardtool checks OMS signatures made per file (method 'files', the default)")
-    if ser["hash_type"] not in DIGEST_SIZES:
+    if not isinstance(ser["hash_type"], str) or ser["hash_type"] not in DIGEST_SIZES:
         raise _fail(f"hash_type {str(ser['hash_type'])[:40]!r} is not supported (expected "
                     f"{' or '.join(DIGEST_SIZES)})", where)
     if not isinstance(ser["allow_symlinks"], bool):
