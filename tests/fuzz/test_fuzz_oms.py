@@ -54,17 +54,17 @@ def _accepted_is_checked(result) -> None:
 
 
 @given(st.binary(max_size=4096))
-def test_arbitrary_bytes(data):
+def test_fuzz_oms_bundle_random_bytes(data):
     _accepted_is_checked(only_our_errors(open_oms_bundle, data, TRUSTED))
 
 
 @given(JSON)
-def test_arbitrary_json_as_a_bundle(value):
+def test_fuzz_oms_bundle_any_json(value):
     assert isinstance(only_our_errors(open_oms_bundle, json.dumps(value).encode(), TRUSTED), ShardtoolError)
 
 
 @given(st.data())
-def test_mutated_genuine_bundle_opens_as_the_original_or_not_at_all(data):
+def test_fuzz_oms_bundle_mutated_signed(data):
     result = only_our_errors(open_oms_bundle, data.draw(mutated(GENUINE)), TRUSTED)
     if not isinstance(result, ShardtoolError):
         assert (result.resources, result.ignore_paths, result.hash_type) == (
@@ -89,10 +89,10 @@ def _statement_shaped(draw):
 
 
 @given(_statement_shaped())
-def test_hostile_statement_signed_by_the_trusted_key(payload):
+def test_fuzz_oms_statement_shaped_signed(payload):
     _accepted_is_checked(only_our_errors(open_oms_bundle, _signed(payload), TRUSTED))
 
 
 @given(st.binary(max_size=2048) | JSON.map(lambda v: json.dumps(v).encode()))
-def test_statement_decoder_on_arbitrary_payloads(payload):
+def test_fuzz_oms_statement_any_payload(payload):
     _accepted_is_checked(only_our_errors(decode_statement, payload, KEY.public))
