@@ -108,6 +108,8 @@ def audit(
 
     With --oms-signature: the OMS signature's EC key signature, then every file against its statement."""
     if oms_signature is not None:
+        _manifest_only(threshold=threshold != 1, manifest=manifest_file, state_dir=state_dir, present_only=present_only,
+                       follow_symlinks=follow_symlinks, model_id=expect_model)
         return _audit_oms(directory, oms_signature, trust, workers=workers, json_out=json_out, quiet=quiet)
     from shardtool.api import audit_files, trusted_manifest
     from shardtool.manifest import describe_head
@@ -141,6 +143,15 @@ def audit(
     say(f"checked {report.files_checked} files, {report.bytes_hashed} bytes in {seconds:.2f}s"
         + (f"; {len(report.absent)} listed shard(s) absent (--present-only)" if present_only else ""))
     _verdict(report, "the signed manifest")
+
+
+def _manifest_only(**given) -> None:
+    """Refuse audit's options for a shardtool manifest when --oms-signature is given: OMS has no threshold, rollback
+    state, model pin or subsets, and silently ignoring one would pass a check the operator asked for."""
+    named = [f"--{name.replace('_', '-')}" for name, value in given.items() if value not in (None, False)]
+    if named:
+        raise UsageError(f"{', '.join(named)} cannot apply to --oms-signature (an OMS signature has no threshold, "
+                         "version, model pin or subset)", hint="see docs/manifest-format.md §9.4")
 
 
 def _with_progress(total: int, quiet: bool, run):

@@ -266,3 +266,11 @@ def test_a_missing_signature_and_a_wrong_key_type_say_so(model, signed, tmp_path
     cli.ok("keygen", "--out", tmp_path / "ed", "--no-passphrase")
     r = cli("audit", model, "--oms-signature", model / SIG, "--trust", tmp_path / "ed.pub")
     assert r.code == 2 and r.error_class == "KeyFileError", r.err
+
+
+@pytest.mark.parametrize("option", [("--threshold", "2"), ("--model-id", "acme/moe"), ("--present-only",),
+                                    ("--state-dir", "st")], ids=lambda o: o[0])
+def test_a_manifest_check_asked_for_with_an_oms_signature_is_refused_not_skipped(option, model, signed, tmp_path):
+    """OMS has no threshold, model pin, rollback state or subset: an operator who asks for one must not get a pass."""
+    r = Cli(tmp_path)("audit", model, "--oms-signature", model / SIG, "--trust", signed[1] / "a.pub", *option)
+    assert r.code == 2 and option[0] in r.one_line(), r.err
