@@ -15,10 +15,10 @@ from typing import Callable, Iterable, Sequence
 import blake3
 
 from shardtool.atomic import atomic_write_bytes
-from shardtool.errors import ShardtoolError, StorageError, UsageError, VerificationError
+from shardtool.errors import DigestMismatchError, ShardtoolError, StorageError, UsageError, VerificationError
 from shardtool.keys import EcPrivateKey
 from shardtool.manifest._document import Manifest
-from shardtool.manifest._files import FileDigest, check_entry, check_size
+from shardtool.manifest._files import FileDigest, check_entry, check_listed_digest, check_size
 from shardtool.manifest._oms import GIT_PATHS, OmsResource, OmsStatement, make_oms_bundle, open_oms_bundle
 from shardtool.manifest._paths import MAX_SEGMENTS
 from shardtool.manifest._records import Entry
@@ -80,9 +80,11 @@ def _check_resource(root: Path, resource: OmsResource, hash_type: str,
     finally:
         os.close(fd)
     found = hasher.digest()
-    if found != resource.digest:
-        return Finding(resource.name, "digest-mismatch", f"{hash_type} differs from the OMS statement's",
-                       expected_digest=expected, found_size=size, found_digest=found.hex()), size
+    try:
+        check_listed_digest(resource.name, hash_type, resource.digest, found)
+    except DigestMismatchError as e:
+        return Finding(resource.name, e.finding, e.message, expected_digest=expected, found_size=size,
+                       found_digest=found.hex()), size
     return None, size
 
 

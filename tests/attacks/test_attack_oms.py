@@ -19,7 +19,7 @@ import pytest
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from _kit.cli import BIN, Cli
+from _kit.cli import Cli
 
 FILES = {
     "config.json": b'{"model_type": "mixtral"}',
