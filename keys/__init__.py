@@ -3,6 +3,9 @@
 
 from shardtool.keys._files import MAX_PASSPHRASE_FILE, read_key_file
 from shardtool.keys._keys import (
+    ALGORITHMS,
+    SIGNATURE_SIZES,
+    mldsa_available,
     MIN_PASSPHRASE_CHARS,
     PUBLIC_KEY_SIZE,
     SIGNATURE_SIZE,
@@ -21,6 +24,7 @@ from shardtool.keys._keys import (
 )
 
 _EAGER = [
+    "ALGORITHMS", "SIGNATURE_SIZES", "mldsa_available",
     "MAX_PASSPHRASE_FILE", "MIN_PASSPHRASE_CHARS", "PUBLIC_KEY_SIZE", "SIGNATURE_SIZE", "Passphrase", "PrivateKey",
     "PublicKey", "check_new_passphrase", "generate", "key_id", "load_private_key", "load_public_key", "private_pem",
     "public_key_from_pem", "read_key_file", "trusted_keys", "write_keypair",
