@@ -68,3 +68,13 @@ def test_threshold_rules_hold_for_ml_dsa(case, pq, ed25519_keys, raises_exactly)
 def test_a_signature_of_no_algorithms_size_is_refused(size, raises_exactly):
     with raises_exactly(ManifestFormatError):
         Signature("abcd", b"\x01" * size)
+
+
+def test_a_cluster_node_key_must_stay_ed25519(pq, raises_exactly):
+    """A node signs its replies with Ed25519 and a plan names 32 raw bytes: an ML-DSA node key is refused when the
+    plan is made, not by the node that later cannot read the plan."""
+    from shardtool.errors import UsageError
+    from shardtool.runtime.engine._cluster_plan import make_plan
+
+    with raises_exactly(UsageError):
+        make_plan(None, [("a", 1 << 30, None)], 1, keys={"a": pq[0].public})
