@@ -150,7 +150,7 @@ def open_oms_bundle(data: bytes, trusted: Sequence[EcPublicKey], *, where: str |
     if bundle["mediaType"] != BUNDLE_MEDIA_TYPE:
         raise _fail(f"bundle mediaType must be {BUNDLE_MEDIA_TYPE!r}, got {str(bundle['mediaType'])[:80]!r}", where)
     material = _fields(bundle["verificationMaterial"], ("publicKey",), ("tlogEntries",), "verificationMaterial",
-                       where, )
+                       where)
     tlog = material.get("tlogEntries", [])
     if not isinstance(tlog, list) or len(tlog) > MAX_TLOG_ENTRIES:
         raise _fail("verificationMaterial.tlogEntries must be empty in a key-signed bundle", where,
