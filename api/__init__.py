@@ -7,11 +7,13 @@ The runtime's names are imported on first use (PEP 562): `sign` and `audit` do n
 
 from typing import Any
 
+from shardtool.api._oms import OmsAudit, OmsExport, audit_oms, export_oms, trusted_oms
 from shardtool.api._publish import Audit, Signed, audit, audit_files, sign, trusted_manifest, verify
 
 _RUNTIME = ("Generation", "VerifiedModel", "open_model")
 
-__all__ = ["Audit", "Signed", "audit", "audit_files", "sign", "trusted_manifest", "verify", *_RUNTIME]
+__all__ = ["Audit", "OmsAudit", "OmsExport", "Signed", "audit", "audit_files", "audit_oms", "export_oms", "sign",
+           "trusted_manifest", "trusted_oms", "verify", *_RUNTIME]
 
 
 def __getattr__(name: str) -> Any:

@@ -80,7 +80,14 @@ def audit_files(directory: str | Path, path: Path, verified, *, present_only: bo
 
     directory = Path(directory)
     own = manifest_relpath(directory, path)
-    report = audit_directory(directory, verified, ignore=[own] if own is not None else [], present_only=present_only,
+    # The OMS signature beside the manifest (`export-oms`) is signature material like the manifest, not a model file
+    # (unless this manifest lists a file of that name: then it is checked like any other).
+    from shardtool.manifest import SIGNATURE_NAME
+
+    ignore = [] if own is None else [own]
+    if not any(e.path == SIGNATURE_NAME for e in verified.entries):
+        ignore.append(SIGNATURE_NAME)
+    report = audit_directory(directory, verified, ignore=ignore, present_only=present_only,
                              follow_symlinks=follow_symlinks, workers=workers, progress=progress)
     return Audit(path, verified, report)
 

@@ -27,13 +27,14 @@ from shardtool.safetensors_format import (
     parse_safetensors,
     read_header,
 )
-from shardtool.checkpoint._split import (SplitJob, SplitResult, default_model_id, prepare_split, run_split,
-                                         split_checkpoint)
+from shardtool.checkpoint._split import (OMS_RECORD_NAME, SplitJob, SplitResult, default_model_id, prepare_split,
+                                         run_split, split_checkpoint, with_oms_record)
 
 __all__ = [
     "check_contract_keys", "default_model_id", "load_json",
     "CONTRACT_KEYS", "DEFAULT_CONTEXT_TOKENS", "DTYPE_SIZES", "Estimate", "Header", "JoinResult", "ModelShape",
     "SUPPORTED_FAMILIES", "SplitJob", "SplitResult", "TensorInfo", "TensorSpec", "contract_from_config",
     "detect_family", "encode_header", "estimate", "join_checkpoint", "model_shape", "numpy_dtype", "parse_header",
-    "parse_safetensors", "prepare_split", "read_header", "run_split", "split_checkpoint",
+    "parse_safetensors", "prepare_split", "read_header", "run_split", "split_checkpoint", "OMS_RECORD_NAME",
+    "with_oms_record",
 ]

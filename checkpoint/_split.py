@@ -21,6 +21,7 @@ import os
 import time
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -45,6 +46,11 @@ SOURCE_KEY = "shardtool.source"
 SOURCE_FORMAT = 1
 QUANTIZED_KEY = "quantized"  # in a shard's source record: the --quantize method its expert projections went through
 MANIFEST_NAME = "manifest.msgpack"
+# An OpenSSF Model Signing signature of the checkpoint is signature material, not a model file: never copied. With
+# `split --oms-signature`, the statement it signs is recorded instead, in this signed file of the split.
+OMS_SIGNATURE_NAME = "model.sig"
+OMS_RECORD_NAME = "source.oms.json"
+OMS_RECORD_FORMAT = "shardtool-oms-source-v1"
 MAX_SOURCE_METADATA_BYTES = 64 * 1024  # a source file's __metadata__ is copied into every shard made from it
 MAX_OUTPUT_MODE = 0o644  # an output file's mode: this, narrowed by the modes of the files it is made from
 _PLACEHOLDER_DIGEST = bytes(32)
@@ -194,12 +200,28 @@ def prepare_split(src: Path, *, expert_pattern: str | None = None, quantize: str
         outputs.append(OutputFile(plan.path, plan.kind, plan.layer, plan.expert, header, plan.pieces, None,
                                   len(header) + sum(s.nbytes for s in specs)))
     for name in ckpt.side_files:
-        if name == MANIFEST_NAME:
+        if name in (MANIFEST_NAME, OMS_SIGNATURE_NAME):
             continue
         kind, _, _ = classify(name)
         outputs.append(OutputFile(name, kind, None, None, b"", (), name, ckpt.items[name].size))
     _check_entries(outputs)
     return SplitJob(ckpt, family, tuple(outputs), {o.path: _output_mode(o, ckpt) for o in outputs}, report)
+
+
+def with_oms_record(job: SplitJob, statement: Any) -> SplitJob:
+    """`job` with one more output, `source.oms.json`: which OMS statement (`OmsStatement`, verified against the
+    checkpoint by the caller) the input matched, by the SHA-256 of the signed statement. It is an `other` entry of
+    the new manifest, so the record is covered by the manifest's signature without a new field in its head (which
+    every existing verifier would refuse)."""
+    if any(o.path == OMS_RECORD_NAME for o in job.outputs):
+        raise UsageError(f"the checkpoint holds a file named {OMS_RECORD_NAME}, the name split gives the OMS record",
+                         path=str(job.checkpoint.root / OMS_RECORD_NAME))
+    record = json.dumps({"format": OMS_RECORD_FORMAT, "statement_sha256": statement.statement_sha256.hex(),
+                         "subject_sha256": statement.root_digest.hex(), "model_name": statement.model_name,
+                         "hash_type": statement.hash_type, "files": len(statement.resources),
+                         "signer_key_hint": statement.signer.hint}, sort_keys=True, indent=1).encode() + b"\n"
+    out = OutputFile(OMS_RECORD_NAME, "other", None, None, record, (), None, len(record))
+    return dataclasses.replace(job, outputs=(*job.outputs, out), modes={**job.modes, OMS_RECORD_NAME: 0o644})
 
 
 def _output_mode(out: OutputFile, ckpt: Checkpoint) -> int:

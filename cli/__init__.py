@@ -24,7 +24,7 @@ _MODULES = ("keys_cmd", "manifest_cmd", "checkpoint_cmd", "run_cmd", "serve_cmd"
 COMMANDS = {
     "keygen": "keys_cmd",
     "manifest": "manifest_cmd", "sign": "manifest_cmd", "audit": "manifest_cmd", "prove": "manifest_cmd",
-    "verify-shard": "manifest_cmd",
+    "verify-shard": "manifest_cmd", "export-oms": "manifest_cmd",
     "split": "checkpoint_cmd", "join": "checkpoint_cmd", "inspect": "checkpoint_cmd",
     "verify-and-run": "run_cmd",
     "serve": "serve_cmd",

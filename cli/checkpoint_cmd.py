@@ -55,6 +55,11 @@ def split(
                                                       "are lost: sign the new one again)."),
     json_out: bool = typer.Option(False, "--json", help="Print one summary document on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    oms_signature: Optional[Path] = typer.Option(
+        None, "--oms-signature", help="Split only a checkpoint this OpenSSF Model Signing signature verifies "
+        "(with --trust), and record its statement's digest in OUT/source.oms.json, a signed file of the split."),
+    oms_trust: List[Path] = typer.Option([], "--trust", help="With --oms-signature: the OMS signer's EC public key "
+                                         "(repeatable)."),
 ) -> None:
     """Split a MoE checkpoint into per-expert and trunk shards and write its unsigned manifest."""
     from shardtool.checkpoint import default_model_id, prepare_split, run_split
@@ -65,7 +70,11 @@ def split(
 
     # Refusals (links out of the checkpoint or into OUT, layer numbers beyond the format, bad options) all
     # happen before the first byte is written; names from disk are escaped before they reach the terminal.
+    if oms_trust and oms_signature is None:
+        raise UsageError("--trust is for --oms-signature; split checks no other signature")
     job = prepare_split(checkpoint, expert_pattern=expert_pattern, quantize=quantize, quantize_trunk=quantize_trunk)
+    if oms_signature is not None:
+        job = _oms_checked(job, checkpoint, oms_signature, oms_trust)
     model_id = model_id or default_model_id(job.checkpoint.root, job.checkpoint.config)
     with Progress(job.total_bytes, "split", enabled=not quiet) as progress:
         result = run_split(job, out, model_id=model_id, version=version,
@@ -84,6 +93,24 @@ def split(
         f"{result.files_reused} reused, {format_size(result.bytes_total)} in {result.seconds:.1f} s "
         f"({format_rate(rate)}); unsigned manifest {printable(str(out / 'manifest.msgpack'))} for model "
         f"{result.model_id} version {result.version}")
+
+
+def _oms_checked(job, checkpoint: Path, signature: Path, trust: List[Path]):
+    """The split job with its OMS record, once every file of the checkpoint matches the OMS statement; else the
+    first finding, and how many there are, as the one error line (split is a producer: exit 2)."""
+    from shardtool.api import audit_oms
+    from shardtool.checkpoint import with_oms_record
+    from shardtool.errors import VerificationError
+
+    result = audit_oms(checkpoint, signature, trust)
+    findings = result.report.findings
+    if findings:
+        raise VerificationError(f"the checkpoint does not match its OMS signature: {len(findings)} finding(s); "
+                                f"first: {findings[0].line()}", path=str(checkpoint),
+                                hint="`shardtool audit CKPT --oms-signature SIG --trust EC.pub` names every one")
+    say(f"checkpoint matches the OMS statement {result.statement.statement_sha256.hex()} signed by EC key "
+        f"{result.statement.signer.keyid}")
+    return with_oms_record(job, result.statement)
 
 
 def _refuse_signed_manifest(out: Path) -> None:

@@ -1,4 +1,5 @@
-"""`shardtool manifest | sign | audit`: build, sign and check the signed manifest of a model directory."""
+"""`shardtool manifest | sign | audit | export-oms`: build, sign and check the signed manifest of a model directory;
+export and check OpenSSF Model Signing (OMS) signatures."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from shardtool.errors import ShardtoolError, UsageError
 def register(app: typer.Typer) -> None:
     app.command("manifest")(producer(manifest))
     app.command("sign")(producer(sign))
+    app.command("export-oms")(producer(export_oms))
     app.command("audit")(audit)
     app.command("prove")(producer(prove))
     app.command("verify-shard")(verify_shard)
@@ -39,7 +41,10 @@ def manifest(
     directory = model_dir(directory)
     out = manifest_path(directory, manifest_file)
     started = time.monotonic()
-    entries = hash_directory(directory, exclude=relative_inside(directory, out))
+    from shardtool.manifest import SIGNATURE_NAME
+
+    # An OMS signature (`export-oms`) signs the manifest's files and is left out of them, as the manifest is.
+    entries = hash_directory(directory, exclude=relative_inside(directory, out) + [SIGNATURE_NAME])
     if model_id is None:
         from shardtool.checkpoint import default_model_id
 
@@ -95,10 +100,18 @@ def audit(
     json_out: bool = typer.Option(False, "--json", help="Print one report document on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar; the verdict and findings are still "
                                                             "printed on stderr; the exit code says it: 0 OK."),
+    oms_signature: Optional[Path] = typer.Option(
+        None, "--oms-signature", help="Check DIR against this OpenSSF Model Signing signature (model.sig) instead of "
+        "a shardtool manifest; --trust then names the signer's EC public key(s)."),
 ) -> None:
-    """Verify the manifest's signatures, threshold, expiry and rollback floor, then every file."""
+    """Verify the manifest's signatures, threshold, expiry and rollback floor, then every file.
+
+    With --oms-signature: the OMS signature's EC key signature, then every file against its statement."""
+    if oms_signature is not None:
+        _manifest_only(threshold=threshold != 1, manifest=manifest_file, state_dir=state_dir, present_only=present_only,
+                       follow_symlinks=follow_symlinks, model_id=expect_model)
+        return _audit_oms(directory, oms_signature, trust, workers=workers, json_out=json_out, quiet=quiet)
     from shardtool.api import audit_files, trusted_manifest
-    from shardtool.cli._progress import Progress
     from shardtool.manifest import describe_head
 
     directory = model_dir(directory)
@@ -112,9 +125,9 @@ def audit(
         if json_out:
             emit_json({"ok": False, "manifest": str(path), "error": {"class": type(e).__name__, "message": e.one_line()}})
         raise
-    with Progress(sum(e.size for e in verified.entries), "audit", enabled=not quiet) as progress:
-        report = audit_files(directory, path, verified, present_only=present_only, follow_symlinks=follow_symlinks,
-                             workers=workers, progress=progress.advance).report
+    report = _with_progress(sum(e.size for e in verified.entries), quiet, lambda advance: audit_files(
+        directory, path, verified, present_only=present_only, follow_symlinks=follow_symlinks, workers=workers,
+        progress=advance).report)
     seconds = time.monotonic() - started
     if json_out:
         emit_json({"ok": report.ok, "manifest": str(path), "directory": str(directory), "head": describe_head(verified.head),
@@ -129,8 +142,29 @@ def audit(
         say(unpinned_warning(head.model_id))
     say(f"checked {report.files_checked} files, {report.bytes_hashed} bytes in {seconds:.2f}s"
         + (f"; {len(report.absent)} listed shard(s) absent (--present-only)" if present_only else ""))
+    _verdict(report, "the signed manifest")
+
+
+def _manifest_only(**given) -> None:
+    """Refuse audit's options for a shardtool manifest when --oms-signature is given: OMS has no threshold, rollback
+    state, model pin or subsets, and silently ignoring one would pass a check the operator asked for."""
+    named = [f"--{name.replace('_', '-')}" for name, value in given.items() if value not in (None, False)]
+    if named:
+        raise UsageError(f"{', '.join(named)} cannot apply to --oms-signature (an OMS signature has no threshold, "
+                         "version, model pin or subset)", hint="see docs/manifest-format.md §9.4")
+
+
+def _with_progress(total: int, quiet: bool, run):
+    from shardtool.cli._progress import Progress
+
+    with Progress(total, "audit", enabled=not quiet and total > 0) as progress:
+        return run(progress.advance)
+
+
+def _verdict(report, what: str) -> None:
+    """Audit's last lines: OK, or the findings (at most 20) and exit 1."""
     if report.ok:
-        say("audit OK: every file matches the signed manifest")
+        say(f"audit OK: every file matches {what}")
         return
     counts = ", ".join(f"{n} {c}" for c, n in report.counts().items() if n)
     say(f"audit FAILED: {len(report.findings)} finding(s): {counts}")
@@ -139,6 +173,66 @@ def audit(
     if len(report.findings) > 20:
         say(f"  ... and {len(report.findings) - 20} more (use --json for all)")
     raise typer.Exit(1)
+
+
+def _audit_oms(directory: Path, signature: Path, trust: List[Path], *, workers: Optional[int], json_out: bool,
+               quiet: bool) -> None:
+    """`audit --oms-signature`: the bundle verified with the trusted EC keys, then every file (no byte total is
+    known before the files are opened: the progress bar counts bytes only)."""
+    from shardtool.api import audit_oms
+
+    directory = model_dir(directory)
+    started = time.monotonic()
+    try:
+        result = _with_progress(0, quiet, lambda advance: audit_oms(directory, signature, trust, workers=workers,
+                                                                    progress=advance))
+    except ShardtoolError as e:
+        if json_out:
+            emit_json({"ok": False, "oms_signature": str(signature),
+                       "error": {"class": type(e).__name__, "message": e.one_line()}})
+        raise
+    report, statement = result.report, result.statement
+    seconds = time.monotonic() - started
+    if json_out:
+        emit_json({"ok": report.ok, "oms_signature": str(signature), "directory": str(directory),
+                   "model_name": statement.model_name, "statement_sha256": statement.statement_sha256.hex(),
+                   "hash_type": statement.hash_type, "signer": statement.signer.keyid, "counts": report.counts(),
+                   "files_checked": report.files_checked, "bytes_hashed": report.bytes_hashed,
+                   "seconds": round(seconds, 3), "findings": [f.to_dict() for f in report.findings]})
+    say(f"OMS signature over {printable(statement.model_name)} ({len(statement.resources)} files, "
+        f"{statement.hash_type}): signed by trusted EC key {statement.signer.keyid}; statement sha256 "
+        f"{statement.statement_sha256.hex()}")
+    say(f"checked {report.files_checked} files, {report.bytes_hashed} bytes in {seconds:.2f}s")
+    _verdict(report, "the OMS statement")
+
+
+def export_oms(
+    directory: Path = typer.Argument(..., help="Model directory whose manifest lists the files to sign."),
+    key: Path = typer.Option(..., "--key", help="EC private key (`shardtool keygen --algorithm ecdsa-p256`)."),
+    signature: Optional[Path] = typer.Option(None, "--signature", help="OMS signature file to write "
+                                             "(default: DIR/model.sig, where `model_signing verify` looks)."),
+    manifest_file: Optional[Path] = typer.Option(None, "--manifest", help=MANIFEST_HELP),
+    passphrase_file: Optional[Path] = typer.Option(None, "--passphrase-file",
+                                                   help="For an encrypted --key. " + PASSPHRASE_FILE_HELP),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, max=64, help="Hashing threads."),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Write an OpenSSF Model Signing signature over the files of DIR's manifest, for `model_signing verify key`.
+
+    Every file is read once: checked against the manifest (size, BLAKE3) while its SHA-256 is computed; DIR must
+    hold no file the manifest does not list. Ed25519 signatures on the manifest are unaffected."""
+    from shardtool.api import export_oms as export
+    from shardtool.cli._passphrase import get_passphrase
+
+    started = time.monotonic()
+    done = export(directory, key, passphrase=lambda: get_passphrase(passphrase_file, new_key=False),
+                  manifest=manifest_file, signature=signature, workers=workers)
+    if done.note:
+        say(f"note: {done.note}")
+    if json_out:
+        emit_json({"oms_signature": str(done.signature), "keyid": done.keyid, "files": done.files,
+                   "statement_sha256": done.statement_sha256, "seconds": round(time.monotonic() - started, 3)})
+    say(f"wrote {done.signature}: OMS signature over {done.files} files with EC key {done.keyid}")
 
 
 def prove(

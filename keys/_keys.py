@@ -1,4 +1,5 @@
-"""Ed25519 key files: PKCS#8 PEM private keys (passphrase-encrypted by default), SPKI PEM public keys.
+"""Manifest signing keys: Ed25519 (the default), or ML-DSA (FIPS 204, post-quantum) where the installed cryptography
+offers it. Key files: PKCS#8 PEM private keys (passphrase-encrypted by default), SPKI PEM public keys.
 
 New encrypted keys use scrypt (`_pkcs8`); keys encrypted by earlier versions (PBKDF2, 2,048 iterations) still
 load, with advice to re-encrypt them. Key IDs are labels for humans and for picking a key quickly; no security
@@ -29,6 +30,33 @@ from shardtool.private_memory import keep_memory_private
 
 PUBLIC_KEY_SIZE = 32
 SIGNATURE_SIZE = 64
+# Every algorithm a manifest signature may use: name -> (raw public key bytes, signature bytes). The sizes are all
+# distinct, so a raw key names its algorithm and a signature's length says which keys can have made it.
+ALGORITHMS = {"ed25519": (PUBLIC_KEY_SIZE, SIGNATURE_SIZE), "ml-dsa-44": (1312, 2420), "ml-dsa-65": (1952, 3309),
+              "ml-dsa-87": (2592, 4627)}
+_BY_KEY_SIZE = {key: name for name, (key, _) in ALGORITHMS.items()}
+SIGNATURE_SIZES = frozenset(sig for _, sig in ALGORITHMS.values())
+
+
+def _mldsa_class(algorithm: str, part: str):
+    """cryptography's ML-DSA class for `algorithm` ("PublicKey" or "PrivateKey"), or None when it has none."""
+    try:
+        from cryptography.hazmat.primitives.asymmetric import mldsa
+    except ImportError:
+        return None
+    return getattr(mldsa, "MLDSA" + algorithm.rsplit("-", 1)[1] + part, None)
+
+
+def mldsa_available() -> bool:
+    """Whether the installed cryptography (and its OpenSSL) can make and check ML-DSA signatures."""
+    cls = _mldsa_class("ml-dsa-65", "PrivateKey")
+    if cls is None:
+        return False
+    try:
+        cls.generate()
+    except UnsupportedAlgorithm:
+        return False
+    return True
 # For new keys only: a key already written opens with whatever passphrase it was written with.
 MIN_PASSPHRASE_CHARS = 12
 
@@ -43,36 +71,49 @@ def key_id(public_raw: bytes) -> str:
 
 @dataclass(frozen=True)
 class PublicKey:
-    """A trusted Ed25519 public key; equality is on the raw 32 bytes."""
+    """A trusted public key, Ed25519 (32 raw bytes) or ML-DSA (1312, 1952 or 2592); equality is on the raw bytes."""
 
     raw: bytes
 
     def __post_init__(self) -> None:
-        if not isinstance(self.raw, bytes) or len(self.raw) != PUBLIC_KEY_SIZE:
-            raise KeyFileError(f"an Ed25519 public key is {PUBLIC_KEY_SIZE} bytes")
+        if not isinstance(self.raw, bytes) or len(self.raw) not in _BY_KEY_SIZE:
+            raise KeyFileError(f"an Ed25519 public key is {PUBLIC_KEY_SIZE} bytes (an ML-DSA key 1312, 1952 or 2592)")
 
     @property
     def keyid(self) -> str:
         return key_id(self.raw)
 
+    @property
+    def algorithm(self) -> str:
+        return _BY_KEY_SIZE[len(self.raw)]
+
+    def _key(self):
+        if self.algorithm == "ed25519":
+            return Ed25519PublicKey.from_public_bytes(self.raw)
+        cls = _mldsa_class(self.algorithm, "PublicKey")
+        if cls is None:
+            raise SignatureError(f"key {self.keyid} is {self.algorithm}, which this cryptography cannot check")
+        return cls.from_public_bytes(self.raw)
+
     def verify(self, signature: bytes, message: bytes) -> None:
-        """Raise SignatureError unless `signature` is a valid Ed25519 signature of `message` (RFC 8032)."""
-        if not isinstance(signature, bytes) or len(signature) != SIGNATURE_SIZE:
-            raise SignatureError(f"signature must be {SIGNATURE_SIZE} bytes")
+        """Raise SignatureError unless `signature` is a valid signature of `message` by this key: Ed25519 (RFC 8032),
+        or ML-DSA (FIPS 204, empty context)."""
+        size = ALGORITHMS[self.algorithm][1]
+        if not isinstance(signature, bytes) or len(signature) != size:
+            raise SignatureError(f"a {self.algorithm} signature must be {size} bytes")
         try:
-            Ed25519PublicKey.from_public_bytes(self.raw).verify(signature, message)
-        except (InvalidSignature, ValueError) as e:
+            self._key().verify(signature, message)
+        except (InvalidSignature, ValueError, UnsupportedAlgorithm) as e:
             raise SignatureError(f"signature does not verify with key {self.keyid}") from e
 
     def to_pem(self) -> bytes:
         from cryptography.hazmat.primitives import serialization
-        return Ed25519PublicKey.from_public_bytes(self.raw).public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        return self._key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 @dataclass(frozen=True)
 class PrivateKey:
-    key: Ed25519PrivateKey
+    key: Ed25519PrivateKey  # or an ML-DSA private key (`generate`)
     # One line of advice when the file it came from is protected by a weak KDF (None: nothing to say).
     protection_note: str | None = field(default=None, compare=False)
 
@@ -85,8 +126,20 @@ class PrivateKey:
         return self.key.sign(message)
 
 
-def generate() -> PrivateKey:
-    return PrivateKey(Ed25519PrivateKey.generate())
+def generate(algorithm: str = "ed25519") -> PrivateKey:
+    """A new signing key: Ed25519, or ML-DSA-44/65/87 where cryptography offers it (else a UsageError)."""
+    if algorithm == "ed25519":
+        return PrivateKey(Ed25519PrivateKey.generate())
+    cls = _mldsa_class(algorithm, "PrivateKey") if algorithm in ALGORITHMS else None
+    if cls is None or not mldsa_available():
+        raise UsageError(f"{algorithm} keys need a cryptography with ML-DSA (this one has none)")
+    return PrivateKey(cls.generate())
+
+
+def _signing_key_types() -> tuple[type, ...]:
+    """The private key classes a manifest can be signed with here."""
+    found = tuple(c for c in (_mldsa_class(a, "PrivateKey") for a in ALGORITHMS if a != "ed25519") if c is not None)
+    return (Ed25519PrivateKey, *found)
 
 
 def check_new_passphrase(passphrase: bytes, *, source: str | None = None) -> None:
@@ -154,9 +207,12 @@ def public_key_from_pem(data: bytes, *, path: str | None = None) -> PublicKey:
         raise KeyFileError(f"public key type is not supported ({e}), expected Ed25519", path=path) from e
     except (ValueError, TypeError) as e:
         raise KeyFileError("not a PEM public key (expected '-----BEGIN PUBLIC KEY-----')", path=path) from e
-    if not isinstance(key, Ed25519PublicKey):
-        raise KeyFileError(f"public key is {type(key).__name__}, expected Ed25519", path=path)
+    if not isinstance(key, Ed25519PublicKey) and type(key).__name__ not in _MLDSA_PUBLIC:
+        raise KeyFileError(f"public key is {type(key).__name__}, expected Ed25519 (or ML-DSA)", path=path)
     return PublicKey(key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw))
+
+
+_MLDSA_PUBLIC = {"MLDSA44PublicKey", "MLDSA65PublicKey", "MLDSA87PublicKey"}
 
 
 def load_public_key(path: Path | str) -> PublicKey:
@@ -184,8 +240,9 @@ def _reencrypt_note(path: Path, kdf: str) -> str | None:
             f"-scrypt_r {SCRYPT_R} -scrypt_p {SCRYPT_P} -in {name} -out {new}) && mv {new} {name}")
 
 
-def load_private_key(path: Path | str, passphrase: Passphrase) -> PrivateKey:
-    """Read the key file once (owner-only, regular, capped); ask for the passphrase only if it is encrypted."""
+def read_private_key(path: Path | str, passphrase: Passphrase, expected: type | tuple[type, ...], expected_name: str):
+    """The private key in a key file read once (owner-only, regular, capped), which must be an `expected`;
+    the passphrase is asked for only if it is encrypted. Returns (the key, advice on its protection or None)."""
     path = Path(path)
     from cryptography.hazmat.primitives import serialization
 
@@ -203,16 +260,22 @@ def load_private_key(path: Path | str, passphrase: Passphrase) -> PrivateKey:
     try:
         key = serialization.load_pem_private_key(data, password=passphrase if encrypted else None)
     except UnsupportedAlgorithm as e:  # a curve, key type or cipher cryptography cannot load
-        raise KeyFileError(f"private key type or encryption is not supported ({e}), expected Ed25519",
+        raise KeyFileError(f"private key type or encryption is not supported ({e}), expected {expected_name}",
                            path=str(path)) from e
     except (ValueError, TypeError) as e:
         if encrypted:
             raise KeyFileError("wrong passphrase (or a corrupt encrypted key)", path=str(path)) from e
         raise KeyFileError("not a PEM PKCS#8 private key", path=str(path)) from e
-    if not isinstance(key, Ed25519PrivateKey):
-        raise KeyFileError(f"private key is {type(key).__name__}, expected Ed25519", path=str(path))
+    if not isinstance(key, expected):
+        raise KeyFileError(f"private key is {type(key).__name__}, expected {expected_name}", path=str(path))
     keep_memory_private()  # the key now lives in this process's memory: no other process of this user may read it
-    return PrivateKey(key, _reencrypt_note(path, kdf_name(data)) if encrypted else None)
+    return key, (_reencrypt_note(path, kdf_name(data)) if encrypted else None)
+
+
+def load_private_key(path: Path | str, passphrase: Passphrase) -> PrivateKey:
+    """A manifest signing key file, Ed25519 or ML-DSA (`read_private_key`)."""
+    key, note = read_private_key(path, passphrase, _signing_key_types(), "Ed25519")
+    return PrivateKey(key, note)
 
 
 def write_keypair(out: Path | str, key: PrivateKey, passphrase: bytes | None, *, force: bool) -> tuple[Path, Path]:

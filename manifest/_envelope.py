@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from shardtool.errors import ManifestFormatError, SignatureError, ThresholdError, TrustSettingsError
-from shardtool.keys import SIGNATURE_SIZE, PrivateKey, PublicKey
+from shardtool.keys import SIGNATURE_SIZES, PrivateKey, PublicKey
 from shardtool.manifest._canonical import take_fields
 
 PAYLOAD_TYPE = "application/vnd.shardtool.manifest-head+msgpack"
@@ -34,8 +34,9 @@ class Signature:
     def __post_init__(self) -> None:
         if not isinstance(self.keyid, str) or not _KEYID.fullmatch(self.keyid):
             raise ManifestFormatError(f"signature keyid must be 1-64 lowercase hex characters, got {self.keyid!r}")
-        if not isinstance(self.sig, bytes) or len(self.sig) != SIGNATURE_SIZE:
-            raise ManifestFormatError(f"signature by {self.keyid} must be {SIGNATURE_SIZE} bytes")
+        if not isinstance(self.sig, bytes) or len(self.sig) not in SIGNATURE_SIZES:
+            raise ManifestFormatError(f"signature by {self.keyid} must be 64 bytes (Ed25519) or the size of an ML-DSA "
+                                      f"signature ({', '.join(str(n) for n in sorted(SIGNATURE_SIZES) if n != 64)})")
 
     def to_dict(self) -> dict[str, Any]:
         return {"keyid": self.keyid, "sig": self.sig}

@@ -69,6 +69,15 @@ def check_entry(entry: Entry, found: FileDigest, where: str | None = None) -> No
                                   expected=entry.digest.hex(), actual=found.digest.hex(), finding="digest-mismatch")
 
 
+def check_listed_digest(path: str, algorithm: str, expected: bytes, found: bytes) -> None:
+    """The entry check for a file listed by digest alone (an OpenSSF Model Signing statement's resource: no size,
+    any of its digest algorithms): raise DigestMismatchError unless `found` is `expected`. It lives beside
+    `check_entry` so that every comparison of a file's digest has one home."""
+    if found != expected:
+        raise DigestMismatchError(f"{algorithm} is {found.hex()}, the OMS statement says {expected.hex()}", path=path,
+                                  expected=expected.hex(), actual=found.hex(), finding="digest-mismatch")
+
+
 def _read_result(entry: Entry, done: int, hasher: "blake3.blake3", extra: int = 0) -> FileDigest:
     """What a front-to-back read of a file opened at the entry's size (`check_size` on its fstat) found: `done`
     bytes hashed into `hasher`, `extra` bytes found past them. Any other count than the size it had when

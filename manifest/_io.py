@@ -21,6 +21,8 @@ from shardtool.layout import classify
 from shardtool.manifest._scan import implied_directories, walk
 
 MANIFEST_NAME = "manifest.msgpack"
+# An OpenSSF Model Signing signature's name beside the model, as `model_signing sign` writes it by default.
+SIGNATURE_NAME = "model.sig"
 
 
 def default_manifest_path(model_dir: Path) -> Path:

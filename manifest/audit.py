@@ -80,15 +80,20 @@ def _compare(entry: Entry, result: FileDigest) -> Finding | None:
     return None
 
 
-def _open_finding(entry: Entry, err: ShardtoolError) -> Finding:
-    """What the tree did to us is a finding; trouble on our side (out of descriptors) stays an error."""
+def open_finding(err: ShardtoolError, listed_in: str = "the manifest") -> tuple[str, str]:
+    """(finding class, detail) of a listed file's failed open: what the tree did to us is a finding; trouble on our
+    side (out of descriptors) stays an error."""
     if not isinstance(err, VerificationError):
         raise err
     if isinstance(err, MissingFileError):
-        return _from_entry(entry, "missing", "listed in the manifest, not on disk")
+        return "missing", f"listed in {listed_in}, not on disk"
     if isinstance(err, NotARegularFileError):
-        return _from_entry(entry, err.finding, err.message)
-    return _from_entry(entry, "unreadable", err.message)
+        return err.finding, err.message
+    return "unreadable", err.message
+
+
+def _open_finding(entry: Entry, err: ShardtoolError) -> Finding:
+    return _from_entry(entry, *open_finding(err))
 
 
 def _open_at(root: Path, entry: Entry, dir_fd: int | None) -> int | ShardtoolError:
