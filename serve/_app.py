@@ -440,9 +440,9 @@ class _ChatFormat(_CompletionFormat):
 
     prefix, obj, chunk_obj = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, model_id: str, scores: TokenText | None = None):
+    def __init__(self, model_id: str, token_text: TokenText | None = None):
         super().__init__(model_id)
-        self.token_text = scores
+        self.token_text = token_text
 
     def choice(self, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
         return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,

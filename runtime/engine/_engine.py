@@ -444,8 +444,9 @@ class Engine:
             s.last_batch_size = len(plan)
         row = 0
         for ticket, ids in plan:
-            rows = {"all": len(ids), "last": 1, "none": 0}[_wanted(ticket, ids)]  # before `fed` moves
-            block, row = logits[row:row + rows] if rows else None, row + rows  # [rows, V]
+            rows = {"all": len(ids), "last": 1, "none": 0}[_wanted(ticket, ids)]  # asked before `fed` moves
+            block = logits[row:row + rows] if rows else None  # [rows, V]; None: a prompt chunk before its last
+            row += rows
             decoding = ticket.next_token is not None
             if decoding:
                 ticket.decode_seconds += seconds

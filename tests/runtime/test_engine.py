@@ -436,6 +436,26 @@ def test_scores_equal_the_transformers_log_softmax_in_a_batch(signed, tmp_path):
         assert all(e.logprobs is None for e in sink.events if isinstance(e, TokenEvent))
 
 
+def test_a_prompt_scored_in_chunks_of_three_rows(signed, tmp_path, monkeypatch):
+    """Prefill in chunks (a small activation reserve): each chunk's last row scores the next chunk's first token."""
+    import shardtool.runtime.engine._engine as engine_module
+
+    monkeypatch.setattr(engine_module, "step_rows", lambda cfg, reserve, keys: 3)
+    engine = _engine(signed, tmp_path)
+    sink = Collect()
+    prompt = PROMPTS[11]
+    try:
+        ticket = engine.submit(prompt, SamplingParams(2, stop_token_ids=()), sink, logprobs=1, score_prompt=True)
+        _drain(engine, [ticket])
+    finally:
+        engine.close()
+    assert len(prompt) > 9 and engine.stats.steps >= len(prompt) // 3
+    expected = _oracle_logprobs(signed, prompt + sink.tokens)
+    (scores,) = [e.scores for e in sink.events if isinstance(e, PromptScoresEvent)]
+    for i in range(1, len(prompt)):
+        _check_score(scores[i], expected[i - 1], prompt[i], 1, f"prompt token {i}")
+
+
 @pytest.mark.parametrize("new, kw, match", [
     (0, {}, "max_tokens must be an integer >= 1"),
     (0, {"logprobs": 2}, "max_tokens must be an integer >= 1"),
