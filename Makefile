@@ -5,6 +5,8 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 # torch 2.13.0 is a local CPU wheel on our machines; any other torch spec downloads gigabytes.
 ORACLE := torch==2.13.0 transformers
+# lm-evaluation-harness for tests/serve/test_lm_eval.py; installed beside the oracle (its hf extra needs torch).
+EVAL   := lm-eval[api,hf]==0.4.13
 
 .PHONY: install oracle test test-fast demo bench bench-llamacpp bench-seed fuzz clean
 
@@ -20,6 +22,7 @@ install: $(VENV)/.installed
 # The parity oracle (transformers on the CPU). Where it cannot be installed the parity tests skip and say why.
 $(VENV)/.oracle: $(VENV)/.installed
 	$(PIP) install -q $(ORACLE) && touch $@ || echo "make: torch/transformers unavailable; parity tests will skip"
+	$(PIP) install -q $(ORACLE) '$(EVAL)' || echo "make: lm-eval unavailable; the lm-evaluation-harness test will skip"
 
 oracle: $(VENV)/.oracle
 

@@ -80,6 +80,8 @@ def serve(
                                                "the environment variable: an argument shows in ps)."),
     ssl_certfile: Optional[Path] = typer.Option(None, "--ssl-certfile", help="HTTPS: certificate chain (PEM)."),
     ssl_keyfile: Optional[Path] = typer.Option(None, "--ssl-keyfile", help="HTTPS: its private key (PEM)."),
+    access_log: bool = typer.Option(True, "--access-log/--no-access-log",
+                                    help="One line per request on stderr: client, method, path, status, seconds."),
 ) -> None:
     """Serve a verified model: POST /v1/completions and /v1/chat/completions (OpenAI-style, streaming as
     server-sent events), GET /v1/models, /health, /metrics; with --receipt-key, a signed run receipt per
@@ -131,7 +133,8 @@ def serve(
             _run(model, verify_all_first, dict(max_batch=max_batch, max_queue=max_queue, kv_cache=kv_bytes,
                                                max_context=max_context),
                  (operator_key, access, settings, host, port, expect_model, policy,
-                  Limits(max_body_bytes=body_cap, body_timeout=read_timeout), max_receipts, receipt_bytes))
+                  Limits(max_body_bytes=body_cap, body_timeout=read_timeout), max_receipts, receipt_bytes,
+                  access_log))
     say("shardtool serve: stopped")
 
 
@@ -169,7 +172,7 @@ def _settings(read_timeout: float, requests: int, ssl_certfile: Optional[Path], 
 
 
 def _serve(engine, model, operator_key, access, settings, host: str, port: int, expect_model, policy: str, limits,
-           max_receipts: int, receipt_bytes: int) -> None:
+           max_receipts: int, receipt_bytes: int, access_log: bool) -> None:
     """Serve until stopped: the app over the engine, on a socket bound now."""
     from shardtool.cli._common import say, unpinned_warning
     from shardtool.serve import ChatTemplate, ReceiptSigner, bind, create_app, run, url_of
@@ -182,7 +185,8 @@ def _serve(engine, model, operator_key, access, settings, host: str, port: int, 
         say(f"warning: chat is unavailable (/v1/chat/completions answers 500): {chat.problem.one_line()}")
     receipts = (ReceiptSigner(operator_key, model.manifest, engine.config, max_receipts, receipt_bytes)
                 if operator_key is not None else None)
-    app = create_app(engine, model_id=model.model_id, chat=chat, limits=limits, receipts=receipts, access=access)
+    app = create_app(engine, model_id=model.model_id, chat=chat, limits=limits, receipts=receipts, access=access,
+                     access_log=say if access_log else None)
     app.state.renderer.warm()  # chat template workers started now, not at the first chat request
     sock = bind(host, port)
     try:

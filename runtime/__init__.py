@@ -12,6 +12,7 @@ from shardtool.runtime.engine import (NODE_CONFIG, NODE_NAME_PATTERN, MAX_PLAN_B
                                       sign_plan, signature_path, summarize,
                                       BudgetPlan, Detokenizer, Engine, ErrorEvent, Event, FinishEvent, RunRecord, SamplingParams,
                                       Session, SignedReceipt, Ticket, TokenEvent, Tolerances, VerifiedWeights,
+                                      MAX_TOP_LOGPROBS, PromptScoresEvent, TokenLogprobs,
                                       check_request, check_weights, encode_prompt, load_tokenizer, make_receipt,
                                       plan_budget, replay_engine, replay_receipt, verified_config,
                                       ModelSource, open_source, verify_all, Generation, VerifiedModel, open_model)
@@ -22,7 +23,7 @@ from shardtool.runtime.store import (DEFAULT_PAGE_CACHE, DEFAULT_POLICY as DEFAU
 
 __all__ = ["CACHE_POLICIES", "DEFAULT_CACHE_POLICY", "DEFAULT_PAGE_CACHE", "PAGE_CACHE_CHOICES", "node_files", "NODE_CONFIG", "MAX_PLAN_BYTES", "NODE_NAME_PATTERN", "ClusterPlan", "NodePlan", "check_plan", "decode_plan", "encode_plan", "make_plan", "node_memory_floor",
            "summarize", "BudgetPlan", "Detokenizer", "Engine", "ErrorEvent", "Event", "FinishEvent", "SamplingParams", "Session", "ShardFormatError",
-           "Ticket", "TokenEvent", "plan_budget", "ShardStore", "StoreStats", "VerifiedWeights", "encode_prompt",
+           "Ticket", "TokenEvent", "MAX_TOP_LOGPROBS", "PromptScoresEvent", "TokenLogprobs", "plan_budget", "ShardStore", "StoreStats", "VerifiedWeights", "encode_prompt",
            "load_tokenizer", "verified_config", "RunRecord", "SignedReceipt", "make_receipt", "Tolerances", "check_request", "check_weights", "replay_engine", "replay_receipt",
            "ClusterStats", "RemoteExperts", "connect_cluster", "load_plan", "load_signed_plan", "signature_path", "open_signed_plan", "sign_plan", "NodeService", "NodeSetup", "leave_cluster", "node_alive",
            "prepare_node", "serve_node", "ModelSource", "open_source", "verify_all", "Generation", "VerifiedModel", "open_model", "set_kernel_threads", "MAX_KERNEL_THREADS", "native_kernels"]

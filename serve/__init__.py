@@ -2,7 +2,7 @@
 
 `_protocol` validates request bodies into typed requests, `_chat` renders the signed chat template (in the worker
 processes of `_render`, each render bounded in time and memory), `_text` turns token ids into text deltas and
-applies stop strings, `_handoff` carries a request's engine events to the event loop (waking it only when the
+applies stop strings, `_scores` shows token scores (logprobs) in OpenAI's shapes, `_handoff` carries a request's engine events to the event loop (waking it only when the
 reader can use them), `_metrics` is GET /metrics, `_receipts` signs and keeps run receipts, `_health` says what
 GET /health reports about the weights, `_access` who may call the routes, `_app` the routes and their responses
 (JSON or server-sent events), `_server` runs it under uvicorn with timeouts, caps and TLS.

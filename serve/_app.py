@@ -1,7 +1,7 @@
 """The ASGI application: OpenAI-style routes over one engine, which it only feeds.
 
-Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics, and the run
-receipts: GET /v1/receipts/{id} and /v1/receipts/{id}/trace (with a ReceiptSigner, every finished completion
+Routes: GET /health, GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions, GET
+/metrics, and the run receipts: GET /v1/receipts/{id} and /v1/receipts/{id}/trace (with a ReceiptSigner, every finished completion
 carries a signed receipt; see `serve/_receipts.py`). Every error is a JSON body {"error": {"message", "type",
 "param", "code"}}, never a traceback. Before any route, `_Guard` checks who asks: the `Host` header against the
 allowed names (a web page that rebinds its own DNS name to this address sends its own name), and with an API key
@@ -9,7 +9,8 @@ the `Authorization: Bearer` header (every route but /health). No CORS header is 
 be `Content-Type: application/json` (a page can send a "simple" text/plain request without a preflight; JSON
 needs one, which this server never grants). A request body is read with a size cap (Content-Length first, then while
 it streams) and a deadline. A client that goes away, while its result streams or while it waits for one, has its
-request cancelled in the engine (its KV cache is freed at the next step boundary).
+request cancelled in the engine (its KV cache is freed at the next step boundary). With `access_log`, one line per
+request: method, path, status and seconds from its first byte to its last.
 """
 
 from __future__ import annotations
@@ -32,21 +33,24 @@ from starlette.routing import Route
 from shardtool.errors import (InvalidRequestError, OverloadedError, RequestRefusedError, ShardtoolError,
                               UnavailableError, UsageError)
 from shardtool.manifest import valid_receipt_id
-from shardtool.runtime import ErrorEvent, FinishEvent, SamplingParams, TokenEvent, encode_prompt
+from shardtool.runtime import ErrorEvent, FinishEvent, PromptScoresEvent, SamplingParams, TokenEvent, encode_prompt
 from shardtool.serve._access import Access
 from shardtool.serve._chat import ChatTemplate, encode_rendered
 from shardtool.serve._handoff import Mailbox
 from shardtool.serve._health import ShardHealth
 from shardtool.serve._metrics import CONTENT_TYPE, Metrics
 from shardtool.serve._protocol import Sampling, parse_chat, parse_completion
-from shardtool.serve._receipts import RECEIPT_HELP, STOP_STRING, ReceiptSigner
+from shardtool.serve._receipts import NO_NEW_TOKENS, RECEIPT_HELP, STOP_STRING, ReceiptSigner
 from shardtool.serve._render import RenderPool
+from shardtool.serve._scores import CompletionScores, Scored, TokenText, chat_scores
+from shardtool.text import printable
 from shardtool.serve._text import TextStream
 from shardtool.strict_json import loads_strict
 
-ROUTES = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics", "/v1/receipts/{id}",
+ROUTES = ("/health", "/v1/models", "/v1/models/{id}", "/v1/completions", "/v1/chat/completions", "/metrics", "/v1/receipts/{id}",
           "/v1/receipts/{id}/trace")
 _RECEIPT_PREFIX = "/v1/receipts/"
+_MODEL_PREFIX = "/v1/models/"
 _JSON_TYPES = ("application/json",)
 
 
@@ -59,14 +63,16 @@ class Limits:
 
 
 def create_app(engine, *, model_id: str, chat: ChatTemplate | None = None, limits: Limits = Limits(),
-               receipts: ReceiptSigner | None = None, access: Access = Access()) -> Starlette:
+               receipts: ReceiptSigner | None = None, access: Access = Access(),
+               access_log: Callable[[str], None] | None = None) -> Starlette:
     """`engine`: a started runtime Engine (or anything with its interface); `model_id`: the verified
     manifest's model ID, the only `model` requests may name; `receipts`: sign every finished completion;
-    `access`: the Host names and API key requests need."""
+    `access`: the Host names and API key requests need; `access_log`: called with one line per request."""
     api = _API(engine, model_id, chat if chat is not None else ChatTemplate(None, {}), limits, receipts)
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{id:path}", api.model, methods=["GET"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/metrics", api.metrics_page, methods=["GET"]),
@@ -76,7 +82,8 @@ def create_app(engine, *, model_id: str, chat: ChatTemplate | None = None, limit
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception, Exception: _crash})
     app.state.renderer = api.renderer  # `app.state.renderer.close()` stops its worker processes (also at exit)
     app.add_middleware(_Guard, access=access)
-    app.add_middleware(_CountRequests, metrics=api.metrics)  # added last, so outermost: refusals are counted too
+    # added last, so outermost: refusals are counted and logged too
+    app.add_middleware(_CountRequests, metrics=api.metrics, log=access_log)
     return app
 
 
@@ -101,9 +108,19 @@ class _API:
         return JSONResponse(document, status_code=status)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model_id, "object": "model", "created": self.created, "owned_by": "shardtool",
-            "max_model_len": self.engine.max_context}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["id"]
+        if name != self.model_id:
+            return JSONResponse(error_body(f"The model {printable(name[:100])!r} does not exist: this server serves "
+                                           f"{self.model_id!r}", 404, param="model", code="model_not_found"),
+                                status_code=404)
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "shardtool",
+                "max_model_len": self.engine.max_context}
 
     async def metrics_page(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
@@ -143,7 +160,15 @@ class _API:
                 ids = await anyio.to_thread.run_sync(encode_prompt, self.engine.tokenizer, req.prompt)
             else:
                 ids = list(req.prompt)
-            return self._start(ids, req.sampling, req.stream, req.include_usage, _CompletionFormat(self.model_id))
+            echo = None
+            if req.echo:
+                echo = req.prompt if isinstance(req.prompt, str) else self._decode(ids)
+            scores = CompletionScores(TokenText(self.engine.tokenizer)) if req.logprobs is not None else None
+            fmt = _CompletionFormat(self.model_id, scores, echo)
+            # The prompt is scored when its scores are shown, or when it is all there is to answer (max_tokens 0).
+            score_prompt = req.echo and (req.logprobs is not None or req.sampling.max_tokens == 0)
+            return self._start(ids, req.sampling, req.stream, req.include_usage, fmt, logprobs=req.logprobs,
+                               score_prompt=score_prompt)
         except ShardtoolError as err:
             return error_response(err)
 
@@ -157,11 +182,13 @@ class _API:
             # may take a while too: off the event loop.
             text = await _while_connected(request, self.renderer.render, [m.as_template_dict() for m in req.messages])
             ids = await anyio.to_thread.run_sync(encode_rendered, self.engine.tokenizer, text)
-            return self._start(ids, req.sampling, req.stream, req.include_usage, _ChatFormat(self.model_id))
+            fmt = _ChatFormat(self.model_id, TokenText(self.engine.tokenizer) if req.top_logprobs is not None else None)
+            return self._start(ids, req.sampling, req.stream, req.include_usage, fmt, logprobs=req.top_logprobs)
         except ShardtoolError as err:
             return error_response(err)
 
-    def _start(self, ids: list[int], sampling: Sampling, stream: bool, include_usage: bool, fmt) -> Response:
+    def _start(self, ids: list[int], sampling: Sampling, stream: bool, include_usage: bool, fmt, *,
+               logprobs: int | None = None, score_prompt: bool = False) -> Response:
         """Submit to the engine (refusals and a full queue are raised here, before any response starts)."""
         if sampling.stop and self.engine.tokenizer is None:
             raise UsageError("stop strings need the model's tokenizer.json, which this model does not ship")
@@ -172,9 +199,10 @@ class _API:
                                 seed=sampling.seed)
         # A JSON answer without stop strings needs nothing before its end: its tokens wake the event loop not once.
         events = Mailbox(asyncio.get_running_loop(), every_token=stream or bool(sampling.stop))
-        ticket = self.engine.submit(ids, params, events.put, record=self.receipts is not None)
+        ticket = self.engine.submit(ids, params, events.put, record=self.receipts is not None, logprobs=logprobs,
+                                    score_prompt=score_prompt)
         text = TextStream(self._decode, sampling.stop)
-        return _Generation(self.engine, ticket, events, text, fmt, len(ids), stream, include_usage, self.receipts,
+        return _Generation(self.engine, ticket, events, text, fmt, ids, stream, include_usage, self.receipts,
                            self.shards)
 
     def _decode(self, ids) -> str:
@@ -272,7 +300,9 @@ def error_response(err: ShardtoolError) -> JSONResponse:
         headers["Retry-After"] = str(max(1, int(err.retry_after)))
     elif isinstance(err, UnavailableError):
         status, code = 503, "unavailable"
-    elif isinstance(err, (RequestRefusedError, UsageError)):
+    elif isinstance(err, RequestRefusedError):
+        status, code = 400, err.code
+    elif isinstance(err, UsageError):
         status = 400
     else:  # verification failures and anything else on the server's side
         status = 500
@@ -325,11 +355,13 @@ class _Guard:
 
 
 class _CountRequests:
-    """Counts every response by route (the path when it is one of ours, else "other") and status."""
+    """Counts every response by route (the path when it is one of ours, else "other") and status; with `log`, one
+    access log line per request once its response ended (or the connection did)."""
 
-    def __init__(self, app, metrics: Metrics):
+    def __init__(self, app, metrics: Metrics, log: Callable[[str], None] | None = None):
         self.app = app
         self.metrics = metrics
+        self.log = log
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -337,15 +369,34 @@ class _CountRequests:
         path = scope["path"]
         if path.startswith(_RECEIPT_PREFIX):
             route = "/v1/receipts/{id}/trace" if path.endswith("/trace") else "/v1/receipts/{id}"
+        elif path.startswith(_MODEL_PREFIX):
+            route = "/v1/models/{id}"
         else:
             route = path if path in ROUTES else "other"
+        start = time.perf_counter()
+        status = None
 
         async def counting_send(message):
+            nonlocal status
             if message["type"] == "http.response.start":
-                self.metrics.count(route, message["status"])
+                status = message["status"]
+                self.metrics.count(route, status)
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            if self.log is not None:
+                self.log(_access_line(scope, status, time.perf_counter() - start))
+
+
+def _access_line(scope, status: int | None, seconds: float) -> str:
+    """`127.0.0.1:5123 "POST /v1/completions" 200 0.412s` (status "-": no response was started). The path is the
+    client's: escaped, and clipped."""
+    client = scope.get("client")
+    who = f"{client[0]}:{client[1]}" if client else "-"
+    path = printable(scope["path"][:200])
+    return f'{who} "{printable(scope["method"][:16])} {path}" {status if status is not None else "-"} {seconds:.3f}s'
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -353,43 +404,72 @@ class _CountRequests:
 
 
 class _CompletionFormat:
+    """`scores`: the answer shows its tokens' scores; `echo`: its text starts with the prompt's (this text)."""
+
     prefix, obj, chunk_obj = "cmpl-", "text_completion", "text_completion"
 
-    def __init__(self, model_id: str):
+    def __init__(self, model_id: str, scores: CompletionScores | None = None, echo: str | None = None):
         self.model_id = model_id
+        self.scores = scores
+        self.echo = echo
+        self._generated = False  # the first generated token's offset is set (after the echoed text)
 
-    def choice(self, text: str, finish: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def choice(self, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    def delta(self, text: str, finish: str | None, first: bool) -> dict:
-        return self.choice(text, finish)
+    def delta(self, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+        return self.choice(text, finish, logprobs)
 
     def first_chunk(self) -> dict | None:
         return None
 
+    def logprobs(self, prompt: list[Scored] | None, generated: list[Scored]) -> dict | None:
+        """The `logprobs` object of these tokens (`prompt`: the echoed prompt's, first), or None without scores."""
+        if self.scores is None:
+            return None
+        parts = [] if prompt is None else [self.scores.render(prompt, start=0)]
+        if generated or not parts:
+            start = None if self._generated else len(self.echo or "")
+            self._generated = True
+            parts.append(self.scores.render(generated, start=start))
+        return {key: [x for part in parts for x in part[key]] for key in parts[0]}
+
 
 class _ChatFormat(_CompletionFormat):
+    """`scores`: the answer shows its tokens' scores (`logprobs: true`)."""
+
     prefix, obj, chunk_obj = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
-    def choice(self, text: str, finish: str | None) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def __init__(self, model_id: str, token_text: TokenText | None = None):
+        super().__init__(model_id)
+        self.token_text = token_text
+
+    def choice(self, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
 
-    def delta(self, text: str, finish: str | None, first: bool) -> dict:
-        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+    def delta(self, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                "finish_reason": finish}
 
     def first_chunk(self) -> dict | None:
         return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def logprobs(self, prompt: list[Scored] | None, generated: list[Scored]) -> dict | None:
+        return None if self.token_text is None else chat_scores(generated, self.token_text)
 
 
 class _Generation(Response):
     """An ASGI response that waits for the engine's events while watching for the client going away."""
 
     def __init__(self, engine, ticket, events: Mailbox, text: TextStream, fmt: _CompletionFormat,
-                 prompt_tokens: int, stream: bool, include_usage: bool, receipts: ReceiptSigner | None = None,
+                 prompt: list[int], stream: bool, include_usage: bool, receipts: ReceiptSigner | None = None,
                  shards: ShardHealth | None = None):
         self.engine, self.ticket, self.events, self.text, self.fmt = engine, ticket, events, text, fmt
-        self.prompt_tokens, self.stream, self.include_usage = prompt_tokens, stream, include_usage
+        self.prompt, self.prompt_tokens = prompt, len(prompt)
+        self.stream, self.include_usage = stream, include_usage
+        self.prompt_scores: list[Scored] | None = None  # a PromptScoresEvent's, for an echo with scores
+        self.scored: list[Scored] = []  # generated tokens' scores not yet sent
         self.receipts = receipts
         self.shards = shards if shards is not None else ShardHealth()
         self.record = None  # the finished request's RunRecord (a FinishEvent's), when receipts are signed
@@ -428,12 +508,16 @@ class _Generation(Response):
         while True:
             event = await self.events.get()
             if isinstance(event, TokenEvent):
+                if event.logprobs is not None and not self.text.stopped:
+                    self.scored.append((event.token, event.logprobs))
                 delta = self.text.push(event.token)
                 if self.text.stopped:  # a stop string: the text is complete, the rest is not wanted
                     self._cancel()
                     return "finish", ("stop", delta)
                 if delta:
                     return "text", delta
+            elif isinstance(event, PromptScoresEvent):  # before the first token
+                self.prompt_scores = list(zip(self.prompt, event.scores))
             elif isinstance(event, FinishEvent):
                 self.ended = True
                 self.record = event.record
@@ -458,24 +542,35 @@ class _Generation(Response):
             if kind == "finish":
                 reason, _ = value
                 break
+        echo = self.fmt.echo
+        text = self.text.text if echo is None else echo + self.text.text
+        logprobs = self._logprobs(self.prompt_scores if echo is not None else None)
         document = {"id": self.id, "object": self.fmt.obj, "created": self.created, "model": self.fmt.model_id,
-                    "choices": [self.fmt.choice(self.text.text, reason)], "usage": self._usage()}
+                    "choices": [self.fmt.choice(text, reason, logprobs)], "usage": self._usage()}
         await self._add_receipt(document)
         await _send_json(send, 200, document)
+
+    def _logprobs(self, prompt: list[Scored] | None) -> dict | None:
+        """The scores of the tokens not sent yet (after `prompt`'s, for an echo), as the format shows them."""
+        scored, self.scored = self.scored, []
+        return self.fmt.logprobs(prompt, scored)
 
     async def _add_receipt(self, document: dict) -> None:
         """With receipts on: `receipt` (signed on a worker thread), or null and `receipt_unavailable` saying why."""
         if self.receipts is None:
             return
-        if self.record is not None:
+        if self.record is not None and self.record.tokens:
             document["receipt"] = await anyio.to_thread.run_sync(self.receipts.sign, self.record)
             return
-        if not self.text.stopped:  # pragma: no cover - every other finished answer comes with its record
+        if self.record is not None:  # max_tokens 0: the prompt scored, no token generated
+            why = NO_NEW_TOKENS
+        elif self.text.stopped:  # a stop string ended it (its ticket was cancelled)
+            why = STOP_STRING
+        else:  # pragma: no cover - every other finished answer comes with its record
             raise RuntimeError("a finished request came without its run record")
-        # The one finished answer without a record: a stop string ended it (its ticket was cancelled).
         self.receipts.store.count_unavailable()
         document["receipt"] = None
-        document["receipt_unavailable"] = {"reason": STOP_STRING[0], "message": STOP_STRING[1]}
+        document["receipt_unavailable"] = {"reason": why[0], "message": why[1]}
 
     async def _send_events(self, send) -> None:
         kind, value = await self._next()
@@ -487,17 +582,20 @@ class _Generation(Response):
         first = self.fmt.first_chunk()
         if first is not None:
             await self._chunk(send, [first])
+        if self.fmt.echo is not None:  # the prompt's text (and scores) first; its scores came before any token
+            await self._chunk(send, [self.fmt.delta(self.fmt.echo, None, self.fmt.logprobs(self.prompt_scores, []))])
         while True:
             if kind == "error":  # mid-stream: an error event, and the stream ends without [DONE]
                 await _send_sse(send, error_body(value.message, value.status))
                 break
             if kind == "text":
-                await self._chunk(send, [self.fmt.delta(value, None, False)])
+                await self._chunk(send, [self.fmt.delta(value, None, self._logprobs(None))])
             else:
                 reason, delta = value
                 if delta:
-                    await self._chunk(send, [self.fmt.delta(delta, None, False)])
-                await self._chunk(send, [self.fmt.delta("", reason, False)], receipt=True)
+                    await self._chunk(send, [self.fmt.delta(delta, None, self._logprobs(None))])
+                await self._chunk(send, [self.fmt.delta("", reason, self._logprobs(None) if self.scored else None)],
+                                  receipt=True)
                 if self.include_usage:
                     await self._chunk(send, [], usage=self._usage())
                 await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})

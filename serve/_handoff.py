@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from shardtool.runtime import Event, TokenEvent
+from shardtool.runtime import Event, PromptScoresEvent, TokenEvent
 
 # Events a reader takes in a row without waiting before it lets the loop's other tasks run: a long JSON answer is
 # read in one go at its end (each token detokenized), which must not hold up the other requests' streams meanwhile.
@@ -36,7 +36,7 @@ class Mailbox:
     def put(self, event: Event) -> None:
         self._events.append(event)
         # The append comes first: a wake-up still pending runs after it, so its reader sees this event.
-        if self._pending or (not self._every_token and isinstance(event, TokenEvent)):
+        if self._pending or (not self._every_token and isinstance(event, (TokenEvent, PromptScoresEvent))):
             return
         self._pending = True
         self.wakeups += 1

@@ -1,11 +1,13 @@
 """GET /metrics: the engine's figures, read at scrape time, and the HTTP requests served, by route and status,
-in the Prometheus text format. A private registry: nothing global, no process-wide default collectors."""
+in the Prometheus text format. A private registry: nothing global, no process-wide default collectors. Every family
+is yielded by a collector of ours, so none carries prometheus_client's `*_created` series (in the text format they
+would appear as extra gauge families, one per counter)."""
 
 from __future__ import annotations
 
 from typing import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -81,17 +83,35 @@ class EngineCollector(Collector):
         return []  # the names are known only at scrape time: no registration-time collision check
 
 
+class RequestCollector(Collector):
+    """HTTP requests answered, by route and status. Counted and scraped on the event loop's thread only."""
+
+    def __init__(self):
+        self.counts: dict[tuple[str, str], int] = {}
+
+    def collect(self) -> Iterator:
+        family = CounterMetricFamily(PREFIX + "http_requests", "HTTP requests answered, by route and status.",
+                                     labels=("route", "status"))
+        for labels, value in sorted(self.counts.items()):
+            family.add_metric(labels, value)
+        yield family
+
+    def describe(self) -> list:
+        return []
+
+
 class Metrics:
     def __init__(self, read_engine: Callable[[], Mapping[str, int | float]], extra_help: Mapping[str, str] = {}):
         """`read_engine`: the engine's figures (and any others merged in, e.g. the receipt store's, whose help
         texts are `extra_help`)."""
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(read_engine, {**ENGINE_HELP, **extra_help}))
-        self.http_requests = Counter(PREFIX + "http_requests", "HTTP requests answered, by route and status.",
-                                     ("route", "status"), registry=self.registry)
+        self.http_requests = RequestCollector()
+        self.registry.register(self.http_requests)
 
     def count(self, route: str, status: int) -> None:
-        self.http_requests.labels(route=route, status=str(status)).inc()
+        key = (route, str(status))
+        self.http_requests.counts[key] = self.http_requests.counts.get(key, 0) + 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

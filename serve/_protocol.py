@@ -2,8 +2,10 @@
 object in, a frozen dataclass or an InvalidRequestError out).
 
 Every field is known: an unknown one is refused by name, as is a known one of the wrong type or out of its
-range. OpenAI fields this server does not implement (logprobs, penalties, echo, ...) are accepted only at
-their neutral value, so a client never gets silently different semantics from the ones it asked for.
+range. OpenAI fields this server does not implement (penalties, best_of, suffix, a JSON response_format, ...) are
+accepted only at their neutral value, so a client never gets silently different semantics from the ones it asked
+for. Scores are implemented: completions' `logprobs` (0 to 20 alternatives) and `echo` (the prompt scored too;
+`max_tokens: 0` with it scores the prompt only), chat's `logprobs` and `top_logprobs` (0 to 20).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardtool.errors import InvalidRequestError
+from shardtool.runtime import MAX_TOP_LOGPROBS
 
 MAX_TOKENS = 1 << 20  # new tokens one request may ask for; the engine refuses what its context cannot hold
 MAX_PROMPT_CHARS = 1 << 20  # a prompt (or all messages together), in characters
@@ -44,9 +47,11 @@ class Sampling:
 @dataclass(frozen=True)
 class CompletionRequest:
     prompt: str | tuple[int, ...]  # text, or token ids
-    sampling: Sampling
+    sampling: Sampling  # max_tokens 0 only with echo
     stream: bool = False
     include_usage: bool = False
+    logprobs: int | None = None  # score each token, with this many alternatives (None: no scores)
+    echo: bool = False  # the answer's text starts with the prompt's (and its scores with the prompt's)
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class ChatRequest:
     sampling: Sampling
     stream: bool = False
     include_usage: bool = False
+    top_logprobs: int | None = None  # `logprobs: true`: score each token with this many alternatives (else None)
 
 
 def parse_completion(body: Any, model_id: str) -> CompletionRequest:
@@ -75,14 +81,19 @@ def parse_completion(body: Any, model_id: str) -> CompletionRequest:
     fields = _Fields(body)
     _model(fields, model_id)
     prompt = _prompt(fields.take("prompt", required=True))
-    # OpenAI fields at their neutral value only (their defaults: null, false, 1).
-    fields.neutral("logprobs", (None,), "null")
-    fields.neutral("echo", (None, False), "false")
+    logprobs = fields.take("logprobs")
+    if logprobs is not None:
+        logprobs = _integer(logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)
+    echo = fields.take("echo")
+    echo = False if echo is None else _boolean(echo, "echo")
+    # OpenAI fields at their neutral value only (their defaults: null, 1).
     fields.neutral("best_of", (None, 1), "1")
     fields.neutral("suffix", (None,), "null")
-    sampling, stream, usage = _common(fields, fields.take("max_tokens"), COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens")
+    # max_tokens 0 asks for no new token: only with echo (the prompt scored, as evaluation harnesses ask).
+    sampling, stream, usage = _common(fields, fields.take("max_tokens"), COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens",
+                                      least=0 if echo else 1)
     fields.done()
-    return CompletionRequest(prompt, sampling, stream, usage)
+    return CompletionRequest(prompt, sampling, stream, usage, logprobs, echo)
 
 
 def parse_chat(body: Any, model_id: str) -> ChatRequest:
@@ -90,8 +101,15 @@ def parse_chat(body: Any, model_id: str) -> ChatRequest:
     fields = _Fields(body)
     _model(fields, model_id)
     messages = _messages(fields.take("messages", required=True))
-    fields.neutral("logprobs", (None, False), "false")
-    fields.neutral("top_logprobs", (None, 0), "null")
+    logprobs = fields.take("logprobs")
+    logprobs = False if logprobs is None else _boolean(logprobs, "logprobs")
+    top = fields.take("top_logprobs")
+    if top is not None:
+        top = _integer(top, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if not logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    elif logprobs:
+        top = 0
     max_tokens, name = fields.take("max_tokens"), "max_tokens"
     newer = fields.take("max_completion_tokens")
     if newer is not None:
@@ -101,7 +119,7 @@ def parse_chat(body: Any, model_id: str) -> ChatRequest:
         max_tokens, name = newer, "max_completion_tokens"
     sampling, stream, usage = _common(fields, max_tokens, None, name)
     fields.done()
-    return ChatRequest(messages, sampling, stream, usage)
+    return ChatRequest(messages, sampling, stream, usage, top)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -145,10 +163,11 @@ def _model(fields: _Fields, model_id: str) -> None:
                                   status=404, param="model", code="model_not_found")
 
 
-def _common(fields: _Fields, max_tokens: Any, default_max: int | None, max_name: str) -> tuple[Sampling, bool, bool]:
+def _common(fields: _Fields, max_tokens: Any, default_max: int | None, max_name: str, *,
+            least: int = 1) -> tuple[Sampling, bool, bool]:
     """The sampling and streaming fields both endpoints share."""
     if max_tokens is not None:
-        max_tokens = _integer(max_tokens, max_name, 1, MAX_TOKENS)
+        max_tokens = _integer(max_tokens, max_name, least, MAX_TOKENS)
     else:
         max_tokens = default_max
     temperature = fields.take("temperature")
@@ -171,7 +190,30 @@ def _common(fields: _Fields, max_tokens: Any, default_max: int | None, max_name:
     user = fields.take("user")
     if user is not None:
         _string(user, "user", MAX_NAME_CHARS)
+    _response_format(fields.take("response_format"))
     return Sampling(max_tokens, temperature, top_p, seed, stop), stream, include_usage
+
+
+def _response_format(value: Any) -> None:
+    """Only {"type": "text"}, the default: this server does not constrain its output to JSON."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"response_format must be an object {{\"type\": \"text\"}}, got {_shown(value)}",
+                                  param="response_format")
+    options = dict(value)
+    kind = options.pop("type", None)
+    if kind in ("json_object", "json_schema"):
+        raise InvalidRequestError(f"response_format {kind} is not supported by this server (it does not constrain "
+                                  f"its output): only {{\"type\": \"text\"}} is accepted",
+                                  param="response_format.type")
+    if kind != "text":
+        raise InvalidRequestError(f"response_format.type must be \"text\", got {_shown(kind)}",
+                                  param="response_format.type")
+    if options:
+        name = sorted(options)[0]
+        raise InvalidRequestError(f"unknown field {_clip(name)!r} in response_format",
+                                  param=f"response_format.{_clip(name)}")
 
 
 def _stream_options(value: Any, stream: bool) -> bool:

@@ -22,11 +22,14 @@ MAX_RECEIPTS = 1 << 20  # the largest --max-receipts: each entry holds a receipt
 STOP_STRING = ("stop_string", "a stop string ended the answer: the engine stopped it between two tokens, which "
                               "no receipt's finish_reason (stop: a stop token; length: max_tokens reached) can "
                               "state; ask without `stop` (and cut the text yourself) to get a receipt")
+NO_NEW_TOKENS = ("no_new_tokens", "max_tokens 0 scored the prompt and generated nothing: a receipt binds the tokens "
+                                  "an answer generated, and there are none (the scores came from the same verified "
+                                  "weights; ask for at least one token to get a receipt)")
 
 RECEIPT_HELP = {
     "receipts_signed_total": "Run receipts signed (one per finished completion).",
     "receipts_evicted_total": "Run receipts evicted from the in-memory store (--max-receipts).",
-    "receipts_unavailable_total": "Finished completions that got no receipt (a stop string ended them).",
+    "receipts_unavailable_total": "Finished completions that got no receipt (a stop string ended them, or max_tokens 0 generated nothing).",
     "receipts_stored": "Run receipts held in the in-memory store.",
     "receipts_stored_bytes": "Receipt and routing-trace bytes held in the in-memory store (--max-receipt-bytes).",
 }

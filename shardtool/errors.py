@@ -129,7 +129,12 @@ class ExpiredError(VerificationError):
 
 class RequestRefusedError(UsageError):
     """A generation request the engine can never run as asked: a prompt plus max_tokens longer than the
-    context or than the whole KV cache, token ids outside the vocabulary, an empty prompt (HTTP 400)."""
+    context or than the whole KV cache, token ids outside the vocabulary, an empty prompt (HTTP 400). `code`:
+    the machine-readable reason an HTTP error body carries ("context_length_exceeded", as OpenAI's)."""
+
+    def __init__(self, message: str, *, code: str | None = None, **kw):
+        self.code = code
+        super().__init__(message, **kw)
 
 
 class OverloadedError(ShardtoolError):

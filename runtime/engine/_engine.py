@@ -46,7 +46,7 @@ from shardtool.runtime.store import DEFAULT_PAGE_CACHE, DEFAULT_POLICY, ShardSto
 from ._plan import BudgetPlan, plan_budget
 from ._provider import VerifiedWeights
 from ._record import RunRecord
-from ._sampling import SamplingParams, check_sampling, sample_token
+from ._sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs, check_sampling, sample_token, token_logprobs
 from ._signed import load_tokenizer, signed_json, unusable_shards, verified_config
 
 
@@ -64,6 +64,15 @@ class ExpertCluster(Protocol):
 @dataclass(frozen=True)
 class TokenEvent:
     token: int
+    logprobs: TokenLogprobs | None = None  # for a request submitted with `logprobs`
+
+
+@dataclass(frozen=True)
+class PromptScoresEvent:
+    """A request submitted with `score_prompt`: every prompt token's score, before any TokenEvent. The first is
+    None (no position predicts the first token)."""
+
+    scores: tuple[TokenLogprobs | None, ...]
 
 
 @dataclass(frozen=True)
@@ -80,7 +89,7 @@ class ErrorEvent:
     error: BaseException
 
 
-Event = TokenEvent | FinishEvent | ErrorEvent
+Event = TokenEvent | PromptScoresEvent | FinishEvent | ErrorEvent
 Sink = Callable[[Event], None]
 
 
@@ -107,6 +116,9 @@ class Ticket:
     decode_seconds: float = 0.0  # ... and of the steps that fed its generated tokens
     decode_expert_bytes: int = 0  # expert bytes read by steps in which it decoded
     record: RunRecord | None = None  # routing and fingerprints of every fed position, for a receipt
+    logprobs: int | None = None  # score every generated token, with this many alternatives
+    score_prompt: bool = False  # score every prompt token too (its prefill asks for every row's logits)
+    prompt_scores: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
 
     @property
     def total_tokens(self) -> int:
@@ -210,10 +222,15 @@ class Engine:
         the manifest lists none."""
         return signed_json(self.root, self.manifest, path)
 
-    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> np.ndarray:
-        """The prompt as int64 ids, or RequestRefusedError naming what can never run."""
-        if not isinstance(params.max_new_tokens, int) or params.max_new_tokens < 1:
-            raise RequestRefusedError(f"max_tokens must be an integer >= 1, got {params.max_new_tokens!r}")
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, score_prompt: bool = False,
+                      logprobs: int | None = None) -> np.ndarray:
+        """The prompt as int64 ids, or RequestRefusedError naming what can never run. `score_prompt` allows
+        max_new_tokens 0 (the prompt scored, nothing generated)."""
+        least = 0 if score_prompt else 1
+        if not isinstance(params.max_new_tokens, int) or params.max_new_tokens < least:
+            raise RequestRefusedError(f"max_tokens must be an integer >= {least}, got {params.max_new_tokens!r}")
+        if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestRefusedError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {logprobs!r}")
         try:
             check_sampling(params.temperature, params.top_p)
         except UsageError as e:
@@ -228,24 +245,29 @@ class Engine:
         total = len(prompt) + params.max_new_tokens
         if total > self.max_context:
             raise RequestRefusedError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_new_tokens}) = "
-                                      f"{total} tokens, more than the context of {self.max_context}")
+                                      f"{total} tokens, more than the context of {self.max_context}",
+                                      code="context_length_exceeded")
         need = self.bytes_per_token * total
         if need > self.plan.kv_cache:
             fits = self.plan.kv_cache // self.bytes_per_token
             raise RequestRefusedError(f"prompt + max_tokens = {total} tokens need {need} bytes of KV cache; the "
-                                      f"whole KV cache is {self.plan.kv_cache} bytes ({fits} tokens)")
+                                      f"whole KV cache is {self.plan.kv_cache} bytes ({fits} tokens)",
+                                      code="context_length_exceeded")
         return prompt
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, *,
-               record: bool = False) -> Ticket:
+               record: bool = False, logprobs: int | None = None, score_prompt: bool = False) -> Ticket:
         """Queue a request; its events go to `sink` (called on the engine thread, must not block). With
-        `record`, its FinishEvent carries the RunRecord a receipt is made from."""
-        prompt = self.check_request(prompt_ids, params)
+        `record`, its FinishEvent carries the RunRecord a receipt is made from. With `logprobs` (0 to 20), each
+        TokenEvent carries the token's score and that many alternatives; with `score_prompt`, a PromptScoresEvent
+        scores the prompt first (max_new_tokens may then be 0)."""
+        prompt = self.check_request(prompt_ids, params, score_prompt=score_prompt, logprobs=logprobs)
         if params.seed is None:
             params = replace(params, seed=secrets.randbits(64))
         stops = self.config.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
         ticket = Ticket(next(self._ids), prompt, params, sink, self.bytes_per_token * (len(prompt) +
-                        params.max_new_tokens), frozenset(stops), np.random.default_rng(params.seed))
+                        params.max_new_tokens), frozenset(stops), np.random.default_rng(params.seed),
+                        logprobs=logprobs, score_prompt=score_prompt)
         if record:
             ticket.record = RunRecord(prompt=tuple(int(t) for t in prompt), params=params,
                                       stop_token_ids=tuple(sorted(ticket.stops)))
@@ -422,17 +444,27 @@ class Engine:
             s.last_batch_size = len(plan)
         row = 0
         for ticket, ids in plan:
+            rows = {"all": len(ids), "last": 1, "none": 0}[_wanted(ticket, ids)]  # asked before `fed` moves
+            block = logits[row:row + rows] if rows else None  # [rows, V]; None: a prompt chunk before its last
+            row += rows
             decoding = ticket.next_token is not None
             if decoding:
                 ticket.decode_seconds += seconds
                 ticket.decode_expert_bytes += expert_bytes
             else:
                 ticket.prefill_seconds += seconds
+                if ticket.score_prompt and not self._score_prompt(ticket, block):
+                    continue
                 ticket.fed += len(ids)
                 if ticket.fed < len(ticket.prompt):
-                    continue  # more prompt to go: this chunk asked for no logits
-            self._emit(ticket, logits[row])
-            row += 1
+                    continue  # more prompt to go
+                if ticket.score_prompt and not ticket.cancelled:
+                    _deliver(ticket, PromptScoresEvent(tuple(ticket.prompt_scores)))
+                    ticket.prompt_scores = []
+                    if ticket.params.max_new_tokens == 0:
+                        self._finish(ticket, "length")
+                        continue
+            self._emit(ticket, block[-1])
 
     def _plan_rows(self, batch: list[Ticket]) -> list[tuple[Ticket, np.ndarray]]:
         """Every decoding sequence's next token, then prompt chunks in admission order, as many rows as the
@@ -456,9 +488,8 @@ class Engine:
         """forward_batch over the plan; a failure fails the sequences it concerns and the rest try again.
         Returns the logits, the plan that ran, and each planned sequence's StepTrace (None unless recording)."""
         while plan:
-            segments = [Segment(ids, ticket.cache,
-                                "last" if ticket.next_token is not None or ticket.fed + len(ids) >= len(ticket.prompt)
-                                else "none", StepTrace() if ticket.record is not None else None)
+            segments = [Segment(ids, ticket.cache, _wanted(ticket, ids),
+                                StepTrace() if ticket.record is not None else None)
                         for ticket, ids in plan]
             try:
                 logits = forward_batch(self.config, self._weights, self._rope, segments)
@@ -493,6 +524,23 @@ class Engine:
         for ticket in tickets:
             _deliver(ticket, ErrorEvent(status, message, error))
 
+    def _score_prompt(self, ticket: Ticket, block: np.ndarray) -> bool:
+        """Score the prompt tokens this prefill chunk's rows [t, V] predict (row j: the token after position
+        fed + j). False when the request ended (cancelled, or failed on non-finite logits)."""
+        if ticket.cancelled:
+            return False  # the next step boundary releases it
+        if not np.isfinite(block).all():
+            self._fail([ticket], VerificationError(f"the signed weights give non-finite logits in prompt positions "
+                                                   f"{ticket.fed} to {ticket.fed + len(block) - 1} (NaN or infinity "
+                                                   f"in float32)"))
+            return False
+        top = ticket.logprobs or 0
+        for j, row in enumerate(block):
+            at = ticket.fed + j + 1
+            if at < len(ticket.prompt):
+                ticket.prompt_scores.append(token_logprobs(row, int(ticket.prompt[at]), top))
+        return True
+
     def _emit(self, ticket: Ticket, logits: np.ndarray) -> None:
         """Sample the next token from a finished step's logits and hand it over; end the request on a stop
         token or at max_new_tokens."""
@@ -504,6 +552,7 @@ class Engine:
             return
         p = ticket.params
         token = sample_token(logits, temperature=p.temperature, top_p=p.top_p, rng=ticket.rng)
+        score = None if ticket.logprobs is None else token_logprobs(logits, token, ticket.logprobs)
         ticket.generated += 1
         if ticket.record is not None:
             ticket.record.tokens.append(token)
@@ -511,11 +560,14 @@ class Engine:
             ticket.first_token_at = time.perf_counter()
         with self._lock:
             self.stats.generated_tokens += 1
-        _deliver(ticket, TokenEvent(token))
+        _deliver(ticket, TokenEvent(token, score))
         reason = "stop" if token in ticket.stops else "length" if ticket.generated >= p.max_new_tokens else None
         if reason is None:
             ticket.next_token = token
             return
+        self._finish(ticket, reason)
+
+    def _finish(self, ticket: Ticket, reason: str) -> None:
         with self._lock:
             self._release(ticket)
             self.stats.finished += 1
@@ -577,6 +629,16 @@ class Engine:
                 "cluster_nodes_dropped": len(c.dropped), "cluster_nodes_readmitted_total": c.readmitted,
                 "cluster_expert_calls_total": dict(c.expert_calls),
                 **({"cluster_expert_calls_busiest_over_mean": balance} if balance is not None else {})}
+
+
+def _wanted(ticket: Ticket, ids: np.ndarray) -> str:
+    """Which logits a sequence's rows in a step ask for: a decoding token's or a prompt's last row (to sample
+    from), every prompt row when the prompt is scored, none for a prompt chunk before its last."""
+    if ticket.next_token is not None:
+        return "last"
+    if ticket.score_prompt:
+        return "all"
+    return "last" if ticket.fed + len(ids) >= len(ticket.prompt) else "none"
 
 
 def _deliver(ticket: Ticket, event: Event) -> None:

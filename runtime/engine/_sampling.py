@@ -1,5 +1,5 @@
-"""Choosing the next token from logits (greedy, or temperature + top-p with a seeded generator), and what a request
-asks of it (`SamplingParams`).
+"""Choosing the next token from logits (greedy, or temperature + top-p with a seeded generator), what a request
+asks of it (`SamplingParams`), and a position's score (`token_logprobs`: the model's own log-softmax).
 
 The decode loop that uses it is the runtime's engine; a receipt's replay re-derives each draw (`sampling_slack`)."""
 
@@ -19,6 +19,34 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None  # None: the engine draws one (a receipt records the seed that was used)
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's eos ids
+
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives a position's score lists (OpenAI's cap)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's score: its token's log-probability under the model's own distribution (the log-softmax of
+    the logits it was sampled or read from, before temperature and top-p), and the `top` most probable tokens
+    with theirs, most probable first (lower id first on a tie)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
+    """# [V], id, n -> the token's log-probability and the n best (float64 arithmetic; at most the vocabulary)."""
+    shifted = logits.astype(np.float64)
+    shifted -= shifted.max()
+    logp = shifted - np.log(np.exp(shifted).sum())
+    best: tuple[tuple[int, float], ...] = ()
+    n = min(top, len(logp))
+    if n > 0:
+        idx = np.argpartition(-logp, n - 1)[:n]
+        idx = idx[np.lexsort((idx, -logp[idx]))]
+        best = tuple((int(i), float(logp[i])) for i in idx)
+    return TokenLogprobs(int(token), float(logp[token]), best)
 
 
 def check_sampling(temperature: float, top_p: float) -> None:

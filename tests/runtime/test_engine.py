@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shardtool.errors import OverloadedError, RequestRefusedError
-from shardtool.runtime import Engine, ErrorEvent, FinishEvent, SamplingParams, TokenEvent
+from shardtool.runtime import Engine, ErrorEvent, FinishEvent, PromptScoresEvent, SamplingParams, TokenEvent
 
 from _kit.cli import ok as _cli
 from examples.make_tiny_moe import make_checkpoint
@@ -367,5 +367,116 @@ def test_a_new_prompt_is_prefilled_at_once_beside_many_decoding_sequences(signed
         for _ in range(2):
             engine.step()
         assert ticket.done and len(late.tokens) == 2, "the new prompt waited behind the decoding sequences"
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scores (logprobs): the model's own log-softmax, against transformers on the same checkpoint.
+
+LOGPROB_TOL = 1e-4
+
+
+def _oracle_logprobs(work: Path, ids: list[int]):
+    """# [T] ids -> [T, V] float64 log-softmax of transformers' float32 logits for the checkpoint `work/ck`."""
+    torch = pytest.importorskip("torch", reason="the scores' oracle needs torch (pip install -e '.[oracle]')")
+    transformers = pytest.importorskip("transformers", reason="the scores' oracle needs transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(work / "ck", attn_implementation="eager",
+                                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def _check_score(score, expected, token: int, top: int, where: str) -> None:
+    import numpy as np
+
+    assert score.token == token, where
+    assert abs(score.logprob - expected[token]) <= LOGPROB_TOL, (where, score.logprob, expected[token])
+    best = np.argsort(-expected, kind="stable")[:top]
+    assert [t for t, _ in score.top] == [int(t) for t in best], where
+    for t, lp in score.top:
+        assert abs(lp - expected[t]) <= LOGPROB_TOL, (where, t, lp, expected[t])
+
+
+def test_scores_equal_the_transformers_log_softmax_in_a_batch(signed, tmp_path):
+    """A scored prompt with generation, a prompt scored alone (max_tokens 0) and a sampled request with logprobs,
+    in one batch beside plain requests: every score is transformers' log-softmax (before temperature and top-p)."""
+    engine = _engine(signed, tmp_path, max_batch=16)
+    plain = [Collect() for _ in range(3)]
+    scored, alone, sampled = Collect(), Collect(), Collect()
+    try:
+        tickets = [engine.submit(PROMPTS[i + 5], SamplingParams(6), s) for i, s in enumerate(plain)]
+        engine.step()  # the plain ones decode while the scored prompts prefill
+        tickets += [engine.submit(PROMPTS[9], SamplingParams(5, stop_token_ids=()), scored, logprobs=3,
+                                  score_prompt=True),
+                    engine.submit(PROMPTS[13], SamplingParams(0), alone, logprobs=2, score_prompt=True),
+                    engine.submit(PROMPTS[4], SamplingParams(4, temperature=1.5, top_p=0.5, seed=3,
+                                                             stop_token_ids=()), sampled, logprobs=20)]
+        _drain(engine, tickets)
+    finally:
+        engine.close()
+    for sink, prompt, top in ((scored, PROMPTS[9], 3), (alone, PROMPTS[13], 2), (sampled, PROMPTS[4], 20)):
+        ids = prompt + sink.tokens
+        expected = _oracle_logprobs(signed, ids)
+        prompt_scores = [e.scores for e in sink.events if isinstance(e, PromptScoresEvent)]
+        if sink is sampled:
+            assert prompt_scores == []
+        else:
+            assert len(prompt_scores) == 1 and len(prompt_scores[0]) == len(prompt) and prompt_scores[0][0] is None
+            for i, score in enumerate(prompt_scores[0][1:], start=1):
+                _check_score(score, expected[i - 1], prompt[i], top, f"prompt token {i}")
+        tokens = [e for e in sink.events if isinstance(e, TokenEvent)]
+        for i, event in enumerate(tokens):
+            at = len(prompt) + i
+            _check_score(event.logprobs, expected[at - 1], ids[at], top, f"new token {i}")
+        assert isinstance(sink.end, FinishEvent) and sink.end.reason == "length"
+    assert alone.tokens == [] and len(scored.tokens) == 5 and len(sampled.tokens) == 4
+    for sink in plain:
+        assert all(e.logprobs is None for e in sink.events if isinstance(e, TokenEvent))
+
+
+def test_a_prompt_scored_in_chunks_of_three_rows(signed, tmp_path, monkeypatch):
+    """Prefill in chunks (a small activation reserve): each chunk's last row scores the next chunk's first token."""
+    import shardtool.runtime.engine._engine as engine_module
+
+    monkeypatch.setattr(engine_module, "step_rows", lambda cfg, reserve, keys: 3)
+    engine = _engine(signed, tmp_path)
+    sink = Collect()
+    prompt = PROMPTS[11]
+    try:
+        ticket = engine.submit(prompt, SamplingParams(2, stop_token_ids=()), sink, logprobs=1, score_prompt=True)
+        _drain(engine, [ticket])
+    finally:
+        engine.close()
+    assert len(prompt) > 9 and engine.stats.steps >= len(prompt) // 3
+    expected = _oracle_logprobs(signed, prompt + sink.tokens)
+    (scores,) = [e.scores for e in sink.events if isinstance(e, PromptScoresEvent)]
+    for i in range(1, len(prompt)):
+        _check_score(scores[i], expected[i - 1], prompt[i], 1, f"prompt token {i}")
+
+
+@pytest.mark.parametrize("new, kw, match", [
+    (0, {}, "max_tokens must be an integer >= 1"),
+    (0, {"logprobs": 2}, "max_tokens must be an integer >= 1"),
+    (1, {"logprobs": 21}, "logprobs must be an integer from 0 to 20"),
+    (1, {"logprobs": -1}, "logprobs must be an integer from 0 to 20"),
+    (-1, {"score_prompt": True}, "max_tokens must be an integer >= 0"),
+], ids=["zero-new-unscored", "zero-new-logprobs-only", "top-21", "top-negative", "negative-new-scored"])
+def test_bad_score_requests_are_refused(signed, tmp_path, new, kw, match):
+    engine = _engine(signed, tmp_path)
+    try:
+        with pytest.raises(RequestRefusedError, match=match):
+            engine.submit([5, 6], SamplingParams(new), Collect(), **kw)
+    finally:
+        engine.close()
+
+
+def test_a_prompt_past_the_context_is_refused_with_its_code(signed, tmp_path):
+    engine = _engine(signed, tmp_path, max_context=16)
+    try:
+        with pytest.raises(RequestRefusedError) as info:
+            engine.submit(list(range(3, 15)), SamplingParams(5), Collect())
+        assert info.value.code == "context_length_exceeded"
     finally:
         engine.close()

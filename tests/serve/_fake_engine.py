@@ -4,7 +4,8 @@ layer's tests control what each request generates, when, and how it ends, withou
 `reply(prompt_ids, params)` gives the tokens a request generates, in order; an ErrorEvent in the list fails
 the request at that point. Generation stops at a stop token (params.stop_token_ids, default the eos ids:
 "stop"), at max_new_tokens ("length"), or when the list runs out ("length" too). Events reach the sink on
-the engine's thread, one token per step.
+the engine's thread, one token per step. Scores (`logprobs`, `score_prompt`) are made up from the token ids
+(`fake_score`): the HTTP layer's shapes are tested here, the values against transformers in test_serve_e2e.py.
 """
 
 from __future__ import annotations
@@ -17,9 +18,16 @@ from types import SimpleNamespace
 from typing import Callable
 
 from shardtool.errors import OverloadedError, RequestRefusedError
-from shardtool.runtime import ErrorEvent, FinishEvent, SamplingParams, TokenEvent
+from shardtool.runtime import ErrorEvent, FinishEvent, PromptScoresEvent, SamplingParams, TokenEvent, TokenLogprobs
 
 EOS = 1
+
+
+def fake_score(token: int, top: int) -> TokenLogprobs:
+    """A made-up score: token t has log-probability -(t % 7 + 1) / 8; its alternatives are t+1, t+2, ..."""
+    def lp(t: int) -> float:
+        return -(t % 7 + 1) / 8
+    return TokenLogprobs(token, lp(token), tuple((token + 1 + i, lp(token + 1 + i) - 1) for i in range(top)))
 
 
 @dataclass(eq=False)
@@ -31,6 +39,9 @@ class FakeTicket:
     script: list
     generated: int = 0
     cancelled: bool = False
+    logprobs: int | None = None
+    score_prompt: bool = False
+    prompt_scored: bool = False
 
 
 @dataclass
@@ -83,8 +94,11 @@ class FakeEngine:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
-    def submit(self, prompt_ids, params: SamplingParams, sink, *, record: bool = False) -> FakeTicket:
+    def submit(self, prompt_ids, params: SamplingParams, sink, *, record: bool = False, logprobs: int | None = None,
+               score_prompt: bool = False) -> FakeTicket:
         prompt = list(prompt_ids)
+        if params.max_new_tokens < (0 if score_prompt else 1):
+            raise RequestRefusedError(f"max_tokens {params.max_new_tokens}")
         if not prompt:
             raise RequestRefusedError("the prompt is empty")
         bad = next((i for i in prompt if not 0 <= i < self.config.vocab_size), None)
@@ -92,11 +106,12 @@ class FakeEngine:
             raise RequestRefusedError(f"token id {bad} is outside this model's vocabulary of {self.config.vocab_size}")
         if len(prompt) + params.max_new_tokens > self.max_context:
             raise RequestRefusedError(f"{len(prompt)} prompt tokens + max_tokens {params.max_new_tokens} exceed "
-                                      f"the context of {self.max_context}")
+                                      f"the context of {self.max_context}", code="context_length_exceeded")
         with self._lock:
             if len(self._waiting) >= self.max_queue:
                 raise OverloadedError(f"the wait queue is full ({self.max_queue})", retry_after=self.retry_after)
-            ticket = FakeTicket(next(self._ids), prompt, params, sink, list(self.reply(prompt, params)))
+            ticket = FakeTicket(next(self._ids), prompt, params, sink, list(self.reply(prompt, params)), logprobs=logprobs,
+                                score_prompt=score_prompt)
             self._waiting.append(ticket)
             self.submitted.append(ticket)
             self._lock.notify_all()
@@ -146,6 +161,12 @@ class FakeEngine:
         if t.cancelled:
             self.finished += 1
             return end(FinishEvent("cancelled"))
+        if t.score_prompt and not t.prompt_scored:
+            t.sink(PromptScoresEvent((None, *(fake_score(p, t.logprobs or 0) for p in t.prompt[1:]))))
+            t.prompt_scored = True
+            if t.params.max_new_tokens == 0:
+                self.finished += 1
+                return end(FinishEvent("length"))
         if t.generated >= len(t.script):
             self.finished += 1
             return end(FinishEvent("length"))
@@ -155,7 +176,7 @@ class FakeEngine:
             self.failed += 1
             return end(item)
         self.generated += 1
-        t.sink(TokenEvent(item))
+        t.sink(TokenEvent(item, None if t.logprobs is None else fake_score(item, t.logprobs)))
         stops = t.params.stop_token_ids if t.params.stop_token_ids is not None else self.config.eos_token_ids
         if item in stops:
             self.finished += 1

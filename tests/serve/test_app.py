@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -20,7 +21,7 @@ from shardtool.errors import UsageError
 from shardtool.serve import Access, ChatTemplate, Limits, ServerSettings, bind, create_app, url_of
 from shardtool.serve._server import uvicorn_server
 
-from _fake_engine import EOS, FakeEngine  # noqa: E402  (tests/serve is on sys.path: pytest's prepend mode)
+from _fake_engine import EOS, FakeEngine, fake_score  # noqa: E402  (tests/serve is on sys.path: pytest's prepend mode)
 
 MODEL = "acme/tiny"
 REPLY = "Hello world, said the miller."
@@ -40,9 +41,9 @@ def serving(engine: FakeEngine, **kw):
 
 @contextlib.contextmanager
 def serving_app(engine: FakeEngine, *, limits: Limits = Limits(), settings: ServerSettings = ServerSettings(),
-                chat: ChatTemplate | None = None, access: Access = Access()):
+                chat: ChatTemplate | None = None, access: Access = Access(), access_log=None):
     """The server's URL, and its app."""
-    app = create_app(engine, model_id=MODEL, chat=chat, limits=limits, access=access)
+    app = create_app(engine, model_id=MODEL, chat=chat, limits=limits, access=access, access_log=access_log)
     sock = bind("127.0.0.1", 0)
     server = uvicorn_server(app, settings)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -230,7 +231,7 @@ def test_chat_max_tokens_default_is_the_rest_of_the_context(url, engine, tok):
 def test_engine_refusals_are_400_and_a_full_queue_is_503_with_retry_after(url, engine):
     assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": [1, 600]}), 400, words="token id 600")
     assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 64}), 400,
-                 words="exceed the context of 64")
+                 code="context_length_exceeded", words="exceed the context of 64")
     engine.max_batch = 0  # nothing is admitted: every request waits in the queue
     held = [threading.Thread(target=post, args=(url, "/v1/completions", {"model": MODEL, "prompt": "x"}))
             for _ in range(engine.max_queue)]
@@ -415,6 +416,7 @@ def test_metrics(url, engine):
                  'shardtool_http_requests_total{route="other",status="404"} 1.0'):
         assert line in text, line
     assert "python_gc" not in text and "process_" not in text  # a private registry: only ours
+    assert "_created" not in text  # prometheus_client's creation times would be one more gauge family per counter
 
 
 def test_chat_without_a_template_is_400_and_a_broken_one_500(engine):
@@ -602,3 +604,149 @@ def test_a_render_whose_client_left_is_killed(tok):
         # and the next request gets a fresh worker
         with pytest.raises(httpx.ReadTimeout):
             post(base, "/v1/chat/completions", CHAT_BODY, timeout=2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scores (logprobs) in OpenAI's shapes; the values come from the engine (made up by the fake one, checked against
+# transformers in test_serve_e2e.py).
+
+
+def _completion_scores(tok, ids, top, *, start=0, first_unscored=False) -> dict:
+    """What the completions `logprobs` object must hold for these ids under `fake_score`."""
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for i, t in enumerate(ids):
+        text = tok.decode([t], skip_special_tokens=False)
+        tokens.append(text)
+        offsets.append(start)
+        start += len(text)
+        if first_unscored and i == 0:
+            logprobs.append(None)
+            tops.append(None)
+            continue
+        score = fake_score(t, top)
+        logprobs.append(score.logprob)
+        tops.append({**{tok.decode([a], skip_special_tokens=False): lp for a, lp in score.top}, text: score.logprob})
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _joined(parts: list[dict]) -> dict:
+    return {key: [x for part in parts for x in part[key]] for key in parts[0]}
+
+
+def test_completion_logprobs(url, engine, tok):
+    doc = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 40, "logprobs": 2}).json()
+    reply = tok.encode(REPLY).ids + [EOS]
+    assert doc["choices"][0]["text"] == REPLY
+    assert doc["choices"][0]["logprobs"] == _completion_scores(tok, reply, 2)
+    assert engine.submitted[0].logprobs == 2 and not engine.submitted[0].score_prompt
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_echo_scores_the_prompt_then_the_answer(url, engine, tok, stream):
+    prompt = "The miller said"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "logprobs": 1, "echo": True, "stream": stream}
+    r = post(url, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [e["choices"][0] for e in sse(r.text)[:-1]]
+        text = "".join(c["text"] for c in chunks)
+        logprobs = _joined([c["logprobs"] for c in chunks if c["logprobs"] is not None])
+        assert chunks[0]["text"] == prompt  # the echo comes first, with the prompt's scores
+    else:
+        choice = r.json()["choices"][0]
+        text, logprobs = choice["text"], choice["logprobs"]
+    ids = tok.encode(prompt).ids
+    reply = tok.encode(REPLY).ids + [EOS]
+    assert text == prompt + REPLY
+    expected = _joined([_completion_scores(tok, ids, 1, first_unscored=True),
+                        _completion_scores(tok, reply, 1, start=len(prompt))])
+    assert logprobs == expected
+    assert engine.submitted[0].score_prompt and engine.submitted[0].logprobs == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_max_tokens_zero_with_echo_scores_the_prompt_only(url, engine, tok, stream):
+    """What evaluation harnesses send to score a given text: token ids, echo, max_tokens 0."""
+    ids = [5, 77, 300, 9]
+    body = {"model": MODEL, "prompt": [ids], "max_tokens": 0, "logprobs": 0, "echo": True, "temperature": 0,
+            "stream": stream}
+    r = post(url, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = sse(r.text)
+        assert events[-1] == "[DONE]"
+        echo, end = (e["choices"][0] for e in events[:-1])
+        assert (echo["text"], echo["finish_reason"], end["text"], end["finish_reason"]) == (
+            tok.decode(ids), None, "", "length")
+        logprobs = echo["logprobs"]
+    else:
+        doc = r.json()
+        assert doc["choices"][0]["text"] == tok.decode(ids) and doc["choices"][0]["finish_reason"] == "length"
+        assert doc["usage"] == {"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4}
+        logprobs = doc["choices"][0]["logprobs"]
+    assert logprobs == _completion_scores(tok, ids, 0, first_unscored=True)
+    assert engine.submitted[0].params.max_new_tokens == 0
+
+
+def test_echo_without_logprobs_prefixes_the_prompt_unscored(url, engine, tok):
+    doc = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 40, "echo": True}).json()
+    assert doc["choices"][0]["text"] == "x" + REPLY and doc["choices"][0]["logprobs"] is None
+    assert engine.submitted[0].logprobs is None and not engine.submitted[0].score_prompt
+
+
+def _chat_scores(tok, ids, top) -> dict:
+    def entry(t, lp):
+        text = tok.decode([t], skip_special_tokens=False)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(t, fake_score(t, top).logprob),
+                         "top_logprobs": [entry(a, lp) for a, lp in fake_score(t, top).top]} for t in ids]}
+
+
+@pytest.mark.parametrize("fields, top", [({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": 3}, 3)])
+def test_chat_logprobs_and_their_stream(url, engine, tok, fields, top):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 40, **fields}
+    doc = post(url, "/v1/chat/completions", body).json()
+    expected = _chat_scores(tok, tok.encode(REPLY).ids + [EOS], top)
+    assert doc["choices"][0]["message"]["content"] == REPLY
+    assert doc["choices"][0]["logprobs"] == expected
+    events = sse(post(url, "/v1/chat/completions", {**body, "stream": True}).text)[:-1]
+    streamed = [c for e in events if e["choices"][0]["logprobs"] is not None
+                for c in e["choices"][0]["logprobs"]["content"]]
+    assert streamed == expected["content"]
+    assert events[0]["choices"][0]["logprobs"] is None  # the role chunk
+
+
+def test_scores_past_the_context_are_refused_with_its_code(url, engine):
+    assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": list(range(2, 70)), "max_tokens": 0,
+                                               "echo": True, "logprobs": 1}),
+                 400, code="context_length_exceeded", words="exceed the context of 64")
+
+
+def test_a_model_by_its_id(url):
+    listed = httpx.get(url + "/v1/models").json()["data"][0]
+    assert httpx.get(url + "/v1/models/" + MODEL).json() == listed
+    assert_error(httpx.get(url + "/v1/models/acme/other"), 404, param="model", code="model_not_found",
+                 words="'acme/other' does not exist")
+    assert_error(httpx.get(url + "/v1/models/"), 404, param="model", code="model_not_found")
+
+
+def test_response_format_text_is_accepted(url):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "text"}}
+    assert post(url, "/v1/chat/completions", body).status_code == 200
+    assert_error(post(url, "/v1/chat/completions", {**body, "response_format": {"type": "json_object"}}), 400,
+                 param="response_format.type", words="json_object is not supported")
+
+
+def test_the_access_log_has_one_line_per_request(engine):
+    lines: list[str] = []
+    with serving(engine, access_log=lines.append) as base:
+        post(base, "/v1/completions", {"model": MODEL, "prompt": "x"})
+        httpx.get(base + "/v1/models/" + MODEL)
+        httpx.get(base + "/nowhere%1B[31m")
+        post(base, "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True})
+    assert len(lines) == 4, lines
+    pattern = r'127\.0\.0\.1:\d+ "(GET|POST) (\S+)" (\d{3}) (\d+\.\d{3})s'
+    parsed = [re.fullmatch(pattern, line).groups()[:3] for line in lines]
+    assert parsed == [("POST", "/v1/completions", "200"), ("GET", "/v1/models/" + MODEL, "200"),
+                      ("GET", "/nowhere\\x1b[31m", "404"), ("POST", "/v1/completions", "200")]

@@ -40,6 +40,26 @@ def test_every_supported_completion_field():
     assert req.stream and req.include_usage
 
 
+@pytest.mark.parametrize("fields, logprobs, echo, max_tokens", [
+    ({}, None, False, COMPLETION_DEFAULT_MAX_TOKENS),
+    ({"logprobs": 0}, 0, False, COMPLETION_DEFAULT_MAX_TOKENS),
+    ({"logprobs": 20, "echo": True}, 20, True, COMPLETION_DEFAULT_MAX_TOKENS),
+    ({"logprobs": 1, "echo": True, "max_tokens": 0}, 1, True, 0),  # as evaluation harnesses score a prompt
+    ({"echo": True, "max_tokens": 0, "response_format": {"type": "text"}}, None, True, 0),
+])
+def test_completion_scores(fields, logprobs, echo, max_tokens):
+    req = parse_completion(completion(**fields), MODEL)
+    assert (req.logprobs, req.echo, req.sampling.max_tokens) == (logprobs, echo, max_tokens)
+
+
+@pytest.mark.parametrize("fields, top", [
+    ({}, None), ({"logprobs": False}, None), ({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": 20}, 20),
+    ({"logprobs": True, "top_logprobs": None, "response_format": {"type": "text"}}, 0),
+])
+def test_chat_scores(fields, top):
+    assert parse_chat(chat(**fields), MODEL).top_logprobs == top
+
+
 @pytest.mark.parametrize("prompt, expected", [
     ("text", "text"), (["text"], "text"), ([3], (3,)), ([[3, 4]], (3, 4)), ([0, 2**31 - 1], (0, 2**31 - 1)),
     ([1.0, 2], (1, 2)),  # an integral float is an integer, as JSON encoders may write one
@@ -122,8 +142,20 @@ BAD = {
     "n-two": (parse_completion, completion(n=2), 400, "n", None, "only 1 is accepted, got 2"),
     "n-true": (parse_completion, completion(n=True), 400, "n", None, "got true"),
     "best-of-two": (parse_completion, completion(best_of=2), 400, "best_of", None, "only 1"),
-    "logprobs-set": (parse_completion, completion(logprobs=2), 400, "logprobs", None, "only null"),
-    "echo-true": (parse_completion, completion(echo=True), 400, "echo", None, "only false"),
+    "logprobs-21": (parse_completion, completion(logprobs=21), 400, "logprobs", None, "from 0 to 20, got 21"),
+    "logprobs-negative": (parse_completion, completion(logprobs=-1), 400, "logprobs", None, "got -1"),
+    "logprobs-true": (parse_completion, completion(logprobs=True), 400, "logprobs", None, "got true"),
+    "echo-string": (parse_completion, completion(echo="yes"), 400, "echo", None, "true or false"),
+    "max-tokens-zero-without-echo": (parse_completion, completion(max_tokens=0), 400, "max_tokens", None,
+                                     "from 1 to"),
+    "max-tokens-negative-with-echo": (parse_completion, completion(max_tokens=-1, echo=True), 400, "max_tokens",
+                                      None, "from 0 to"),
+    "response-format-json": (parse_completion, completion(response_format={"type": "json_object"}), 400,
+                             "response_format.type", None, "json_object is not supported"),
+    "response-format-string": (parse_completion, completion(response_format="text"), 400, "response_format", None,
+                               "must be an object"),
+    "response-format-extra": (parse_completion, completion(response_format={"type": "text", "x": 1}), 400,
+                              "response_format.x", None, "unknown field"),
     "suffix-set": (parse_completion, completion(suffix="x"), 400, "suffix", None, "only null"),
     "presence-penalty": (parse_completion, completion(presence_penalty=0.5), 400, "presence_penalty", None, "got 0.5"),
     "frequency-penalty": (parse_completion, completion(frequency_penalty=-1), 400, "frequency_penalty", None, "-1"),
@@ -153,8 +185,15 @@ BAD = {
                              None, "not both"),
     "chat-max-completion-zero": (parse_chat, chat(max_completion_tokens=0), 400, "max_completion_tokens", None,
                                  "from 1 to"),
-    "chat-logprobs-true": (parse_chat, chat(logprobs=True), 400, "logprobs", None, "only false"),
-    "chat-top-logprobs": (parse_chat, chat(top_logprobs=3), 400, "top_logprobs", None, "got 3"),
+    "chat-logprobs-number": (parse_chat, chat(logprobs=1), 400, "logprobs", None, "true or false, got 1"),
+    "chat-top-logprobs-without-logprobs": (parse_chat, chat(top_logprobs=3), 400, "top_logprobs", None,
+                                           "needs logprobs: true"),
+    "chat-top-logprobs-21": (parse_chat, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", None,
+                             "from 0 to 20, got 21"),
+    "chat-response-format-schema": (parse_chat, chat(response_format={"type": "json_schema", "json_schema": {}}), 400,
+                                    "response_format.type", None, "json_schema is not supported"),
+    "chat-response-format-type-missing": (parse_chat, chat(response_format={}), 400, "response_format.type", None,
+                                          "must be \"text\", got null"),
     "chat-prompt-field": (parse_chat, chat(prompt="x"), 400, "prompt", None, "unknown field 'prompt'"),
     "chat-model-other": (parse_chat, chat(model="gpt-4o"), 404, "model", "model_not_found", "does not exist"),
     # A lone UTF-16 surrogate (JSON's "\ud800", valid JSON) in any string field: no tokenizer or response body

@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -340,7 +341,7 @@ def test_a_client_that_disconnects_mid_stream_is_cancelled(server, client):
 
 def test_chat_on_a_model_without_a_chat_template(built):
     # Its own rollback state: the same model ID and version with other bytes is refused (two manifests, one version).
-    s = Server(built, built.plain, "--model-id", MODEL_ID, state="state-plain").wait_listening()
+    s = Server(built, built.plain, "--model-id", MODEL_ID, "--no-access-log", state="state-plain").wait_listening()
     try:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         with pytest.raises(openai.BadRequestError) as info:
@@ -350,6 +351,7 @@ def test_chat_on_a_model_without_a_chat_template(built):
     finally:
         assert s.stop(signal.SIGINT) == 0  # Ctrl-C is a clean stop too
     assert s.stderr().rstrip().endswith("shardtool serve: stopped")
+    assert "/v1/completions" not in s.stderr()  # --no-access-log
 
 
 def _self_signed(directory: Path) -> tuple[Path, Path]:
@@ -451,3 +453,149 @@ def test_refuses_to_start(built, tmp_path, case):
     assert code == expected, log
     assert "serving" not in log and "Traceback" not in log
     assert re.search(r"shardtool: (usage )?error: .*\[\w+Error\]$", log.strip().splitlines()[-1]), log
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scores through the official client, against transformers' log-softmax on the same checkpoint; conformance.
+
+LOGPROB_TOL = 1e-4
+SCORED_PROMPT = [5, 77, 300, 12, 9, 41, 250, 8]
+
+
+@pytest.fixture(scope="module")
+def oracle(built):
+    """ids -> [T, V] float64 log-softmax of transformers' float32 logits for the signed model's checkpoint."""
+    torch = pytest.importorskip("torch", reason="the scores' oracle needs torch (pip install -e '.[oracle]')")
+    transformers = pytest.importorskip("transformers", reason="the scores' oracle needs transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(built.work / "model-hf", attn_implementation="eager",
+                                                              dtype=torch.float32).eval()
+
+    def logprobs(ids):
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([list(ids)])).logits[0].double(), dim=-1).numpy()
+    return logprobs
+
+
+@pytest.fixture(scope="module")
+def token_text(built):
+    """Token id -> the name a response gives it (its names: tests/serve/test_scores.py)."""
+    from tokenizers import Tokenizer
+
+    from shardtool.serve._scores import TokenText
+
+    text = TokenText(Tokenizer.from_file(str(built.model / "tokenizer.json")))
+    return lambda t: text(int(t))
+
+
+def _greedy(oracle, prompt, n):
+    """transformers' greedy continuation of `prompt` by n tokens, and the log-softmax rows of prompt + it."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(oracle(ids)[-1].argmax()))
+    return ids[len(prompt):], oracle(ids)
+
+
+def _assert_completion_scores(logprobs, ids, expected, token_text, top, *, first_unscored):
+    """A completions `logprobs` object for `ids` against the oracle's rows (row i - 1 predicts ids[i])."""
+    import numpy as np
+
+    assert logprobs.tokens == [token_text(t) for t in ids]
+    for i, t in enumerate(ids):
+        if i == 0 and first_unscored:
+            assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+            continue
+        row = expected[i - 1]
+        assert abs(logprobs.token_logprobs[i] - row[t]) <= LOGPROB_TOL, (i, logprobs.token_logprobs[i], row[t])
+        best = [int(b) for b in np.argsort(-row, kind="stable")[:top]]
+        shown = logprobs.top_logprobs[i]
+        assert set(shown) == {token_text(b) for b in best} | {token_text(t)}
+        for b in best + [t]:
+            assert abs(shown[token_text(b)] - row[b]) <= LOGPROB_TOL
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_as_transformers_does(client, oracle, token_text):
+    """The request an evaluation harness sends to score a text: token ids, echo, max_tokens 0, logprobs."""
+    r = client.completions.create(model=MODEL_ID, prompt=SCORED_PROMPT, max_tokens=0, echo=True, logprobs=5,
+                                  temperature=0)
+    assert r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "length"
+    _assert_completion_scores(r.choices[0].logprobs, SCORED_PROMPT, oracle(SCORED_PROMPT), token_text, 5,
+                              first_unscored=True)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_greedy_tokens_and_the_echoed_prompt_are_scored_as_transformers_does(client, oracle, token_text, stream):
+    new, expected = _greedy(oracle, SCORED_PROMPT, 6)
+    r = client.completions.create(model=MODEL_ID, prompt=SCORED_PROMPT, max_tokens=6, echo=True, logprobs=3,
+                                  temperature=0, stream=stream)
+    if stream:
+        parts = [c.choices[0].logprobs for c in r if c.choices and c.choices[0].logprobs is not None]
+        logprobs = SimpleNamespace(**{key: [x for p in parts for x in getattr(p, key)] for key in
+                                      ("tokens", "token_logprobs", "top_logprobs", "text_offset")})
+    else:
+        logprobs = r.choices[0].logprobs
+    _assert_completion_scores(logprobs, SCORED_PROMPT + new, expected, token_text, 3, first_unscored=True)
+
+
+def test_sampled_tokens_are_scored_before_temperature(client, oracle, token_text):
+    """Scores are the model's own distribution (as vLLM's default), not the temperature-scaled one sampled from."""
+    r = client.completions.create(model=MODEL_ID, prompt=SCORED_PROMPT, max_tokens=5, logprobs=2, temperature=1.7,
+                                  top_p=0.8, seed=5)
+    logprobs = r.choices[0].logprobs
+    by_text = {}
+    for t in range(len(oracle(SCORED_PROMPT)[0])):
+        by_text.setdefault(token_text(t), t)
+    ids = SCORED_PROMPT + [by_text[text] for text in logprobs.tokens]
+    expected = oracle(ids)
+    for i, t in enumerate(ids[len(SCORED_PROMPT):]):
+        assert abs(logprobs.token_logprobs[i] - expected[len(SCORED_PROMPT) + i - 1][t]) <= LOGPROB_TOL
+
+
+def test_chat_logprobs_as_transformers_does(built, client, oracle, token_text):
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from shardtool.serve import ChatTemplate
+
+    messages = [{"role": "user", "content": "Where is the mill?"}]
+    config = json.loads((built.model / "tokenizer_config.json").read_text())
+    prompt = ChatTemplate.from_tokenizer_config(config).prompt_ids(
+        Tokenizer.from_file(str(built.model / "tokenizer.json")), messages)
+    r = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=4)
+    content = r.choices[0].logprobs.content
+    new, expected = _greedy(oracle, prompt, len(content))
+    for i, (entry, t) in enumerate(zip(content, new)):
+        row = expected[len(prompt) + i - 1]
+        assert entry.token == token_text(t)
+        assert abs(entry.logprob - row[t]) <= LOGPROB_TOL
+        best = [int(b) for b in np.argsort(-row, kind="stable")[:4]]
+        assert [a.token for a in entry.top_logprobs] == [token_text(b) for b in best]
+        assert all(abs(a.logprob - row[b]) <= LOGPROB_TOL for a, b in zip(entry.top_logprobs, best))
+
+
+def test_openai_conformance(server, client):
+    """client.models.retrieve, response_format text, context_length_exceeded, the access log, no *_created."""
+    model = client.models.retrieve(MODEL_ID)
+    assert model.id == MODEL_ID and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("acme/other")
+    assert info.value.code == "model_not_found"
+    answer = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=3, response_format={"type": "text"})
+    assert answer.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                       response_format={"type": "json_object"})
+    assert info.value.param == "response_format.type"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_ID, prompt=[5] * (MAX_CONTEXT + 1), max_tokens=1)
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as info:  # a scored prompt is bounded by the context too
+        client.completions.create(model=MODEL_ID, prompt=[5] * (MAX_CONTEXT + 1), max_tokens=0, echo=True, logprobs=1)
+    assert info.value.code == "context_length_exceeded"
+    whole = client.completions.create(model=MODEL_ID, prompt=[5] * MAX_CONTEXT, max_tokens=0, echo=True, logprobs=1)
+    assert len(whole.choices[0].logprobs.token_logprobs) == MAX_CONTEXT
+    assert "_created" not in httpx.get(server.url + "/metrics").text
+    log = server.stderr()
+    assert re.search(r'^127\.0\.0\.1:\d+ "GET /v1/models/test/tiny-serve" 200 \d+\.\d{3}s$', log, re.M), log
+    assert re.search(r'^127\.0\.0\.1:\d+ "POST /v1/completions" 400 \d+\.\d{3}s$', log, re.M), log

@@ -181,6 +181,19 @@ def test_a_stop_string_gives_no_receipt_and_says_why(client):
     assert "stop string" in cut["receipt_unavailable"]["message"]
 
 
+def test_a_scored_answer_carries_a_receipt_and_a_scored_prompt_says_why_it_has_none(built, client):  # noqa: F811
+    """Scores come from the same verified weights: an answer with logprobs and echo is signed as any other (its
+    tokens; the scores are not signed); max_tokens 0 generated no token, so no receipt, with the reason."""
+    prompt = [5, 17, 42, 8, 99]
+    doc = completion(client, prompt=prompt, max_tokens=6, temperature=0, logprobs=2, echo=True)
+    assert len(doc["choices"][0]["logprobs"]["token_logprobs"]) == len(prompt) + doc["usage"]["completion_tokens"]
+    verdict = valid(built, check_receipt(doc["receipt"]))
+    assert verdict["prompt_ids"] == prompt and len(verdict["token_ids"]) == doc["usage"]["completion_tokens"]
+    scored = completion(client, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    assert len(scored["choices"][0]["logprobs"]["token_logprobs"]) == len(prompt)
+    assert scored["receipt"] is None and scored["receipt_unavailable"]["reason"] == "no_new_tokens"
+
+
 def test_metrics_count_receipts(rserver, client):
     def metric(name: str) -> float:
         text = httpx.get(rserver.url + "/metrics").text
