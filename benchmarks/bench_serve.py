@@ -9,9 +9,15 @@
 The model is a Mixtral-shaped checkpoint from examples/make_tiny_moe.py whose experts exceed the shard cache:
 the budget is planned (runtime.plan_budget, through Engine) so the cache holds only --cache-experts experts.
 With --vs-llama, instead: the model that fits in memory (f32, hidden 512, every expert cached) served by
-`shardtool serve --threads 2` and by llama.cpp's `llama-server -np 16 -t 2` (its converter's F32 GGUF, F32 KV
-cache, EOS ignored), each alone, interleaved with `verify-and-run --threads 2`: aggregate tok/s at 1 and 16 clients,
-serve / llama-server and serve (1 client) / verify-and-run's decode tok/s, medians of --repeats.
+`shardtool serve --threads 2 --max-batch 32` and by llama.cpp's `llama-server -np 32 -t 2` (its converter's F32
+GGUF, F32 KV cache, EOS ignored; the same context per slot), each alone, interleaved with `verify-and-run
+--threads 2`: at 1, 4, 16 and 32 clients, through /v1/completions (token-id prompt) and /v1/chat/completions (one
+user message, the checkpoint's chat template on both servers), aggregate tok/s from non-streamed windows, and TTFT and
+inter-token latency p50/p99 from the same windows streamed (the official openai client, stream=True; an inter-token
+latency is the gap between two chunks carrying text, counted once however many tokens the later chunk carried;
+TPOT, per token whatever the chunking, beside it).
+It prints the issue's ratios: serve (1 client) / verify-and-run's decode tok/s, serve / llama-server at each client
+count, and ITL p99 at 16 clients serve / llama-server; medians of --repeats, every run kept in the JSON.
 Usage: python benchmarks/bench_serve.py [--repeats 3] [--quick] [--tokens 64] [--workdir DIR] [--json FILE] [--vs-llama]
 """
 
@@ -32,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import VENV_BIN, make_mixtral_without_eos, run_command  # noqa: E402
+from _serve_load import percentile  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -50,12 +57,6 @@ METRICS = ("expert_bytes_read_total", "generation_tokens_total", "verify_seconds
 
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
-
-
-def percentile(xs, q):
-    """Nearest-rank percentile (q in 0..100)."""
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))] if s else float("nan")
 
 
 # --- the model ----------------------------------------------------------------------------------------------
@@ -181,25 +182,16 @@ class Server:
 
 def phase(server: Server, client, concurrency: int, tokens: int, stream: bool) -> dict:
     """The 16 requests through `concurrency` client threads; figures from /metrics deltas around the phase."""
-    def ask(i: int) -> tuple[int, float | None]:
-        if not stream:
-            r = client.completions.create(model=MODEL_ID, prompt=PROMPTS[i], max_tokens=tokens, temperature=0)
-            return r.usage.completion_tokens, None
-        t0, first, used = time.perf_counter(), None, None
-        for chunk in client.completions.create(model=MODEL_ID, prompt=PROMPTS[i], max_tokens=tokens, temperature=0,
-                                               stream=True, stream_options={"include_usage": True}):
-            if first is None and chunk.choices and chunk.choices[0].text:
-                first = time.perf_counter() - t0
-            if chunk.usage is not None:
-                used = chunk.usage.completion_tokens
-        if used is None:
-            raise RuntimeError("the stream ended without usage")
-        return used, first
+    from _serve_load import ask, stream_latencies
+
+    def one(i: int) -> tuple[int, float | None]:
+        a = ask(client, MODEL_ID, PROMPTS[i], tokens, stream=stream)
+        return a.tokens, stream_latencies(a.sent, a.arrivals)[0] if stream else None
 
     before = server.metrics()
     t = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(ask, range(REQUESTS)))
+        results = list(pool.map(one, range(REQUESTS)))
     wall = time.perf_counter() - t
     after = server.metrics()
     d = {k: after[k] - before[k] for k in METRICS}
@@ -248,10 +240,18 @@ def cli_run(work: Path, model: Path, budget: int, tokens: int) -> dict:
 # 54 M parameters, f32: 8 experts of 3 x 1024 x 512 per layer, top-2, 4 layers; the whole model fits the budget.
 CACHED_MODEL = dict(layers=4, experts=8, experts_per_tok=2, hidden=512, intermediate=1024, moe_intermediate=1024,
                     heads=8, kv_heads=4, vocab=1024, dtype="f32")
-LLAMA_CLIENTS = (1, 16)
-ONE_CLIENT_REQUESTS = 3  # one after another: the 1-client figure is their tokens over their wall time
+LLAMA_CLIENTS = (1, 4, 16, 32)
+ONE_CLIENT_REQUESTS = 3  # one after another: the 1-client figures are over their tokens and wall time
 THREADS = 2
 STEP_SECONDS = "shardtool_step_seconds_total"  # the engine's forward steps, wall seconds (a counter)
+# The chat phase's one user message: both servers apply the checkpoint's own chat template (ChatML-style, from
+# examples/make_tiny_moe.py) to it; llama-server reads the template from the GGUF its converter wrote.
+CHAT = [{"role": "user", "content": "Check every shard against the signed manifest before you load it."}]
+MODES = {"completions": PROMPTS[0], "chat": CHAT}  # endpoint -> the prompt (token ids, or the messages)
+PROMPT_ROOM = 96  # context per slot beyond the new tokens: the longest prompt, the chat prompt's template included
+SERVERS = ("shardtool serve", "llama-server")
+TARGETS = {"serve_1_vs_verify_and_run": ">= 0.9", "serve_vs_llama_server_1": ">= 1.0",
+           "serve_vs_llama_server_16": ">= 1.0", "itl_p99_16_serve_vs_llama_server": "<= 1.2"}
 
 
 def _free_port() -> int:
@@ -262,31 +262,70 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _load_phases(server: Server, tokens: int) -> dict:
-    """A warm-up, then ONE_CLIENT_REQUESTS single requests and one window of 16 at once: aggregate tok/s each. Where
-    the server exports its engine's step seconds (shardtool), also where a token's wall time went: the engine's
-    forward steps, and the rest (sampling, the hand-off to the event loop, text, HTTP), per token."""
-    from _serve_load import run_clients, scrape
+def _windows(server: Server, mode: str, clients: int, tokens: int, stream: bool) -> list:
+    """ONE_CLIENT_REQUESTS single requests one after another, or one window of `clients` at once; every request
+    must be answered with exactly `tokens` new tokens (both servers ignore EOS), else the figures compare unlike."""
+    from _serve_load import run_clients
 
-    prompt = PROMPTS[0]
-    run_clients(server.url, MODEL_ID, prompt, 4, 1)  # every expert read (shardtool) and warm caches, both servers
-    out = {}
-    for clients in LLAMA_CLIENTS:
-        before = scrape(server.url)
-        windows = [run_clients(server.url, MODEL_ID, prompt, tokens, clients)
-                   for _ in range(ONE_CLIENT_REQUESTS if clients == 1 else 1)]
-        after = scrape(server.url)
-        errors = [e for w in windows for e in w.errors]
-        if errors:
-            raise RuntimeError(f"{clients} clients: {errors[0]}")
-        n, wall = sum(w.tokens for w in windows), sum(w.seconds for w in windows)
-        out[clients] = {"tokens": n, "tokens_per_s": n / wall}
-        if STEP_SECONDS in after:
-            steps = after[STEP_SECONDS] - before[STEP_SECONDS]
-            out[clients] |= {"wall_ms_per_token": wall / n * 1e3, "step_ms_per_token": steps / n * 1e3,
-                             "rest_ms_per_token": (wall - steps) / n * 1e3}
-        out[clients] |= _step_timings(before, after, wall)
+    windows = [run_clients(server.url, MODEL_ID, MODES[mode], tokens, clients, chat=mode == "chat", stream=stream)
+               for _ in range(ONE_CLIENT_REQUESTS if clients == 1 else 1)]
+    what = f"{Path(server.proc.args[0]).name}, {mode}, {clients} client(s){', streamed' if stream else ''}"
+    errors = [e for w in windows for e in w.errors]
+    if errors:
+        raise RuntimeError(f"{what}: {errors[0]}")
+    got, asked = sum(w.tokens for w in windows), sum(w.clients for w in windows) * tokens
+    if got != asked:
+        raise RuntimeError(f"{what}: expected {asked} new tokens, the usage counted {got}")
+    return windows
+
+
+def _load_phases(server: Server, tokens: int) -> dict:
+    """Warm-ups, then for each endpoint and client count: non-streamed windows (aggregate tok/s) and the same
+    streamed (TTFT and inter-token latency p50/p99; their own tok/s kept as `stream_tokens_per_s`). Where the
+    server exports its engine's step seconds (shardtool), also where a non-streamed token's wall time went: the
+    engine's forward steps, and the rest (sampling, the hand-off to the event loop, text, HTTP), per token."""
+    from _serve_load import run_clients, scrape, stream_summary
+
+    for mode, prompt in MODES.items():  # every expert read (shardtool), the template compiled, caches warm
+        run_clients(server.url, MODEL_ID, prompt, 4, 1, chat=mode == "chat")
+    out: dict = {"chat_prompt_tokens": _chat_prompt_tokens(server), "texts": {}}
+    for mode in MODES:
+        out[mode] = {}
+        for clients in LLAMA_CLIENTS:
+            before = scrape(server.url)
+            windows = _windows(server, mode, clients, tokens, stream=False)
+            out["texts"].setdefault(mode, windows[0].texts[0])
+            after = scrape(server.url)
+            streamed = _windows(server, mode, clients, tokens, stream=True)
+            n, wall = sum(w.tokens for w in windows), sum(w.seconds for w in windows)
+            row = {"tokens": n, "tokens_per_s": n / wall, **stream_summary(streamed),
+                   "stream_tokens_per_s": sum(w.tokens for w in streamed) / sum(w.seconds for w in streamed)}
+            if STEP_SECONDS in after:
+                steps = after[STEP_SECONDS] - before[STEP_SECONDS]
+                row |= {"wall_ms_per_token": wall / n * 1e3, "step_ms_per_token": steps / n * 1e3,
+                        "rest_ms_per_token": (wall - steps) / n * 1e3}
+            out[mode][clients] = row | _step_timings(before, after, wall)
     return out
+
+
+def _chat_prompt_tokens(server: Server) -> int:
+    """The chat prompt's length in tokens as the server counts it (its template applied), from one request's usage."""
+    import openai
+
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        r = client.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=1, temperature=0)
+    return r.usage.prompt_tokens
+
+
+def _check_llama_template(server: Server, checkpoint: Path) -> None:
+    """llama-server must apply the checkpoint's own chat template (from its GGUF), not a built-in fallback."""
+    import httpx
+
+    ours = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
+    theirs = httpx.get(server.url + "/props", timeout=30).json().get("chat_template")
+    if theirs != ours:
+        raise RuntimeError(f"llama-server's chat template (GET /props) is not the checkpoint's: expected {ours!r}, "
+                           f"found {theirs!r}")
 
 
 def _step_timings(before: dict, after: dict, wall: float) -> dict:
@@ -317,15 +356,16 @@ def vs_llama(work: Path, repeats: int, tokens: int) -> dict:
     gguf = work / "cached-f32.gguf"
     if not gguf.exists():
         _llamacpp.convert(work / "cached-ck", "f32", gguf)
-    ctx = max(map(len, PROMPTS)) + tokens + 8
+    ctx = PROMPT_ROOM + tokens  # per slot, both servers
+    slots = max(LLAMA_CLIENTS)
     shardtool = [str(VENV_BIN / "shardtool"), "serve", str(model), "--trust", str(work / "bench.pub"), "--port", "0",
                  "--model-id", MODEL_ID, "--state-dir", str(work / "state"), "--memory-budget", "4GiB",
-                 "--max-context", str(ctx), "--max-batch", str(max(LLAMA_CLIENTS)), "--threads", str(THREADS)]
+                 "--max-context", str(ctx), "--max-batch", str(slots), "--threads", str(THREADS)]
 
     def llama() -> Server:
         port = _free_port()
-        argv = _llamacpp.server_argv(gguf, port, parallel=max(LLAMA_CLIENTS), ctx_size=max(LLAMA_CLIENTS) * ctx,
-                                     threads=THREADS) + ["-ctk", "f32", "-ctv", "f32", "--ignore-eos", "--metrics"]
+        argv = _llamacpp.server_argv(gguf, port, parallel=slots, ctx_size=slots * ctx, threads=THREADS) \
+            + ["-ctk", "f32", "-ctv", "f32", "--ignore-eos", "--metrics"]
         return Server.of(work, argv, f"http://127.0.0.1:{port}")
 
     def in_process_tps() -> float:
@@ -346,53 +386,102 @@ def vs_llama(work: Path, repeats: int, tokens: int) -> dict:
                      "--json-report", str(report)])
         return json.loads(report.read_text())["decode_tokens_per_s"]
 
-    runs: dict[str, list] = {"verify-and-run": [], "warm": [], "shardtool serve": [], "llama-server": []}
+    runs: dict[str, list] = {"verify-and-run": [], "warm": [], "load_average": [], **{n: [] for n in SERVERS}}
     for _ in range(repeats):  # interleaved, each server alone on the machine
+        runs["load_average"].append(os.getloadavg()[0])
         runs["verify-and-run"].append(decode_tps())
         runs["warm"].append(in_process_tps())
-        for name, start in (("shardtool serve", lambda: Server.of(work, shardtool)), ("llama-server", llama)):
+        for name, start in zip(SERVERS, (lambda: Server.of(work, shardtool), llama)):
             server = start().wait_listening()
             try:
+                if name == "llama-server":
+                    _check_llama_template(server, work / "cached-ck")
                 runs[name].append(_load_phases(server, tokens))
             finally:
                 server.stop()
+    return _report_vs_llama(runs, repeats, tokens, ctx)
+
+
+def _report_vs_llama(runs: dict, repeats: int, tokens: int, ctx: int) -> dict:
+    """Medians over the runs, the tables, the issue's ratios; the JSON document (every run kept)."""
     vr, warm = median(runs["verify-and-run"]), median(runs["warm"])
-    med = {name: {c: median([r[c]["tokens_per_s"] for r in runs[name]]) for c in LLAMA_CLIENTS}
-           for name in ("shardtool serve", "llama-server")}
-    ours, theirs = med["shardtool serve"], med["llama-server"]
+    keys = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "tpot_p50_s", "tpot_p99_s",
+            "tokens_per_chunk", "stream_tokens_per_s")
+    med = {name: {mode: {c: {k: median([r[mode][c][k] for r in runs[name]]) for k in keys} for c in LLAMA_CLIENTS}
+                  for mode in MODES} for name in SERVERS}
     print(f"\n## serve vs llama-server: {CACHED_MODEL}, every expert cached, {tokens} new tokens per request "
-          f"(greedy), {THREADS} threads, {repeats} interleaved repeat(s), medians")
+          f"(greedy, EOS ignored), {THREADS} threads, {max(LLAMA_CLIENTS)} slots x {ctx} tokens of context each, "
+          f"{repeats} interleaved repeat(s), each server alone, medians; load average at each repeat's start "
+          + " ".join(f"{x:.1f}" for x in runs["load_average"]))
     print(f"verify-and-run decode: {vr:.1f} tok/s  runs " + " ".join(f"{x:.1f}" for x in runs["verify-and-run"])
           + " (each expert read and checked at its first use)")
     print(f"the same request in one process, every expert cached, no HTTP (prefill included): {warm:.1f} tok/s  "
           "runs " + " ".join(f"{x:.1f}" for x in runs["warm"]))
-    for name in med:
-        for c in LLAMA_CLIENTS:
-            print(f"{name:<16} {c:>2} client(s): {med[name][c]:7.1f} tok/s  runs "
-                  + " ".join(f"{r[c]['tokens_per_s']:.1f}" for r in runs[name]))
+    print("chat prompt tokens (template applied) as each server counts them: "
+          + ", ".join(f"{n} {sorted({r['chat_prompt_tokens'] for r in runs[n]})}" for n in SERVERS))
+    for mode in MODES:  # greedy on the same weights: unlike texts stream unlike chunks (see tok/chunk)
+        texts = {n: {r["texts"][mode] for r in runs[n]} for n in SERVERS}
+        same = len(texts[SERVERS[0]] | texts[SERVERS[1]]) == 1
+        print(f"{mode}: the two servers' greedy texts " + ("agree" if same else f"differ: {texts}"))
+    for mode in MODES:
+        _print_mode(mode, med, runs)
+    _print_split(runs["shardtool serve"])
+    _print_step_timings(runs)
+    ratios = {"serve_1_vs_verify_and_run": med["shardtool serve"]["completions"][1]["tokens_per_s"] / vr,
+              "serve_1_vs_in_process": med["shardtool serve"]["completions"][1]["tokens_per_s"] / warm}
+    for mode in MODES:
+        pre = "" if mode == "completions" else "chat_"
+        ours, theirs = med["shardtool serve"][mode], med["llama-server"][mode]
+        ratios |= {f"{pre}serve_vs_llama_server_{c}": ours[c]["tokens_per_s"] / theirs[c]["tokens_per_s"]
+                   for c in LLAMA_CLIENTS}
+        ratios[f"{pre}itl_p99_16_serve_vs_llama_server"] = ours[16]["itl_p99_s"] / theirs[16]["itl_p99_s"]
+        ratios[f"{pre}ttft_p99_16_serve_vs_llama_server"] = ours[16]["ttft_p99_s"] / theirs[16]["ttft_p99_s"]
+    print("\n## the issue's ratios (completions; chat_ the same through /v1/chat/completions)")
+    for k, v in ratios.items():
+        print(f"{k:<40} {v:6.2f}" + (f"   target {TARGETS[k]}" if k in TARGETS else ""))
+    return {"model": CACHED_MODEL, "tokens_per_request": tokens, "repeats": repeats, "threads": THREADS,
+            "context_per_slot": ctx, "slots": max(LLAMA_CLIENTS), "verify_and_run_decode_tokens_per_s": vr,
+            "in_process_tokens_per_s": warm, "medians": med, "ratios": ratios, "runs": runs}
+
+
+def _print_mode(mode: str, med: dict, runs: dict) -> None:
+    """One endpoint's table: aggregate tok/s (non-streamed) and the streamed latencies, per server and client count."""
+    print(f"\n### /v1/{'chat/completions' if mode == 'chat' else 'completions'}: tok/s from non-streamed windows; from "
+          "the same windows streamed: TTFT, ITL (the gaps between chunks carrying text, each counted once however many "
+          "tokens its chunk carried: tok/chunk) and TPOT ((answer time - TTFT) / (tokens - 1), per token)")
+    print(f"{'server':<16} {'clients':>7} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
+          f"{'TPOT p50':>8} {'p99':>8} {'tok/chunk':>9} {'streamed tok/s':>14}  runs tok/s")
     for c in LLAMA_CLIENTS:
-        split = {k: median([r[c][k] for r in runs["shardtool serve"]])
+        for name in SERVERS:
+            m = med[name][mode][c]
+            print(f"{name:<16} {c:>7} {m['tokens_per_s']:8.1f} {m['ttft_p50_s'] * 1e3:7.1f}ms "
+                  f"{m['ttft_p99_s'] * 1e3:6.1f}ms {m['itl_p50_s'] * 1e3:6.2f}ms {m['itl_p99_s'] * 1e3:6.2f}ms "
+                  f"{m['tpot_p50_s'] * 1e3:6.2f}ms {m['tpot_p99_s'] * 1e3:6.2f}ms "
+                  f"{m['tokens_per_chunk']:9.2f} {m['stream_tokens_per_s']:14.1f}  "
+                  + " ".join(f"{r[mode][c]['tokens_per_s']:.1f}" for r in runs[name]))
+
+
+def _print_split(serve_runs: list) -> None:
+    for c in LLAMA_CLIENTS:
+        split = {k: median([r["completions"][c][k] for r in serve_runs])
                  for k in ("wall_ms_per_token", "step_ms_per_token", "rest_ms_per_token")}
-        print(f"shardtool serve {c:>2} client(s), where a token's wall time went (aggregate): engine steps "
-              f"{split['step_ms_per_token']:.3f} ms, the rest {split['rest_ms_per_token']:.3f} ms "
+        print(f"shardtool serve {c:>2} client(s), completions, where a token's wall time went (aggregate): engine "
+              f"steps {split['step_ms_per_token']:.3f} ms, the rest {split['rest_ms_per_token']:.3f} ms "
               f"({split['rest_ms_per_token'] / split['step_ms_per_token']:.1%} of the steps) of "
               f"{split['wall_ms_per_token']:.3f} ms")
-    for name in med:
+
+
+def _print_step_timings(runs: dict) -> None:
+    """Each server's own per-step figures (`_step_timings`), completions, medians over the runs."""
+    for name in SERVERS:
         for c in LLAMA_CLIENTS:
-            timed = [r[c] for r in runs[name] if "step_ms" in r[c]]
+            timed = [r["completions"][c] for r in runs[name] if "step_ms" in r["completions"][c]]
             if timed:
                 print(f"{name:<16} {c:>2} client(s), its own per-step timing: "
                       f"{median([r['step_ms'] for r in timed]):.2f} ms a step, "
                       f"{median([r['rows_per_step'] for r in timed]):.1f} rows a step"
                       + (f", {median([r['wall_ms_per_decode'] for r in timed]):.2f} ms of wall time a llama_decode"
                          if "wall_ms_per_decode" in timed[0] else ""))
-    ratios = {"serve_1_vs_verify_and_run": ours[1] / vr, "serve_1_vs_in_process": ours[1] / warm,
-              **{f"serve_vs_llama_server_{c}": ours[c] / theirs[c] for c in LLAMA_CLIENTS}}
-    print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
-    return {"model": CACHED_MODEL, "tokens_per_request": tokens, "repeats": repeats, "threads": THREADS,
-            "verify_and_run_decode_tokens_per_s": vr, "in_process_tokens_per_s": warm,
-            "tokens_per_s": {n: {str(c): v for c, v in m.items()} for n, m in med.items()},
-            "ratios": ratios, "runs": runs}
 
 
 def run_warm(model: str, pub: str, prompt: str, tokens: str) -> None:
