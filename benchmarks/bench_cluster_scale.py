@@ -190,6 +190,7 @@ def timed_run(argv: list[str], machine: _machine.Machine, data_dir: Path, log: P
     def probe() -> int:
         return sum(m.device_read_bytes() for m in machines)
 
+    cpu0 = bc._children_cpu()
     with _machine.started(argv, machine, data_dir=data_dir, log=log, env=run_env, pipe_stdout=True) as m:
         machines[:] = [m, *others]
         ids, stamps, reads = bc.stamped_ids(m.proc.stdout, probe)
@@ -198,7 +199,7 @@ def timed_run(argv: list[str], machine: _machine.Machine, data_dir: Path, log: P
         raise RuntimeError(f"{Path(argv[0]).name} exited {code} (OOM kills {m.run.oom_kills}): {m.log_text()[-2000:]}")
     return {"ids": ids, "tokens_per_s": rate_after(stamps, WARMUP), "device_bytes_per_token":
             per_token_after(reads, WARMUP), "peak_memory_bytes": m.run.peak_memory_bytes, "oom_kills": m.run.oom_kills,
-            "seconds": m.run.seconds}
+            "seconds": m.run.seconds, "cpu_seconds": bc._children_cpu() - cpu0}
 
 
 def single_run(work: Path, full: Path, machine: _machine.Machine, tokens: int) -> dict:
@@ -225,7 +226,8 @@ def serve_rows(argv: list[str], machine: _machine.Machine, data_dir: Path, log: 
 
 
 def serve_argv(directory: Path, trust: Path, state: Path, budget: int, tokens: int, clients: int) -> list[str]:
-    return [str(VENV_BIN / "shardtool"), "serve", str(directory), "--trust", str(trust), "--port", "0",
+    return [str(VENV_BIN / "shardtool"), "serve", str(directory), "--trust", str(trust), "--model-id", MODEL_ID,
+            "--port", "0",
             "--memory-budget", str(budget), "--max-context", str(len(bench_seed.PROMPT.split(",")) + tokens + 4),
             "--max-batch", str(clients), "--state-dir", str(state)]
 
@@ -249,7 +251,9 @@ def measure_layout(work: Path, full: Path, layout: Layout, machine: _machine.Mac
         rounds: dict[str, list[dict]] = {"single": [], "cluster": []}
         for i in range(args.repeats):
             rounds["single"].append(single_run(work, full, machine, args.tokens))
+            ray0 = bc.session_cpu(cluster.head.proc.pid)
             rounds["cluster"].append(cluster_run(out, cluster.address, machine, args.tokens, nodes))
+            rounds["cluster"][-1]["ray_cpu_seconds"] = bc.session_cpu(cluster.head.proc.pid) - ray0
             say(f"{layout.label} round {i + 1}: single {rounds['single'][-1]['tokens_per_s']:.2f} tok/s, cluster "
                 f"{rounds['cluster'][-1]['tokens_per_s']:.2f} tok/s")
         node_peaks = {n: h.readings()[0] for n, h in holds.items()}
@@ -268,9 +272,29 @@ def measure_layout(work: Path, full: Path, layout: Layout, machine: _machine.Mac
                                             args.serve_clients, args.serve_tokens)
             say(f"{layout.label} serving, {args.serve_clients} clients: single {serving['single']['tokens_per_s']:.2f}"
                 f" tok/s, cluster {serving['cluster']['tokens_per_s']:.2f} tok/s")
+    knobs = json.loads((work / "knobs.json").read_text())
+    floor = max(n["memory_floor"] for n in summary["nodes"])
+    single_cache = machine.memory_bytes - PROCESS_OVERHEAD - summary["coordinator"]["bytes_on_disk"] - floor
+    prediction = {"single": predicted(knobs, summary, 1, 1, single_cache, machine.read_bps),
+                  "cluster": predicted(knobs, summary, layout.nodes, layout.replicas, cap - ACTOR_OVERHEAD - floor,
+                                       machine.read_bps)}
     return {"layout": {"nodes": layout.nodes, "replicas": layout.replicas}, "node_cap_bytes": cap,
+            "predicted_seconds_per_token": prediction,
             "node_budget_bytes": cap - ACTOR_OVERHEAD, "plan": summary, "warmup_run": warm, "rounds": rounds,
             "node_peak_memory_bytes": node_peaks, "node_oom_kills": node_ooms, **cpu, "serve": serving}
+
+
+def predicted(knobs: dict, summary: dict, nodes: int, replicas: int, cache_bytes: int, read_bps: int) -> float:
+    """scale_model's seconds per token (docs/scaling.md: disk + network at 25 Gb/s; no compute, no round trips) for
+    this model on `nodes` nodes with `replicas` copies, each keeping `cache_bytes` of experts, reading at `read_bps`.
+    The expert size is the plan's: its nodes' bytes over the expert files they hold."""
+    planned = summary["nodes"]
+    cfg = bc.ModelConfig("bench_cluster_scale", moe_layers=knobs["layers"] - knobs["dense_layers"],
+                         experts=knobs["experts"], active=knobs["experts_per_tok"],
+                         expert_bytes=round(sum(n["bytes_on_disk"] for n in planned) / sum(n["files"] for n in planned)),
+                         hidden=knobs["hidden"])
+    return bc.scale_model(cfg, nodes, replicas, node_read_gbps=read_bps / 1e9, node_memory_bytes=cache_bytes,
+                          samples=2000)["seconds_per_token"]
 
 
 def report(results: dict, machine: _machine.Machine, model_bytes: int, expert_bytes: int) -> bool:
@@ -304,6 +328,14 @@ def report(results: dict, machine: _machine.Machine, model_bytes: int, expert_by
         if len(res["serve"]) == 2:
             ratio = res["serve"]["cluster"]["tokens_per_s"] / res["serve"]["single"]["tokens_per_s"]
             print(f"serve --cluster / serve: {ratio:.2f} x")
+        pred = res["predicted_seconds_per_token"]
+        print(f"formula (disk + net, no compute or round trips): single {pred['single']:.3f} s/token, cluster "
+              f"{pred['cluster']:.4f} s/token; measured {1 / median_of(single, 'tokens_per_s'):.3f} and "
+              f"{1 / median_of(res['rounds']['cluster'], 'tokens_per_s'):.3f}")
+        print(f"CPU s per run (whole run, start-up included): single machine {median_of(single, 'cpu_seconds'):.1f}; "
+              f"coordinator with its proxy {median_of(res['rounds']['cluster'], 'cpu_seconds'):.1f}, Ray session "
+              f"(head, raylet, the nodes' actors) {median_of(res['rounds']['cluster'], 'ray_cpu_seconds'):.1f}; wall s "
+              f"{median_of(single, 'seconds'):.1f} and {median_of(res['rounds']['cluster'], 'seconds'):.1f}")
         print(f"node peaks (MiB): {', '.join(f'{n} {v / MIB:.0f}' for n, v in res['node_peak_memory_bytes'].items())};"
               f" node OOM kills {sum(res['node_oom_kills'].values())}; Ray session CPU s "
               f"{res['ray_session_cpu_seconds']:.1f}")
