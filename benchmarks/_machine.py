@@ -329,7 +329,8 @@ class Holding:
         self.outside_bytes += rss
         limit = self.machine.memory_bytes - self.outside_bytes
         if limit <= 0:
-            raise ValueError(f"process {pid} alone ({rss} bytes resident) fills the {self.machine.memory_bytes}-byte cap")
+            raise ValueError(f"process {pid} alone ({rss} bytes resident) fills the "
+                             f"{self.machine.memory_bytes}-byte cap")
         mem = self.group.dirs[0]
         (mem / ("memory.limit_in_bytes" if self.group.version == 1 else "memory.max")).write_text(str(limit))
 

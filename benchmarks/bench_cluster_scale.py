@@ -267,7 +267,8 @@ def measure_layout(work: Path, full: Path, layout: Layout, machine: _machine.Mac
                 env(work), args.serve_clients, args.serve_tokens)
             argv = serve_argv(out / "coordinator", out / "a.pub", out / "serve-state",
                               machine.memory_bytes - PROCESS_OVERHEAD, args.serve_tokens, args.serve_clients)
-            argv += ["--cluster", cluster.address, "--plan", str(out / "plan.json"), "--plan-trust", str(out / "op.pub")]
+            argv += ["--cluster", cluster.address, "--plan", str(out / "plan.json"), "--plan-trust",
+                     str(out / "op.pub")]
             serving["cluster"] = serve_rows(argv, machine, out, out / "serve-cluster.log", env(out),
                                             args.serve_clients, args.serve_tokens)
             say(f"{layout.label} serving, {args.serve_clients} clients: single {serving['single']['tokens_per_s']:.2f}"
@@ -289,9 +290,9 @@ def predicted(knobs: dict, summary: dict, nodes: int, replicas: int, cache_bytes
     this model on `nodes` nodes with `replicas` copies, each keeping `cache_bytes` of experts, reading at `read_bps`.
     The expert size is the plan's: its nodes' bytes over the expert files they hold."""
     planned = summary["nodes"]
+    expert_bytes = round(sum(n["bytes_on_disk"] for n in planned) / sum(n["files"] for n in planned))
     cfg = bc.ModelConfig("bench_cluster_scale", moe_layers=knobs["layers"] - knobs["dense_layers"],
-                         experts=knobs["experts"], active=knobs["experts_per_tok"],
-                         expert_bytes=round(sum(n["bytes_on_disk"] for n in planned) / sum(n["files"] for n in planned)),
+                         experts=knobs["experts"], active=knobs["experts_per_tok"], expert_bytes=expert_bytes,
                          hidden=knobs["hidden"])
     return bc.scale_model(cfg, nodes, replicas, node_read_gbps=read_bps / 1e9, node_memory_bytes=cache_bytes,
                           samples=2000)["seconds_per_token"]

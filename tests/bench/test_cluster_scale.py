@@ -13,7 +13,8 @@ from benchmarks import _machine
 from benchmarks import bench_cluster_scale as scale
 
 MIB = 2**20
-NODES = [{"bytes_on_disk": 1000 * MIB, "memory_floor": 200 * MIB}, {"bytes_on_disk": 1100 * MIB, "memory_floor": 250 * MIB}]
+NODES = [{"bytes_on_disk": 1000 * MIB, "memory_floor": 200 * MIB},
+         {"bytes_on_disk": 1100 * MIB, "memory_floor": 250 * MIB}]
 OVERHEAD = 100 * MIB  # largest need: 1100 + 250 + 100 = 1450 MiB
 
 
