@@ -202,9 +202,13 @@ def timed_run(argv: list[str], machine: _machine.Machine, data_dir: Path, log: P
             "seconds": m.run.seconds, "cpu_seconds": bc._children_cpu() - cpu0}
 
 
-def single_run(work: Path, full: Path, machine: _machine.Machine, tokens: int) -> dict:
-    argv = run_argv(full, work / "a.pub", work / "state-single", tokens, machine.memory_bytes - PROCESS_OVERHEAD,
-                    work / "report-single.json")
+def single_budget(machine: _machine.Machine, args) -> int:
+    """The single machine's --memory-budget: --single-budget, or its cap less PROCESS_OVERHEAD."""
+    return _machine.parse_size(args.single_budget) if args.single_budget else machine.memory_bytes - PROCESS_OVERHEAD
+
+
+def single_run(work: Path, full: Path, machine: _machine.Machine, tokens: int, budget: int) -> dict:
+    argv = run_argv(full, work / "a.pub", work / "state-single", tokens, budget, work / "report-single.json")
     return timed_run(argv, machine, full, work / "single.log", run_env=env(work))
 
 
@@ -250,7 +254,7 @@ def measure_layout(work: Path, full: Path, layout: Layout, machine: _machine.Mac
         warm = cluster_run(out, cluster.address, machine, args.tokens, nodes)
         rounds: dict[str, list[dict]] = {"single": [], "cluster": []}
         for i in range(args.repeats):
-            rounds["single"].append(single_run(work, full, machine, args.tokens))
+            rounds["single"].append(single_run(work, full, machine, args.tokens, single_budget(machine, args)))
             ray0 = bc.session_cpu(cluster.head.proc.pid)
             rounds["cluster"].append(cluster_run(out, cluster.address, machine, args.tokens, nodes))
             rounds["cluster"][-1]["ray_cpu_seconds"] = bc.session_cpu(cluster.head.proc.pid) - ray0
@@ -262,7 +266,7 @@ def measure_layout(work: Path, full: Path, layout: Layout, machine: _machine.Mac
         serving = {}
         if args.serve_clients:
             serving["single"] = serve_rows(
-                serve_argv(full, work / "a.pub", work / "serve-state", machine.memory_bytes - PROCESS_OVERHEAD,
+                serve_argv(full, work / "a.pub", work / "serve-state", single_budget(machine, args),
                            args.serve_tokens, args.serve_clients), machine, full, work / "serve-single.log",
                 env(work), args.serve_clients, args.serve_tokens)
             argv = serve_argv(out / "coordinator", out / "a.pub", out / "serve-state",
@@ -275,12 +279,12 @@ def measure_layout(work: Path, full: Path, layout: Layout, machine: _machine.Mac
                 f" tok/s, cluster {serving['cluster']['tokens_per_s']:.2f} tok/s")
     knobs = json.loads((work / "knobs.json").read_text())
     floor = max(n["memory_floor"] for n in summary["nodes"])
-    single_cache = machine.memory_bytes - PROCESS_OVERHEAD - summary["coordinator"]["bytes_on_disk"] - floor
+    single_cache = single_budget(machine, args) - summary["coordinator"]["bytes_on_disk"] - floor
     prediction = {"single": predicted(knobs, summary, 1, 1, single_cache, machine.read_bps),
                   "cluster": predicted(knobs, summary, layout.nodes, layout.replicas, cap - ACTOR_OVERHEAD - floor,
                                        machine.read_bps)}
     return {"layout": {"nodes": layout.nodes, "replicas": layout.replicas}, "node_cap_bytes": cap,
-            "predicted_seconds_per_token": prediction,
+            "predicted_seconds_per_token": prediction, "single_budget_bytes": single_budget(machine, args),
             "node_budget_bytes": cap - ACTOR_OVERHEAD, "plan": summary, "warmup_run": warm, "rounds": rounds,
             "node_peak_memory_bytes": node_peaks, "node_oom_kills": node_ooms, **cpu, "serve": serving}
 
@@ -329,6 +333,9 @@ def report(results: dict, machine: _machine.Machine, model_bytes: int, expert_by
         if len(res["serve"]) == 2:
             ratio = res["serve"]["cluster"]["tokens_per_s"] / res["serve"]["single"]["tokens_per_s"]
             print(f"serve --cluster / serve: {ratio:.2f} x")
+        print(f"budgets: single machine {res['single_budget_bytes'] / MIB:.0f} MiB, coordinator "
+              f"{(machine.memory_bytes - PROCESS_OVERHEAD) / MIB:.0f} MiB (both capped at M), each node "
+              f"{res['node_budget_bytes'] / MIB:.0f} MiB")
         pred = res["predicted_seconds_per_token"]
         print(f"formula (disk + net, no compute or round trips): single {pred['single']:.3f} s/token, cluster "
               f"{pred['cluster']:.4f} s/token; measured {1 / median_of(single, 'tokens_per_s'):.3f} and "
@@ -349,6 +356,7 @@ def main() -> int:
     ap.add_argument("--memory", default="1.5GiB", help="M: the single machine's, the coordinator's and (R = 1) each "
                                                        "node's memory cap")
     ap.add_argument("--read-bps", default="0.85e9")
+    ap.add_argument("--single-budget", help="the single machine's --memory-budget (default: M less 384 MiB)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--layouts", default="2x1,3x2", help="NODESxREPLICAS,...")
