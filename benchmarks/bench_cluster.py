@@ -12,6 +12,8 @@ Parts:
                 per run of the coordinator (with its proxy) and of the Ray session (head, raylet, the nodes' actors),
                 and the round trip of one MoE layer at batch 1 (`_cluster_rtt.coordinator_rounds`), each run
                 interleaved with the decode runs (`measure_loopback`).
+The case a cluster exists for (a model larger than any node's memory, nodes and one streaming machine on emulated
+machines): bench_cluster_scale.py, which reuses this module's cluster, layout and token stamps.
 
 Usage: python benchmarks/bench_cluster.py [--scale-only] [--verify-gbps G] [--disk-gbps 2] [--net-gbit 25]
                                           [--node-memory-gb 128] [--repeats 5] [--workdir DIR] [--json OUT]
