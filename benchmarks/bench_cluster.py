@@ -366,17 +366,20 @@ def one_run(work: Path, directory: str, tokens: int, *, cluster: str | None, bud
 
 
 def stamped_ids(stream, probe=None) -> tuple[list[str], list[float], list]:
-    """The token ids `verify-and-run --print-ids` writes to `stream` (bytes), the time each one appeared, and
-    `probe()` taken at that moment (e.g. a cgroup's disk reads so far; None without a probe)."""
+    """The token ids `verify-and-run --print-ids` writes to `stream` (bytes), the time each one began to appear (its
+    first character: the command writes a token's separator and id at once, and ends with a newline that is no
+    token), and `probe()` taken at that moment (e.g. a cgroup's disk reads so far; None without a probe)."""
     stamps, probes, text = [], [], ""
+    previous = b" "
     while True:
         ch = stream.read(1)
         if not ch:
             break
         text += ch.decode()
-        if ch in (b" ", b"\n"):
+        if previous.isspace() and not ch.isspace():
             stamps.append(time.perf_counter())
             probes.append(probe() if probe else None)
+        previous = ch
     return text.split(), stamps, probes
 
 

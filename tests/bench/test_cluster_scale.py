@@ -97,3 +97,19 @@ def test_holding_lowers_the_cap_by_what_an_adopted_process_already_holds(tmp_pat
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+@pytest.mark.parametrize("written, ids, positions", [
+    pytest.param(b"5 17 300\n", ["5", "17", "300"], [1, 3, 6], id="each-id-at-its-first-digit-not-at-the-newline"),
+    pytest.param(b"42\n", ["42"], [1], id="one-token"),
+    pytest.param(b"", [], [], id="no-output"),
+])
+def test_stamped_ids_stamp_each_token_when_it_begins(written, ids, positions):
+    """One stamp per token id, taken as its first character arrives (the closing newline is no token)."""
+    import io
+
+    from benchmarks import bench_cluster
+
+    stream = io.BytesIO(written)
+    got, stamps, probes = bench_cluster.stamped_ids(stream, stream.tell)
+    assert got == ids and len(stamps) == len(ids) and probes == positions
