@@ -8,7 +8,7 @@ ORACLE := torch==2.13.0 transformers
 # lm-evaluation-harness for tests/serve/test_lm_eval.py; installed beside the oracle (its hf extra needs torch).
 EVAL   := lm-eval[api,hf]==0.4.13
 
-.PHONY: install oracle test test-fast demo bench bench-llamacpp bench-seed fuzz clean
+.PHONY: install oracle test test-fast demo bench bench-llamacpp bench-seed bench-cluster-scale fuzz clean
 
 # setup.py and the C source: an edit rebuilds the kernels extension in place (pip install -e).
 $(VENV)/.installed: pyproject.toml setup.py runtime/model/_kernels.c
@@ -91,6 +91,13 @@ bench-llamacpp: install .venv-bench/.llama-cpp-$(LLAMA_CPP)-noamx
 # (the runs docs/seed-scale.md quotes: docs/seed-scale.json).
 bench-seed: install
 	$(PY) benchmarks/bench_seed.py --json bench-seed.json
+
+# The cluster where it matters (issue 39, not part of `make bench`): a 2.28 GiB DeepSeek-layout model held by 2 (and
+# 3, R = 2) `shardtool node`s on emulated machines capped at M = 1.5 GiB against one machine capped at M streaming it
+# at 0.85 GB/s; needs root (cgroups), ~3 GiB of disk under /work/scratch/scale39 and ~10 minutes; figures in
+# bench-cluster-scale.json (the runs docs/scaling.md quotes: docs/cluster-scale.json).
+bench-cluster-scale: install
+	$(PY) benchmarks/bench_cluster_scale.py --repeats 5 --json bench-cluster-scale.json
 
 fuzz: install
 	$(PY) -m pytest -q tests/fuzz --hypothesis-profile=long

@@ -272,15 +272,7 @@ class Started:
     def rss_peak_bytes(self) -> int:
         """The command's own high-water resident set (VmHWM; its children not included), 0 once it has exited: the
         cgroup's peak counts the page cache too, which fills to the cap."""
-        try:
-            status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        except OSError:
-            return 0
-        for line in status.splitlines():
-            parts = line.split()  # "VmHWM:   92572 kB"
-            if len(parts) == 3 and parts[0] == "VmHWM:" and parts[2] == "kB":
-                return int(parts[1]) * 1024
-        return 0  # a zombie has no memory lines
+        return _vm(self.proc.pid, "VmHWM:")
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -301,18 +293,76 @@ class Started:
 
 @contextlib.contextmanager
 def started(argv: Sequence[str], machine: Machine, *, data_dir: Path, log: Path, env: dict | None = None,
-            cwd: Path | None = None, grace: float = 30) -> Iterator[Started]:
+            cwd: Path | None = None, grace: float = 30, pipe_stdout: bool = False) -> Iterator[Started]:
     """Start `argv` on `machine` (as `run` does) and keep it running for the block; its clients run outside the
     machine. On leaving the block the process group gets SIGTERM, SIGKILL after `grace` seconds, the figures are
-    read into `handle.run`, and the cgroup (with anything left in it) is removed, whatever the block raised."""
+    read into `handle.run`, and the cgroup (with anything left in it) is removed, whatever the block raised.
+    `pipe_stdout`: the command's stdout is `handle.proc.stdout` (bytes, for the block to read as it comes: the time
+    each token appears) and only its stderr goes to `log`."""
     with _prepared(machine, data_dir) as group, open(log, "w") as sink:
         start = time.perf_counter()
-        proc = _launch(group, argv, env=env, cwd=cwd, stdout=sink, stderr=subprocess.STDOUT, text=False)
+        proc = _launch(group, argv, env=env, cwd=cwd, stdout=subprocess.PIPE if pipe_stdout else sink,
+                       stderr=sink if pipe_stdout else subprocess.STDOUT, text=False)
         handle = Started(argv, group, proc, log, start)
         try:
             yield handle
         finally:
             handle._stop(grace)
+
+
+class Holding:
+    """A machine whose processes were started elsewhere and moved in (`adopt`): a process a supervisor spawns (a Ray
+    actor's worker, a child of the raylet) cannot be started inside the cgroup, only moved there."""
+
+    def __init__(self, group: _Cgroup, machine: Machine):
+        self.group, self.machine = group, machine
+        self.pids: list[int] = []
+        self.outside_bytes = 0  # resident memory the adopted processes had charged elsewhere before they moved in
+
+    def adopt(self, pid: int) -> None:
+        """Move process `pid` (all its threads) in. Its memory so far stays charged where it was (the kernel moves no
+        charges here), so the cap is lowered by its resident size: the machine still holds all of it within M."""
+        rss = _vm(pid, "VmRSS:")
+        for procs in self.group.procs_files:
+            Path(procs).write_text(str(pid))
+        self.pids.append(pid)
+        self.outside_bytes += rss
+        limit = self.machine.memory_bytes - self.outside_bytes
+        if limit <= 0:
+            raise ValueError(f"process {pid} alone ({rss} bytes resident) fills the "
+                             f"{self.machine.memory_bytes}-byte cap")
+        mem = self.group.dirs[0]
+        (mem / ("memory.limit_in_bytes" if self.group.version == 1 else "memory.max")).write_text(str(limit))
+
+    def readings(self) -> tuple[int, int, int]:
+        """(peak charged bytes so far, the adopted processes' memory from before they moved in included; bytes read
+        from the disk so far; OOM kills so far)."""
+        peak, read, oom = self.group.readings()
+        return peak + self.outside_bytes, read, oom
+
+    def device_read_bytes(self) -> int:
+        return self.group.readings()[1]
+
+
+def _vm(pid: int, key: str) -> int:
+    """A memory line of /proc/PID/status in bytes ("VmRSS:   92572 kB"), 0 when the process has none (a zombie)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    for line in status.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == key and parts[2] == "kB":
+            return int(parts[1]) * 1024
+    return 0
+
+
+@contextlib.contextmanager
+def holding(machine: Machine, *, data_dir: Path) -> Iterator[Holding]:
+    """A machine with nothing in it yet, caches dropped, for the block: `adopt(pid)` moves processes in. On leaving,
+    whatever is still in it is killed (only adopted processes can be) and the cgroup removed."""
+    with _prepared(machine, data_dir) as group:
+        yield Holding(group, machine)
 
 
 def parse_size(text: str) -> int:

@@ -12,6 +12,8 @@ Parts:
                 per run of the coordinator (with its proxy) and of the Ray session (head, raylet, the nodes' actors),
                 and the round trip of one MoE layer at batch 1 (`_cluster_rtt.coordinator_rounds`), each run
                 interleaved with the decode runs (`measure_loopback`).
+The case a cluster exists for (a model larger than any node's memory, nodes and one streaming machine on emulated
+machines): bench_cluster_scale.py, which reuses this module's cluster, layout and token stamps.
 
 Usage: python benchmarks/bench_cluster.py [--scale-only] [--verify-gbps G] [--disk-gbps 2] [--net-gbit 25]
                                           [--node-memory-gb 128] [--repeats 5] [--workdir DIR] [--json OUT]
@@ -258,18 +260,9 @@ def sh(*argv, cwd: Path) -> subprocess.CompletedProcess:
 
 def build_loopback(work: Path) -> None:
     """Model, split, signature, plan (R = 1 over the two nodes), and the per-node and coordinator directories."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from shardtool.keys import load_public_key
-    from shardtool.manifest import load_trusted_manifest
-    from shardtool.runtime import load_plan
-
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    # The head enforces Ray's token (RAY_AUTH_MODE=token), as the commands require; every process here gives it.
-    token = work / "ray-token"
-    token.write_text(secrets.token_hex(32))
-    token.chmod(0o600)
-    RAY_ENV.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    ray_token(work)
     for key in ("a", "op", *(f"node-{n}" for n in LOOP_NODES)):  # publisher, operator (signs the plan), nodes
         sh(VENV_BIN / "shardtool", "keygen", "--out", key, "--no-passphrase", cwd=work)
     make_mixtral_without_eos(work / "hf", LOOP_MODEL)
@@ -279,14 +272,32 @@ def build_loopback(work: Path) -> None:
     sh(VENV_BIN / "shardtool", "plan", work / "full", "--trust", "a.pub", "--state-dir", work / "plan-state",
        *[x for n in LOOP_NODES for x in ("--node", f"{n}={LOOP_NODE_BUDGET},key=node-{n}.pub")], "--out",
        work / "plan.json", "--sign-key", "op.key", cwd=work)
-    verified = load_trusted_manifest(work / "full" / "manifest.msgpack", [load_public_key(work / "a.pub")], 1,
-                                     work / "plan-state")
-    plan = load_plan(work / "plan.json", verified)
+    lay_out(work / "full", work / "plan.json", work / "a.pub", work, copy=shutil.copyfile)
+
+
+def ray_token(work: Path) -> None:
+    """The head enforces Ray's token (RAY_AUTH_MODE=token), as the commands require; every process here gives it."""
+    token = work / "ray-token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    RAY_ENV.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+
+
+def lay_out(full: Path, plan_path: Path, trust: Path, out: Path, *, copy=os.link) -> None:
+    """The coordinator's directory (out/coordinator) and each node's (out/node-NAME) as the plan at `plan_path`
+    places the split model `full`: its files, config.json and the manifest, copied or (default) hard-linked."""
+    from shardtool.keys import load_public_key
+    from shardtool.manifest import load_trusted_manifest
+    from shardtool.runtime import load_plan
+
+    verified = load_trusted_manifest(full / "manifest.msgpack", [load_public_key(trust)], 1, out / "plan-state")
+    plan = load_plan(plan_path, verified)
     for name, files in [("coordinator", plan.coordinator_files),
                         *((f"node-{n.name}", ["config.json", *n.files()]) for n in plan.nodes)]:
+        shutil.rmtree(out / name, ignore_errors=True)
         for rel in [*files, "manifest.msgpack"]:
-            (work / name / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(work / "full" / rel, work / name / rel)
+            (out / name / rel).parent.mkdir(parents=True, exist_ok=True)
+            copy(full / rel, out / name / rel)
 
 
 def free_port() -> int:
@@ -344,21 +355,32 @@ def one_run(work: Path, directory: str, tokens: int, *, cluster: str | None, bud
     proc = subprocess.Popen([str(a) for a in argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=work,
                             env={**os.environ, **RAY_ENV, "XDG_STATE_HOME": str(work)}, stdin=subprocess.DEVNULL)
     cpu0 = _children_cpu()
-    stamps, text = [], ""
-    while True:
-        ch = proc.stdout.read(1)
-        if not ch:
-            break
-        text += ch.decode()
-        if ch in (b" ", b"\n"):
-            stamps.append(time.perf_counter())
+    ids, stamps, _ = stamped_ids(proc.stdout)
     err = proc.stderr.read().decode(errors="replace")
     if proc.wait() != 0:
         raise RuntimeError(f"verify-and-run exited {proc.returncode}: {err[-2000:]}")
     summary = json.loads(report.read_text())
     report.unlink()
-    return {"ids": text.split(), "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "report": summary,
+    return {"ids": ids, "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "report": summary,
             "cpu": _children_cpu() - cpu0}
+
+
+def stamped_ids(stream, probe=None) -> tuple[list[str], list[float], list]:
+    """The token ids `verify-and-run --print-ids` writes to `stream` (bytes), the time each one began to appear (its
+    first character: the command writes a token's separator and id at once, and ends with a newline that is no
+    token), and `probe()` taken at that moment (e.g. a cgroup's disk reads so far; None without a probe)."""
+    stamps, probes, text = [], [], ""
+    previous = b" "
+    while True:
+        ch = stream.read(1)
+        if not ch:
+            break
+        text += ch.decode()
+        if previous.isspace() and not ch.isspace():
+            stamps.append(time.perf_counter())
+            probes.append(probe() if probe else None)
+        previous = ch
+    return text.split(), stamps, probes
 
 
 def _children_cpu() -> float:
@@ -368,10 +390,8 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def session_cpu(sid: int) -> float:
-    """User + system CPU seconds so far of the live processes of session `sid` (a Ray head started in its own
-    session: its GCS, raylet and workers, the nodes' actors among them), from /proc."""
-    total = 0.0
+def session_processes(sid: int):
+    """(pid, the fields of /proc/PID/stat after the command name) of each live process of session `sid`."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -381,15 +401,24 @@ def session_cpu(sid: int) -> float:
             continue
         fields = stat[stat.rindex(")") + 2:].split()
         if int(fields[3]) == sid:
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+            yield int(entry), fields
+
+
+def session_cpu(sid: int) -> float:
+    """User + system CPU seconds so far of the live processes of session `sid` (a Ray head started in its own
+    session: its GCS, raylet and workers, the nodes' actors among them), from /proc."""
+    return sum((int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK") for _, f in session_processes(sid))
 
 
 class LoopbackCluster:
     """A Ray head on 127.0.0.1 (own session, temp dir and free ports) and the `shardtool node`s of a built loopback
-    work directory (`build_loopback`), each with `node_budget` bytes; `stop` ends them by their process groups."""
+    work directory (`build_loopback`, or `lay_out`), each with `node_budget` bytes (one for all, or by name);
+    `stop` ends them by their process groups. `actor_pids[name]` is the Ray worker process that holds and computes
+    a node's experts (the raylet's child, not the `shardtool node` process); `on_node(name, pid)` is called with it
+    as soon as that node is ready, before the next one starts (e.g. to move it into a capped machine)."""
 
-    def __init__(self, work: Path, node_budget: int):
+    def __init__(self, work: Path, node_budget: int | dict[str, int], *, names: tuple[str, ...] = LOOP_NODES,
+                 readers: int = 1, on_node=None):
         self.temp = Path(tempfile.mkdtemp(prefix="st-ray-", dir="/tmp"))
         port = free_port()
         self.address = f"127.0.0.1:{port}"
@@ -400,20 +429,42 @@ class LoopbackCluster:
                            free_port(), "--runtime-env-agent-port", free_port(), "--dashboard-agent-grpc-port",
                            free_port()], work / "head.log", work)
         self.nodes: list[Group] = []
+        self.actor_pids: dict[str, int] = {}
+        budgets = node_budget if isinstance(node_budget, dict) else dict.fromkeys(names, node_budget)
         try:
             self.head.wait_for("Ray runtime started")
-            for name in LOOP_NODES:
+            for name in names:
+                before = self._actors()
                 self.nodes.append(Group([VENV_BIN / "shardtool", "node", work / f"node-{name}", "--trust",
                                          work / "a.pub", "--state-dir", work / f"state-{name}", "--plan",
                                          work / "plan.json", "--name", name, "--plan-trust", work / "op.pub",
-                                         "--node-key", work / f"node-{name}.key", "--memory-budget", node_budget,
-                                         "--address", self.address, "--readers", "1"], work / f"node-{name}.log",
+                                         "--node-key", work / f"node-{name}.key", "--memory-budget", budgets[name],
+                                         "--address", self.address, "--readers", readers], work / f"node-{name}.log",
                                         work))
-            for name, node in zip(LOOP_NODES, self.nodes):
+                if on_node is None:
+                    continue
+                self.nodes[-1].wait_for(f"node {name} ready")
+                new = self._actors() - before
+                if len(new) != 1:
+                    raise RuntimeError(f"node {name}: expected one new NodeActor process, found {sorted(new)}")
+                self.actor_pids[name] = new.pop()
+                on_node(name, self.actor_pids[name])
+            for name, node in zip(names, self.nodes):
                 node.wait_for(f"node {name} ready")
         except BaseException:
             self.stop()
             raise
+
+    def _actors(self) -> set[int]:
+        """The pids of this head's session whose title is a NodeActor's (Ray names an actor's worker after it)."""
+        found = set()
+        for pid, _ in session_processes(self.head.proc.pid):
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::NodeActor"):
+                    found.add(pid)
+            except OSError:
+                continue
+        return found
 
     def stop(self) -> None:
         for node in self.nodes:
