@@ -8,7 +8,7 @@ ORACLE := torch==2.13.0 transformers
 # lm-evaluation-harness for tests/serve/test_lm_eval.py; installed beside the oracle (its hf extra needs torch).
 EVAL   := lm-eval[api,hf]==0.4.13
 
-.PHONY: install oracle test test-fast demo bench bench-llamacpp bench-seed bench-cluster-scale fuzz clean
+.PHONY: install oracle browser test test-fast demo bench bench-llamacpp bench-seed bench-cluster-scale fuzz clean
 
 # setup.py and the C source: an edit rebuilds the kernels extension in place (pip install -e).
 $(VENV)/.installed: pyproject.toml setup.py runtime/model/_kernels.c
@@ -26,13 +26,21 @@ $(VENV)/.oracle: $(VENV)/.installed
 
 oracle: $(VENV)/.oracle
 
+# Debian's chromium, for the status page's test in a real headless browser (tests/serve/test_status.py). Installed
+# where apt-get and root are at hand; elsewhere that test skips and says why.
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; }; } || \
+	  echo "make: chromium unavailable (needs apt-get and root); the status page's browser test will skip"
+
 # pytest-xdist: one worker per core (TEST_WORKERS=1 for a single process). `--dist loadgroup` keeps the tests that
 # share a session-wide server (tests/conftest.py's XDIST_GROUPS: the Ray head, the S3 and mirror servers) on one
 # worker; every other test goes to whichever worker is free.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
-test: install oracle
+test: install oracle browser
 	$(PY) -m pytest -q $(XDIST) --durations=25
 
 test-fast: install

@@ -12,8 +12,11 @@ from shardtool.checkpoint._contract import (
     ModelShape,
     contract_from_config,
     estimate,
+    expected_hit_rate,
     model_shape,
+    seconds_per_token_at,
 )
+from shardtool.checkpoint._plot import MeasuredPoint, contract_svg, measured_point
 from shardtool.families import SUPPORTED_FAMILIES, detect_family
 from shardtool.checkpoint._join import JoinResult, join_checkpoint
 from shardtool.checkpoint._source import load_json
@@ -34,7 +37,8 @@ __all__ = [
     "check_contract_keys", "default_model_id", "load_json",
     "CONTRACT_KEYS", "DEFAULT_CONTEXT_TOKENS", "DTYPE_SIZES", "Estimate", "Header", "JoinResult", "ModelShape",
     "SUPPORTED_FAMILIES", "SplitJob", "SplitResult", "TensorInfo", "TensorSpec", "contract_from_config",
-    "detect_family", "encode_header", "estimate", "join_checkpoint", "model_shape", "numpy_dtype", "parse_header",
+    "detect_family", "encode_header", "estimate", "expected_hit_rate", "seconds_per_token_at", "MeasuredPoint",
+    "contract_svg", "measured_point", "join_checkpoint", "model_shape", "numpy_dtype", "parse_header",
     "parse_safetensors", "prepare_split", "read_header", "run_split", "split_checkpoint", "OMS_RECORD_NAME",
     "with_oms_record",
 ]

@@ -325,3 +325,22 @@ def estimate(contract: Mapping[str, int], *, disk_gbps: float, context_tokens: i
         memory += contract.get("kv_cache_bytes_per_token", 0) * (context_tokens - contract.get("context_tokens", 0))
     return Estimate(cold, 1 / cold if cold else None, contract.get("resident_trunk_bytes", 0) / rate,
                     memory)
+
+
+def expected_hit_rate(contract: Mapping[str, int], memory_bytes: int, *, context_tokens: int | None = None) -> float:
+    """The share of routed-expert reads a shard cache is expected to serve under a memory budget of `memory_bytes`:
+    what the budget leaves above the floor (`estimate`'s min_memory_bytes) caches experts, and with routing spread
+    evenly over every expert (the contract knows no routing statistics; a trained model's skew only helps) a read
+    hits with probability (cached expert bytes) / (all expert bytes). 0 at or below the floor, 1 once all fit."""
+    total = contract.get("expert_bytes_total", 0)
+    if not total:
+        return 1.0
+    spare = memory_bytes - estimate(contract, disk_gbps=1.0, context_tokens=context_tokens).min_memory_bytes
+    return min(1.0, max(0.0, spare / total))
+
+
+def seconds_per_token_at(contract: Mapping[str, int], memory_bytes: int, *, disk_gbps: float,
+                         context_tokens: int | None = None) -> float:
+    """Seconds per token under a memory budget at `disk_gbps`: the cold figure times the expected miss rate."""
+    cold = estimate(contract, disk_gbps=disk_gbps, context_tokens=context_tokens).seconds_per_token_cold
+    return cold * (1.0 - expected_hit_rate(contract, memory_bytes, context_tokens=context_tokens))

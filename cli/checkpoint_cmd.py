@@ -197,6 +197,10 @@ def inspect(
     context: Optional[int] = typer.Option(None, "--context", min=0, max=1 << 40,
                                           help="Context length for the memory floor."),
     json_out: bool = typer.Option(False, "--json", help="Print one document on stdout."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw seconds per token against memory budget "
+                                        "(cold, expected hit rate, the floor) as an SVG file here."),
+    report: List[Path] = typer.Option([], "--report", help="With --plot: a verify-and-run --json-report, drawn as "
+                                      "a measured point (repeatable)."),
 ) -> None:
     """Print the resource contract (bytes, experts, KV cache, memory floor) and seconds per token."""
     from shardtool.checkpoint import DEFAULT_CONTEXT_TOKENS, contract_from_config, estimate
@@ -222,7 +226,11 @@ def inspect(
         if quantize is not None:
             raise UsageError("--quantize applies to --config only; a split's shards say what they hold")
         contract, source = _contract_of(out)
+    if report and plot is None:
+        raise UsageError("--report is drawn on the --plot picture: give --plot FILE.svg too")
     est = estimate(contract, disk_gbps=disk_gbps, context_tokens=context)
+    if plot is not None:
+        _plot(plot, report, contract, source, disk_gbps, context)
     if json_out:
         emit_json({**source, "contract": dict(contract), "disk_gbps": disk_gbps,
                    "seconds_per_token_cold": est.seconds_per_token_cold,
@@ -232,6 +240,29 @@ def inspect(
                    "context_tokens": context if context is not None else contract.get("context_tokens")})
     else:
         say(_render(contract, est, disk_gbps, context))
+
+
+def _plot(plot: Path, reports: list[Path], contract: Mapping[str, int], source: dict[str, Any], disk_gbps: float,
+          context: Optional[int]) -> None:
+    """Every report is read and checked before the picture is written (atomically): a bad one writes nothing."""
+    from shardtool.atomic import atomic_write_bytes
+    from shardtool.checkpoint import contract_svg, load_json, measured_point
+    from shardtool.errors import CheckpointFormatError
+
+    points = []
+    for path in reports:
+        document = load_json(path)
+        point = measured_point(document, str(path))
+        ran = document.get("model_id")
+        if "model_id" in source and ran != source["model_id"]:
+            raise CheckpointFormatError(f"this run report is of model {printable(repr(ran)[:80])}, not "
+                                        f"{source['model_id']!r}", path=str(path))
+        points.append(point)
+    title = (f"{source['model_id']} version {source['version']}" if "model_id" in source
+             else f"{source['config']} at {source['bits_per_weight']:g} bits per weight")
+    atomic_write_bytes(plot, contract_svg(contract, disk_gbps=disk_gbps, points=points, title=title,
+                                          context_tokens=context))
+    say(f"wrote {plot} ({len(points)} measured point(s))")
 
 
 def _contract_of(out: Path) -> tuple[Mapping[str, int], dict[str, Any]]:

@@ -76,8 +76,9 @@ def serve(
     allowed_hosts: List[str] = typer.Option([], "--allowed-hosts", help="Host header a request may carry: NAME or "
                                             "NAME:PORT (repeatable; default: the bound address and localhost)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SHARDTOOL_API_KEY", show_envvar=True,
-                                          help="Every route but /health needs Authorization: Bearer KEY (prefer "
-                                               "the environment variable: an argument shows in ps)."),
+                                          help="Every route but /health and the status page / (no data: it asks "
+                                               "for the key) needs Authorization: Bearer KEY (prefer the "
+                                               "environment variable: an argument shows in ps)."),
     ssl_certfile: Optional[Path] = typer.Option(None, "--ssl-certfile", help="HTTPS: certificate chain (PEM)."),
     ssl_keyfile: Optional[Path] = typer.Option(None, "--ssl-keyfile", help="HTTPS: its private key (PEM)."),
     access_log: bool = typer.Option(True, "--access-log/--no-access-log",

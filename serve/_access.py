@@ -15,7 +15,8 @@ DEFAULT_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 class Access:
     """`allowed_hosts`: the `Host` names (NAME, or NAME:PORT) requests may carry; None: the address the server is
     bound to, localhost, 127.0.0.1 and [::1]. A NAME without a port allows it with the server's own port or
-    none. `api_key`: every route but /health needs `Authorization: Bearer KEY`."""
+    none. `api_key`: every route but /health and / (the status page, a document without data) needs
+    `Authorization: Bearer KEY`."""
 
     allowed_hosts: tuple[str, ...] | None = None
     api_key: str | None = None

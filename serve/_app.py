@@ -1,11 +1,12 @@
 """The ASGI application: OpenAI-style routes over one engine, which it only feeds.
 
-Routes: GET /health, GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions, GET
+Routes: GET / (the status page, polling GET /status.json; see `serve/_status.py`), GET /health, GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions, GET
 /metrics, and the run receipts: GET /v1/receipts/{id} and /v1/receipts/{id}/trace (with a ReceiptSigner, every finished completion
 carries a signed receipt; see `serve/_receipts.py`). Every error is a JSON body {"error": {"message", "type",
 "param", "code"}}, never a traceback. Before any route, `_Guard` checks who asks: the `Host` header against the
 allowed names (a web page that rebinds its own DNS name to this address sends its own name), and with an API key
-the `Authorization: Bearer` header (every route but /health). No CORS header is ever sent, and a POST body must
+the `Authorization: Bearer` header (every route but /health and the status page, a static document without data:
+its figures come from /status.json, which needs the key like every other route). No CORS header is ever sent, and a POST body must
 be `Content-Type: application/json` (a page can send a "simple" text/plain request without a preflight; JSON
 needs one, which this server never grants). A request body is read with a size cap (Content-Length first, then while
 it streams) and a deadline. A client that goes away, while its result streams or while it waits for one, has its
@@ -42,16 +43,18 @@ from shardtool.serve._metrics import CONTENT_TYPE, Metrics
 from shardtool.serve._protocol import Sampling, parse_chat, parse_completion
 from shardtool.serve._receipts import NO_NEW_TOKENS, RECEIPT_HELP, STOP_STRING, ReceiptSigner
 from shardtool.serve._render import RenderPool
+from shardtool.serve._status import PAGE, PAGE_HEADERS, manifest_card, status_document
 from shardtool.serve._scores import CompletionScores, Scored, TokenText, chat_scores
 from shardtool.text import printable
 from shardtool.serve._text import TextStream
 from shardtool.strict_json import loads_strict
 
-ROUTES = ("/health", "/v1/models", "/v1/models/{id}", "/v1/completions", "/v1/chat/completions", "/metrics", "/v1/receipts/{id}",
+ROUTES = ("/", "/status.json", "/health", "/v1/models", "/v1/models/{id}", "/v1/completions", "/v1/chat/completions", "/metrics", "/v1/receipts/{id}",
           "/v1/receipts/{id}/trace")
 _RECEIPT_PREFIX = "/v1/receipts/"
 _MODEL_PREFIX = "/v1/models/"
 _JSON_TYPES = ("application/json",)
+_OPEN_PATHS = ("/health", "/")  # without the API key: the health check, and the status page's static document
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ def create_app(engine, *, model_id: str, chat: ChatTemplate | None = None, limit
     `access`: the Host names and API key requests need; `access_log`: called with one line per request."""
     api = _API(engine, model_id, chat if chat is not None else ChatTemplate(None, {}), limits, receipts)
     routes = [
+        Route("/", api.status_page, methods=["GET"]),
+        Route("/status.json", api.status, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{id:path}", api.model, methods=["GET"]),
@@ -102,6 +107,16 @@ class _API:
             self.metrics = Metrics(lambda: {**engine.metrics(), **store.metrics()}, RECEIPT_HELP)
         self.created = int(time.time())
         self.shards = ShardHealth()
+
+    async def status_page(self, request: Request) -> Response:
+        return Response(PAGE, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+
+    async def status(self, request: Request) -> Response:
+        expert_cache = getattr(self.engine, "expert_cache", None)
+        cache = await anyio.to_thread.run_sync(expert_cache) if expert_cache is not None else None
+        card = manifest_card(getattr(self.engine, "manifest", None))
+        document = status_document(self.metrics.read_engine(), card, cache, time.monotonic())
+        return JSONResponse(document, headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})
 
     async def health(self, request: Request) -> Response:
         status, document = self.shards.document()
@@ -343,7 +358,7 @@ class _Guard:
             return await _send_json(send, 400, error_body(
                 f"Host {shown} is not one this server answers to (start it with --allowed-hosts NAME to add one)",
                 400, code="host_not_allowed"))
-        if self.key is not None and scope["path"] != "/health":
+        if self.key is not None and scope["path"] not in _OPEN_PATHS:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.key):  # constant time: no key byte by byte from the timing
                 what = "no Authorization header" if not given else "an Authorization header that is not the API key"

@@ -104,6 +104,7 @@ class Metrics:
     def __init__(self, read_engine: Callable[[], Mapping[str, int | float]], extra_help: Mapping[str, str] = {}):
         """`read_engine`: the engine's figures (and any others merged in, e.g. the receipt store's, whose help
         texts are `extra_help`)."""
+        self.read_engine = read_engine  # GET /status.json reads the same figures
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(read_engine, {**ENGINE_HELP, **extra_help}))
         self.http_requests = RequestCollector()

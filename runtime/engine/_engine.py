@@ -616,6 +616,27 @@ class Engine:
                 **(self._cluster_metrics() if self.remote is not None else {}),
             }
 
+    def expert_cache(self) -> dict:
+        """The routed-expert cache as a map, for the status page's heat map: per MoE layer (ascending), which experts
+        the shard cache holds now and each expert's cache hits since start. Read from the store's two small maps
+        (no lock of the engine's, no step touched); the layers and expert counts are the signed manifest's."""
+        layers = self.__dict__.get("_expert_layers")
+        if layers is None:  # layer -> experts listed for it, from the manifest once
+            counts: dict[int, int] = {}
+            for e in self.manifest.entries:
+                if e.kind == "expert":
+                    counts[e.layer] = max(counts.get(e.layer, 0), e.expert + 1)
+            layers = self._expert_layers = dict(sorted(counts.items()))
+        paths, hits = self.store.expert_cache()
+        by_path = self.manifest.by_path()
+        cached: dict[int, list[int]] = {}
+        for path in paths:
+            e = by_path.get(path)
+            if e is not None and e.kind == "expert":
+                cached.setdefault(e.layer, []).append(e.expert)
+        return {"layers": [{"layer": layer, "experts": n, "cached": sorted(cached.get(layer, [])),
+                            "hits": [hits.get((layer, x), 0) for x in range(n)]} for layer, n in layers.items()]}
+
     @property
     def lookahead_stats(self):
         """How well the lookahead predicted each next layer's experts (a `LookaheadStats`)."""

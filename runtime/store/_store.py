@@ -152,6 +152,7 @@ class ShardStore:
         self._lock = threading.Lock()
         self._pool = ReaderPool(readers, "shard-reader")  # loads the forward pass waits for before prefetches
         self._headers = HeaderMemo(header_memo)  # a shard read again is not parsed again
+        self._expert_hits: dict[tuple[int, int], int] = {}  # (layer, expert) -> requests served from the cache
 
     def close(self) -> None:
         self._pool.shutdown()
@@ -163,6 +164,12 @@ class ShardStore:
     @property
     def cached_bytes(self) -> int:
         return self._index.used
+
+    def expert_cache(self) -> tuple[list[str], dict[tuple[int, int], int]]:
+        """The paths of the shards cached now, and each expert's cache hits since start ((layer, expert) -> hits):
+        a copy of two small maps under the lock, for a status page that asks once a second."""
+        with self._lock:
+            return list(self._cache), dict(self._expert_hits)
 
     def _load(self, entry: Entry) -> Arrays:
         """Reader thread: read and verify, parse; then insert into the cache."""
@@ -285,6 +292,9 @@ class ShardStore:
         if hit:
             s.hits += 1
             _count(s.request_hits, entry.kind)
+            if entry.kind == "expert":
+                key = (entry.layer, entry.expert)
+                self._expert_hits[key] = self._expert_hits.get(key, 0) + 1
             if prefetched:
                 _count(s.prefetch_used, entry.kind)
 

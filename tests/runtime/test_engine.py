@@ -480,3 +480,22 @@ def test_a_prompt_past_the_context_is_refused_with_its_code(signed, tmp_path):
         assert info.value.code == "context_length_exceeded"
     finally:
         engine.close()
+
+
+def test_expert_cache_is_the_heat_map_of_the_store_by_manifest_layer(few_experts, tmp_path):
+    """What the status page draws: each MoE layer of the manifest, its expert count, which are cached (the store's
+    cached paths, mapped through the signed entries) and the hits of each; the hits sum to the store's expert hits."""
+    engine = _engine(few_experts, tmp_path, max_batch=4)
+    try:
+        assert [(x["layer"], x["experts"], x["cached"], sum(x["hits"])) for x in engine.expert_cache()["layers"]] \
+            == [(0, 4, [], 0), (1, 4, [], 0)]
+        _batched(engine, PROMPTS[:4], NEW[:4])
+        layers = engine.expert_cache()["layers"]
+        paths, _ = engine.store.expert_cache()
+        stats = engine.store.stats
+    finally:
+        engine.close()
+    by_path = engine.manifest.by_path()
+    cached = {(by_path[p].layer, by_path[p].expert) for p in paths if by_path[p].kind == "expert"}
+    assert {(x["layer"], e) for x in layers for e in x["cached"]} == cached and cached
+    assert sum(sum(x["hits"]) for x in layers) == stats.request_hits["expert"] > 0

@@ -215,6 +215,23 @@ def test_signed_but_malformed_shard_is_a_format_error(tmp_path, case, raises_exa
     store.close()
 
 
+def test_expert_cache_names_the_cached_shards_and_counts_hits_per_expert(model):
+    """The status page's heat map: which shards are cached now, and each (layer, expert)'s hits since start, counted
+    by `get` (a request) and `cached` (a warm step) alike; a miss is not a hit, an eviction keeps the count."""
+    root, e = model
+    store = make_store(root, budget_shards=2.5, policy="lru")  # room for two shards
+    assert store.expert_cache() == ([], {})
+    store.get(e[1])  # a miss
+    store.get(e[1])  # a hit
+    assert store.cached([e[1]]) is not None  # a warm step's hit
+    store.get(e[2])
+    store.get(e[3])  # evicts e[1]
+    paths, hits = store.expert_cache()
+    assert sorted(paths) == sorted([e[2].path, e[3].path])
+    assert hits == {(0, 1): 2}
+    store.close()
+
+
 # --- the LRU cache under a byte budget ------------------------------------------------------------------
 
 def test_lru_eviction_counts_and_order(model, reads):

@@ -54,6 +54,7 @@ class FakeEngine:
     step_seconds: float = 0.002
     tokenizer_config: dict | None = None
     retry_after: int = 3
+    manifest: object = None  # what the status page shows of the verified manifest (None: nothing)
     # Observations for the tests:
     submitted: list = field(default_factory=list)
     cancels: list = field(default_factory=list)
@@ -76,6 +77,14 @@ class FakeEngine:
         self.steps = self.finished = self.failed = self.generated = 0
 
     # -- the Engine interface
+    def expert_cache(self) -> dict:
+        """Two MoE layers (1 and 3) of four experts: expert (tokens generated) % 4 is cached, and each layer's hits
+        are its tokens generated so far, all on that expert."""
+        with self._lock:
+            g = self.generated
+        return {"layers": [{"layer": layer, "experts": 4, "cached": [g % 4],
+                            "hits": [g if x == g % 4 else 0 for x in range(4)]} for layer in (1, 3)]}
+
     def signed_json(self, path: str) -> dict | None:
         return self.tokenizer_config if path == "tokenizer_config.json" else None
 
