@@ -496,7 +496,7 @@ def connect_cluster(address: str, plan: ClusterPlan, *, timeout: float = DEFAULT
     # Before a byte of the cluster's arrives: the proxy (and whatever a reply runs in it) is a process of this
     # user, which must not be able to read this one's memory (where a receipt key may be).
     keep_memory_private()
-    transport = ProxyTransport(address, timeout, insecure=insecure)
+    transport = ProxyTransport(address, timeout, insecure=insecure, nodes=tuple(node.name for node in plan.nodes))
     remote = RemoteExperts(plan_placement(plan), plan.root, transport, keys=keys, timeout=timeout)
     try:
         remote.connect()
