@@ -1,10 +1,15 @@
-"""Does a Ray Compiled Graph over two `shardtool node` actors run, and do the nodes survive its teardown? (issue 39)
+"""Why a Ray Compiled Graph over `shardtool node` actors hung or killed the nodes, reproduced (issue 39).
 
-Starts bench_cluster's loopback cluster (a Ray head and two `shardtool node`s), then, from a separate driver, compiles
-a graph over both node actors (`info` bound to the input, `MultiOutputNode`), executes it `--calls` times, tears it
-down, and checks that both node processes and their actors still answer. Prints one RESULT line per try.
+Starts bench_cluster's loopback cluster (a Ray head and two `shardtool node`s), then runs `--drivers` drivers one
+after the other, each compiling a graph over both node actors (`info` bound to the input, `MultiOutputNode`),
+executing it `--calls` times and leaving as `--teardown` says; then checks that both node processes still run (a
+node whose actor stops answering its health check leaves). Prints one line per try.
+  shutdown  ray.shutdown() only: Ray tears its graphs down with kill_actors=True, killing the node actors
+  explicit  teardown(kill_actors=False) first: the nodes live on
+  exit      no teardown (a SIGKILLed driver): its loop keeps a `_ray_system` thread of each node actor; with one
+            such thread (Ray's default) the next driver's first execution hangs
 
-Usage: python benchmarks/_cgraph_repro.py [--tries 3] [--calls 200] [--workdir DIR]
+Usage: python benchmarks/_cgraph_repro.py [--tries 3] [--calls 200] [--teardown exit --drivers 2] [--workdir DIR]
 """
 
 from __future__ import annotations

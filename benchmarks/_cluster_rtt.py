@@ -13,7 +13,9 @@ Also the CPU seconds per round of the coordinator and of its proxy (on a machine
 other jobs share, CPU turns into latency). bench_cluster.py prints the round from `coordinator_rounds` beside its
 decode figures.
 
-Usage: python benchmarks/_cluster_rtt.py [--calls 300] [--workdir DIR] [--node-budget MIB]
+With --graph the coordinator's rounds go through a Ray Compiled Graph (`connect_cluster(graph=True)`).
+
+Usage: python benchmarks/_cluster_rtt.py [--calls 300] [--graph] [--workdir DIR] [--node-budget MIB]
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ A layer's calls cross the pipe as one round: `submit` only queues a call, and th
 every queued call in one frame; the child starts them all at once (Ray's futures, the nodes compute in parallel)
 and answers them all in one frame, in the order sent. One pipe round trip a layer, whatever the number of nodes.
 
-In the child a round goes through a Ray Compiled Graph over the plan's nodes (`NodeActor.graph_run`, each node's
-call picked out of the round's {node: call}) when one can be had: compiled at the first round, kept while it
-works. It is torn down without killing any actor (a node's actor is its node's, not this coordinator's: Ray's own
+When the coordinator asks for it (`connect_cluster(graph=True)`: it names the plan's nodes in init), a round in
+the child goes through a Ray Compiled Graph over those nodes (`NodeActor.graph_run`, each node's call picked out of
+the round's {node: call}): compiled at the first round, kept while it works. It is torn down without killing any actor (a node's actor is its node's, not this coordinator's: Ray's own
 teardown at shutdown would `ray.kill` them, so the graph is taken out of its reach), and the child falls back to
 plain actor calls for good when it cannot be compiled, its first execution does not answer (a node whose graph
 threads are held by graphs of dead coordinators) or any execution fails. The answers are the same bytes either way.
@@ -308,6 +308,8 @@ class RayTransport:
         """No graph from now on (`why`); the one there was is torn down, its node actors left alive."""
         self.graph_off = why
         graph, self._graph = self._graph, None
+        if why != "closed":  # the coordinator's stderr: an operator sees why rounds are plain calls
+            print(f"shardtool cluster proxy: plain actor calls from now on ({why})", file=sys.stderr, flush=True)
         if graph is not None:
             graph.end()
 
