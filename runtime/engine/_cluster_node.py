@@ -325,6 +325,7 @@ class NodeActor:
 
     def __init__(self, setup: NodeSetup):
         self._service = NodeService(setup)
+        graphs_without_torch()
 
     def info(self, nonce) -> dict:
         return self._service.info(nonce)
@@ -343,6 +344,14 @@ class NodeActor:
                              f"{_describe(calls)}")
         call = calls.get(self._service.setup.name)
         return b"" if call is None else self.run(call)
+
+
+def graphs_without_torch() -> None:
+    """Tell this process's Ray Compiled Graph channels that torch is not there. Our graphs carry bytes, never
+    tensors; otherwise, with torch installed, each process imports it at its first channel read (10 s cold on a
+    loaded node), and a graph's first execution misses its deadline: the "hang" of a fresh cluster."""
+    from ray.experimental.channel.common import ChannelContext
+    ChannelContext.get_current()._torch_available = False
 
 
 def key_seed(key: PrivateKey) -> bytes:

@@ -53,7 +53,7 @@ from typing import Any, Callable
 from shardtool.errors import ShardtoolError, UnavailableError, UsageError, VerificationError
 from shardtool.private_memory import child_environment
 from shardtool.text import printable
-from ._cluster_node import NAMESPACE, actor_name, import_ray, init_ray
+from ._cluster_node import NAMESPACE, actor_name, graphs_without_torch, import_ray, init_ray
 from ._cluster_wire import (MAX_FRAME, NodeFailed, ProtocolError, decode_answer, encode_answer, encode_call, pack,
                             unpack)
 
@@ -299,6 +299,7 @@ class RayTransport:
 
     def _compile(self) -> "_Graph":
         from ray.dag import InputNode, MultiOutputNode
+        graphs_without_torch()
         actors = [self._actor(node) for node in self.nodes]
         with InputNode() as calls:
             dag = MultiOutputNode([actor.graph_run.bind(calls) for actor in actors])

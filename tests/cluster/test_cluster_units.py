@@ -676,3 +676,14 @@ def test_a_rounds_answer_frame_of_the_wrong_form_breaks_the_proxy_and_a_bad_node
     with pytest.raises(NodeFailed, match=error):
         proxy.result(calls[0], 5.0)
     assert (proxy._broken is not None) == proxy_broken
+
+
+def test_a_node_actor_keeps_torch_out_of_its_compiled_graph_channels(model):
+    """With torch installed, Ray's channels import it at a graph's first read (seconds, cold): past the first
+    execution's deadline, a fresh cluster's graph looked hung."""
+    from ray.experimental.channel.common import ChannelContext
+    from shardtool.runtime.engine._cluster_node import NodeActor
+    work, verified, plan = model
+    ChannelContext.get_current()._torch_available = None
+    NodeActor(prepare_node(work / "full", verified, plan, "a", budget=1 << 30, key=_keys(model)["a"]))
+    assert ChannelContext.get_current().torch_available is False
