@@ -13,7 +13,9 @@ Also the CPU seconds per round of the coordinator and of its proxy (on a machine
 other jobs share, CPU turns into latency). bench_cluster.py prints the round from `coordinator_rounds` beside its
 decode figures.
 
-Usage: python benchmarks/_cluster_rtt.py [--calls 300] [--workdir DIR] [--node-budget MIB]
+With --graph the coordinator's rounds go through a Ray Compiled Graph (`connect_cluster(graph=True)`).
+
+Usage: python benchmarks/_cluster_rtt.py [--calls 300] [--graph] [--workdir DIR] [--node-budget MIB]
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def _ms(values) -> str:
            f"p90 {np.percentile(values, 90) * 1e3:.3f})"
 
 
-def coordinator_rounds(work: Path, address: str, calls: int) -> dict:
+def coordinator_rounds(work: Path, address: str, calls: int, *, graph: bool = False) -> dict:
     """Timed RemoteExperts.run at batch one, through the proxy, as `--cluster` runs it; CPU seconds per round of
     this process and of the proxy."""
     from shardtool.keys import load_public_key
@@ -51,7 +53,7 @@ def coordinator_rounds(work: Path, address: str, calls: int) -> dict:
     verified = load_trusted_manifest(work / "full" / "manifest.msgpack", [load_public_key(work / "a.pub")], 1,
                                      work / "probe-state")
     plan = load_signed_plan(work / "plan.json", verified, [load_public_key(work / "op.pub")])
-    remote = connect_cluster(address, plan)
+    remote = connect_cluster(address, plan, graph=graph)
     cfg = bc.LOOP_MODEL
     rng = np.random.default_rng(0)
     node_seconds: list[float] = []
@@ -159,6 +161,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "shardtool-cluster-rtt")
+    ap.add_argument("--graph", action="store_true", help="rounds through a Ray Compiled Graph (connect_cluster)")
     ap.add_argument("--node-budget", type=int, default=128, help="MiB per node (its experts fit: the round trip only)")
     args = ap.parse_args()
     work = args.workdir
@@ -166,7 +169,7 @@ def main() -> None:
     os.environ.update(bc.RAY_ENV)
     cluster = bc.LoopbackCluster(work, args.node_budget * MIB)
     try:
-        co = coordinator_rounds(work, cluster.address, args.calls)
+        co = coordinator_rounds(work, cluster.address, args.calls, graph=args.graph)
         bare = bare_ray(work, cluster.address, args.calls)
     finally:
         cluster.stop()

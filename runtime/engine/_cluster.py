@@ -487,7 +487,7 @@ def plan_placement(plan: ClusterPlan) -> dict[tuple[int, int], tuple[str, ...]]:
 
 
 def connect_cluster(address: str, plan: ClusterPlan, *, timeout: float = DEFAULT_TIMEOUT,
-                    insecure: bool = False) -> RemoteExperts:
+                    insecure: bool = False, graph: bool = False) -> RemoteExperts:
     """A coordinator's RemoteExperts over the Ray cluster at `address` (token authentication required unless
     `insecure`), through a cluster proxy (`_cluster_proxy`: this process never deserializes anything from Ray, and
     is made non-dumpable first), every planned node asked for its signed info (UnavailableError when some planned expert has no
@@ -496,7 +496,10 @@ def connect_cluster(address: str, plan: ClusterPlan, *, timeout: float = DEFAULT
     # Before a byte of the cluster's arrives: the proxy (and whatever a reply runs in it) is a process of this
     # user, which must not be able to read this one's memory (where a receipt key may be).
     keep_memory_private()
-    transport = ProxyTransport(address, timeout, insecure=insecure)
+    # `graph`: a layer's round through a Ray Compiled Graph over the plan's nodes (off by default: on this project's
+    # loaded 2-core loopback its readers' polling made a round slower, docs/scaling.md).
+    nodes = tuple(node.name for node in plan.nodes) if graph else ()
+    transport = ProxyTransport(address, timeout, insecure=insecure, nodes=nodes)
     remote = RemoteExperts(plan_placement(plan), plan.root, transport, keys=keys, timeout=timeout)
     try:
         remote.connect()

@@ -46,6 +46,12 @@ from shardtool.runtime.store import DEFAULT_PAGE_CACHE, ShardStore, header_memo_
 
 NAMESPACE = "shardtool"
 ACTOR_PREFIX = "shardtool-node-"
+MAX_GRAPH_NODES = 1 << 12  # nodes of one Compiled Graph round (a round's calls, at most one per node)
+# Threads of the actor's "_ray_system" group, where each Compiled Graph's loop runs until its coordinator tears it
+# down. A coordinator that dies without teardown (SIGKILL) leaves its loop there, blocked for good: with one thread
+# the next coordinator's graph would queue behind it and its first execution hang. Each coordinator's graph takes
+# one thread; plain calls (info, run, the node's health check) run in the default group beside them.
+GRAPH_THREADS = 4
 MAX_ROWS = 1 << 16  # token rows of one call: a step's batch rows, far below this
 INSTALL_HINT = "install the cluster extra: pip install 'shardtool[cluster]'"
 INFO_TYPE = "application/vnd.shardtool.node-info+json"
@@ -314,11 +320,12 @@ class NodeService:
 
 
 class NodeActor:
-    """What the cluster may call on a node: info() and run() only (NodeService.close, which shuts the reader
+    """What the cluster may call on a node: info(), run() and graph_run() only (NodeService.close, which shuts the reader
     pool, is not reachable over the wire; the store ends with the node's process)."""
 
     def __init__(self, setup: NodeSetup):
         self._service = NodeService(setup)
+        graphs_without_torch()
 
     def info(self, nonce) -> dict:
         return self._service.info(nonce)
@@ -328,6 +335,23 @@ class NodeActor:
         packed): Ray carries bytes as they are, where it would pickle and rebuild every array both ways."""
         layer, expert_ids, x, rows, nonce = decode_call(call)
         return pack(encode_answer(self._service.run(layer, expert_ids, x, rows, nonce)))
+
+    def graph_run(self, calls) -> bytes:
+        """A coordinator's Compiled Graph round: every node of the graph gets the round's {node name: call bytes};
+        this node runs its own call as `run` does, and answers b"" when the round asks nothing of it."""
+        if not isinstance(calls, dict) or len(calls) > MAX_GRAPH_NODES:
+            raise UsageError(f"a graph round must map at most {MAX_GRAPH_NODES} node names to calls, got "
+                             f"{_describe(calls)}")
+        call = calls.get(self._service.setup.name)
+        return b"" if call is None else self.run(call)
+
+
+def graphs_without_torch() -> None:
+    """Tell this process's Ray Compiled Graph channels that torch is not there. Our graphs carry bytes, never
+    tensors; otherwise, with torch installed, each process imports it at its first channel read (10 s cold on a
+    loaded node), and a graph's first execution misses its deadline: the "hang" of a fresh cluster."""
+    from ray.experimental.channel.common import ChannelContext
+    ChannelContext.get_current()._torch_available = False
 
 
 def key_seed(key: PrivateKey) -> bytes:
@@ -380,7 +404,7 @@ def serve_node(setup: NodeSetup, address: str, *, timeout: float, insecure: bool
 
     init_ray(ray, address, timeout, insecure=insecure)
     here = ray.get_runtime_context().get_node_id()
-    actor_class = ray.remote(NodeActor)
+    actor_class = ray.remote(concurrency_groups={"_ray_system": GRAPH_THREADS})(NodeActor)
     try:
         actor = actor_class.options(name=actor_name(setup.name), namespace=NAMESPACE, num_cpus=0,
                                     max_concurrency=1, max_restarts=0,

@@ -14,7 +14,8 @@ can then only send frames, and a frame is data. A frame that
 breaks the protocol, a child that exits or answers late, is the proxy failing: it is killed, and every call from
 then on fails as a failed node does (`NodeFailed`), never a hang.
 
-    coordinator -> proxy: {"op": "init", "address", "timeout", "insecure"}   -> {"ok": true} | {"error": {...}}
+    coordinator -> proxy: {"op": "init", "address", "timeout", "insecure", "nodes"}
+                                                                             -> {"ok": true} | {"error": {...}}
                           {"op": "info", "node", "nonce", "timeout"}         -> {"answer": {...}} | {"failed": line}
                           {"op": "round", "timeout", "calls": [{"id", "node", "call": bytes}, ...]}
                                    -> {"answers": [[id, {"packed": bytes} | {"failed": line}], ...]}
@@ -26,6 +27,13 @@ then on fails as a failed node does (`NodeFailed`), never a hang.
 A layer's calls cross the pipe as one round: `submit` only queues a call, and the first `result` of the round sends
 every queued call in one frame; the child starts them all at once (Ray's futures, the nodes compute in parallel)
 and answers them all in one frame, in the order sent. One pipe round trip a layer, whatever the number of nodes.
+
+When the coordinator asks for it (`connect_cluster(graph=True)`: it names the plan's nodes in init), a round in
+the child goes through a Ray Compiled Graph over those nodes (`NodeActor.graph_run`, each node's call picked out of
+the round's {node: call}): compiled at the first round, kept while it works. It is torn down without killing any actor (a node's actor is its node's, not this coordinator's: Ray's own
+teardown at shutdown would `ray.kill` them, so the graph is taken out of its reach), and the child falls back to
+plain actor calls for good when it cannot be compiled, its first execution does not answer (a node whose graph
+threads are held by graphs of dead coordinators) or any execution fails. The answers are the same bytes either way.
 """
 
 from __future__ import annotations
@@ -45,13 +53,16 @@ from typing import Any, Callable
 from shardtool.errors import ShardtoolError, UnavailableError, UsageError, VerificationError
 from shardtool.private_memory import child_environment
 from shardtool.text import printable
-from ._cluster_node import NAMESPACE, actor_name, import_ray, init_ray
+from ._cluster_node import NAMESPACE, actor_name, graphs_without_torch, import_ray, init_ray
 from ._cluster_wire import (MAX_FRAME, NodeFailed, ProtocolError, decode_answer, encode_answer, encode_call, pack,
                             unpack)
 
 HEADER = struct.Struct(">I")
 MAX_LINE = 300  # characters of a failure line the child sends
-MAX_CALLS = 1 << 12  # calls of one round (one per node asked at a layer)
+MAX_CALLS = 1 << 12  # calls of one round (one per node asked at a layer); also nodes of a plan
+MAX_NAME = 256  # characters of a node name sent to the child
+GRAPH_START_SECONDS = 10.0  # at most, for a new graph's first execution (the node's loops start) before plain calls
+GRAPH_END_SECONDS = 5.0  # for a graph's teardown, before the child goes on without waiting for it
 GRACE = 10.0  # seconds the child may take beyond a call's own time-out (Ray's get_actor has no deadline of its own)
 START_SECONDS = 60.0  # for the child to import Ray and connect, on top of three of the call time-outs
 CLOSE_SECONDS = 5.0
@@ -73,7 +84,7 @@ class ProxyTransport:
     cluster at `address` before this returns (raising what `init_ray` raises there: UsageError, UnavailableError,
     VerificationError)."""
 
-    def __init__(self, address: str, timeout: float, *, insecure: bool = False):
+    def __init__(self, address: str, timeout: float, *, insecure: bool = False, nodes: tuple[str, ...] = ()):
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._broken: str | None = None
@@ -87,8 +98,8 @@ class ProxyTransport:
         os.set_blocking(self._in, False)
         os.set_blocking(self._out, False)
         try:
-            reply = self._ask({"op": "init", "address": address, "timeout": float(timeout), "insecure": insecure},
-                              START_SECONDS + 3 * timeout)
+            reply = self._ask({"op": "init", "address": address, "timeout": float(timeout), "insecure": insecure,
+                               "nodes": list(nodes)}, START_SECONDS + 3 * timeout)
         except NodeFailed as e:
             self.close()
             raise UnavailableError(f"the cluster proxy did not connect to {address}: {e}") from None
@@ -260,10 +271,48 @@ def _init_error(reply: dict) -> ShardtoolError:
 class RayTransport:
     """Calls to the named node actors of a Ray cluster (`shardtool node`): what the proxy runs."""
 
-    def __init__(self, address: str, timeout: float, *, insecure: bool = False):
+    def __init__(self, address: str, timeout: float, *, insecure: bool = False, nodes: tuple[str, ...] = ()):
         self.ray = import_ray()
         init_ray(self.ray, address, timeout, insecure=insecure)
         self._actors: dict[str, object] = {}
+        self.nodes = tuple(nodes)  # the plan's nodes: what a Compiled Graph spans
+        self._graph: _Graph | None = None
+        self.graph_off: str | None = None if self.nodes else "no nodes named"  # why rounds use plain calls
+
+    def graph_round(self, calls: dict[str, bytes], timeout: float) -> dict[str, object] | None:
+        """A round through the Compiled Graph: {node: its answer's bytes, or the NodeFailed of its call}; None when
+        there is no graph (it could not be had, or failed before): the round is then made of plain calls."""
+        if self.graph_off is not None or not set(calls) <= set(self.nodes):
+            return None
+        if self._graph is None:
+            try:
+                self._graph = self._compile()
+                self._graph.execute({}, min(timeout, GRAPH_START_SECONDS))  # the nodes' loops answer, or no graph
+            except Exception as e:  # noqa: BLE001 - whatever Ray raised: plain calls still work
+                self.end_graph(f"no Compiled Graph: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+                return None
+        try:
+            return self._graph.execute(calls, timeout)
+        except Exception as e:  # noqa: BLE001 - the graph broke (not a node's answer): plain calls from now on
+            self.end_graph(f"the Compiled Graph failed: {type(e).__name__}")
+            return None
+
+    def _compile(self) -> "_Graph":
+        from ray.dag import InputNode, MultiOutputNode
+        graphs_without_torch()
+        actors = [self._actor(node) for node in self.nodes]
+        with InputNode() as calls:
+            dag = MultiOutputNode([actor.graph_run.bind(calls) for actor in actors])
+        return _Graph(self.ray, dag.experimental_compile(), self.nodes)
+
+    def end_graph(self, why: str) -> None:
+        """No graph from now on (`why`); the one there was is torn down, its node actors left alive."""
+        self.graph_off = why
+        graph, self._graph = self._graph, None
+        if why != "closed":  # the coordinator's stderr: an operator sees why rounds are plain calls
+            print(f"shardtool cluster proxy: plain actor calls from now on ({why})", file=sys.stderr, flush=True)
+        if graph is not None:
+            graph.end()
 
     def _actor(self, node: str):
         actor = self._actors.get(node)
@@ -304,7 +353,46 @@ class RayTransport:
             raise NodeFailed(f"its answer could not be read: {type(e).__name__}") from None
 
     def close(self) -> None:
+        self.end_graph("closed")
         self.ray.shutdown()
+
+
+_ENDED: list = []  # graphs torn down: kept, so that no garbage collection runs Ray's teardown of one again
+
+
+class _Graph:
+    """A Compiled Graph over the plan's node actors: one execution a round, every node given the round's calls."""
+
+    def __init__(self, ray, compiled, nodes: tuple[str, ...]):
+        from ray.dag import compiled_dag_node
+        # Ray tears down the graphs in this registry at shutdown with kill_actors=True: that would kill the nodes.
+        compiled_dag_node._compiled_dags.pop(compiled.get_id(), None)
+        self.ray, self.compiled, self.nodes = ray, compiled, nodes
+
+    def execute(self, calls: dict[str, bytes], timeout: float) -> dict[str, object]:
+        """{node asked: its answer (bytes), or the NodeFailed a node's own error is}; raises when the graph fails
+        (a time-out, a channel or an actor lost): the caller ends the graph."""
+        deadline = time.monotonic() + timeout
+        refs = self.compiled.execute(calls)
+        out: dict[str, object] = {}
+        for node, ref in zip(self.nodes, refs):  # every output is read, asked or not: the channels are reused
+            try:
+                value = self.ray.get(ref, timeout=max(deadline - time.monotonic(), 0.001))
+            except self.ray.exceptions.RayTaskError as e:
+                if not isinstance(getattr(e, "cause", None), ShardtoolError):
+                    raise
+                value = NodeFailed(_ray_line(e))  # the node refused the call: its answer, the graph goes on
+            if node in calls:
+                out[node] = value
+        return out
+
+    def end(self) -> None:
+        """Ray's teardown without killing an actor, given GRAPH_END_SECONDS: a loop that does not end (its node
+        is gone or stuck) is left to Ray, never waited for without end nor killed."""
+        _ENDED.append(self.compiled)
+        done = threading.Thread(target=self.compiled.teardown, kwargs={"kill_actors": False}, daemon=True)
+        done.start()
+        done.join(GRAPH_END_SECONDS)
 
 def _ray_line(e: BaseException) -> str:
     """One line for a Ray error: its class, and for a task error the node's own one-line message."""
@@ -387,7 +475,12 @@ class _Child:
 
     def init(self, doc: dict) -> None:
         try:
-            self.transport = RayTransport(doc["address"], doc["timeout"], insecure=doc["insecure"])
+            nodes = doc.get("nodes", [])
+            if (not isinstance(nodes, list) or len(nodes) > MAX_CALLS or len(set(nodes)) != len(nodes)
+                    or not all(isinstance(n, str) and 0 < len(n) <= MAX_NAME for n in nodes)):
+                raise ProtocolError("init's nodes are not a list of distinct node names")
+            self.transport = RayTransport(doc["address"], doc["timeout"], insecure=doc["insecure"],
+                                          nodes=tuple(nodes))
         except ShardtoolError as e:
             name = type(e).__name__ if type(e).__name__ in _ERRORS else "UnavailableError"
             self.send({"error": {"class": name, "message": e.message, "hint": e.hint}})
@@ -406,13 +499,17 @@ class _Child:
         calls = doc["calls"]
         if not isinstance(calls, list) or not 1 <= len(calls) <= MAX_CALLS:
             raise ProtocolError(f"a round of {len(calls) if isinstance(calls, list) else 'no'} calls")
+        deadline = time.monotonic() + doc["timeout"]  # a graph that fails leaves its plain calls what is left
+        by_node = {call["node"]: call["call"] for call in calls}
+        graph = self.transport.graph_round(by_node, doc["timeout"]) if len(by_node) == len(calls) else None
+        if graph is not None:  # every call answered by the graph's one execution
+            self.send({"answers": [[call["id"], self.wire(lambda a=graph[call["node"]]: _given(a), packed=True)]
+                                   for call in calls]})
+            return
         started = [(call["id"], self.start(call)) for call in calls]
-        deadline = time.monotonic() + doc["timeout"]
 
         def collect(pending: object) -> Any:
-            if isinstance(pending, Exception):
-                raise pending
-            return self.transport.result(pending, max(deadline - time.monotonic(), 0.001))
+            return self.transport.result(_given(pending), max(deadline - time.monotonic(), 0.001))
 
         self.send({"answers": [[call, self.wire(lambda p=pending: collect(p), packed=True)] for call, pending in started]})
 
@@ -431,6 +528,13 @@ class _Child:
                 raise ProtocolError(f"unknown op {op!r}")
         if self.transport is not None:
             self.transport.close()
+
+
+def _given(answer: object) -> object:
+    """A call's answer or future, or the NodeFailed that stands for it (raised)."""
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
 
 
 def main(argv: list[str]) -> None:

@@ -210,7 +210,7 @@ def test_a_malformed_info_drops_the_node_at_connect_and_its_replicas_serve(model
 
 def test_only_info_and_run_are_reachable_on_a_node_actor(model):
     from shardtool.runtime.engine._cluster_node import NodeActor
-    assert {name for name in vars(NodeActor) if not name.startswith("_")} == {"info", "run"}
+    assert {name for name in vars(NodeActor) if not name.startswith("_")} == {"info", "run", "graph_run"}
 
 
 def test_the_node_checks_every_argument_from_the_wire(model):
@@ -500,6 +500,10 @@ class _FakeRay:
         self.log.append(("result", pending))
         return self.answers[pending]
 
+    def graph_round(self, calls, timeout):
+        self.log.append(("graph", sorted(calls)))
+        return None  # no Compiled Graph: plain calls
+
 
 def test_the_proxy_child_starts_every_call_of_a_round_before_waiting_and_answers_them_in_one_frame():
     from shardtool.runtime.engine import _cluster_proxy as cp
@@ -509,11 +513,105 @@ def test_the_proxy_child_starts_every_call_of_a_round_before_waiting_and_answers
                                 "c": NodeFailed("no node named c has joined the cluster")})
     child.round({"timeout": 5.0, "calls": [{"id": 7, "node": "a", "call": b"1"}, {"id": 8, "node": "b", "call": b"2"},
                                            {"id": 9, "node": "c", "call": b"3"}]})
-    assert child.transport.log == [("submit", "a"), ("submit", "b"), ("submit", "c"), ("result", "a"), ("result", "b")]
+    assert child.transport.log == [("graph", ["a", "b", "c"]), ("submit", "a"), ("submit", "b"), ("submit", "c"),
+                                   ("result", "a"), ("result", "b")]
     assert len(sent) == 1 and [pair[0] for pair in sent[0]["answers"]] == [7, 8, 9]
     (_, a), (_, b), (_, c) = sent[0]["answers"]
     assert a == {"packed": b"packed by a"}  # forwarded as the node encoded it, never read here
     assert "not a signed answer" in b["failed"] and c == {"failed": "no node named c has joined the cluster"}
+
+
+def test_a_round_through_the_compiled_graph_answers_each_call_as_plain_calls_would():
+    from shardtool.runtime.engine import _cluster_proxy as cp
+    sent: list[dict] = []
+    child = cp._Child(lambda n: b"", lambda data: sent.append(cp.unpack(data[cp.HEADER.size:])))
+    child.transport = _FakeRay({})
+    child.transport.graph_round = lambda calls, timeout: {"a": b"packed by a", "b": NodeFailed("refused the call: x")}
+    child.round({"timeout": 5.0, "calls": [{"id": 8, "node": "b", "call": b"2"}, {"id": 7, "node": "a", "call": b"1"}]})
+    assert child.transport.log == []  # no plain call was made
+    assert sent == [{"answers": [[8, {"failed": "refused the call: x"}], [7, {"packed": b"packed by a"}]]}]
+
+
+class _Compiled:
+    """A compiled graph whose executions raise `error` (None: each node answers b"")."""
+
+    def __init__(self, error=None):
+        self.error, self.torn_down = error, []
+
+    def get_id(self):
+        return "fake"
+
+    def execute(self, calls):
+        if self.error is not None:
+            raise self.error
+        return ["a", "b"]
+
+    def teardown(self, kill_actors=False):
+        self.torn_down.append(kill_actors)
+
+
+class _GraphRay:
+    class exceptions:
+        RayTaskError = type("RayTaskError", (Exception,), {})
+
+    def get(self, ref, timeout=None):
+        return b""
+
+
+def _ray_transport(compile_graph):
+    from shardtool.runtime.engine._cluster_proxy import RayTransport
+    transport = object.__new__(RayTransport)
+    transport.ray, transport._actors, transport.nodes = _GraphRay(), {}, ("a", "b")
+    transport._graph, transport.graph_off = None, None
+    transport._compile = compile_graph
+    return transport
+
+
+FALLBACKS = {  # why a coordinator's proxy cannot have a Compiled Graph: then its rounds are plain actor calls
+    "compile refused (another coordinator's graph, a node not joined)": RuntimeError("actor already in a graph"),
+    "first execution does not answer (loops of dead coordinators hold the node's graph threads)":
+        TimeoutError("RayChannelTimeoutError"),
+}
+
+
+@pytest.mark.parametrize("why", FALLBACKS)
+def test_a_proxy_without_a_compiled_graph_falls_back_to_plain_calls_and_kills_no_actor(why):
+    from shardtool.runtime.engine import _cluster_proxy as cp
+    compiled = _Compiled(FALLBACKS[why])
+    made = []
+
+    def compile_graph():
+        if "compile" in why:
+            raise FALLBACKS[why]
+        made.append(cp._Graph.__new__(cp._Graph))
+        made[-1].ray, made[-1].compiled, made[-1].nodes = _GraphRay(), compiled, ("a", "b")
+        return made[-1]
+
+    transport = _ray_transport(compile_graph)
+    assert transport.graph_round({"a": b"1"}, 5.0) is None
+    assert transport.graph_off.startswith("no Compiled Graph") and transport._graph is None
+    assert compiled.torn_down == ([] if "compile" in why else [False])  # torn down, never with kill_actors
+    assert transport.graph_round({"a": b"1"}, 5.0) is None  # and not tried again
+    sent: list[dict] = []
+    child = cp._Child(lambda n: b"", lambda data: sent.append(cp.unpack(data[cp.HEADER.size:])))
+    child.transport = transport
+    transport.submit, transport.result = lambda node, call: node, lambda pending, timeout: b"plain " + pending.encode()
+    child.round({"timeout": 5.0, "calls": [{"id": 1, "node": "a", "call": b"1"}]})
+    assert sent == [{"answers": [[1, {"packed": b"plain a"}]]}]
+
+
+def test_a_compiled_graph_answers_the_nodes_asked_and_is_ended_without_killing_on_close():
+    from shardtool.runtime.engine import _cluster_proxy as cp
+    compiled = _Compiled()
+    graph = cp._Graph.__new__(cp._Graph)
+    graph.ray, graph.compiled, graph.nodes = _GraphRay(), compiled, ("a", "b")
+    transport = _ray_transport(lambda: graph)
+    transport.ray.shutdown = lambda: None
+    assert transport.graph_round({"b": b"1"}, 5.0) == {"b": b""}
+    assert transport.graph_round({"c": b"1"}, 5.0) is None  # a node outside the graph: plain calls, graph kept
+    assert transport._graph is graph
+    transport.close()
+    assert compiled.torn_down == [False] and transport.graph_off == "closed"
 
 
 class _Proc:
@@ -578,3 +676,14 @@ def test_a_rounds_answer_frame_of_the_wrong_form_breaks_the_proxy_and_a_bad_node
     with pytest.raises(NodeFailed, match=error):
         proxy.result(calls[0], 5.0)
     assert (proxy._broken is not None) == proxy_broken
+
+
+def test_a_node_actor_keeps_torch_out_of_its_compiled_graph_channels(model):
+    """With torch installed, Ray's channels import it at a graph's first read (seconds, cold): past the first
+    execution's deadline, a fresh cluster's graph looked hung."""
+    from ray.experimental.channel.common import ChannelContext
+    from shardtool.runtime.engine._cluster_node import NodeActor
+    work, verified, plan = model
+    ChannelContext.get_current()._torch_available = None
+    NodeActor(prepare_node(work / "full", verified, plan, "a", budget=1 << 30, key=_keys(model)["a"]))
+    assert ChannelContext.get_current().torch_available is False
