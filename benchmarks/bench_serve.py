@@ -18,7 +18,7 @@ latency is the gap between two chunks carrying text, counted once however many t
 TPOT, per token whatever the chunking, beside it).
 It prints the issue's ratios: serve (1 client) / verify-and-run's decode tok/s, serve / llama-server at each client
 count, and ITL p99 at 16 clients serve / llama-server; medians of --repeats, every run kept in the JSON.
-Usage: python benchmarks/bench_serve.py [--repeats 3] [--quick] [--tokens 64] [--workdir DIR] [--json FILE] [--vs-llama]
+Usage: python benchmarks/bench_serve.py [--repeats 3] [--quick] [--tokens 64] [--workdir DIR] [--json FILE] [--vs-llama | --ttft-only]
 """
 
 from __future__ import annotations
@@ -402,6 +402,69 @@ def vs_llama(work: Path, repeats: int, tokens: int) -> dict:
     return _report_vs_llama(runs, repeats, tokens, ctx)
 
 
+def ttft_only(work: Path, repeats: int, tokens: int) -> dict:
+    """The chat prompt's time to first token through `shardtool serve` alone (the --vs-llama server and model):
+    per repeat, a fresh server, warmed, then ONE_CLIENT_REQUESTS single streamed requests and one window of 16 at
+    once; and the inter-token latency of one running stream while a new chat prompt arrives (the gap that spans the
+    new prompt's prefill). Medians over repeats, the load average at each repeat's start."""
+    import threading
+
+    import openai
+    from _serve_load import percentile, run_clients
+
+    model = build(work, CACHED_MODEL, "cached", keep_checkpoint=True)
+    ctx = PROMPT_ROOM + tokens
+    argv = [str(VENV_BIN / "shardtool"), "serve", str(model), "--trust", str(work / "bench.pub"), "--port", "0",
+            "--model-id", MODEL_ID, "--state-dir", str(work / "state"), "--memory-budget", "4GiB",
+            "--max-context", str(ctx), "--max-batch", str(max(LLAMA_CLIENTS)), "--threads", str(THREADS)]
+    runs: list[dict] = []
+    for _ in range(repeats):
+        load = os.getloadavg()[0]
+        server = Server.of(work, argv).wait_listening()
+        try:
+            for mode, prompt in MODES.items():
+                run_clients(server.url, MODEL_ID, prompt, 4, 1, chat=mode == "chat")
+            one = [t for _ in range(ONE_CLIENT_REQUESTS)
+                   for t in run_clients(server.url, MODEL_ID, CHAT, tokens, 1, chat=True, stream=True).ttfts]
+            many = run_clients(server.url, MODEL_ID, CHAT, tokens, 16, chat=True, stream=True)
+            if many.errors:
+                raise RuntimeError(f"16 streamed chat clients: {many.errors[0]}")
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            arrivals: list[float] = []
+
+            def running() -> None:  # a long completion, streamed: its chunks' arrival times
+                for chunk in client.completions.create(model=MODEL_ID, prompt=PROMPTS[0], max_tokens=ctx - len(PROMPTS[0]),
+                                                       temperature=0, stream=True):
+                    if chunk.choices and chunk.choices[0].text:
+                        arrivals.append(time.perf_counter())
+
+            thread = threading.Thread(target=running)
+            thread.start()
+            while len(arrivals) < 8:
+                time.sleep(0.002)
+            asked = time.perf_counter()
+            client.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=1, temperature=0)
+            thread.join()
+            client.close()
+            gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+            spanning = max(b - a for a, b in zip(arrivals, arrivals[1:]) if b > asked)
+        finally:
+            server.stop()
+        runs.append({"load_average": load, "ttft_1_s": statistics.median(one), "ttft_16_p50_s":
+                     percentile(many.ttfts, 50), "ttft_16_p99_s": percentile(many.ttfts, 99),
+                     "itl_p50_s": statistics.median(gaps), "itl_new_prompt_s": spanning})
+    med = {k: median([r[k] for r in runs]) for k in runs[0] if k != "load_average"}
+    print(f"\n## shardtool serve, chat prompt ({CHAT[0]['content']!r}, its template applied), {tokens} new tokens, "
+          f"{THREADS} threads, {repeats} repeat(s), medians; load average " + " ".join(f"{r['load_average']:.1f}"
+                                                                                      for r in runs))
+    print(f"TTFT 1 client p50 {med['ttft_1_s'] * 1e3:.0f} ms; 16 clients p50 {med['ttft_16_p50_s'] * 1e3:.0f} ms, "
+          f"p99 {med['ttft_16_p99_s'] * 1e3:.0f} ms; a running stream's ITL p50 {med['itl_p50_s'] * 1e3:.1f} ms, "
+          f"its longest gap while a new chat prompt arrived {med['itl_new_prompt_s'] * 1e3:.0f} ms")
+    print("runs: " + "; ".join(" ".join(f"{k} {v * 1e3:.0f}ms" if k.endswith("_s") else f"{k} {v:.1f}"
+                                        for k, v in r.items()) for r in runs))
+    return {"model": CACHED_MODEL, "tokens_per_request": tokens, "repeats": repeats, "medians": med, "runs": runs}
+
+
 def _report_vs_llama(runs: dict, repeats: int, tokens: int, ctx: int) -> dict:
     """Medians over the runs, the tables, the issue's ratios; the JSON document (every run kept)."""
     vr, warm = median(runs["verify-and-run"]), median(runs["warm"])
@@ -512,14 +575,16 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/shardtool-bench-serve"))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--vs-llama", action="store_true", help="the in-memory model against llama.cpp's llama-server")
+    ap.add_argument("--ttft-only", action="store_true", help="--vs-llama's server alone: the chat prompt's TTFT at 1 "
+                    "and 16 clients, and a running stream's ITL while a new prompt arrives")
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.tokens = 1, 16
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (shared: trust ratios, not times)")
-    if args.vs_llama:
-        result = vs_llama(work, args.repeats, args.tokens)
+    if args.vs_llama or args.ttft_only:
+        result = (ttft_only if args.ttft_only else vs_llama)(work, args.repeats, args.tokens)
         print(json.dumps(result))
         if args.json:
             args.json.write_text(json.dumps(result, indent=2))

@@ -304,3 +304,23 @@ def test_parse_ids_caps():
     for bad in ("", ",", "1,-1", "1,x", "\u0661", str(MAX_TOKEN_ID + 1), "9" * 5000, "1," * (MAX_PROMPT_IDS + 1)):
         with pytest.raises(UsageError, match="--prompt-ids"):
             parse_ids(bad)
+
+
+# The f32 Mixtral layout serve is benchmarked on (benchmarks/bench_serve.py CACHED_MODEL): hidden 512, 4 layers of 8
+# experts, top-2; its chat prompt is 67 tokens with the template, 160 tokens of context per sequence.
+SERVED = {"model_type": "mixtral", "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8,
+          "num_key_value_heads": 4, "num_hidden_layers": 4, "num_local_experts": 8, "num_experts_per_tok": 2,
+          "vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 1e6}
+
+
+@pytest.mark.parametrize("prompts, steps", [(1, 1), (5, 1), (16, 3)])
+def test_the_least_activation_reserve_prefills_the_served_chat_prompts_in_few_steps(prompts, steps):
+    """A prompt is not cut into small chunks by the activation reserve: at the plan's floor (what a 4 GiB serve of
+    this model reserves), a step of new prompts (over 67 keys, as `Engine._plan_rows` sizes it) takes enough rows to
+    prefill `prompts` 67-token prompts in `steps` steps."""
+    from shardtool.runtime.engine._plan import MIN_ACTIVATION_RESERVE
+    from shardtool.runtime.model._activations import step_rows
+
+    cfg = ModelConfig.from_hf_config(SERVED)
+    rows = step_rows(cfg, MIN_ACTIVATION_RESERVE, 67)
+    assert -(-prompts * 67 // rows) <= steps, rows

@@ -117,6 +117,21 @@ def test_one_row_block_products_do_not_depend_on_the_row_grouping(isa, kind):
         assert np.array_equal(_packed.matmul_t(x, w), np.concatenate(rows, axis=1)), (out, inp)
 
 
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "fp8"])
+def test_a_prefill_rows_bits_do_not_depend_on_how_many_rows_came_with_it(isa, kind):
+    """Several x rows (prefill) are taken three at a time, in tiles of x that stay in L1, the rest two or one at a
+    time; every row's sum is formed in the same order whichever of them computed it, so each row of an m-row product
+    is the bits of the same row in a two-row product (row counts around the tile and the threes, inputs with SIMD
+    tails, weight row counts not a multiple of four)."""
+    rng = np.random.default_rng(13)
+    for out, inp in [(1024, 512), (512, 1024), (37, 100), (9, 333)]:
+        w = make(kind, out, inp, rng)
+        x = rng.standard_normal((70, inp)).astype(np.float32)
+        pairs = np.concatenate([_packed.matmul_t(x[i:i + 2], w) for i in range(0, 70, 2)])
+        for m in (3, 4, 5, 7, 17, 67, 70):
+            assert np.array_equal(_packed.matmul_t(x[:m], w), pairs[:m]), (out, inp, m)
+
+
 @pytest.mark.parametrize("kind", _packed.KINDS)
 def test_a_products_bits_do_not_depend_on_the_thread_count(isa, kind):
     """Rows are computed four at a time (each a quarter's stream) and the rest one by one by a kernel that sums in
