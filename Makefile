@@ -8,7 +8,7 @@ ORACLE := torch==2.13.0 transformers
 # lm-evaluation-harness for tests/serve/test_lm_eval.py; installed beside the oracle (its hf extra needs torch).
 EVAL   := lm-eval[api,hf]==0.4.13
 
-.PHONY: install oracle browser test test-fast demo bench bench-llamacpp bench-seed bench-cluster-scale fuzz clean
+.PHONY: install oracle browser test test-fast demo bench bench-llamacpp bench-loadgen bench-seed bench-cluster-scale fuzz clean
 
 # setup.py and the C source: an edit rebuilds the kernels extension in place (pip install -e).
 $(VENV)/.installed: pyproject.toml setup.py runtime/model/_kernels.c
@@ -94,6 +94,18 @@ LLAMA_SERVER_BUILD := .venv-bench/llama-server-build
 bench-llamacpp: install .venv-bench/.llama-cpp-$(LLAMA_CPP)-noamx
 	$(PY) benchmarks/bench_llamacpp.py
 
+# guidellm, an existing OpenAI-serving load generator, in its own venv (its pins are not the project's): guidellm
+# requires torch, and left alone pip picks a CUDA torch of gigabytes, so torch is pinned to the local CPU wheel.
+# The sweep runs serve and llama-server on the same GGUF (needs .venv-bench/bin/llama-server).
+LOADGEN := guidellm==0.8.1 torch==2.13.0
+.venv-loadgen/.guidellm:
+	$(PYTHON) -m venv .venv-loadgen
+	.venv-loadgen/bin/pip install -q $(LOADGEN)
+	touch $@
+
+bench-loadgen: install .venv-loadgen/.guidellm .venv-bench/bin/llama-server
+	$(PY) benchmarks/bench_loadgen.py
+
 # The seed's case on an emulated small machine (root: cgroup memory cap + read throttle): a 17.4 GiB DeepSeek-V3-shaped
 # model under M = 2 GiB at 0.85 GB/s; about 45 GiB of disk under /var/tmp and an hour; figures in bench-seed.json
 # (the runs docs/seed-scale.md quotes: docs/seed-scale.json).
@@ -111,4 +123,4 @@ fuzz: install
 	$(PY) -m pytest -q tests/fuzz --hypothesis-profile=long
 
 clean:
-	rm -rf $(VENV) .venv-bench demo .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-bench .venv-loadgen demo .pytest_cache .hypothesis

@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -346,7 +347,10 @@ def _step_timings(before: dict, after: dict, wall: float) -> dict:
     return {}
 
 
-def vs_llama(work: Path, repeats: int, tokens: int) -> dict:
+def llama_pair(work: Path, tokens: int) -> tuple[Path, int, dict[str, Callable[[], Server]]]:
+    """The in-memory model (CACHED_MODEL) signed and converted to llama.cpp's F32 GGUF, once; the context per slot for
+    requests of up to PROMPT_ROOM prompt and `tokens` new tokens; and how to start each of SERVERS on it alone
+    (`max(LLAMA_CLIENTS)` slots of that context, THREADS threads; call `.wait_listening()` on what it returns)."""
     import _llamacpp
 
     ready = _llamacpp.available(server=True)
@@ -367,6 +371,12 @@ def vs_llama(work: Path, repeats: int, tokens: int) -> dict:
         argv = _llamacpp.server_argv(gguf, port, parallel=slots, ctx_size=slots * ctx, threads=THREADS) \
             + ["-ctk", "f32", "-ctv", "f32", "--ignore-eos", "--metrics"]
         return Server.of(work, argv, f"http://127.0.0.1:{port}")
+
+    return model, ctx, dict(zip(SERVERS, (lambda: Server.of(work, shardtool), llama)))
+
+
+def vs_llama(work: Path, repeats: int, tokens: int) -> dict:
+    model, ctx, starts = llama_pair(work, tokens)
 
     def in_process_tps() -> float:
         """The same request through verify-and-run's loop with every expert cached, without HTTP: the library call
@@ -391,7 +401,7 @@ def vs_llama(work: Path, repeats: int, tokens: int) -> dict:
         runs["load_average"].append(os.getloadavg()[0])
         runs["verify-and-run"].append(decode_tps())
         runs["warm"].append(in_process_tps())
-        for name, start in zip(SERVERS, (lambda: Server.of(work, shardtool), llama)):
+        for name, start in starts.items():
             server = start().wait_listening()
             try:
                 if name == "llama-server":
