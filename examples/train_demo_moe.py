@@ -6,8 +6,14 @@ Foundation License, read offline. A byte-level BPE tokenizer is trained on the s
 (by a hash of its name) is held out for perplexity. The model (8 experts, top-2) is trained with torch on the CPU
 from a seed and saved with `save_pretrained` as a Hugging Face checkpoint with a ChatML chat template.
 
-    python examples/train_demo_moe.py examples/demo_model            # the committed model (about 25 min, 2 cores)
+    python examples/train_demo_moe.py OUT --tokenizer examples/demo_model/tokenizer.json  # the committed model
     python examples/train_demo_moe.py /tmp/tiny --size tiny --steps 3  # seconds: the determinism test's size
+
+Everything after the tokenizer is deterministic (seeded data order and initialization, one torch thread): two runs
+write the same bytes. The tokenizer is not always: `tokenizers`' BPE trainer broke ties between merges of equal
+count in another order in one process than in another (ids 263 and 264 swapped), so the committed model was
+trained with the committed tokenizer.json, and `--tokenizer` reuses it to regenerate the same weights (about 27
+minutes on a shared 2-core machine).
 
 torch is the trainer here only: shardtool's runtime never imports it.
 """
@@ -321,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", choices=sorted(SIZES), default="demo")
     ap.add_argument("--steps", type=int, help="training steps (default: the size's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", type=Path,
+                    help="use this tokenizer.json instead of training one (to regenerate the committed model)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (a fixed count keeps runs identical; on a busy 2-core machine 1 is fastest)")
     args = ap.parse_args(argv)
@@ -336,7 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     chars = sum(len(t) for _, t in train_docs)
     print(f"corpus: {len(train_docs)} training documents ({chars / 1e6:.2f} M characters), "
           f"{len(held_docs)} held out", file=sys.stderr)
-    tok = train_tokenizer([t for _, t in train_docs], size.vocab)
+    if args.tokenizer is None:
+        tok = train_tokenizer([t for _, t in train_docs], size.vocab)
+    else:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(args.tokenizer))
     train_ids, held_ids = encode_docs(tok, train_docs), encode_docs(tok, held_docs)
     n_train = sum(map(len, train_ids))
     print(f"tokenizer: {size.vocab} tokens; {n_train} training tokens; "
