@@ -342,11 +342,12 @@ def main_receipt(args) -> int:
     """A dishonest operator: answers with the poisoned weights (its own signature on them), then signs a receipt
     that names the publisher's genuine manifest, as if the genuine model had answered."""
     import shardtool
+    from shardtool.api import trusted_manifest
     from shardtool.keys import load_private_key
     from shardtool.runtime import make_receipt
 
     operator = load_private_key(args.operator_key, None)
-    _, genuine = shardtool.api.trusted_manifest(args.genuine, [args.trust], model_id=args.model_id)
+    _, genuine = trusted_manifest(args.genuine, [args.trust], model_id=args.model_id)
     with shardtool.open_model(args.poisoned, trust=[args.operator_trust], model_id=args.model_id,
                               memory_budget="256MiB") as model:
         answer = model.generate(args.prompt, args.max_new_tokens, record=True)
