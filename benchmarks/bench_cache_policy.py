@@ -51,6 +51,7 @@ PROMPTS = [
     "Bonjour! Je m'appelle Marie et j'habite à Paris. J'aime la musique, le cinéma et les longues promenades.",
     "Step 1: unplug the router. Step 2: wait thirty seconds. Step 3: plug it back in and wait for the lights",
 ]
+TRAINED_PROMPT = 32  # tokens of held-out text each prompt of the trained model's trace starts with
 
 
 # --- (1) recording ---------------------------------------------------------------------------------------
@@ -75,20 +76,52 @@ def build(work: Path, family: str, seed: int) -> Path:
 def record(work: Path, family: str, seed: int, prompts: int, tokens: int) -> dict:
     """Run the model on `prompts` prompts, `tokens` sampled tokens each, one request after the other (as a
     server's store sees them); returns the trace: the shard sizes and each step's per-layer experts."""
-    from shardtool.keys import load_public_key
-    from shardtool.layout import EMBED, HEAD, trunk_path
-    from shardtool.manifest import load_trusted_manifest
-    from shardtool.runtime import Session, encode_prompt, load_tokenizer
+    from shardtool.runtime import encode_prompt, load_tokenizer
 
     model = build(work, family, seed)
-    verified = load_trusted_manifest(model / "manifest.msgpack", [load_public_key(work / "bench.pub")], 1,
-                                     work / "state" / f"{family}-{seed}")
+    verified = _verified(work, model, f"{family}-{seed}")
     tokenizer = load_tokenizer(model, verified)
+    ids = [encode_prompt(tokenizer, PROMPTS[i % len(PROMPTS)]) for i in range(prompts)]
+    return trace(model, verified, ids, tokens, seed, family, tokenizer)
+
+
+def record_trained(work: Path, seed: int, prompts: int, tokens: int) -> dict:
+    """The trained demo model's trace: its prompts are the first TRAINED_PROMPT tokens of held-out windows (text
+    it never trained on), a different `prompts` of them per seed."""
+    from bench_quant_quality import DEMO_MODEL, heldout_windows
+
+    model, marker = work / "models" / "demo" / "model", work / "models" / "demo" / "signed.json"
+    if not marker.exists():
+        subprocess.run(["rm", "-rf", str(model)], check=True)
+        shardtool = str(VENV_BIN / "shardtool")
+        subprocess.run([shardtool, "split", "-q", str(DEMO_MODEL), str(model), "--model-id", "bench/demo"],
+                       check=True, capture_output=True)
+        subprocess.run([shardtool, "sign", str(model), "--key", str(work / "bench.key")], check=True,
+                       capture_output=True)
+        marker.write_text("{}")
+    windows = [w[:TRAINED_PROMPT] for w in heldout_windows(DEMO_MODEL, None) if len(w) > TRAINED_PROMPT]
+    ids = windows[seed * prompts:(seed + 1) * prompts]
+    return trace(model, _verified(work, model, f"demo-{seed}"), ids, tokens, seed, "demo")
+
+
+def _verified(work: Path, model: Path, tag: str):
+    from shardtool.keys import load_public_key
+    from shardtool.manifest import load_trusted_manifest
+
+    return load_trusted_manifest(model / "manifest.msgpack", [load_public_key(work / "bench.pub")], 1,
+                                 work / "state" / tag)
+
+
+def trace(model: Path, verified, prompts: list[list[int]], tokens: int, seed: int, family: str,
+          tokenizer=None) -> dict:
+    """Each prompt run with `tokens` sampled tokens, one request after the other; the store's view of it."""
+    from shardtool.layout import EMBED, HEAD, trunk_path
+    from shardtool.runtime import Session
+
     steps: list[list[list[int]]] = []
     sizes = {e.path: e.size for e in verified.entries}
     cfg = None
-    for i in range(prompts):
-        ids = encode_prompt(tokenizer, PROMPTS[i % len(PROMPTS)])
+    for i, ids in enumerate(prompts):
         session = Session(model, verified, budget=1 << 30, max_tokens=len(ids) + tokens, tokenizer=tokenizer)
         try:
             cfg = session.config
@@ -176,22 +209,30 @@ def belady(seq: list[tuple[str, int]], capacity: int) -> float:
 
 def locality(trace: dict) -> dict:
     """How skewed and how repetitive the routing is: the share of a decode step's experts (per layer) that the
-    step before also chose, and the share of all expert accesses that go to the 1/8 most used experts."""
-    repeats = total = 0
+    step before also chose, the share of all expert accesses that go to the 1/8 most used experts, and per MoE
+    layer the share of decode steps that chose that layer's most used expert."""
+    repeats = total = decode_steps = 0
     prev = None
     counts: dict[tuple[int, int], int] = {}
+    decode_counts: dict[tuple[int, int], int] = {}
     for step in trace["steps"]:
+        decode = all(len(x) <= trace["top_k"] for x in step)
         for j, experts in enumerate(step):
             for e in experts:
                 counts[(j, e)] = counts.get((j, e), 0) + 1
-        if prev is not None and all(len(x) <= trace["top_k"] for x in step):  # a decode step
+                decode_counts[(j, e)] = decode_counts.get((j, e), 0) + decode
+        decode_steps += decode
+        if prev is not None and decode:
             for now, before in zip(step, prev):
                 repeats += len(set(now) & set(before))
                 total += len(now)
         prev = step
     ranked = sorted(counts.values(), reverse=True)
     top = len(trace["moe_layers"]) * trace["num_experts"] // 8
-    return {"repeat_previous_step": repeats / max(total, 1), "top_eighth_share": sum(ranked[:top]) / sum(ranked)}
+    top_expert = [max((n for (j, _), n in decode_counts.items() if j == layer), default=0) / max(decode_steps, 1)
+                  for layer in range(len(trace["moe_layers"]))]
+    return {"repeat_previous_step": repeats / max(total, 1), "top_eighth_share": sum(ranked[:top]) / sum(ranked),
+            "top_expert_step_share": top_expert}
 
 
 def evaluate(trace: dict) -> dict:
@@ -213,7 +254,8 @@ def evaluate(trace: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--families", default=",".join(FAMILIES),
+                    help="generated families, or 'demo': the trained demo model (examples/demo_model) on held-out text")
     ap.add_argument("--seeds", type=int, default=3, help="model seeds per family (the spread is the noise)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64, help="sampled tokens per prompt")
@@ -232,11 +274,12 @@ def main() -> None:
         for seed in range(args.seeds):
             path = work / "traces" / f"{family}-{seed}.json"
             if not args.replay_only:
-                trace = record(work, family, seed, args.prompts, args.tokens)
-                path.write_text(json.dumps(trace))
-            trace = json.loads(path.read_text())
-            results.setdefault(family, []).append(evaluate(trace))
-            print(f"{family} seed {seed}: {len(trace['steps'])} steps, {len(accesses(trace))} shard accesses",
+                found = (record_trained(work, seed, args.prompts, args.tokens) if family == "demo"
+                         else record(work, family, seed, args.prompts, args.tokens))
+                path.write_text(json.dumps(found))
+            found = json.loads(path.read_text())
+            results.setdefault(family, []).append(evaluate(found))
+            print(f"{family} seed {seed}: {len(found['steps'])} steps, {len(accesses(found))} shard accesses",
                   flush=True)
     policies = ["lru", "lfu", "lfu-da", "lru shared", "lfu shared", "lfu-da shared", "belady"]
     print("\n## expert hit rate, % (median over model seeds [min-max]); budget = trunk + fraction of expert bytes")
@@ -279,7 +322,10 @@ def main() -> None:
     for family, runs in results.items():
         rep = statistics.median(r["locality"]["repeat_previous_step"] for r in runs)
         top = statistics.median(r["locality"]["top_eighth_share"] for r in runs)
-        print(f"{family:<12} repeat {100 * rep:5.1f}%   top-1/8 share {100 * top:5.1f}%")
+        layers = [statistics.median(r["locality"]["top_expert_step_share"][j] for r in runs)
+                  for j in range(len(runs[0]["locality"]["top_expert_step_share"]))]
+        print(f"{family:<12} repeat {100 * rep:5.1f}%   top-1/8 share {100 * top:5.1f}%   decode steps choosing each "
+              "MoE layer's most used expert: " + " ".join(f"{100 * x:.0f}%" for x in layers))
     if args.json:
         args.json.write_text(json.dumps({"hit_rates_percent": summary, "trunk": trunk,
                                          "locality": {f: [r["locality"] for r in rs] for f, rs in results.items()}},
