@@ -189,6 +189,30 @@ def _greedy(args: argparse.Namespace) -> None:
         "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()})
 
 
+def _score(args: argparse.Namespace) -> None:
+    """Teacher-forced scoring of token windows (a JSON list of id lists): per window, each position's argmax and
+    the log-probability of the next id, from llama.cpp's logits over the whole window in one batch."""
+    import llama_cpp
+    import numpy as np
+
+    windows = json.loads(args.windows.read_text())
+    n_ctx = max(len(w) for w in windows) + 8
+    llm = llama_cpp.Llama(model_path=str(args.gguf), n_ctx=n_ctx, n_batch=n_ctx, n_threads=args.threads,
+                          n_threads_batch=args.threads, seed=0, verbose=False, use_mmap=True, logits_all=True)
+    argmax, logprob = [], []
+    for ids in windows:
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        llm.eval(ids[:-1])
+        z = np.asarray(llm.scores[:len(ids) - 1], np.float64)  # [n, V]
+        z -= z.max(axis=-1, keepdims=True)
+        z -= np.log(np.exp(z).sum(axis=-1, keepdims=True))
+        argmax.append(z.argmax(axis=-1).tolist())
+        logprob.append(z[np.arange(len(ids) - 1), ids[1:]].tolist())
+    llm.close()
+    _write_json(args.json_report, {"argmax": argmax, "logprob": logprob, "llama_cpp_python": LLAMA_CPP_VERSION})
+
+
 def _write_json(path: Path, doc: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -289,6 +313,15 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def score(gguf: Path, windows: list[list[int]], work: Path, *, threads: int = 1, timeout: float = 1800) -> dict:
+    """llama.cpp's teacher-forced view of `windows` (see `_score`): {"argmax": [[...]], "logprob": [[...]]}."""
+    src, report = Path(work) / f"{Path(gguf).stem}-windows.json", Path(work) / f"{Path(gguf).stem}-score.json"
+    _write_json(src, windows)
+    report.unlink(missing_ok=True)
+    in_bench_venv("score", str(gguf), str(src), str(report), "--threads", str(threads), timeout=timeout)
+    return json.loads(report.read_text())
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="_llamacpp.py", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="mode", required=True)
@@ -304,6 +337,10 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert")
     for name in ("sdist_dir", "checkpoint", "outtype", "outfile"):
         c.add_argument(name)
+    s = sub.add_parser("score", help="teacher-forced argmax and next-id log-probabilities of windows; JSON report")
+    for name in ("gguf", "windows", "json_report"):
+        s.add_argument(name, type=Path)
+    s.add_argument("--threads", type=_positive, default=1)
     q = sub.add_parser("quantize")
     for name in ("src", "ftype", "dst"):
         q.add_argument(name)
@@ -316,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         _convert(args.sdist_dir, args.checkpoint, args.outtype, args.outfile)
     elif args.mode == "quantize":
         _quantize(args.src, args.ftype, args.dst)
+    elif args.mode == "score":
+        _score(args)
     else:
         if not args.gguf.is_file() or args.warmup < 0:
             print(f"_llamacpp greedy: {args.gguf}: expected a GGUF file and --warmup >= 0", file=sys.stderr)

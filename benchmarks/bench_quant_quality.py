@@ -1,18 +1,20 @@
-"""Quality of `split --quantize int8|int4` against the float model, per generated family.
+"""Quality of bf16, `split --quantize int8|int4` and llama.cpp's Q8_0 / Q4_0 against the float model.
 
-For each family: a checkpoint from examples/make_tiny_moe.py is split four ways (float, int8, int4 experts, and
-int8 experts and trunk: `--quantize int8 --quantize-trunk`), signed with
-a throw-away key and opened through the verifying runtime (`Session.model`: the forward pass over the verified
-store). The float model's greedy continuation of an 8-token prompt (128 tokens) is fed, teacher-forced, to each
-in one prefill; per position we compare the next-token logits with the float model's:
+Default: the trained demo model (examples/demo_model, examples/train_demo_moe.py). Its held-out text (the
+documents it never trained on, in the trainer's windows of 128 tokens) is scored, teacher-forced, by each
+variant: a bf16 copy of the checkpoint, int8 and int4 experts, int8 experts and trunk (`--quantize int8
+--quantize-trunk`; the split refuses int4 for the trunk and the row says so), each split, signed with a
+throw-away key and run through the verifying runtime; and llama.cpp's own converter (F32 GGUF), quantizer
+(Q8_0, Q4_0: the whole model, llama.cpp's choice of which tensors to keep) and logits (benchmarks/_llamacpp.py),
+where .venv-bench has it built. Per variant: held-out perplexity, and top-1 agreement with the float split
+(positions whose argmax equals the float model's).
 
-- top-1 agreement: positions whose argmax equals the float model's (out of 128);
-- logit error: |logits_q - logits_float| / max|logits_float|, max and mean over positions of each position's max.
+`--random`: the generated random-weight families (examples/make_tiny_moe.py), the float model's greedy
+continuation of an 8-token prompt fed back teacher-forced. Their logits are near-flat, so agreement there says
+which families each format runs on, not how good it is; logit error = |logits_q - logits_float| / max|logits_float|.
 
-These random models are near-flat (top logits close together), which makes top-1 agreement a harsh measure:
-llama.cpp's Q8_0 agreed on 113/128 teacher-forced on the "small" Mixtral below.
-
-    python benchmarks/bench_quant_quality.py [--size small|tiny] [--families mixtral,qwen3_moe,...] [--tokens 128]
+    python benchmarks/bench_quant_quality.py [--documents N] [--no-llamacpp] [--json]
+    python benchmarks/bench_quant_quality.py --random [--size small|tiny] [--families mixtral,...] [--tokens 128]
 """
 
 from __future__ import annotations
@@ -176,13 +178,139 @@ def measure(family: str, knobs: dict, work: Path, tokens: int = 128,
             s.close()
 
 
+# --- the trained demo model: held-out text, not a greedy continuation --------------------------------------------
+
+DEMO_MODEL = REPO / "examples" / "demo_model"
+TRAINED = ("float", "bf16", "int8", "int4", "int8-trunk", "int4-trunk")
+LLAMACPP = ("Q8_0", "Q4_0")
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    variant: str
+    perplexity: float | None   # None: not run
+    agree: int                 # held-out positions whose top-1 equals the float model's
+    positions: int
+    note: str = ""
+
+    def row(self) -> str:
+        if self.perplexity is None:
+            return f"{self.variant:18s} not run: {self.note}"
+        return (f"{self.variant:18s} ppl {self.perplexity:7.3f}  top-1 = float {self.agree}/{self.positions} "
+                f"({100 * self.agree / self.positions:.2f} %)" + (f"  {self.note}" if self.note else ""))
+
+
+def heldout_windows(model_dir: Path, documents: int | None) -> list[list[int]]:
+    """The first `documents` held-out documents (never trained on) as the trainer's windows of seq + 1 ids."""
+    from tokenizers import Tokenizer
+
+    from examples import train_demo_moe
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    _, held = train_demo_moe.build_corpus()
+    docs = [[train_demo_moe.BOS_ID] + tok.encode(t).ids + [train_demo_moe.EOS_ID]
+            for name, t in held if not name.startswith("chat:")][:documents]
+    seq = train_demo_moe.SIZES["demo"].seq
+    return [ids[i:i + seq + 1] for ids in docs for i in range(0, len(ids) - 1, seq)]
+
+
+def _bf16_checkpoint(ck: Path, out: Path) -> Path:
+    """A copy of the checkpoint with every floating tensor rounded to bfloat16 (what a bf16 release ships)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(ck, out)
+    for f in out.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(f).items()}, f,
+                  metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def _scores(model, windows: list[list[int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(argmax, next-id log-probability) per window through the runtime's prefill."""
+    from examples.heldout_perplexity import log_softmax
+
+    top, logp = [], []
+    for ids in windows:
+        z = log_softmax(np.asarray(model.prefill(ids[:-1])))  # [n, V]
+        top.append(z.argmax(axis=-1))
+        logp.append(z[np.arange(len(ids) - 1), ids[1:]])
+    return top, logp
+
+
+def _held_out(variant: str, ref_top: np.ndarray, top: np.ndarray, logp: np.ndarray, note: str = "") -> HeldOut:
+    return HeldOut(variant, float(np.exp(-logp.mean())), int((top == ref_top).sum()), len(ref_top), note)
+
+
+def measure_trained(model_dir: Path, work: Path, documents: int | None, variants=TRAINED, llamacpp=LLAMACPP,
+                    log=lambda row: None) -> list[HeldOut]:
+    """Held-out perplexity and top-1 agreement with the float split, for each of our variants (through the
+    verifying runtime) and each llama.cpp type (its converter, quantizer and logits)."""
+    from shardtool.keys import generate
+
+    key, state = generate(), work / "state"
+    windows = heldout_windows(model_dir, documents)
+    rows, ref_top = [], None
+    for variant in variants:
+        ck = model_dir
+        if variant == "bf16":
+            ck = _bf16_checkpoint(model_dir, work / "bf16-hf")
+        try:
+            s = _signed_model(ck, work / variant, None if variant in ("float", "bf16") else variant, key,
+                              state / variant)
+        except Exception as e:  # noqa: BLE001 - a variant split refuses (e.g. a trunk format it lacks): say so
+            rows.append(HeldOut(variant, None, 0, 0, f"{type(e).__name__}: {e}"[:200]))
+            log(rows[-1])
+            continue
+        try:
+            top, logp = (np.concatenate(a) for a in _scores(s.model, windows))
+        finally:
+            s.close()
+        if ref_top is None:
+            ref_top = top
+        rows.append(_held_out(variant, ref_top, top, logp))
+        log(rows[-1])
+    if llamacpp:
+        from benchmarks import _llamacpp
+
+        why = _llamacpp.available().reason
+        if why:
+            rows += [HeldOut(f"llama.cpp {t}", None, 0, 0, why) for t in llamacpp]
+            return rows
+        f32 = _llamacpp.convert(model_dir, "f32", work / "f32.gguf")
+        for t in ("F32", *llamacpp):
+            gguf = f32 if t == "F32" else _llamacpp.quantize(f32, work / f"{t}.gguf", t)
+            got = _llamacpp.score(gguf, windows, work)
+            top, logp = np.concatenate(got["argmax"]), np.concatenate(got["logprob"])
+            rows.append(_held_out(f"llama.cpp {t}", ref_top, top, logp))
+            log(rows[-1])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--random", action="store_true",
+                    help="the generated random-weight families instead (a coverage check: which families each "
+                         "format runs on; their agreement is not a quality figure)")
+    ap.add_argument("--documents", type=int, help="only the first N held-out documents of the trained model")
+    ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
     args = ap.parse_args(argv)
+    if not args.random:
+        with tempfile.TemporaryDirectory(prefix="bench-quant-") as tmp:
+            found = measure_trained(DEMO_MODEL, Path(tmp), args.documents, llamacpp=() if args.no_llamacpp else LLAMACPP,
+                                    log=(lambda r: None) if args.json else (lambda r: print(r.row(), flush=True)))
+        if args.json:
+            print(json.dumps([r.__dict__ for r in found], indent=1))
+        return 0
     families = [f for f in args.families.split(",") if f]
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
