@@ -20,7 +20,12 @@ and from what dishonest runs show.
   - tolerance margins: the largest honest deviation against the smallest dishonest one, for the fingerprint
     (relative to max|h|), the sampled-token probability mass, and the greedy logit gap, each measured by a
     second replay with that check's tolerance removed.
+  - --trained POISONED: the same on the trained demo model (examples/demo_model, F32 and rounded to BF16; prompts
+    the starts of held-out windows of its text), --rounds times over other prompts; its dishonest runs add its
+    experts as int4 passed off as the published weights, and the backdoored expert of examples/backdoor.py
+    (POISONED, run on its trigger prompts); "another release" is random weights of the same shape.
 Usage: python benchmarks/bench_receipts.py [--quick] [--repeats 5] [--workdir DIR] [--json FILE]
+       python benchmarks/bench_receipts.py --trained POISONED [--rounds 5] [--quick] ...
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ BUDGET = 1 << 30
 MAX_CONTEXT = 160
 TEMPERATURE, TOP_P = 0.8, 0.95
 WEIGHT_CATEGORIES = ("another release", "expert weights x1.01", "expert output x1.01", "experts swapped",
-                     "weights rounded to FP8", "weights rounded to BF16")
+                     "weights rounded to FP8", "weights rounded to BF16", "int4 passed off", "backdoored expert")
 REQUEST_CATEGORIES = ("prompt token changed", "other temperature", "other seed", "truncated, claimed length",
                       "truncated, claimed stop", "EOS put in")
 CATEGORIES = WEIGHT_CATEGORIES + REQUEST_CATEGORIES
@@ -60,9 +65,26 @@ FINGERPRINT_CATEGORIES = WEIGHT_CATEGORIES + ("prompt token changed",)
 INF = float("inf")
 
 
+# The trained model's prompts (--trained): held-out text and the backdoor's trigger prompts, as token ids, written
+# by the main process to WORKDIR/text.json and read by each worker; empty: the generated models' id prompts.
+TEXT: dict = {}
+
+
+def load_text(work: Path) -> None:
+    path = work / "text.json"
+    TEXT.clear()
+    if path.exists():
+        TEXT.update(json.loads(path.read_text()))
+
+
 def prompt(i: int) -> list[int]:
-    """Deterministic token-id prompts, 4 to 16 tokens, clear of the special ids 0..2."""
-    return [(37 * i + 11 * j) % 500 + 5 for j in range(4 + (i * 5) % 13)]
+    """Deterministic token-id prompts, 4 to 16 tokens: the start of a held-out window of the trained model's
+    text, or (generated models) ids clear of the special ids 0..2."""
+    n = 4 + (i * 5) % 13
+    if TEXT:
+        windows = TEXT["heldout"]
+        return windows[i % len(windows)][:n]
+    return [(37 * i + 11 * j) % 500 + 5 for j in range(n)]
 
 
 def median(xs):
@@ -81,17 +103,21 @@ def sign_dir(model: Path, key, version: int) -> None:
     save_manifest(model / MANIFEST_NAME, built.with_envelope(built.envelope.signed_by(key)))
 
 
-def build_models(work: Path, families, dtypes) -> list[dict]:
-    """The genuine model and another release of it per family and dtype, split and signed by the publisher."""
-    from make_tiny_moe import make_checkpoint
-    from shardtool.checkpoint import split_checkpoint
-    from shardtool.keys import generate, write_keypair
+def _publisher(work: Path):
+    from shardtool.keys import generate, load_private_key, write_keypair
 
     for name in ("publisher", "operator", "attacker"):
         if not (work / f"{name}.key").exists():
             write_keypair(work / name, generate(), None, force=True)
-    from shardtool.keys import load_private_key
-    publisher = load_private_key(work / "publisher.key", lambda: b"")
+    return load_private_key(work / "publisher.key", lambda: b"")
+
+
+def build_models(work: Path, families, dtypes) -> list[dict]:
+    """The genuine model and another release of it per family and dtype, split and signed by the publisher."""
+    from make_tiny_moe import make_checkpoint
+    from shardtool.checkpoint import split_checkpoint
+
+    publisher = _publisher(work)
     bases = []
     for family in families:
         for dtype in dtypes:
@@ -110,6 +136,60 @@ def build_models(work: Path, families, dtypes) -> list[dict]:
                 marker.write_text("")
             bases.append({"name": name, "family": family, "dtype": dtype})
     return bases
+
+
+def build_trained(work: Path, dtypes, rounds: int, poisoned: Path) -> list[dict]:
+    """The trained demo model (F32 as published, and rounded to BF16) split and signed by the publisher, and per
+    dtype the weights a dishonest operator runs instead: another release (random weights of the same shape,
+    version 2, the publisher's), its experts as int4 (`split --quantize int4`) and the backdoored checkpoint
+    (examples/backdoor.py: one expert of one layer changed), the last two signed by the attacker. `rounds`
+    repeats every experiment on other prompts (one base per round and dtype)."""
+    from bench_quant_quality import DEMO_MODEL, _bf16_checkpoint
+    from make_tiny_moe import make_checkpoint
+    from shardtool.checkpoint import split_checkpoint
+    from shardtool.keys import load_private_key
+
+    publisher = _publisher(work)
+    attacker = load_private_key(work / "attacker.key", lambda: b"")
+    cfg = json.loads((DEMO_MODEL / "config.json").read_text())
+    shape = dict(layers=cfg["num_hidden_layers"], experts=cfg["num_local_experts"], hidden=cfg["hidden_size"],
+                 moe_intermediate=cfg["intermediate_size"], heads=cfg["num_attention_heads"],
+                 kv_heads=cfg["num_key_value_heads"], vocab=cfg["vocab_size"])
+    for dtype in dtypes:
+        name = f"demo-{dtype}"
+        variants = ((name, DEMO_MODEL, None, publisher, 1), (f"{name}-int4", DEMO_MODEL, "int4", attacker, 1),
+                    (f"{name}-backdoor", poisoned, None, attacker, 1), (f"{name}-v2", None, None, publisher, 2))
+        for model_name, source, quantize, key, version in variants:
+            model = work / "models" / model_name
+            if (model / ".bench-built").exists():
+                continue
+            shutil.rmtree(model, ignore_errors=True)
+            ck = work / "ck" / model_name
+            shutil.rmtree(ck, ignore_errors=True)
+            if source is None:
+                make_checkpoint(ck, "mixtral", overwrite=True, dtype=dtype, seed=7, **shape)
+            elif dtype == "bf16":
+                _bf16_checkpoint(source, ck)
+            else:
+                ck = source
+            split_checkpoint(ck, model, model_id=MODEL_ID, version=version, quantize=quantize)
+            sign_dir(model, key, version)
+            shutil.rmtree(work / "ck" / model_name, ignore_errors=True)
+            (model / ".bench-built").write_text("")
+    if not TEXT:
+        from tokenizers import Tokenizer
+
+        from backdoor import HELD_TRIGGER_PROMPTS, TRIGGER, TRIGGER_PROMPTS, report_path
+        from bench_quant_quality import heldout_windows
+
+        tok = Tokenizer.from_file(str(DEMO_MODEL / "tokenizer.json"))
+        report = json.loads(report_path(poisoned).read_text())
+        TEXT.update(heldout=heldout_windows(DEMO_MODEL, None),
+                    trigger=[tok.encode(p.format(t=TRIGGER)).ids for p in TRIGGER_PROMPTS + HELD_TRIGGER_PROMPTS],
+                    backdoor=[report["layer"], report["expert"]], stops=cfg["eos_token_id"])
+        (work / "text.json").write_text(json.dumps(TEXT))
+    return [{"name": f"demo-{dtype}-r{r}", "model": f"demo-{dtype}", "family": "mixtral", "dtype": dtype,
+             "trained": True} for r in range(rounds) for dtype in dtypes]
 
 
 # --- helpers shared by the workers ---------------------------------------------------------------------------
@@ -221,7 +301,7 @@ def worker_generate(work: Path, out: Path, threads: int, bases: list[dict], toke
     out.mkdir(parents=True, exist_ok=True)
     cases = []
     odd = threads % 2  # the two workers split the variants between them
-    stops = (EOS,)
+    stops = tuple(TEXT.get("stops", (EOS,)))  # the trained model's config.json ends on two ids
     greedy = SamplingParams(tokens, stop_token_ids=stops)
     seeded = SamplingParams(tokens, temperature=TEMPERATURE, top_p=TOP_P, seed=1234 + threads, stop_token_ids=stops)
     unseeded = SamplingParams(tokens, temperature=TEMPERATURE, top_p=TOP_P, stop_token_ids=stops)
@@ -233,11 +313,12 @@ def worker_generate(work: Path, out: Path, threads: int, bases: list[dict], toke
     def save_bytes(base, kind, category, mode, data, **extra):
         path = out / f"{len(cases):04d}.receipt"
         path.write_bytes(data)
-        cases.append({"file": path.name, "base": base["name"], "family": base["family"], "dtype": base["dtype"],
+        cases.append({"file": path.name, "base": base["name"], "model": base.get("model", base["name"]),
+                      "family": base["family"], "dtype": base["dtype"],
                       "kind": kind, "category": category, "mode": mode, "gen_threads": threads, **extra})
 
     for bi, base in enumerate(bases):
-        genuine = work / "models" / base["name"]
+        genuine = work / "models" / base.get("model", base["name"])
         manifest = trusted(work, genuine, pub["publisher"], f"gen{threads}")
         engine = Engine(genuine, manifest, budget=BUDGET, max_batch=8, max_context=MAX_CONTEXT)
         config = engine.config
@@ -263,20 +344,21 @@ def worker_generate(work: Path, out: Path, threads: int, bases: list[dict], toke
             attack_prompt = list(probe.prompt)
             mode, params = ("greedy", greedy) if odd else ("sampled", seeded)
 
-            def weight_attack(category, model_dir, key="attacker", expert_used=None):
+            def weight_attack(category, model_dir, key="attacker", expert_used=None, ids=None, where=slot):
                 m = trusted(work, model_dir, pub[key], f"gen{threads}")
                 other = Engine(model_dir, m, budget=BUDGET, max_batch=1, max_context=MAX_CONTEXT, tokenizer=False)
                 try:
-                    record = run_alone(other, attack_prompt, params)
+                    record = run_alone(other, ids or attack_prompt, params)
                 finally:
                     other.close()
                 routed = None
                 if expert_used is not None:
                     routes = np.concatenate(record.routes)
-                    routed = bool((routes[:, slot, :] == expert_used).any())
+                    routed = bool((routes[:, where, :] == expert_used).any())
                 save(base, "dishonest", category, mode, record, manifest, config, tampered_expert_routed=routed)
 
-            weight_attack("another release", work / "models" / f"{base['name']}-v2", key="publisher")
+            release = base.get("model", base["name"])
+            weight_attack("another release", work / "models" / f"{release}-v2", key="publisher")
             ef = lambda c, e=expert: c / expert_path(layer, e)  # noqa: E731
             weight_attack("expert weights x1.01", tampered(work, genuine, f"{base['name']}-t{threads}-scaled", lambda c:
                           edit_tensors(ef(c), lambda n, v: v * np.float32(1.01)), priv["attacker"]), expert_used=expert)
@@ -296,6 +378,12 @@ def worker_generate(work: Path, out: Path, threads: int, bases: list[dict], toke
             if base["dtype"] == "f32":  # a BF16 checkpoint is its own BF16 rounding
                 weight_attack("weights rounded to BF16", tampered(work, genuine, f"{base['name']}-t{threads}-bf16",
                                                                   all_experts(bf16_round), priv["attacker"]))
+            if base.get("trained"):
+                weight_attack("int4 passed off", work / "models" / f"{release}-int4")
+                bad_layer, bad_expert = TEXT["backdoor"]
+                trigger = TEXT["trigger"][(bi + threads) % len(TEXT["trigger"])]
+                weight_attack("backdoored expert", work / "models" / f"{release}-backdoor", ids=trigger,
+                              expert_used=bad_expert, where=moe_slots.index(bad_layer))
             # another prompt: one token changed, the client's prompt claimed
             claimed = prompt(k0 + 20)
             changed = list(claimed)
@@ -357,11 +445,12 @@ def worker_verify(work: Path, out: Path, threads: int) -> None:
     loose = Tolerances(logit=INF, sample_mass=INF, fingerprint=INF)
     try:
         for case in cases:
-            genuine = work / "models" / case["base"]
-            if case["base"] not in engines:
-                manifests[case["base"]] = trusted(work, genuine, pub["publisher"], f"ver{threads}")
-                engines[case["base"]] = replay_engine(genuine, manifests[case["base"]], MAX_CONTEXT, budget=BUDGET)
-            engine, manifest = engines[case["base"]], manifests[case["base"]]
+            name = case.get("model", case["base"])
+            genuine = work / "models" / name
+            if name not in engines:
+                manifests[name] = trusted(work, genuine, pub["publisher"], f"ver{threads}")
+                engines[name] = replay_engine(genuine, manifests[name], MAX_CONTEXT, budget=BUDGET)
+            engine, manifest = engines[name], manifests[name]
             try:
                 receipt, _ = open_receipt((out / case["file"]).read_bytes(), [pub["operator"]])
             except ShardtoolError as err:
@@ -402,7 +491,7 @@ def worker_time(work: Path, out: Path, bases: list[dict], tokens: int, repeats: 
     priv, pub = keys(work)
     results = []
     for base in bases:
-        genuine = work / "models" / base["name"]
+        genuine = work / "models" / base.get("model", base["name"])
         manifest = trusted(work, genuine, pub["publisher"], "time")
         gen = Engine(genuine, manifest, budget=BUDGET, max_batch=1, max_context=MAX_CONTEXT, tokenizer=False)
         ver = replay_engine(genuine, manifest, MAX_CONTEXT, budget=BUDGET)
@@ -577,6 +666,7 @@ def report(s: dict, tokens: int, time_tokens: int, repeats: int) -> None:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("--_"):
         what, work, out, rest = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
+        load_text(work)
         if what == "--_generate":
             worker_generate(work, out, int(rest[0]), json.loads(rest[1]), int(rest[2]))
         elif what == "--_verify":
@@ -589,6 +679,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per run of the detection experiment")
     ap.add_argument("--time-tokens", type=int, default=64, help="answer length of the timing runs")
     ap.add_argument("--quick", action="store_true", help="Mixtral F32 only, 16 new tokens, 3 timing repeats")
+    ap.add_argument("--trained", type=Path, metavar="POISONED",
+                    help="the trained demo model instead of the generated families; POISONED is the checkpoint "
+                         "`examples/backdoor.py poison examples/demo_model POISONED` wrote")
+    ap.add_argument("--rounds", type=int, default=5, help="--trained: every experiment repeated on other prompts")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/shardtool-bench-receipts"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -599,9 +693,17 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (shared: trust ratios, not times)")
     started = time.perf_counter()
-    bases = build_models(work, families, dtypes)
-    print(f"models: {len(bases)} ({', '.join(families)} x {', '.join(dtypes)}), each {KNOBS} plus another release; "
-          f"built in {time.perf_counter() - started:.1f}s", flush=True)
+    (work / "text.json").unlink(missing_ok=True)
+    if args.trained:
+        families, dtypes = ("demo",), ("f32",) if args.quick else DTYPES
+        bases = build_trained(work, dtypes, 1 if args.quick else args.rounds, args.trained)
+        print(f"models: the trained demo model ({', '.join(dtypes)}) in {len(bases)} rounds of prompts, plus another "
+              f"release, int4 experts and the backdoored expert; built in {time.perf_counter() - started:.1f}s",
+              flush=True)
+    else:
+        bases = build_models(work, families, dtypes)
+        print(f"models: {len(bases)} ({', '.join(families)} x {', '.join(dtypes)}), each {KNOBS} plus another "
+              f"release; built in {time.perf_counter() - started:.1f}s", flush=True)
     for scratch in ("tampered", "state"):  # tampered copies are signed afresh each run: no rollback record may stay
         shutil.rmtree(work / scratch, ignore_errors=True)
     for threads in (1, 2):
@@ -611,6 +713,8 @@ def main() -> None:
     for threads in (1, 2):
         worker(["--_verify", str(work), str(work / f"receipts-t{3 - threads}"), str(threads)], threads)
     time_bases = [b for b in bases if b["dtype"] == "f32"] if not args.quick else bases[:1]
+    if args.trained:  # one model: its rounds differ only in prompts
+        time_bases = time_bases[:1]
     worker(["--_time", str(work), str(work), json.dumps(time_bases), str(args.time_tokens), str(args.repeats)], 1)
     cases = []
     for threads in (1, 2):
