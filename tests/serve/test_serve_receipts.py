@@ -102,6 +102,12 @@ def test_an_ignore_eos_receipt_verifies_as_what_it_was(built, client):  # noqa: 
     assert r.returncode == 1 and "the receipt stops at token ids []" in r.stderr, r.stderr
     r = verify(built, data, "--ignore-eos", "--stop-ids", "1")
     assert r.returncode == 2 and "not both" in r.stderr, r.stderr
+    # Chat too: the engine ran it with no stop token, which its receipt shows.
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True})
+    chat = valid(built, check_receipt(raw.http_response.json()["receipt"]), extra=("--ignore-eos",), name="chat")
+    assert chat["request"]["stop_token_ids"] == [] and len(chat["token_ids"]) == 6
 
 
 def test_a_receipt_signed_by_another_operator_is_refused(built, client):  # noqa: F811
