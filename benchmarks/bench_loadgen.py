@@ -5,15 +5,13 @@ seconds per level) of streamed /v1/completions with synthetic prompts of a fixed
 `synthetic_text`, counted by the model's own tokenizer from its signed directory) and a fixed output length. From
 guidellm's JSON report: TTFT and inter-token latency p50/p99 and output tokens/s per level, side by side, with ratios.
 
-guidellm 0.8 sends two vLLM extensions with every streamed request of a fixed output length, `ignore_eos: true` and
-`stream_options: {"include_usage": true, "continuous_usage_stats": true}`; `shardtool serve` refuses both as unknown
-fields (400), so by default each server sits behind `_relay.py`, which drops exactly those two fields (the model has
-no EOS and both servers generate every asked token; llama-server also runs with --ignore-eos). `--direct` points
-guidellm at the servers themselves, to see the refusal.
+guidellm points straight at each server. It sends two vLLM extensions with every streamed request of a fixed output
+length, `ignore_eos: true` and `stream_options: {"include_usage": true, "continuous_usage_stats": true}`, which both
+servers implement.
 
 guidellm lives in its own venv (`make bench-loadgen` builds .venv-loadgen; it pins torch to the local CPU wheel).
 Usage: python benchmarks/bench_loadgen.py [--streams 1,4,16,32] [--seconds 10] [--prompt-tokens 32]
-           [--output-tokens 32] [--workdir DIR] [--json FILE] [--direct]
+           [--output-tokens 32] [--workdir DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ LOADGEN_VENV = REPO / ".venv-loadgen"
 GUIDELLM = LOADGEN_VENV / "bin" / "guidellm"
 GUIDELLM_VERSION = "0.8.1"
 STREAMS = (1, 4, 16, 32)
-RELAY = Path(__file__).resolve().parent / "_relay.py"
 WARM_UP = [5, 6, 7]  # token ids of the warm-up request, inside any bench model's vocabulary
 
 
@@ -49,13 +46,12 @@ def available() -> str:
 @dataclass(frozen=True)
 class Sweep:
     """What guidellm runs: `seconds` at each of `streams` concurrent streams, synthetic prompts of `prompt_tokens`
-    tokens each asking `output_tokens`; `direct`: at the server itself, not through the relay."""
+    tokens each asking `output_tokens`."""
 
     streams: tuple[int, ...] = STREAMS
     seconds: float = 10
     prompt_tokens: int = 32
     output_tokens: int = 32
-    direct: bool = False
 
 
 def guidellm_argv(url: str, tokenizer: Path, out: Path, sweep: Sweep) -> list[str]:
@@ -120,25 +116,15 @@ def run_guidellm(url: str, tokenizer: Path, out: Path, sweep: Sweep) -> list[Lev
 
 def against(work: Path, name: str, start: Callable[[], bench_serve.Server], tokenizer: Path, sweep: Sweep
             ) -> list[Level]:
-    """`name` alone (bench_serve's start-up), warmed with one request, then guidellm's sweep (through a relay unless
-    --direct); the server is stopped whatever happens."""
+    """`name` alone (bench_serve's start-up), warmed with one request, then guidellm's sweep straight at it; the
+    server is stopped whatever happens."""
     from _serve_load import run_clients
 
     server = start().wait_listening()
-    relay = None
     try:
         run_clients(server.url, bench_serve.MODEL_ID, WARM_UP, 4, 1)  # caches warm
-        url = server.url
-        if not sweep.direct:
-            port = bench_serve._free_port()
-            (work / "relay").mkdir(exist_ok=True)
-            relay = bench_serve.Server.of(work / "relay", [sys.executable, str(RELAY), server.url, str(port)],
-                                          f"http://127.0.0.1:{port}").wait_listening(60)
-            url = relay.url
-        return run_guidellm(url, tokenizer, work / f"guidellm-{name.split()[0]}.json", sweep)
+        return run_guidellm(server.url, tokenizer, work / f"guidellm-{name.split()[0]}.json", sweep)
     finally:
-        if relay is not None:
-            relay.stop()
         server.stop()
 
 
@@ -178,7 +164,6 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/shardtool-bench-loadgen"))
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--direct", action="store_true", help="guidellm straight at each server, without the relay")
     args = ap.parse_args()
     if reason := available():
         raise SystemExit(f"bench_loadgen: {reason}")
@@ -189,18 +174,18 @@ def main() -> None:
     if args.prompt_tokens + args.output_tokens > ctx:
         raise SystemExit(f"bench_loadgen: --prompt-tokens + --output-tokens must fit the {ctx}-token context per slot")
     load = {"before": os.getloadavg()[0]}
-    sweep = Sweep(args.streams, args.seconds, args.prompt_tokens, args.output_tokens, args.direct)
+    sweep = Sweep(args.streams, args.seconds, args.prompt_tokens, args.output_tokens)
     results = {}
     for name, start in starts.items():  # one after the other, each alone
         results[name] = against(args.workdir, name, start, model, sweep)
         load[f"after {name}"] = os.getloadavg()[0]
-    print(f"\n## guidellm {GUIDELLM_VERSION} (unchanged{', direct' if args.direct else ', through _relay.py'}) "
+    print(f"\n## guidellm {GUIDELLM_VERSION} (unchanged, straight at each server) "
           f"against serve and llama-server: {bench_serve.CACHED_MODEL}, {args.prompt_tokens} prompt + "
           f"{args.output_tokens} output tokens, {args.seconds:g} s per level, {bench_serve.THREADS} threads, "
           f"{max(bench_serve.LLAMA_CLIENTS)} slots x {ctx} tokens; machine {os.cpu_count()} CPUs, load average "
           + ", ".join(f"{k} {v:.1f}" for k, v in load.items()))
     ratios = print_table(results)
-    doc = {"guidellm": GUIDELLM_VERSION, "direct": args.direct, "model": bench_serve.CACHED_MODEL,
+    doc = {"guidellm": GUIDELLM_VERSION, "model": bench_serve.CACHED_MODEL,
            "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "seconds": args.seconds,
            "context_per_slot": ctx, "load_average": load,
            "levels": {n: [asdict(lv) for lv in levels] for n, levels in results.items()}, "ratios": ratios}

@@ -55,6 +55,8 @@ def verify_receipt(
     stop_ids: Optional[str] = typer.Option(None, "--stop-ids", help="The stop token ids the request named, "
                                                                     "comma-separated (default: the signed "
                                                                     "config.json's end-of-sequence ids)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="The request asked for ignore_eos: it named no "
+                                                                "stop token at all."),
     as_json: bool = typer.Option(False, "--json", help="The verdict as one JSON document on stdout."),
 ) -> None:
     """Verify a run receipt: operator signature, the weights it names, then a teacher-forced replay of prompt
@@ -65,6 +67,10 @@ def verify_receipt(
     budget = parse_size(memory_budget)
     _check_sample(sample, sample_seed, trace)
     stops = _parse_stop_ids(stop_ids) if stop_ids is not None else None
+    if ignore_eos:  # serve's ignore_eos runs with an empty stop list, which is what its receipt records
+        if stops is not None:
+            raise UsageError("give --ignore-eos or --stop-ids, not both")
+        stops = ()
     if not operator:
         raise UsageError("no operator public key given", hint="pass --operator OPERATOR.pub (repeatable)")
     operators = [_load_public(p) for p in operator]

@@ -40,7 +40,7 @@ from shardtool.serve._chat import ChatTemplate, encode_rendered
 from shardtool.serve._handoff import Mailbox
 from shardtool.serve._health import ShardHealth
 from shardtool.serve._metrics import CONTENT_TYPE, Metrics
-from shardtool.serve._protocol import Sampling, parse_chat, parse_completion
+from shardtool.serve._protocol import Sampling, StreamUsage, parse_chat, parse_completion
 from shardtool.serve._receipts import NO_NEW_TOKENS, RECEIPT_HELP, STOP_STRING, ReceiptSigner
 from shardtool.serve._render import RenderPool
 from shardtool.serve._status import PAGE, PAGE_HEADERS, manifest_card, status_document
@@ -182,7 +182,7 @@ class _API:
             fmt = _CompletionFormat(self.model_id, scores, echo)
             # The prompt is scored when its scores are shown, or when it is all there is to answer (max_tokens 0).
             score_prompt = req.echo and (req.logprobs is not None or req.sampling.max_tokens == 0)
-            return self._start(ids, req.sampling, req.stream, req.include_usage, fmt, logprobs=req.logprobs,
+            return self._start(ids, req.sampling, req.stream, req.usage, fmt, logprobs=req.logprobs,
                                score_prompt=score_prompt)
         except ShardtoolError as err:
             return error_response(err)
@@ -198,11 +198,11 @@ class _API:
             text = await _while_connected(request, self.renderer.render, [m.as_template_dict() for m in req.messages])
             ids = await anyio.to_thread.run_sync(encode_rendered, self.engine.tokenizer, text)
             fmt = _ChatFormat(self.model_id, TokenText(self.engine.tokenizer) if req.top_logprobs is not None else None)
-            return self._start(ids, req.sampling, req.stream, req.include_usage, fmt, logprobs=req.top_logprobs)
+            return self._start(ids, req.sampling, req.stream, req.usage, fmt, logprobs=req.top_logprobs)
         except ShardtoolError as err:
             return error_response(err)
 
-    def _start(self, ids: list[int], sampling: Sampling, stream: bool, include_usage: bool, fmt, *,
+    def _start(self, ids: list[int], sampling: Sampling, stream: bool, usage: StreamUsage, fmt, *,
                logprobs: int | None = None, score_prompt: bool = False) -> Response:
         """Submit to the engine (refusals and a full queue are raised here, before any response starts)."""
         if sampling.stop and self.engine.tokenizer is None:
@@ -210,14 +210,15 @@ class _API:
         max_tokens = sampling.max_tokens
         if max_tokens is None:  # the rest of what one request can ever hold: the context, or the KV share
             max_tokens = max(1, self.engine.max_request_tokens - len(ids))
+        # ignore_eos: no stop token at all (the receipt records the empty list it ran with).
         params = SamplingParams(max_new_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                                seed=sampling.seed)
+                                seed=sampling.seed, stop_token_ids=() if sampling.ignore_eos else None)
         # A JSON answer without stop strings needs nothing before its end: its tokens wake the event loop not once.
         events = Mailbox(asyncio.get_running_loop(), every_token=stream or bool(sampling.stop))
         ticket = self.engine.submit(ids, params, events.put, record=self.receipts is not None, logprobs=logprobs,
                                     score_prompt=score_prompt)
         text = TextStream(self._decode, sampling.stop)
-        return _Generation(self.engine, ticket, events, text, fmt, ids, stream, include_usage, self.receipts,
+        return _Generation(self.engine, ticket, events, text, fmt, ids, stream, usage, self.receipts,
                            self.shards)
 
     def _decode(self, ids) -> str:
@@ -478,11 +479,11 @@ class _Generation(Response):
     """An ASGI response that waits for the engine's events while watching for the client going away."""
 
     def __init__(self, engine, ticket, events: Mailbox, text: TextStream, fmt: _CompletionFormat,
-                 prompt: list[int], stream: bool, include_usage: bool, receipts: ReceiptSigner | None = None,
+                 prompt: list[int], stream: bool, usage: StreamUsage, receipts: ReceiptSigner | None = None,
                  shards: ShardHealth | None = None):
         self.engine, self.ticket, self.events, self.text, self.fmt = engine, ticket, events, text, fmt
         self.prompt, self.prompt_tokens = prompt, len(prompt)
-        self.stream, self.include_usage = stream, include_usage
+        self.stream, self.usage = stream, usage
         self.prompt_scores: list[Scored] | None = None  # a PromptScoresEvent's, for an echo with scores
         self.scored: list[Scored] = []  # generated tokens' scores not yet sent
         self.receipts = receipts
@@ -611,7 +612,7 @@ class _Generation(Response):
                     await self._chunk(send, [self.fmt.delta(delta, None, self._logprobs(None))])
                 await self._chunk(send, [self.fmt.delta("", reason, self._logprobs(None) if self.scored else None)],
                                   receipt=True)
-                if self.include_usage:
+                if self.usage.include:
                     await self._chunk(send, [], usage=self._usage())
                 await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
                 break
@@ -622,8 +623,8 @@ class _Generation(Response):
         """`receipt`: this is the chunk with the finish_reason, which carries the receipt (when they are on)."""
         chunk = {"id": self.id, "object": self.fmt.chunk_obj, "created": self.created, "model": self.fmt.model_id,
                  "choices": choices}
-        if self.include_usage:
-            chunk["usage"] = usage
+        if self.usage.include:  # null in every chunk but the last, or (continuous) the counts so far in each
+            chunk["usage"] = self._usage() if self.usage.continuous else usage
         if receipt:
             await self._add_receipt(chunk)
         await _send_sse(send, chunk)

@@ -5,7 +5,10 @@ Every field is known: an unknown one is refused by name, as is a known one of th
 range. OpenAI fields this server does not implement (penalties, best_of, suffix, a JSON response_format, ...) are
 accepted only at their neutral value, so a client never gets silently different semantics from the ones it asked
 for. Scores are implemented: completions' `logprobs` (0 to 20 alternatives) and `echo` (the prompt scored too;
-`max_tokens: 0` with it scores the prompt only), chat's `logprobs` and `top_logprobs` (0 to 20).
+`max_tokens: 0` with it scores the prompt only), chat's `logprobs` and `top_logprobs` (0 to 20). Two vLLM
+extensions that load generators send are implemented too: `ignore_eos` (the model's end-of-sequence tokens do not
+end the answer; `max_tokens` and `stop` strings still do) and `stream_options.continuous_usage_stats` (with
+`include_usage`, every streamed chunk carries the counts so far).
 """
 
 from __future__ import annotations
@@ -42,6 +45,16 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # the model's end-of-sequence tokens do not end the answer (vLLM's extension)
+
+
+@dataclass(frozen=True)
+class StreamUsage:
+    """stream_options: `include_usage` adds a last chunk with the counts; `continuous` (vLLM's
+    `continuous_usage_stats`, only with `include_usage`) puts the counts so far in every chunk too."""
+
+    include: bool = False
+    continuous: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,7 +62,7 @@ class CompletionRequest:
     prompt: str | tuple[int, ...]  # text, or token ids
     sampling: Sampling  # max_tokens 0 only with echo
     stream: bool = False
-    include_usage: bool = False
+    usage: StreamUsage = StreamUsage()
     logprobs: int | None = None  # score each token, with this many alternatives (None: no scores)
     echo: bool = False  # the answer's text starts with the prompt's (and its scores with the prompt's)
 
@@ -72,7 +85,7 @@ class ChatRequest:
     messages: tuple[ChatMessage, ...]
     sampling: Sampling
     stream: bool = False
-    include_usage: bool = False
+    usage: StreamUsage = StreamUsage()
     top_logprobs: int | None = None  # `logprobs: true`: score each token with this many alternatives (else None)
 
 
@@ -164,7 +177,7 @@ def _model(fields: _Fields, model_id: str) -> None:
 
 
 def _common(fields: _Fields, max_tokens: Any, default_max: int | None, max_name: str, *,
-            least: int = 1) -> tuple[Sampling, bool, bool]:
+            least: int = 1) -> tuple[Sampling, bool, StreamUsage]:
     """The sampling and streaming fields both endpoints share."""
     if max_tokens is not None:
         max_tokens = _integer(max_tokens, max_name, least, MAX_TOKENS)
@@ -177,9 +190,11 @@ def _common(fields: _Fields, max_tokens: Any, default_max: int | None, max_name:
     seed = fields.take("seed")
     seed = None if seed is None else _integer(seed, "seed", 0, MAX_SEED)
     stop = _stop(fields.take("stop"))
+    ignore_eos = fields.take("ignore_eos")
+    ignore_eos = False if ignore_eos is None else _boolean(ignore_eos, "ignore_eos")
     stream = fields.take("stream")
     stream = False if stream is None else _boolean(stream, "stream")
-    include_usage = _stream_options(fields.take("stream_options"), stream)
+    usage = _stream_options(fields.take("stream_options"), stream)
     fields.neutral("n", (None, 1), "1")
     fields.neutral("presence_penalty", (None, 0), "0")
     fields.neutral("frequency_penalty", (None, 0), "0")
@@ -191,7 +206,7 @@ def _common(fields: _Fields, max_tokens: Any, default_max: int | None, max_name:
     if user is not None:
         _string(user, "user", MAX_NAME_CHARS)
     _response_format(fields.take("response_format"))
-    return Sampling(max_tokens, temperature, top_p, seed, stop), stream, include_usage
+    return Sampling(max_tokens, temperature, top_p, seed, stop, ignore_eos), stream, usage
 
 
 def _response_format(value: Any) -> None:
@@ -216,9 +231,9 @@ def _response_format(value: Any) -> None:
                                   param=f"response_format.{_clip(name)}")
 
 
-def _stream_options(value: Any, stream: bool) -> bool:
+def _stream_options(value: Any, stream: bool) -> StreamUsage:
     if value is None:
-        return False
+        return StreamUsage()
     if not stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
     if not isinstance(value, dict):
@@ -226,11 +241,14 @@ def _stream_options(value: Any, stream: bool) -> bool:
     options = dict(value)
     usage = options.pop("include_usage", None)
     usage = False if usage is None else _boolean(usage, "stream_options.include_usage")
+    continuous = options.pop("continuous_usage_stats", None)
+    continuous = False if continuous is None else _boolean(continuous, "stream_options.continuous_usage_stats")
     if options:
         name = sorted(options)[0]
         raise InvalidRequestError(f"unknown field {_clip(name)!r} in stream_options",
                                   param=f"stream_options.{_clip(name)}")
-    return usage
+    # As vLLM: the counts so far in every chunk only when the counts were asked for at all.
+    return StreamUsage(usage, usage and continuous)
 
 
 def _prompt(value: Any) -> str | tuple[int, ...]:

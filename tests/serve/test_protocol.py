@@ -7,7 +7,7 @@ import pytest
 
 from shardtool.errors import InvalidRequestError
 from shardtool.serve._protocol import (COMPLETION_DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, MAX_STOP_CHARS, MAX_TOKENS,
-                                       ChatMessage, parse_chat, parse_completion)
+                                       ChatMessage, StreamUsage, parse_chat, parse_completion)
 
 MODEL = "acme/tiny"
 
@@ -26,7 +26,7 @@ def test_a_minimal_completion_takes_openai_defaults():
     assert req.sampling.max_tokens == COMPLETION_DEFAULT_MAX_TOKENS
     assert req.sampling.temperature == DEFAULT_TEMPERATURE and req.sampling.top_p == 1.0
     assert req.sampling.seed is None and req.sampling.stop == ()
-    assert (req.stream, req.include_usage) == (False, False)
+    assert (req.stream, req.usage.include) == (False, False)
 
 
 def test_every_supported_completion_field():
@@ -37,7 +37,22 @@ def test_every_supported_completion_field():
     assert req.prompt == (5, 6, 7)
     s = req.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.seed, s.stop) == (9, 0.0, 0.5, 2**64 - 1, ("\n", "END"))
-    assert req.stream and req.include_usage
+    assert req.stream and req.usage.include
+
+
+@pytest.mark.parametrize("parse, make", [(parse_completion, completion), (parse_chat, chat)])
+@pytest.mark.parametrize("fields, ignore_eos, usage", [
+    ({}, False, StreamUsage(False, False)),
+    ({"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     True, StreamUsage(True, True)),
+    ({"ignore_eos": False, "stream": True, "stream_options": {"include_usage": False, "continuous_usage_stats": True}},
+     False, StreamUsage(False, False)),  # as vLLM: the counts so far only when the counts are asked for at all
+    ({"stream": True, "stream_options": {"continuous_usage_stats": False, "include_usage": True}}, False,
+     StreamUsage(True, False)),
+])
+def test_the_vllm_extensions_load_generators_send(parse, make, fields, ignore_eos, usage):
+    req = parse(make(**fields), MODEL)
+    assert (req.sampling.ignore_eos, req.usage) == (ignore_eos, usage)
 
 
 @pytest.mark.parametrize("fields, logprobs, echo, max_tokens", [
@@ -139,6 +154,14 @@ BAD = {
                                "stream_options.x", None, "unknown field"),
     "stream-options-usage-type": (parse_completion, completion(stream=True, stream_options={"include_usage": 1}),
                                   400, "stream_options.include_usage", None, "true or false"),
+    "ignore-eos-string": (parse_completion, completion(ignore_eos="true"), 400, "ignore_eos", None, "true or false"),
+    "ignore-eos-int": (parse_completion, completion(ignore_eos=1), 400, "ignore_eos", None, "got 1"),
+    "chat-ignore-eos-string": (parse_chat, chat(ignore_eos="yes"), 400, "ignore_eos", None, "true or false"),
+    "continuous-usage-int": (parse_completion, completion(stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": 1}), 400, "stream_options.continuous_usage_stats", None,
+        "true or false, got 1"),
+    "chat-continuous-usage-string": (parse_chat, chat(stream=True, stream_options={"continuous_usage_stats": "y"}),
+                                     400, "stream_options.continuous_usage_stats", None, "true or false"),
     "n-two": (parse_completion, completion(n=2), 400, "n", None, "only 1 is accepted, got 2"),
     "n-true": (parse_completion, completion(n=True), 400, "n", None, "got true"),
     "best-of-two": (parse_completion, completion(best_of=2), 400, "best_of", None, "only 1"),

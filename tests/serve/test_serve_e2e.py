@@ -184,6 +184,100 @@ def test_stop_strings(client):
     assert cut.choices[0].finish_reason == "stop"
 
 
+def a_prompt_greedy_decoding_ends_at_eos(client, max_tokens: int) -> list[int]:
+    """Token-id prompts tried in order until one's greedy answer stops on the model's EOS before max_tokens."""
+    for first in range(3, 259):
+        prompt = [first, 42]
+        got = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        if got.choices[0].finish_reason == "stop":
+            return prompt
+    raise AssertionError("no prompt of the tiny model reaches EOS greedily")
+
+
+IGNORE_EOS_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def eos_prompt(client) -> list[int]:
+    return a_prompt_greedy_decoding_ends_at_eos(client, IGNORE_EOS_TOKENS)
+
+
+def test_ignore_eos_generates_exactly_max_tokens(client, eos_prompt):
+    n = IGNORE_EOS_TOKENS
+    early = client.completions.create(model=MODEL_ID, prompt=eos_prompt, max_tokens=n, temperature=0)
+    assert early.choices[0].finish_reason == "stop" and early.usage.completion_tokens < n
+    full = client.completions.create(model=MODEL_ID, prompt=eos_prompt, max_tokens=n, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert (full.choices[0].finish_reason, full.usage.completion_tokens) == ("length", n)
+    assert full.choices[0].text.startswith(early.choices[0].text)  # the same greedy answer, run on past EOS
+    streamed = list(client.completions.create(model=MODEL_ID, prompt=eos_prompt, max_tokens=n, temperature=0,
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True}))
+    assert streamed[-1].usage.completion_tokens == n
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == full.choices[0].text
+
+
+def test_ignore_eos_keeps_stop_strings(client, eos_prompt):
+    full = client.completions.create(model=MODEL_ID, prompt=eos_prompt, max_tokens=IGNORE_EOS_TOKENS,
+                                     temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    stop = next(full[i:i + 2] for i in range(len(full) - 1, 0, -1) if full[i:i + 2].strip() and
+                full.index(full[i:i + 2]) == i)  # a late piece of text that occurs only there
+    cut = client.completions.create(model=MODEL_ID, prompt=eos_prompt, max_tokens=IGNORE_EOS_TOKENS,
+                                    temperature=0, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert (cut.text, cut.finish_reason) == (full[:full.index(stop)], "stop")
+
+
+def test_chat_ignore_eos_runs_to_max_tokens(client):
+    n = 24
+    got = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+    assert (got.choices[0].finish_reason, got.usage.completion_tokens) == ("length", n)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_in_every_chunk(client, chat):
+    n = 12
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if chat:
+        chunks = list(client.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], max_tokens=n, temperature=0, stream=True,
+            stream_options=options, extra_body={"ignore_eos": True}))
+    else:
+        chunks = list(client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=n, temperature=0,
+                                                stream=True, stream_options=options,
+                                                extra_body={"ignore_eos": True}))
+    assert all(c.usage is not None for c in chunks)
+    prompt = chunks[0].usage.prompt_tokens
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == n  # the counts so far, never going back
+    assert all(c.usage.prompt_tokens == prompt and c.usage.total_tokens == prompt + c.usage.completion_tokens
+               for c in chunks)
+    assert chunks[-1].choices == [] and counts[-2] == n  # the last usage chunk, as with include_usage alone
+    # Without continuous_usage_stats only the last chunk counts, as before.
+    plain = list(client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=n, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert [c.usage is None for c in plain] == [True] * (len(plain) - 1) + [False]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("extra, stream_options, param", [
+    ({"ignore_eos": "true"}, None, "ignore_eos"),
+    ({"ignore_eos": 1}, None, "ignore_eos"),
+    ({}, {"include_usage": True, "continuous_usage_stats": "yes"}, "stream_options.continuous_usage_stats"),
+    ({}, {"include_usage": True, "continuous_usage_stats": 0}, "stream_options.continuous_usage_stats"),
+])
+def test_the_vllm_extensions_refuse_other_types(client, chat, extra, stream_options, param):
+    kw = {"stream": True, "stream_options": stream_options} if stream_options is not None else {}
+    with pytest.raises(openai.BadRequestError) as info:
+        if chat:
+            client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                           extra_body=extra, **kw)
+        else:
+            client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2, extra_body=extra, **kw)
+    assert info.value.status_code == 400 and info.value.param == param
+    assert "true or false" in info.value.message
+
+
 def test_sampling_with_a_seed_is_reproducible(client):
     def run():
         return client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=20, temperature=0.9, top_p=0.9,

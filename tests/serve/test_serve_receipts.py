@@ -59,8 +59,8 @@ def verify(built, data: bytes, *extra, operator: str = "op.pub", trace: bytes | 
     return cli(*args, cwd=built.work)
 
 
-def valid(built, data: bytes, **kw) -> dict:  # noqa: F811
-    r = verify(built, data, "--json", **kw)
+def valid(built, data: bytes, extra: tuple = (), **kw) -> dict:  # noqa: F811
+    r = verify(built, data, "--json", *extra, **kw)
     assert r.returncode == 0, r.stdout + r.stderr
     verdict = json.loads(r.stdout)
     assert verdict["valid"] is True
@@ -88,6 +88,26 @@ def test_a_completion_carries_a_receipt_that_verifies(built, client):  # noqa: F
     # The parsed object keeps the field too (the openai client's models allow extra fields).
     parsed = client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=4, temperature=0)
     assert parsed.model_extra["receipt"]["format"] == FORMAT
+
+
+def test_an_ignore_eos_receipt_verifies_as_what_it_was(built, client):  # noqa: F811
+    """ignore_eos runs with no stop token: the receipt records that, and verify-receipt replays it when told the
+    request asked for it (--ignore-eos), not when it holds the answer to the model's EOS ids."""
+    doc = completion(client, prompt=[5, 17, 42], max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    assert doc["usage"]["completion_tokens"] == 10 and doc["choices"][0]["finish_reason"] == "length"
+    data = check_receipt(doc["receipt"])
+    verdict = valid(built, data, extra=("--ignore-eos",))
+    assert verdict["request"]["stop_token_ids"] == [] and verdict["finish_reason"] == "length"
+    r = verify(built, data)  # by default the stop list must be the signed config's EOS ids
+    assert r.returncode == 1 and "the receipt stops at token ids []" in r.stderr, r.stderr
+    r = verify(built, data, "--ignore-eos", "--stop-ids", "1")
+    assert r.returncode == 2 and "not both" in r.stderr, r.stderr
+    # Chat too: the engine ran it with no stop token, which its receipt shows.
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True})
+    chat = valid(built, check_receipt(raw.http_response.json()["receipt"]), extra=("--ignore-eos",), name="chat")
+    assert chat["request"]["stop_token_ids"] == [] and len(chat["token_ids"]) == 6
 
 
 def test_a_receipt_signed_by_another_operator_is_refused(built, client):  # noqa: F811
