@@ -109,6 +109,11 @@ BAD_REPORTS = [
     pytest.param(lambda p: _report(p, GIB, None), "CheckpointFormatError", id="no-decode-rate"),
     pytest.param(lambda p: _report(p, GIB, 0), "CheckpointFormatError", id="rate-zero"),
     pytest.param(lambda p: _report(p, GIB, "fast"), "CheckpointFormatError", id="rate-a-string"),
+    # 1 / rate past a float's range (inf seconds: a ValueError), or the axes' tenth more past it; an int too large
+    # for a float
+    pytest.param(lambda p: _report(p, GIB, 5e-324), "CheckpointFormatError", id="rate-denormal"),
+    pytest.param(lambda p: _report(p, GIB, 6e-309), "CheckpointFormatError", id="rate-tiny"),
+    pytest.param(lambda p: _report(p, GIB, 10**400), "CheckpointFormatError", id="rate-huge-int"),
     pytest.param(lambda p: _report(p, GIB, 3.0, model_id="other/model"), "CheckpointFormatError",
                  id="another-model"),
     pytest.param(lambda p: p.mkdir(), "CheckpointFormatError", id="a-directory"),
