@@ -104,7 +104,7 @@ def contract_svg(contract: Mapping[str, int], *, disk_gbps: float, points: Seque
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
            f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">',
            f'<rect width="{WIDTH}" height="{HEIGHT}" fill="#fff"/>',
-           f'<text x="{LEFT}" y="20" font-size="14">{escape(title)}</text>',
+           f'<text x="{LEFT}" y="20" font-size="14">{escape(printable(title))}</text>',
            f'<text x="{LEFT}" y="36" fill="#555">seconds per token against memory budget, disk {disk_gbps:g} GB/s '
            f'({escape(format_rate(disk_gbps * 1e9))})</text>']
     out += _grid(ax)
@@ -119,7 +119,7 @@ def contract_svg(contract: Mapping[str, int], *, disk_gbps: float, points: Seque
     out.append(_polyline("expected", expected, ax, "#36c"))
     for i, p in enumerate(points):
         out.append(f'<circle id="point-{i}" cx="{ax.x(p.memory_bytes):.2f}" cy="{ax.y(p.seconds_per_token):.2f}" '
-                   f'r="4" fill="#e80"><title>{escape(p.label)}: {p.seconds_per_token:.4g} s/token at '
+                   f'r="4" fill="#e80"><title>{escape(printable(p.label))}: {p.seconds_per_token:.4g} s/token at '
                    f'{escape(format_size(p.memory_bytes))}</title></circle>')
     legend = [("#999", "cold (every selected expert read)"), ("#36c", "expected hit rate (even routing)")]
     if points:
