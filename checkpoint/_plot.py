@@ -17,6 +17,7 @@ from shardtool.text import format_rate, format_size, printable
 WIDTH, HEIGHT = 720, 440
 LEFT, RIGHT, TOP, BOTTOM = 80, 24, 44, 64  # the plot area's margins, pixels
 MAX_BUDGET = 1 << 62  # bytes: a report's budget beyond this is not a budget
+MIN_RATE, MAX_RATE = 1e-6, 1e9  # decoded tokens per second a run report may claim (a token in 11.6 days .. 1 ns)
 GIB = 2**30
 
 
@@ -50,9 +51,11 @@ def measured_point(report: Any, where: str) -> MeasuredPoint:
     if rate is None:
         raise CheckpointFormatError("decode_tokens_per_s is null: the run decoded too few tokens to measure a rate "
                                     "(run with --max-new-tokens 2 or more)", path=where)
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate > 0):
-        raise CheckpointFormatError(f"decode_tokens_per_s must be a positive number, got "
-                                    f"{printable(repr(rate)[:40])}", path=where)
+    # A range, not just > 0: 1 / rate of a tiny rate is inf seconds (or the axes' tenth more is), and an int past a
+    # float's range does not convert (compared exactly here; NaN compares false).
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not MIN_RATE <= rate <= MAX_RATE:
+        raise CheckpointFormatError(f"decode_tokens_per_s must be a number of tokens per second in "
+                                    f"[{MIN_RATE:g}, {MAX_RATE:g}], got {printable(repr(rate)[:40])}", path=where)
     return MeasuredPoint(total, 1.0 / rate, where)
 
 
@@ -101,7 +104,7 @@ def contract_svg(contract: Mapping[str, int], *, disk_gbps: float, points: Seque
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
            f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">',
            f'<rect width="{WIDTH}" height="{HEIGHT}" fill="#fff"/>',
-           f'<text x="{LEFT}" y="20" font-size="14">{escape(title)}</text>',
+           f'<text x="{LEFT}" y="20" font-size="14">{escape(printable(title))}</text>',
            f'<text x="{LEFT}" y="36" fill="#555">seconds per token against memory budget, disk {disk_gbps:g} GB/s '
            f'({escape(format_rate(disk_gbps * 1e9))})</text>']
     out += _grid(ax)
@@ -116,7 +119,7 @@ def contract_svg(contract: Mapping[str, int], *, disk_gbps: float, points: Seque
     out.append(_polyline("expected", expected, ax, "#36c"))
     for i, p in enumerate(points):
         out.append(f'<circle id="point-{i}" cx="{ax.x(p.memory_bytes):.2f}" cy="{ax.y(p.seconds_per_token):.2f}" '
-                   f'r="4" fill="#e80"><title>{escape(p.label)}: {p.seconds_per_token:.4g} s/token at '
+                   f'r="4" fill="#e80"><title>{escape(printable(p.label))}: {p.seconds_per_token:.4g} s/token at '
                    f'{escape(format_size(p.memory_bytes))}</title></circle>')
     legend = [("#999", "cold (every selected expert read)"), ("#36c", "expected hit rate (even routing)")]
     if points:

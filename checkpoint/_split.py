@@ -213,6 +213,16 @@ def with_oms_record(job: SplitJob, statement: Any) -> SplitJob:
     checkpoint by the caller) the input matched, by the SHA-256 of the signed statement. It is an `other` entry of
     the new manifest, so the record is covered by the manifest's signature without a new field in its head (which
     every existing verifier would refuse)."""
+    # Every file split reads must be one the statement lists: one it ignores (`--ignore-paths`) matched nothing.
+    listed = {r.name for r in statement.resources}
+    reads = {"config.json", *(o.copy_from for o in job.outputs if o.copy_from is not None),
+             *(p.file for o in job.outputs for p in o.pieces)}
+    unlisted = sorted(n for n in reads if n not in listed)
+    if unlisted:
+        raise VerificationError(f"{len(unlisted)} file(s) split reads are not listed in the OMS statement (it "
+                                f"ignores them: their bytes are not signed), e.g. {unlisted[0]!r}",
+                                path=str(job.checkpoint.root / unlisted[0]),
+                                hint="sign the checkpoint again without --ignore-paths over the files split uses")
     if any(o.path == OMS_RECORD_NAME for o in job.outputs):
         raise UsageError(f"the checkpoint holds a file named {OMS_RECORD_NAME}, the name split gives the OMS record",
                          path=str(job.checkpoint.root / OMS_RECORD_NAME))

@@ -108,9 +108,10 @@ def _oms_checked(job, checkpoint: Path, signature: Path, trust: List[Path]):
         raise VerificationError(f"the checkpoint does not match its OMS signature: {len(findings)} finding(s); "
                                 f"first: {findings[0].line()}", path=str(checkpoint),
                                 hint="`shardtool audit CKPT --oms-signature SIG --trust EC.pub` names every one")
+    job = with_oms_record(job, result.statement)  # (refuses a file split reads that the statement ignores)
     say(f"checkpoint matches the OMS statement {result.statement.statement_sha256.hex()} signed by EC key "
         f"{result.statement.signer.keyid}")
-    return with_oms_record(job, result.statement)
+    return job
 
 
 def _refuse_signed_manifest(out: Path) -> None:

@@ -411,7 +411,9 @@ def _access_line(scope, status: int | None, seconds: float) -> str:
     client's: escaped, and clipped."""
     client = scope.get("client")
     who = f"{client[0]}:{client[1]}" if client else "-"
-    path = printable(scope["path"][:200])
+    # A quote or space in the (percent-decoded) path would end the quoted request early and let it write a status
+    # and time of its own: escaped like the controls.
+    path = printable(scope["path"][:200]).replace('"', "\\x22").replace(" ", "\\x20")
     return f'{who} "{printable(scope["method"][:16])} {path}" {status if status is not None else "-"} {seconds:.3f}s'
 
 

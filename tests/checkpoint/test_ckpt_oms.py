@@ -58,3 +58,19 @@ def test_split_takes_trust_only_with_an_oms_signature(signed_ckpt, tmp_path):
     ckpt, cli = signed_ckpt
     r = cli("split", ckpt, tmp_path / "out", "--trust", tmp_path / "ec.pub")
     assert r.code == 2 and "--oms-signature" in r.one_line()
+
+
+def test_split_refuses_a_file_it_reads_that_the_oms_statement_ignores(signed_ckpt, tmp_path):
+    """A statement signed with --ignore-paths vouches for nothing under them: a weight file or config.json there is
+    unchecked bytes, and a split of them must not record that the checkpoint matched the signature."""
+    ckpt, cli = signed_ckpt
+    cli.ok("sign", "key", ckpt, "--private_key", tmp_path / "ec.key", "--signature", ckpt / "model.sig",
+           "--ignore-paths", ckpt / "config.json", program="model_signing")
+    config = ckpt / "config.json"
+    config.write_bytes(config.read_bytes().replace(b"{", b"{ ", 1))  # changed after signing: nothing notices
+    out = tmp_path / "out"
+    assert cli("audit", ckpt, "--oms-signature", ckpt / "model.sig", "--trust", tmp_path / "ec.pub").code == 0
+    r = cli("split", ckpt, out, "--oms-signature", ckpt / "model.sig", "--trust", tmp_path / "ec.pub", "-q")
+    assert r.code == 2, r.err
+    assert "config.json" in r.one_line() and "not listed in the OMS statement" in r.one_line()
+    assert not out.exists()

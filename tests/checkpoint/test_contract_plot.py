@@ -82,6 +82,26 @@ def test_a_config_picture_escapes_its_title(src: Path, tmp_path: Path) -> None:
     assert "point-0" not in _by_id(svg)
 
 
+def test_a_picture_of_names_with_control_characters_is_still_xml(src: Path, tmp_path: Path) -> None:
+    """A control character is not allowed in XML 1.0 even escaped as markup: a directory or report named with one
+    made a picture no SVG reader opens. They are written as escapes, as on the terminal."""
+    odd = tmp_path / "a\x1bb"
+    odd.mkdir()
+    config = odd / "config.json"
+    config.write_bytes((src / "config.json").read_bytes())
+    svg = tmp_path / "c.svg"
+    assert run("inspect", "--config", config, "--bits-per-weight", "4", "--plot", svg).code == 0
+    assert any("a\\x1bb" in (t.text or "") for t in ET.parse(svg).getroot().iter(SVG + "text"))
+
+
+def test_a_report_named_with_a_control_character_is_still_xml(split, tmp_path: Path) -> None:
+    out, _ = split
+    report = _report(tmp_path / "run\x01.json", GIB, 3.0)
+    svg = tmp_path / "contract.svg"
+    assert run("inspect", out, "--plot", svg, "--report", report).code == 0
+    assert "run\\x01.json" in "".join(_by_id(svg)["point-0"].itertext())
+
+
 @pytest.mark.parametrize("memory_over_floor, expected", [
     pytest.param(-1, 0.0, id="below-the-floor"),
     pytest.param(0, 0.0, id="at-the-floor"),
@@ -109,6 +129,11 @@ BAD_REPORTS = [
     pytest.param(lambda p: _report(p, GIB, None), "CheckpointFormatError", id="no-decode-rate"),
     pytest.param(lambda p: _report(p, GIB, 0), "CheckpointFormatError", id="rate-zero"),
     pytest.param(lambda p: _report(p, GIB, "fast"), "CheckpointFormatError", id="rate-a-string"),
+    # 1 / rate past a float's range (inf seconds: a ValueError), or the axes' tenth more past it; an int too large
+    # for a float
+    pytest.param(lambda p: _report(p, GIB, 5e-324), "CheckpointFormatError", id="rate-denormal"),
+    pytest.param(lambda p: _report(p, GIB, 6e-309), "CheckpointFormatError", id="rate-tiny"),
+    pytest.param(lambda p: _report(p, GIB, 10**400), "CheckpointFormatError", id="rate-huge-int"),
     pytest.param(lambda p: _report(p, GIB, 3.0, model_id="other/model"), "CheckpointFormatError",
                  id="another-model"),
     pytest.param(lambda p: p.mkdir(), "CheckpointFormatError", id="a-directory"),

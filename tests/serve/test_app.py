@@ -750,3 +750,14 @@ def test_the_access_log_has_one_line_per_request(engine):
     parsed = [re.fullmatch(pattern, line).groups()[:3] for line in lines]
     assert parsed == [("POST", "/v1/completions", "200"), ("GET", "/v1/models/" + MODEL, "200"),
                       ("GET", "/nowhere\\x1b[31m", "404"), ("POST", "/v1/completions", "200")]
+
+
+def test_an_access_log_line_cannot_be_forged_by_a_path(engine):
+    """A path that decodes to a quote and spaces would close the quoted request early and write a status and time of
+    its choosing: `"GET /x" 200 0.001s "GET /y" 404 0.002s`, read as a 200 by anything that parses the line."""
+    lines: list[str] = []
+    with serving(engine, access_log=lines.append) as base:
+        httpx.get(base + '/x%22%20200%200.001s%20%22GET%20/y')
+    pattern = r'127\.0\.0\.1:\d+ "(GET|POST) ([^" ]+)" (\d{3}) (\d+\.\d{3})s'
+    assert [re.fullmatch(pattern, line).groups()[1:3] for line in lines] == [
+        ("/x\\x22\\x20200\\x200.001s\\x20\\x22GET\\x20/y", "404")], lines
