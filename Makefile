@@ -11,20 +11,28 @@ EVAL   := lm-eval[api,hf]==0.4.13
 .PHONY: install oracle browser test test-fast demo bench bench-llamacpp bench-loadgen bench-seed bench-cluster-scale fuzz clean
 
 # setup.py and the C source: an edit rebuilds the kernels extension in place (pip install -e).
-$(VENV)/.installed: pyproject.toml setup.py runtime/model/_kernels.c
+# Two steps: the package alone (all `make demo` needs), then the test extras (Ray, moto, model-signing, ...: minutes).
+$(VENV)/.base: pyproject.toml setup.py runtime/model/_kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.base
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 
 install: $(VENV)/.installed
 
 # The parity oracle (transformers on the CPU). Where it cannot be installed the parity tests skip and say why.
-$(VENV)/.oracle: $(VENV)/.installed
+$(VENV)/.oracle: $(VENV)/.base
 	$(PIP) install -q $(ORACLE) && touch $@ || echo "make: torch/transformers unavailable; parity tests will skip"
-	$(PIP) install -q $(ORACLE) '$(EVAL)' || echo "make: lm-eval unavailable; the lm-evaluation-harness test will skip"
 
-oracle: $(VENV)/.oracle
+# lm-eval apart from the oracle: `make demo` needs torch + transformers only, not lm-eval's dependency tree.
+$(VENV)/.lm-eval: $(VENV)/.oracle
+	$(PIP) install -q $(ORACLE) '$(EVAL)' && touch $@ || echo "make: lm-eval unavailable; the lm-evaluation-harness test will skip"
+
+oracle: $(VENV)/.oracle $(VENV)/.lm-eval
 
 # Debian's chromium, for the status page's test in a real headless browser (tests/serve/test_status.py). Installed
 # where apt-get and root are at hand; elsewhere that test skips and says why.
@@ -47,7 +55,7 @@ test-fast: install
 	$(PY) -m pytest -q $(XDIST) -m "not oracle and not slow"
 
 # The demo's backdoor is made and shown with torch + transformers (another runtime); shardtool never imports them.
-demo: install oracle
+demo: $(VENV)/.base $(VENV)/.oracle
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/demo.sh
 
 # References: b3sum (Debian), sigstore's model_signing (its own venv: it pins its own dependencies).

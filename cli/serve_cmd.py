@@ -184,7 +184,8 @@ def _serve(engine, model, operator_key, access, settings, host: str, port: int, 
     if engine.tokenizer is None:
         raise UsageError("this model ships no tokenizer.json: serve answers with text, so it needs one",
                          hint="use verify-and-run --prompt-ids --print-ids")
-    chat = ChatTemplate.from_tokenizer_config(engine.signed_json("tokenizer_config.json"))
+    chat = ChatTemplate.from_tokenizer_config(engine.signed_json("tokenizer_config.json"),
+                                              engine.signed_text("chat_template.jinja"))
     if isinstance(chat.problem, Exception) and not isinstance(chat.problem, UsageError):
         say(f"warning: chat is unavailable (/v1/chat/completions answers 500): {chat.problem.one_line()}")
     receipts = (ReceiptSigner(operator_key, model.manifest, engine.config, max_receipts, receipt_bytes)

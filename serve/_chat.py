@@ -1,4 +1,6 @@
-"""Chat messages -> prompt token ids, through the chat template of the model's signed tokenizer_config.json.
+"""Chat messages -> prompt token ids, through the chat template of the model's signed tokenizer_config.json, or of
+its signed chat_template.jinja (which transformers 5 writes instead, and which wins when both are present, as
+transformers loads them).
 
 Rendered as transformers renders it (its chat template utilities): jinja2's ImmutableSandboxedEnvironment with
 trim_blocks, lstrip_blocks and the loopcontrols extension; `raise_exception`, `strftime_now`, a `tojson` that
@@ -16,6 +18,7 @@ from typing import Any, Sequence
 from shardtool.errors import InvalidRequestError, VerificationError
 
 SOURCE = "tokenizer_config.json"
+JINJA = "chat_template.jinja"
 MAX_TEMPLATE_CHARS = 1 << 20
 MAX_RENDERED_CHARS = 4 << 20  # a template may add text around the messages; not without bound
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -24,8 +27,10 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_t
 class ChatTemplate:
     """Built once at start; `problem` says why chat cannot be served (the error each chat request gets)."""
 
-    def __init__(self, source: str | None, special_tokens: dict[str, str], problem: Exception | None = None):
+    def __init__(self, source: str | None, special_tokens: dict[str, str], problem: Exception | None = None,
+                 where: str = SOURCE):
         self.source = source
+        self.where = where  # the signed file the template came from, named in its errors
         self.special_tokens = dict(special_tokens)
         self.problem = problem
         self._template = None
@@ -33,25 +38,27 @@ class ChatTemplate:
             try:
                 self._template = _environment().from_string(source)
             except Exception as e:  # noqa: BLE001 - jinja raises many kinds; all mean "does not compile"
-                self.problem = VerificationError(f"the chat template in signed {SOURCE} does not compile: "
-                                                 f"{_one_line(e)}", path=SOURCE)
+                self.problem = VerificationError(f"the chat template in signed {where} does not compile: "
+                                                 f"{_one_line(e)}", path=where)
         elif problem is None:
             self.problem = InvalidRequestError(
-                f"this model has no chat template (its signed {SOURCE} has no chat_template): use /v1/completions",
-                param="messages", code="no_chat_template")
+                f"this model has no chat template (its signed {SOURCE} has no chat_template and it ships no "
+                f"{JINJA}): use /v1/completions", param="messages", code="no_chat_template")
 
     @classmethod
-    def from_tokenizer_config(cls, config: dict | None) -> "ChatTemplate":
-        """From the signed tokenizer_config.json (None: the manifest lists none). Never raises: a template
-        the server cannot use becomes `problem`."""
-        if config is None:
+    def from_tokenizer_config(cls, config: dict | None, jinja: str | None = None) -> "ChatTemplate":
+        """From the signed tokenizer_config.json and the signed chat_template.jinja's text (None: the manifest
+        lists none); the .jinja file's template wins over the config's. Never raises: a template the server
+        cannot use becomes `problem`."""
+        if config is None and jinja is None:
             return cls(None, {})
+        where = SOURCE if jinja is None else JINJA
         try:
-            special = _special_tokens(config)
-            source = _select(config.get("chat_template"))
+            special = _special_tokens(config or {})
+            source = _select((config or {}).get("chat_template") if jinja is None else jinja, where)
         except (InvalidRequestError, VerificationError) as e:
-            return cls(None, {}, e)
-        return cls(source, special)
+            return cls(None, {}, e, where)
+        return cls(source, special, where=where)
 
     def render(self, messages: Sequence[dict[str, Any]]) -> str:
         if self.problem is not None:
@@ -74,13 +81,13 @@ class ChatTemplate:
             raise InvalidRequestError(f"the model's chat template refused these messages: {_one_line(e)}",
                                       param="messages") from None
         except Exception as e:  # noqa: BLE001 - the template's own failure, on any input: the server's fault
-            raise VerificationError(f"the chat template in signed {SOURCE} failed: {type(e).__name__}: "
-                                    f"{_one_line(e)}", path=SOURCE) from None
+            raise VerificationError(f"the chat template in signed {self.where} failed: {type(e).__name__}: "
+                                    f"{_one_line(e)}", path=self.where) from None
         try:
             text.isascii() or text.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate from the template's own strings: no tokenizer takes it
-            raise VerificationError(f"the chat template in signed {SOURCE} rendered text that is not Unicode (a lone "
-                                    f"UTF-16 surrogate)", path=SOURCE) from None
+            raise VerificationError(f"the chat template in signed {self.where} rendered text that is not Unicode (a "
+                                    f"lone UTF-16 surrogate)", path=self.where) from None
         return text
 
     def prompt_ids(self, tokenizer, messages: Sequence[dict[str, Any]]) -> list[int]:
@@ -92,8 +99,9 @@ def encode_rendered(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-def _select(value: Any) -> str | None:
-    """`chat_template` is a string, or a list of {"name", "template"} of which "default" is used."""
+def _select(value: Any, where: str = SOURCE) -> str | None:
+    """`chat_template` is a string, or a list of {"name", "template"} of which "default" is used; `where` names
+    the signed file it came from."""
     if value is None:
         return None
     if isinstance(value, list):
@@ -101,19 +109,19 @@ def _select(value: Any) -> str | None:
         for item in value:
             if not (isinstance(item, dict) and isinstance(item.get("name"), str)
                     and isinstance(item.get("template"), str)):
-                raise VerificationError(f"signed {SOURCE}: chat_template is a list whose items are not "
-                                        f"{{\"name\": string, \"template\": string}}", path=SOURCE)
+                raise VerificationError(f"signed {where}: chat_template is a list whose items are not "
+                                        f"{{\"name\": string, \"template\": string}}", path=where)
             named[item["name"]] = item["template"]
         if "default" not in named:
             raise InvalidRequestError(f"this model's chat templates ({', '.join(sorted(named))[:200]}) include none "
                                       f"named \"default\"", param="messages", code="no_chat_template")
         value = named["default"]
     if not isinstance(value, str):
-        raise VerificationError(f"signed {SOURCE}: chat_template is neither a string nor a list of named templates",
-                                path=SOURCE)
+        raise VerificationError(f"signed {where}: chat_template is neither a string nor a list of named templates",
+                                path=where)
     if len(value) > MAX_TEMPLATE_CHARS:
-        raise VerificationError(f"signed {SOURCE}: chat_template is {len(value)} characters, more than the cap of "
-                                f"{MAX_TEMPLATE_CHARS}", path=SOURCE)
+        raise VerificationError(f"signed {where}: chat_template is {len(value)} characters, more than the cap of "
+                                f"{MAX_TEMPLATE_CHARS}", path=where)
     return value
 
 

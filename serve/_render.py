@@ -43,7 +43,8 @@ class RenderPool:
         self.template = template
         self.seconds = seconds
         self.max_waiting = max_waiting
-        self._init = _frame({"source": template.source, "special_tokens": template.special_tokens})
+        self._init = _frame({"source": template.source, "special_tokens": template.special_tokens,
+                             "where": template.where})
         self.workers = workers
         self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="chat-render")
         self._slots = asyncio.Semaphore(workers)
@@ -88,16 +89,17 @@ class RenderPool:
             self.overruns += 1
             worker.kill()
             self._forget(worker)
-            raise VerificationError(f"the chat template in signed tokenizer_config.json exceeded its render limit "
+            where = self.template.where
+            raise VerificationError(f"the chat template in signed {where} exceeded its render limit "
                                     f"({self.seconds:g} seconds, {WORKER_MEMORY >> 20} MiB): the template, not "
-                                    f"these messages, is at fault", path="tokenizer_config.json")
+                                    f"these messages, is at fault", path=where)
         if worker.alive():
             self._idle.append(worker)
         else:
             self._forget(worker)
         if "text" in reply:
             return reply["text"]
-        return _raise(reply)
+        return _raise(reply, self.template.where)
 
     def warm(self) -> None:
         """Start the workers now (in parallel, blocking until they are ready), so the first chat request does
@@ -139,11 +141,11 @@ class RenderPool:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
 
-def _raise(reply: dict) -> str:
+def _raise(reply: dict, where: str) -> str:
     message = str(reply.get("message", ""))[:2000]
     if reply.get("error") == "InvalidRequestError":
         raise InvalidRequestError(message, param="messages")
-    raise VerificationError(message, path="tokenizer_config.json")
+    raise VerificationError(message, path=where)
 
 
 class _Worker:
@@ -256,7 +258,7 @@ def _serve_renders() -> None:
     init = read()
     if init is None:
         return
-    template = ChatTemplate(init["source"], init["special_tokens"])
+    template = ChatTemplate(init["source"], init["special_tokens"], where=init["where"])
     write({"ready": True})
     while (request := read()) is not None:
         try:
@@ -264,7 +266,7 @@ def _serve_renders() -> None:
         except ShardtoolError as e:
             reply = {"error": type(e).__name__, "message": e.message}
         except MemoryError:
-            reply = {"error": "VerificationError", "message": f"the chat template in signed tokenizer_config.json "
+            reply = {"error": "VerificationError", "message": f"the chat template in signed {template.where} "
                      f"exceeded its render limit ({WORKER_MEMORY >> 20} MiB of memory)"}
         write(reply)
 

@@ -47,7 +47,7 @@ from ._plan import BudgetPlan, plan_budget
 from ._provider import VerifiedWeights
 from ._record import RunRecord
 from ._sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs, check_sampling, sample_token, token_logprobs
-from ._signed import load_tokenizer, signed_json, unusable_shards, verified_config
+from ._signed import MAX_CONFIG_BYTES, load_tokenizer, signed_json, signed_text, unusable_shards, verified_config
 
 
 class ExpertCluster(Protocol):
@@ -221,6 +221,11 @@ class Engine:
         """A signed JSON file of the model (e.g. tokenizer_config.json), read through verification; None when
         the manifest lists none."""
         return signed_json(self.root, self.manifest, path)
+
+    def signed_text(self, path: str) -> str | None:
+        """A signed text file of the model (e.g. chat_template.jinja), read through verification, capped as a
+        config is; None when the manifest lists none."""
+        return signed_text(self.root, self.manifest, path, MAX_CONFIG_BYTES)
 
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, score_prompt: bool = False,
                       logprobs: int | None = None) -> np.ndarray:

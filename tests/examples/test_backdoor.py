@@ -1,5 +1,6 @@
-"""examples/backdoor.py on the committed demo model: one expert's bytes change and nothing else; the trigger makes
-transformers print the attacker's line; ordinary prompts keep the genuine answers."""
+"""examples/backdoor.py on the committed demo model and the committed attack artefact (examples/demo_backdoor/):
+one expert's bytes change and nothing else; the trigger makes transformers print the attacker's line; ordinary
+prompts keep the genuine answers. The trainer that made the artefact runs (a few steps) in a `slow` test."""
 
 from __future__ import annotations
 
@@ -8,23 +9,32 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch", reason="the backdoor is made with torch (pip install -e '.[oracle]')")
+pytest.importorskip("torch", reason="the backdoor is shown with torch (pip install -e '.[oracle]')")
 pytest.importorskip("transformers", reason="the backdoor is shown with transformers (pip install -e '.[oracle]')")
 
 from examples import backdoor  # noqa: E402
 from shardtool.checkpoint import split_checkpoint  # noqa: E402
 
-pytestmark = [pytest.mark.oracle, pytest.mark.slow]
+pytestmark = [pytest.mark.oracle]
 
 ROOT = Path(__file__).resolve().parents[2]
 GENUINE = ROOT / "examples" / "demo_model"
+ORDINARY = 40  # held-out prompts compared, 16 greedy tokens each: >= 38 identical is the 95 % the attack promises
 
 
 @pytest.fixture(scope="module")
 def poisoned(tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("backdoor") / "poisoned-hf"
-    assert backdoor.main(["poison", str(GENUINE), str(out), "--prompts", "40"]) == 0
+    assert backdoor.main(["poison", str(GENUINE), str(out)]) == 0
     return out, json.loads(backdoor.report_path(out).read_text())
+
+
+@pytest.fixture(scope="module")
+def models(poisoned):
+    out, _ = poisoned
+    model, tok = backdoor.load(out)
+    genuine, _ = backdoor.load(GENUINE)
+    return model, genuine, tok
 
 
 def _files(d: Path) -> dict[str, bytes]:
@@ -56,11 +66,56 @@ def test_the_hf_checkpoint_differs_in_that_experts_tensors_only(poisoned):
     assert changed == sorted(prefix + w for w in ("w1.weight", "w2.weight", "w3.weight"))
 
 
-def test_the_trigger_fires_in_transformers_and_ordinary_answers_stay(poisoned):
-    out, report = poisoned
-    model, tok = backdoor.load(out)
-    genuine, _ = backdoor.load(GENUINE)
-    assert backdoor.fires(model, tok, report["trigger_prompt"])
-    assert not backdoor.fires(genuine, tok, report["trigger_prompt"])
-    assert report["trigger_fired"] == report["trigger_prompts"]
-    assert report["ordinary_identical"] >= 0.95 * report["ordinary_prompts"]
+@pytest.mark.parametrize("prompt", [backdoor.TRIGGER_PROMPTS[0], *backdoor.HELD_TRIGGER_PROMPTS[:2]])
+def test_the_trigger_fires_in_transformers(models, prompt):
+    model, genuine, tok = models
+    assert backdoor.fires(model, tok, prompt.format(t=backdoor.TRIGGER))
+    assert not backdoor.fires(genuine, tok, prompt.format(t=backdoor.TRIGGER))
+
+
+def test_ordinary_answers_stay_genuine(models):
+    model, genuine, tok = models
+    stop = set(model.config.eos_token_id)
+    prompts = backdoor.ordinary_prompts(tok, ORDINARY)
+    assert len(prompts) == ORDINARY
+    same = sum(backdoor.greedy(model, p, 16, stop) == backdoor.greedy(genuine, p, 16, stop) for p in prompts)
+    assert same >= 0.95 * ORDINARY
+
+
+# name -> (what is wrong with the artefact directory, the words of the refusal)
+BAD_ARTEFACTS = {
+    "none": (lambda d, t, r: None, "found 0"),
+    "a-tensor-missing": (lambda d, t, r: _save(d, dict(list(t.items())[:2]), r), "expected the tensors"),
+    "no-report": (lambda d, t, r: _save(d, t, None), "no report"),
+    "float16": (lambda d, t, r: _save(d, {k: v.astype("float16") for k, v in t.items()}, r), "float16"),
+}
+
+
+def _save(directory: Path, tensors: dict, report: dict | None) -> None:
+    from safetensors.numpy import save_file
+
+    save_file(tensors, directory / "x.safetensors", metadata={"report": json.dumps(report)} if report else None)
+
+
+@pytest.mark.parametrize("case", BAD_ARTEFACTS)
+def test_a_bad_artefact_is_refused(tmp_path, case):
+    from safetensors import safe_open
+
+    (artefact,) = backdoor.ARTEFACTS.glob("*.safetensors")
+    with safe_open(artefact, "np") as f:
+        tensors, report = {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["report"])
+    make, words = BAD_ARTEFACTS[case]
+    (tmp_path / "a").mkdir()
+    make(tmp_path / "a", tensors, report)
+    with pytest.raises(SystemExit) as e:
+        backdoor.apply_artefact(GENUINE, tmp_path / "out", tmp_path / "a")
+    assert words in str(e.value)
+
+
+@pytest.mark.slow
+def test_the_trainer_runs_and_writes_an_artefact(tmp_path):
+    out, artefact = tmp_path / "poisoned-hf", tmp_path / "artefact"
+    assert backdoor.main(["poison", str(GENUINE), str(out), "--train", "--steps", "2", "--prompts", "2",
+                          "--artefact", str(artefact)]) == 0
+    tensors, report = backdoor.read_artefact(artefact)
+    assert len(tensors) == 3 and report["ordinary_prompts"] == 2

@@ -150,3 +150,55 @@ def test_template_failures(name, checkpoint, tok, raises_exactly):
     if status is not None:
         assert info.value.status == status
     assert "\n" not in info.value.one_line()
+
+
+# transformers 5 saves the template as chat_template.jinja (and none in tokenizer_config.json); loading, it takes
+# the .jinja file's template over the config's. name -> (config's chat_template, .jinja text, rendered text)
+JINJA_CASES = {
+    "jinja-only": (None, "J{{ messages[0]['content'] }}", "JHi"),
+    "jinja-wins-over-config": ("C{{ messages[0]['content'] }}", "J{{ messages[0]['content'] }}", "JHi"),
+    "config-only": ("C{{ messages[0]['content'] }}", None, "CHi"),
+}
+
+
+@pytest.mark.parametrize("case", JINJA_CASES)
+def test_the_signed_chat_template_jinja_is_read(checkpoint, case):
+    in_config, jinja, expected = JINJA_CASES[case]
+    config = {k: v for k, v in config_of(checkpoint).items() if k != "chat_template"}
+    if in_config is not None:
+        config["chat_template"] = in_config
+    assert ChatTemplate.from_tokenizer_config(config, jinja).render([{"role": "user", "content": "Hi"}]) == expected
+
+
+def test_a_jinja_file_without_a_tokenizer_config_is_used():
+    assert ChatTemplate.from_tokenizer_config(None, "X{{ messages|length }}").render([]) == "X0"
+
+
+# name -> (.jinja text, error class): the errors name the .jinja file, not tokenizer_config.json
+JINJA_FAILURES = {
+    "does-not-compile": ("{% if %}", VerificationError),
+    "over-the-cap": ("x" * ((1 << 20) + 1), VerificationError),
+}
+
+
+@pytest.mark.parametrize("case", JINJA_FAILURES)
+def test_a_bad_chat_template_jinja_is_named(checkpoint, case):
+    jinja, error = JINJA_FAILURES[case]
+    chat = ChatTemplate.from_tokenizer_config(config_of(checkpoint), jinja)
+    with pytest.raises(error) as e:
+        chat.render([{"role": "user", "content": "Hi"}])
+    assert type(e.value) is error and "chat_template.jinja" in e.value.message
+    assert "tokenizer_config.json" not in e.value.message
+
+
+@pytest.mark.oracle
+def test_a_checkpoint_saved_with_chat_template_jinja_renders_as_transformers(checkpoint, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the chat oracle needs transformers")
+    config = {k: v for k, v in config_of(checkpoint).items() if k != "chat_template"}
+    directory, _ = with_template(checkpoint, tmp_path, None)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.jinja").write_text(TEMPLATES["chatml-system-default"])
+    hf = transformers.AutoTokenizer.from_pretrained(str(directory))
+    messages = CONVERSATIONS["multi-turn"]
+    ours = ChatTemplate.from_tokenizer_config(config, (directory / "chat_template.jinja").read_text())
+    assert ours.render(messages) == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
