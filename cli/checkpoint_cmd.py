@@ -86,6 +86,9 @@ def split(
     if result.stale:
         say(f"note: {len(result.stale)} file(s) under {printable(str(out))} are not part of this split (not in the "
             f"manifest), e.g. {printable(result.stale[0])}")
+    if statement is not None:
+        say(f"every file split read matched the OMS statement {statement.statement_sha256.hex()} signed by EC key "
+            f"{statement.signer.keyid} (recorded in {printable(str(out / 'source.oms.json'))})")
     for line in result.quantized.lines() if result.quantized is not None else []:
         say(line)
     rate = result.bytes_total / result.seconds if result.seconds else 0.0
