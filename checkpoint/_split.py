@@ -217,9 +217,9 @@ def prepare_split(src: Path, *, expert_pattern: str | None = None, quantize: str
 
 def with_oms_record(job: SplitJob, statement: Any) -> SplitJob:
     """`job` with one more output, `source.oms.json`: which OMS statement (`OmsStatement`, whose digests
-    `prepare_split(oms=...)` checks on the bytes split reads) the input matched, by the SHA-256 of the signed statement. It is an `other` entry of
-    the new manifest, so the record is covered by the manifest's signature without a new field in its head (which
-    every existing verifier would refuse)."""
+    `prepare_split(oms=...)` checks on the bytes split reads) the input matched, by the SHA-256 of the signed
+    statement. It is an `other` entry of the new manifest, so the record is covered by the manifest's signature
+    without a new field in its head (which every existing verifier would refuse)."""
     # Every file split reads must be one the statement lists: one it ignores (`--ignore-paths`) matched nothing.
     listed = {r.name for r in statement.resources}
     reads = {"config.json", *(o.copy_from for o in job.outputs if o.copy_from is not None),
