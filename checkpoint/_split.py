@@ -187,6 +187,11 @@ def prepare_split(src: Path, *, expert_pattern: str | None = None, quantize: str
     if oms is not None:
         signed = SignedDigests(oms.hash_type, {r.name: r.digest for r in oms.resources}, "the OMS signature")
     ckpt = open_checkpoint(Path(src), signed=signed)
+    if oms is not None:  # a signed file gone from the checkpoint: the split would not be of the signed model
+        gone = sorted(r.name for r in oms.resources if r.name.split("/", 1)[0] not in ckpt.items)
+        if gone:
+            raise VerificationError(f"{len(gone)} file(s) the OMS statement lists are not in the checkpoint, e.g. "
+                                    f"{gone[0]!r}", path=str(ckpt.root / gone[0]))
     family, plans = plan_split(ckpt.config, ckpt.tensors, expert_pattern=expert_pattern)
     check_expert_plans(plans, expected_shapes(ckpt.config, family), fp8_block(ckpt.config))
     report = None

@@ -168,3 +168,18 @@ def test_split_refuses_a_file_changed_between_the_oms_check_and_its_read(race, s
     lines = r.err.strip().splitlines()
     assert len(lines) == 1 and "[VerificationError]" in lines[0] and "OMS" in lines[0], r.err
     assert not (out / "manifest.msgpack").exists()
+
+
+def test_split_refuses_a_checkpoint_missing_a_file_its_oms_statement_lists(signed_ckpt, tmp_path):
+    """Split no longer hashes files it does not read, but a signed file that is gone still refuses the split: its
+    output would not be the signed model."""
+    ckpt, cli = signed_ckpt
+    (ckpt / "generation_config.json").write_text("{}")
+    cli.ok("sign", "key", ckpt, "--private_key", tmp_path / "ec.key", "--signature", ckpt / "model.sig",
+           program="model_signing")
+    (ckpt / "generation_config.json").unlink()
+    out = tmp_path / "out"
+    r = cli("split", ckpt, out, "--oms-signature", ckpt / "model.sig", "--trust", tmp_path / "ec.pub", "-q")
+    assert r.code == 2, r.err
+    assert "generation_config.json" in r.one_line() and "not in the checkpoint" in r.one_line()
+    assert not out.exists()
