@@ -5,6 +5,8 @@ Every file is read through `_ckptdir.CheckpointDir` (no link out of the checkpoi
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import Any, Mapping
 from shardtool.checkpoint._ckptdir import CheckpointDir, Item
 from shardtool.safetensors_format import Header, TensorInfo, read_header_fd
 from shardtool.strict_json import loads_strict
-from shardtool.errors import CheckpointFormatError, VerificationError
+from shardtool.errors import CheckpointFormatError, StorageError, VerificationError
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_JSON_BYTES = 64 * 1024 * 1024
@@ -34,6 +36,8 @@ class Checkpoint:
     items: Mapping[str, Item]                          # every entry looked at (links described by their target)
     identity: tuple[int, int]                          # (device, inode) of the checkpoint directory
     why_skipped: Mapping[str, str]                     # skipped name -> reason, for the note split prints
+    signed: SignedDigests | None = None                 # split --oms-signature: the digests every read must match
+    pins: Mapping[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)  # name -> pin_of(fd)
 
     def open_dir(self) -> CheckpointDir:
         """The same checkpoint directory again (refused if it was replaced), for reading tensor bytes."""
@@ -42,6 +46,63 @@ class Checkpoint:
     def expected(self, name: str) -> tuple[int, int, int]:
         """(device, inode, size) a file had when it was planned; it must still be that file when copied."""
         return self.items[name].identity
+
+
+@dataclass(frozen=True)
+class SignedDigests:
+    """The digest a signed statement (OMS) gives each file, which every byte split parses or copies must match."""
+
+    hash_type: str                     # "sha256" or "blake3"
+    digests: Mapping[str, bytes]       # relative path -> digest
+    where: str                         # the signature file, for error lines
+
+    def check(self, root: Path, name: str, found: bytes) -> None:
+        """Raises VerificationError unless `found` is the signed digest of `name`."""
+        expected = self.digests.get(name)
+        if expected is None:
+            raise VerificationError(f"split reads this file but it is not listed in the OMS statement of "
+                                    f"{self.where} (its bytes are not signed)", path=str(root / name),
+                                    hint="sign the checkpoint again without --ignore-paths over the files split uses")
+        if found != expected:
+            raise VerificationError(f"does not match its OMS signature: {self.hash_type} {expected.hex()} signed "
+                                    f"in {self.where}, {found.hex()} read by split",
+                                    path=str(root / name))
+
+    def hasher(self) -> Any:
+        if self.hash_type == "sha256":
+            return hashlib.sha256()
+        import blake3
+
+        return blake3.blake3()
+
+
+def pin_of(fd: int) -> tuple[int, int, int]:
+    """(size, mtime, ctime) of an open file: any write to it moves its ctime, which no unprivileged user can set
+    back, so an unchanged pin means the bytes read through the fd are the bytes hashed through it."""
+    st = os.fstat(fd)
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def hash_fd(signed: SignedDigests, root: Path, name: str, fd: int) -> tuple[int, int, int]:
+    """Hash the open file `name` from its first byte to its end, check it against the signed digest (raises), and
+    return its pin, taken before the first byte was read: a write while it was hashed moves the pin."""
+    pin = pin_of(fd)
+    h = signed.hasher()
+    buf = bytearray(8 * 1024 * 1024)
+    offset = 0
+    while True:
+        try:
+            n = os.preadv(fd, [buf], offset)
+        except OSError as e:
+            raise StorageError(f"read failed: {e.strerror}", path=str(root / name)) from e
+        if n == 0:
+            break
+        h.update(memoryview(buf)[:n])
+        offset += n
+    if offset != pin[0] or pin_of(fd) != pin:
+        raise VerificationError("changed while split hashed it against the OMS statement", path=str(root / name))
+    signed.check(root, name, h.digest())
+    return pin
 
 
 def _manifest_safe(name: str) -> bool:
@@ -92,14 +153,20 @@ def _regular(d: CheckpointDir, items: Mapping[str, Item], name: str) -> Item:
     return item
 
 
-def _read_json(d: CheckpointDir, items: Mapping[str, Item], name: str) -> Any:
-    return parse_json(d.read(name, MAX_JSON_BYTES, expect=_regular(d, items, name).identity), name)
+def _read_json(d: CheckpointDir, items: Mapping[str, Item], name: str, signed: SignedDigests | None) -> Any:
+    data = d.read(name, MAX_JSON_BYTES, expect=_regular(d, items, name).identity)
+    if signed is not None:  # the very bytes parsed below
+        h = signed.hasher()
+        h.update(data)
+        signed.check(d.root, name, h.digest())
+    return parse_json(data, name)
 
 
-def _weight_files(d: CheckpointDir, items: Mapping[str, Item]) -> tuple[list[str], dict[str, str] | None]:
+def _weight_files(d: CheckpointDir, items: Mapping[str, Item],
+                  signed: SignedDigests | None) -> tuple[list[str], dict[str, str] | None]:
     """The safetensors files to read and, with an index, its weight_map (tensor -> file)."""
     if INDEX_NAME in items:
-        index = _read_json(d, items, INDEX_NAME)
+        index = _read_json(d, items, INDEX_NAME, signed)
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise CheckpointFormatError("must be a JSON object with a 'weight_map' object", path=INDEX_NAME)
         weight_map = {str(k): _plain_name(v, "weight_map file") for k, v in index["weight_map"].items()}
@@ -127,10 +194,19 @@ def _weight_files(d: CheckpointDir, items: Mapping[str, Item]) -> tuple[list[str
     raise CheckpointFormatError(f"{len(found)} safetensors files but no {INDEX_NAME}", path=str(d.root))
 
 
-def _read_header(d: CheckpointDir, items: Mapping[str, Item], name: str) -> Header:
+def _read_header(d: CheckpointDir, items: Mapping[str, Item], name: str, signed: SignedDigests | None,
+                 pins: dict[str, tuple[int, int, int]]) -> Header:
+    """The file's validated header; with `signed`, the whole file is hashed and checked first, through the same
+    fd, and pinned: split later reads its tensors only while the file still has this pin (`_stream.Sources`)."""
     fd, _ = d.open(name, expect=_regular(d, items, name).identity)
     try:
-        return read_header_fd(fd, name)
+        if signed is not None:
+            pins[name] = hash_fd(signed, d.root, name, fd)
+        header = read_header_fd(fd, name)
+        if signed is not None and pin_of(fd) != pins[name]:
+            raise VerificationError("changed after split hashed it against the OMS statement",
+                                    path=str(d.root / name))
+        return header
     finally:
         os.close(fd)
 
@@ -148,18 +224,20 @@ def _skip_reason(name: str, item: Item) -> str | None:
     return None
 
 
-def open_checkpoint(root: Path) -> Checkpoint:
-    """Read and validate everything but the tensor bytes, every file through the checkpoint's safe open."""
+def open_checkpoint(root: Path, *, signed: SignedDigests | None = None) -> Checkpoint:
+    """Read and validate everything but the tensor bytes, every file through the checkpoint's safe open. With
+    `signed`, every file is checked against its signed digest before a byte of it is parsed."""
     with CheckpointDir(Path(root)) as d:
         items = d.scan()
         if "config.json" not in items:
             raise CheckpointFormatError("config.json not found", path=str(d.root))
-        config = _read_json(d, items, "config.json")
+        config = _read_json(d, items, "config.json", signed)
         if not isinstance(config, dict):
             raise CheckpointFormatError("must be a JSON object", path="config.json")
 
-        files, weight_map = _weight_files(d, items)
-        headers = {f: _read_header(d, items, f) for f in files}
+        files, weight_map = _weight_files(d, items, signed)
+        pins: dict[str, tuple[int, int, int]] = {}
+        headers = {f: _read_header(d, items, f, signed, pins) for f in files}
         tensors: dict[str, tuple[TensorInfo, str]] = {}
         for f, header in headers.items():
             for t in header.tensors:
@@ -187,4 +265,5 @@ def open_checkpoint(root: Path) -> Checkpoint:
                 side.append(name)
             else:
                 skipped[name] = reason
-        return Checkpoint(d.root, config, headers, tensors, tuple(side), tuple(skipped), items, d.identity, skipped)
+        return Checkpoint(d.root, config, headers, tensors, tuple(side), tuple(skipped), items, d.identity, skipped,
+                          signed, pins)

@@ -37,7 +37,7 @@ from shardtool.checkpoint._expert_check import check_expert_plans, expected_shap
 from shardtool.checkpoint._quantize import QuantizeReport, check_method, quantize_plans
 from shardtool.checkpoint._reuse import existing_digest
 from shardtool.checkpoint._writer import TensorSpec, encode_header
-from shardtool.checkpoint._source import Checkpoint, open_checkpoint
+from shardtool.checkpoint._source import Checkpoint, SignedDigests, open_checkpoint
 from shardtool.checkpoint._stream import Run, Sources, segments
 from shardtool.errors import (CheckpointFormatError, ManifestFormatError, MissingFileError, StorageError, UsageError,
                               VerificationError)
@@ -173,14 +173,25 @@ def _directory_config(root: Path) -> Mapping[str, Any]:
 
 
 def prepare_split(src: Path, *, expert_pattern: str | None = None, quantize: str | None = None,
-                  quantize_trunk: bool = False) -> SplitJob:
+                  quantize_trunk: bool = False, oms: Any = None) -> SplitJob:
     """Read and validate the checkpoint's headers and decide every output file; reads no tensor bytes.
     `quantize` ("int8", "int4"): routed-expert projections are written block-quantized (`_quantize.py`);
-    `quantize_trunk` (int8 only): the trunk's linear weights too."""
+    `quantize_trunk` (int8 only): the trunk's linear weights too. `oms`: a verified `OmsStatement` (from
+    `shardtool.api.trusted_oms`); every file split parses or copies must then match its signed digest, checked on
+    the bytes split reads (through the fd it reads them from), and the job records the statement
+    (`with_oms_record`)."""
     from shardtool.layout import classify
 
     check_method(quantize, quantize_trunk)
-    ckpt = open_checkpoint(Path(src))
+    signed = None
+    if oms is not None:
+        signed = SignedDigests(oms.hash_type, {r.name: r.digest for r in oms.resources}, "the OMS signature")
+    ckpt = open_checkpoint(Path(src), signed=signed)
+    if oms is not None:  # a signed file gone from the checkpoint: the split would not be of the signed model
+        gone = sorted(r.name for r in oms.resources if r.name.split("/", 1)[0] not in ckpt.items)
+        if gone:
+            raise VerificationError(f"{len(gone)} file(s) the OMS statement lists are not in the checkpoint, e.g. "
+                                    f"{gone[0]!r}", path=str(ckpt.root / gone[0]))
     family, plans = plan_split(ckpt.config, ckpt.tensors, expert_pattern=expert_pattern)
     check_expert_plans(plans, expected_shapes(ckpt.config, family), fp8_block(ckpt.config))
     report = None
@@ -205,14 +216,15 @@ def prepare_split(src: Path, *, expert_pattern: str | None = None, quantize: str
         kind, _, _ = classify(name)
         outputs.append(OutputFile(name, kind, None, None, b"", (), name, ckpt.items[name].size))
     _check_entries(outputs)
-    return SplitJob(ckpt, family, tuple(outputs), {o.path: _output_mode(o, ckpt) for o in outputs}, report)
+    job = SplitJob(ckpt, family, tuple(outputs), {o.path: _output_mode(o, ckpt) for o in outputs}, report)
+    return with_oms_record(job, oms) if oms is not None else job
 
 
 def with_oms_record(job: SplitJob, statement: Any) -> SplitJob:
-    """`job` with one more output, `source.oms.json`: which OMS statement (`OmsStatement`, verified against the
-    checkpoint by the caller) the input matched, by the SHA-256 of the signed statement. It is an `other` entry of
-    the new manifest, so the record is covered by the manifest's signature without a new field in its head (which
-    every existing verifier would refuse)."""
+    """`job` with one more output, `source.oms.json`: which OMS statement (`OmsStatement`, whose digests
+    `prepare_split(oms=...)` checks on the bytes split reads) the input matched, by the SHA-256 of the signed
+    statement. It is an `other` entry of the new manifest, so the record is covered by the manifest's signature
+    without a new field in its head (which every existing verifier would refuse)."""
     # Every file split reads must be one the statement lists: one it ignores (`--ignore-paths`) matched nothing.
     listed = {r.name for r in statement.resources}
     reads = {"config.json", *(o.copy_from for o in job.outputs if o.copy_from is not None),
@@ -410,6 +422,7 @@ def _write_all(od: OutDir, job: SplitJob, on_bytes: Callable[[int], None]) -> tu
                 digests[o.path] = digest
         for path, future in hashing.items():
             digests[path] = future.result()
+        sources.check_pins()  # before the manifest: no file changed under the reads
     except BaseException:
         executor.shutdown(wait=True)  # every step has run: each future below is settled
         lost = _remove_unhashed(od, hashing)

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Iterator
 
 from shardtool.checkpoint._plan_records import OutputFile, Piece, cut
 from shardtool.checkpoint._quantize import DATA, float_shape, quantize
-from shardtool.checkpoint._source import Checkpoint
-from shardtool.errors import CheckpointFormatError, StorageError
+from shardtool.checkpoint._source import Checkpoint, hash_fd, pin_of
+from shardtool.errors import CheckpointFormatError, StorageError, VerificationError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -22,7 +22,9 @@ class Sources:
     """Open source files and bounded, offset-addressed reads from them.
 
     Files are opened through the checkpoint's safe open (`_ckptdir`) and must still be the very files
-    (device, inode, size) that were planned from.
+    (device, inode, size) that were planned from. With a signed statement (`split --oms-signature`), a file is
+    read only while it keeps the pin it had when its signed digest was checked through the same fd (weights: when
+    planned; other files: here, on opening), and `check_pins` proves after the last read that none moved.
     """
 
     def __init__(self, ckpt: Checkpoint):
@@ -31,6 +33,7 @@ class Sources:
         self._ckpt = ckpt
         self._dir = ckpt.open_dir()
         self._fds: dict[str, int] = {}
+        self._pins: dict[str, tuple[int, int, int]] = {}
         # Two buffers, used in turn: a chunk stays intact while the next one is read (see HashingFileWriter.write).
         self._bufs = (bytearray(CHUNK), bytearray(CHUNK))
         self._turn = 0
@@ -40,6 +43,14 @@ class Sources:
     def fd(self, file: str) -> int:
         if file not in self._fds:
             fd, _ = self._dir.open(file, expect=self._ckpt.expected(file))
+            signed = self._ckpt.signed
+            if signed is not None:
+                try:
+                    self._pins[file] = self._ckpt.pins.get(file) or hash_fd(signed, self.root, file, fd)
+                    self._check_pin(file, fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             self._fds[file] = fd
@@ -68,6 +79,17 @@ class Sources:
             self._slice = b"".join(bytes(c) for c in self.chunks(file, offset, length))
             self._slice_key = key
         return self._slice
+
+    def _check_pin(self, file: str, fd: int) -> None:
+        if pin_of(fd) != self._pins[file]:
+            raise VerificationError("changed after split checked it against the OMS statement; the bytes read may "
+                                    "not be the signed ones", path=str(self.root / file))
+
+    def check_pins(self) -> None:
+        """With a signed statement: every file read is still as it was when its digest was checked (raises)."""
+        for file, fd in self._fds.items():
+            if file in self._pins:
+                self._check_pin(file, fd)
 
     def close(self) -> None:
         for fd in self._fds.values():

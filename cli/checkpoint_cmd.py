@@ -72,9 +72,9 @@ def split(
     # happen before the first byte is written; names from disk are escaped before they reach the terminal.
     if oms_trust and oms_signature is None:
         raise UsageError("--trust is for --oms-signature; split checks no other signature")
-    job = prepare_split(checkpoint, expert_pattern=expert_pattern, quantize=quantize, quantize_trunk=quantize_trunk)
-    if oms_signature is not None:
-        job = _oms_checked(job, checkpoint, oms_signature, oms_trust)
+    statement = _oms_statement(oms_signature, oms_trust) if oms_signature is not None else None
+    job = prepare_split(checkpoint, expert_pattern=expert_pattern, quantize=quantize, quantize_trunk=quantize_trunk,
+                        oms=statement)
     model_id = model_id or default_model_id(job.checkpoint.root, job.checkpoint.config)
     with Progress(job.total_bytes, "split", enabled=not quiet) as progress:
         result = run_split(job, out, model_id=model_id, version=version,
@@ -86,6 +86,9 @@ def split(
     if result.stale:
         say(f"note: {len(result.stale)} file(s) under {printable(str(out))} are not part of this split (not in the "
             f"manifest), e.g. {printable(result.stale[0])}")
+    if statement is not None:
+        say(f"every file split read matched the OMS statement {statement.statement_sha256.hex()} signed by EC key "
+            f"{statement.signer.keyid} (recorded in {printable(str(out / 'source.oms.json'))})")
     for line in result.quantized.lines() if result.quantized is not None else []:
         say(line)
     rate = result.bytes_total / result.seconds if result.seconds else 0.0
@@ -95,23 +98,13 @@ def split(
         f"{result.model_id} version {result.version}")
 
 
-def _oms_checked(job, checkpoint: Path, signature: Path, trust: List[Path]):
-    """The split job with its OMS record, once every file of the checkpoint matches the OMS statement; else the
-    first finding, and how many there are, as the one error line (split is a producer: exit 2)."""
-    from shardtool.api import audit_oms
-    from shardtool.checkpoint import with_oms_record
-    from shardtool.errors import VerificationError
+def _oms_statement(signature: Path, trust: List[Path]):
+    """The OMS statement, its signature verified against the trusted EC keys (raises). The checkpoint is not hashed
+    here: split checks each file's signed digest on the very bytes it parses or copies (`prepare_split(oms=)`), so
+    a file swapped or rewritten after a separate check could not slip through."""
+    from shardtool.api import trusted_oms
 
-    result = audit_oms(checkpoint, signature, trust)
-    findings = result.report.findings
-    if findings:
-        raise VerificationError(f"the checkpoint does not match its OMS signature: {len(findings)} finding(s); "
-                                f"first: {findings[0].line()}", path=str(checkpoint),
-                                hint="`shardtool audit CKPT --oms-signature SIG --trust EC.pub` names every one")
-    job = with_oms_record(job, result.statement)  # (refuses a file split reads that the statement ignores)
-    say(f"checkpoint matches the OMS statement {result.statement.statement_sha256.hex()} signed by EC key "
-        f"{result.statement.signer.keyid}")
-    return job
+    return trusted_oms(signature, trust)
 
 
 def _refuse_signed_manifest(out: Path) -> None:

@@ -274,3 +274,41 @@ def test_a_manifest_check_asked_for_with_an_oms_signature_is_refused_not_skipped
     """OMS has no threshold, model pin, rollback state or subset: an operator who asks for one must not get a pass."""
     r = Cli(tmp_path)("audit", model, "--oms-signature", model / SIG, "--trust", signed[1] / "a.pub", *option)
     assert r.code == 2 and option[0] in r.one_line(), r.err
+
+
+# -- split --oms-signature: the checkpoint rewritten after it was checked ------------------------------------------
+
+def _rewrite_weight(ckpt: Path) -> None:
+    """Same inode, same size, one tensor byte flipped: what a writer of the checkpoint directory can do between
+    split's OMS check and its copy (after a pause: file timestamps are coarse)."""
+    import time
+
+    time.sleep(0.05)
+    weight = sorted(ckpt.glob("*.safetensors"))[0]
+    with open(weight, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+def test_a_checkpoint_rewritten_between_the_oms_check_and_the_split_is_refused(tmp_path):
+    """The library path (`prepare_split(oms=trusted_oms(...))` then `run_split`), with the weight file rewritten in
+    the gap: the split must refuse, and OUT must hold no manifest (nothing that looks like a finished split)."""
+    from examples import make_tiny_moe  # the repository root is on pytest's pythonpath
+    from shardtool.api import trusted_oms
+    from shardtool.checkpoint import prepare_split, run_split
+    from shardtool.errors import VerificationError
+
+    ckpt = make_tiny_moe.make_checkpoint(tmp_path / "ckpt", "mixtral", seed=5)
+    cli = Cli(tmp_path)
+    cli.ok("keygen", "--out", tmp_path / "ec", "--algorithm", "ecdsa-p256", "--no-passphrase")
+    cli.ok("sign", "key", ckpt, "--private_key", tmp_path / "ec.key", "--signature", ckpt / SIG,
+           program="model_signing")
+    statement = trusted_oms(ckpt / SIG, [tmp_path / "ec.pub"])
+    job = prepare_split(ckpt, oms=statement)
+    _rewrite_weight(ckpt)
+    out = tmp_path / "out"
+    with pytest.raises(VerificationError, match="OMS statement"):
+        run_split(job, out, model_id="org/model")
+    assert not (out / "manifest.msgpack").exists()
