@@ -43,17 +43,11 @@ BOS, EOS, PAD, IM_START, IM_END = "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_
 SPECIALS = (BOS, EOS, PAD, IM_START, IM_END)  # ids 0..4, in this order
 BOS_ID, EOS_ID, PAD_ID, IM_START_ID, IM_END_ID = range(5)
 
-# ChatML, as Qwen's; the BOS token opens the conversation; a system message may only come first.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' and not loop.first %}"
-    "{{ raise_exception('a system message must come first') }}"
-    "{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# ChatML, as Qwen's, the same template as the tiny test checkpoints': here <|im_start|> and <|im_end|> are tokens.
+try:
+    from examples.make_tiny_moe import CHAT_TEMPLATE
+except ImportError:  # run as a script: examples/ is on the path, the repository root may not be
+    from make_tiny_moe import CHAT_TEMPLATE
 
 HELD_OUT_EVERY = 20  # a document whose name hashes to 0 mod 20 is held out
 
