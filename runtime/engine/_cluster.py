@@ -16,8 +16,10 @@ just those requests).
 A lost node is asked for its signed info() again (`probe`, backing off while it stays away) and taken back only
 when it answers as a new process: every info() carries the node process's boot id, drawn when its service starts,
 and `shardtool node` starts that service only after hashing every file the plan gives it against the manifest. A
-boot id other than the lost one's is therefore a node that verified its subset again; the same boot id (a node
-that was slow, or answered wrongly, and is still the same process) is not readmitted.
+boot id other than the lost one's is therefore, for an unmodified node, one that verified its subset again (the id is
+the node's signed word: a node that holds its key and runs other code can present a fresh one, as it could already
+return wrong outputs); the same boot id (a node that was slow, or answered wrongly, and is still the same process) is
+not readmitted.
 
 The outputs are combined by `moe_experts`, as local ones are, so greedy and sampled output equal one process's.
 `connect_cluster` reaches Ray through a cluster proxy (`_cluster_proxy`): this process never deserializes anything
