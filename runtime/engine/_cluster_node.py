@@ -52,6 +52,9 @@ MAX_GRAPH_NODES = 1 << 12  # nodes of one Compiled Graph round (a round's calls,
 # the next coordinator's graph would queue behind it and its first execution hang. Each coordinator's graph takes
 # one thread; plain calls (info, run, the node's health check) run in the default group beside them.
 GRAPH_THREADS = 4
+# How long a starting node waits for its name to be released by a killed node process of the same name.
+NAME_RELEASE_GRACE = 20.0
+NAME_RETRY_INTERVAL = 0.25
 MAX_ROWS = 1 << 16  # token rows of one call: a step's batch rows, far below this
 INSTALL_HINT = "install the cluster extra: pip install 'shardtool[cluster]'"
 INFO_TYPE = "application/vnd.shardtool.node-info+json"
@@ -405,18 +408,31 @@ def serve_node(setup: NodeSetup, address: str, *, timeout: float, insecure: bool
     init_ray(ray, address, timeout, insecure=insecure)
     here = ray.get_runtime_context().get_node_id()
     actor_class = ray.remote(concurrency_groups={"_ray_system": GRAPH_THREADS})(NodeActor)
-    try:
-        actor = actor_class.options(name=actor_name(setup.name), namespace=NAMESPACE, num_cpus=0,
-                                    max_concurrency=1, max_restarts=0,
-                                    scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)
-                                    ).remote(setup)
-    except ValueError as e:  # the name is taken: another node process already serves under it
-        raise UsageError(f"node name {setup.name!r} is already in use in this cluster: {' '.join(str(e).split())[:200]}") from None
+    actor = claim_name(setup.name, lambda: actor_class.options(
+        name=actor_name(setup.name), namespace=NAMESPACE, num_cpus=0, max_concurrency=1, max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote(setup),
+        grace=min(timeout, NAME_RELEASE_GRACE))
     try:
         answer = ray.get(actor.info.remote(new_nonce()), timeout=timeout)
     except ray.exceptions.RayError as e:
         raise UnavailableError(f"node {setup.name} did not start: {type(e).__name__}") from None
     return actor, json.loads(answer["body"])
+
+
+def claim_name(name: str, create, *, grace: float, clock=time.monotonic, sleep=time.sleep):
+    """Create this node's named actor, waiting up to `grace` seconds for the name to be released. A node process
+    that was SIGKILLed leaves its actor, and so its name, in the cluster until Ray notices that the actor's owner
+    is gone (under a second on a quiet machine, seconds under load): a node restarted at once must wait for that,
+    not be refused. A name still held after `grace` is another live node's: UsageError."""
+    deadline = clock() + grace
+    while True:
+        try:
+            return create()
+        except ValueError as e:  # the name is taken
+            if clock() >= deadline:
+                raise UsageError(f"node name {name!r} is already in use in this cluster (still held after {grace:g} s): "
+                                 f"{' '.join(str(e).split())[:200]}") from None
+            sleep(NAME_RETRY_INTERVAL)
 
 
 def node_alive(actor, timeout: float) -> bool:

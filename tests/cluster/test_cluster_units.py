@@ -687,3 +687,42 @@ def test_a_node_actor_keeps_torch_out_of_its_compiled_graph_channels(model):
     ChannelContext.get_current()._torch_available = None
     NodeActor(prepare_node(work / "full", verified, plan, "a", budget=1 << 30, key=_keys(model)["a"]))
     assert ChannelContext.get_current().torch_available is False
+
+
+class _FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_restarted_node_waits_for_its_killed_predecessor_to_release_the_name():
+    """Ray keeps a SIGKILLed node's actor, and its name, until it notices the owner is gone: the node started again
+    at once retries until the name is free instead of refusing (the cluster test that restarts mx-b hit this)."""
+    from shardtool.runtime.engine._cluster_node import claim_name
+    clock, tries = _FakeClock(), []
+
+    def create():
+        tries.append(clock.now)
+        if len(tries) < 4:
+            raise ValueError("The name shardtool-node-b (namespace=shardtool) is already taken.")
+        return "actor"
+
+    assert claim_name("b", create, grace=20.0, clock=clock, sleep=clock.sleep) == "actor"
+    assert len(tries) == 4 and 0 < clock.now < 20.0
+
+
+def test_a_name_held_past_the_grace_is_another_live_node_and_refused_as_usage():
+    from shardtool.runtime.engine._cluster_node import claim_name
+    clock = _FakeClock()
+
+    def create():
+        raise ValueError("The name shardtool-node-b (namespace=shardtool) is already taken.")
+
+    with pytest.raises(UsageError, match=r"node name 'b' is already in use in this cluster \(still held after 5 s\)"):
+        claim_name("b", create, grace=5.0, clock=clock, sleep=clock.sleep)
+    assert 5.0 <= clock.now < 6.0
