@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
 import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -53,7 +54,7 @@ MAX_GRAPH_NODES = 1 << 12  # nodes of one Compiled Graph round (a round's calls,
 # one thread; plain calls (info, run, the node's health check) run in the default group beside them.
 GRAPH_THREADS = 4
 # How long a starting node waits for its name to be released by a killed node process of the same name.
-NAME_RELEASE_GRACE = 20.0
+NAME_RELEASE_GRACE = 30.0
 NAME_RETRY_INTERVAL = 0.25
 MAX_ROWS = 1 << 16  # token rows of one call: a step's batch rows, far below this
 INSTALL_HINT = "install the cluster extra: pip install 'shardtool[cluster]'"
@@ -218,6 +219,8 @@ class NodeSetup:
     remote: RemoteSource | None = None  # --remote: planned experts not on disk are fetched when first asked for
     cache_policy: str = DEFAULT_POLICY  # which cached expert is evicted first
     key_seed: bytes = field(default=b"", repr=False)  # the node's raw 32-byte Ed25519 private key: signs answers
+    owner_pid: int = 0  # the `shardtool node` process on this machine: its actor exits when it does (0: no watch)
+    owner_pid_namespace: int = 0  # the inode of that process's pid namespace: watched only where it is the actor's
 
 
 class NodeService:
@@ -327,6 +330,8 @@ class NodeActor:
     pool, is not reachable over the wire; the store ends with the node's process)."""
 
     def __init__(self, setup: NodeSetup):
+        if setup.owner_pid and setup.owner_pid_namespace == pid_namespace():
+            exit_with_owner(setup.owner_pid)
         self._service = NodeService(setup)
         graphs_without_torch()
 
@@ -347,6 +352,34 @@ class NodeActor:
                              f"{_describe(calls)}")
         call = calls.get(self._service.setup.name)
         return b"" if call is None else self.run(call)
+
+
+def exit_with_owner(pid: int, exit=os._exit) -> threading.Thread:
+    """End this process as soon as process `pid` (the `shardtool node` that started this actor, on this machine)
+    has ended. Ray ends an actor whose owner died too, but only once it has noticed, which under load took more than
+    20 s here: meanwhile a node the operator killed still answered the cluster, and a node started again under its
+    name was refused. A pidfd (not a pid, which the kernel may hand to another process) says when it ended."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        exit(0)  # already gone: nobody is behind this actor
+        raise  # only reached when `exit` returns (tests)
+
+    def watch() -> None:
+        select.select([fd], [], [])  # readable once the process has exited
+        exit(0)
+
+    thread = threading.Thread(target=watch, name=f"exit-with-{pid}", daemon=True)
+    thread.start()
+    return thread
+
+
+def pid_namespace() -> int:
+    """This process's pid namespace (0 when unknown): a pid means the same process only within one."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def graphs_without_torch() -> None:
@@ -407,6 +440,8 @@ def serve_node(setup: NodeSetup, address: str, *, timeout: float, insecure: bool
 
     init_ray(ray, address, timeout, insecure=insecure)
     here = ray.get_runtime_context().get_node_id()
+    # The actor runs on this machine (affinity below) and ends with this process.
+    setup = replace(setup, owner_pid=os.getpid(), owner_pid_namespace=pid_namespace())
     actor_class = ray.remote(concurrency_groups={"_ray_system": GRAPH_THREADS})(NodeActor)
     actor = claim_name(setup.name, lambda: actor_class.options(
         name=actor_name(setup.name), namespace=NAMESPACE, num_cpus=0, max_concurrency=1, max_restarts=0,

@@ -726,3 +726,36 @@ def test_a_name_held_past_the_grace_is_another_live_node_and_refused_as_usage():
     with pytest.raises(UsageError, match=r"node name 'b' is already in use in this cluster \(still held after 5 s\)"):
         claim_name("b", create, grace=5.0, clock=clock, sleep=clock.sleep)
     assert 5.0 <= clock.now < 6.0
+
+
+def test_a_node_actor_exits_as_soon_as_its_node_process_has_ended():
+    """The actor watches the `shardtool node` process through a pidfd: once that process is gone (SIGKILL), the actor
+    ends itself instead of serving on until Ray notices its owner died (more than 20 s under load)."""
+    import signal
+    import subprocess
+    import threading
+    from shardtool.runtime.engine._cluster_node import exit_with_owner
+    owner = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    ended = threading.Event()
+    try:
+        watch = exit_with_owner(owner.pid, exit=lambda code: ended.set())
+        assert not ended.wait(0.3), "the actor ended while its node process still ran"
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        assert ended.wait(5), "the actor did not end with its node process"
+        watch.join(5)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+
+
+def test_a_node_actor_whose_node_process_is_already_gone_exits_at_once():
+    import subprocess
+    from shardtool.runtime.engine._cluster_node import exit_with_owner
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    codes = []
+    with pytest.raises(ProcessLookupError):
+        exit_with_owner(gone.pid, exit=codes.append)
+    assert codes == [0]
