@@ -46,6 +46,10 @@ class Tolerances:
     # |committed - replayed| <= this * max|h| of the position's hidden state. Measured (benchmarks/bench_receipts.py):
     # honest runs <= 1.2e-6, one expert's output scaled by 1.01 >= 7e-4 (1e-3 let such receipts pass).
     fingerprint: float = 3e-5
+    # sampled: tokens whose logits differ by <= this * max|logit| may have sorted either way round in the run (a
+    # near-tie token). Honest replays measured differences up to 2.4e-6 in logits of magnitude ~1 (stop 37); two
+    # near-equal tokens swapped in 2 of 609 sampled steps, which rejected an honest receipt when the draw fell on them.
+    sample_order: float = 1e-5
     max_route_ties: int = 10  # near-ties searched (2^n roots) when the trace itself is not given
     # Tokens accepted at a near-tie (greedy or sampled) per receipt: each is a choice the operator could have
     # made, so their number is bounded; honest runs measured 0 (benchmarks/bench_receipts.py).
@@ -260,7 +264,7 @@ def _report(first: Divergence | None, route_verdict: str, positions: int, stats:
                     "min_greedy_decision_margin": min(stats.greedy_margins, default=None)},
         "routing": route_verdict if first is None or first.check != "routing" else "differs",
         "tolerances": {"logit": tol.logit, "sample_mass": tol.sample_mass, "route_gap": tol.route_gap,
-                       "fingerprint": tol.fingerprint},
+                       "fingerprint": tol.fingerprint, "sample_order": tol.sample_order},
     }
 
 
@@ -326,6 +330,9 @@ def _check_token(logits: np.ndarray, receipt: Receipt, i: int, rng: np.random.Ge
     slack = sampling_slack(logits, receipt.temperature, receipt.top_p, u, token)
     if slack == 0.0:
         return None
+    if slack > tol.sample_mass:  # perhaps near-equal tokens sorted the other way round in the run
+        tie = tol.sample_order * max(float(np.max(np.abs(logits))), 1e-30)
+        slack = min(slack, sampling_slack(logits, receipt.temperature, receipt.top_p, u, token, order_tie=tie))
     if slack <= tol.sample_mass:
         return _tie(stats, tol, slack, f"the seeded draw gives another token than the receipt's {token}")
     return (f"sampling with seed {receipt.seed} at temperature {receipt.temperature:g}, top_p {receipt.top_p:g} "

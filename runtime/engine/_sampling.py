@@ -95,10 +95,17 @@ def _sorted_probs(logits: np.ndarray, temperature: float) -> tuple[np.ndarray, n
     return order, probs[order]
 
 
-def sampling_slack(logits: np.ndarray, temperature: float, top_p: float, u: float, token: int) -> float:
+def sampling_slack(logits: np.ndarray, temperature: float, top_p: float, u: float, token: int,
+                   order_tie: float = 0.0) -> float:
     """How far (in probability mass) the draw `u` is from selecting `token` under these logits: 0 when
     `sample_token` with that draw gives `token`. A token just outside the nucleus adds how far the nucleus
-    would have had to reach for it."""
+    would have had to reach for it.
+
+    `order_tie` (logit units, 0: none): a neighbour of `token` in the sorted order whose logit lies within it of
+    `token`'s may have sorted on the other side of it in the run, whose logits differed from these by float
+    rounding; the draw then selected `token` if it fell anywhere in the span the two cover together. (A swap of
+    two near-equal tokens moves each one's interval by the other's whole probability, far beyond any rounding of
+    the mass.) Only the two neighbours: on a long tail, where many tokens lie that close, no wider choice opens."""
     order, probs = _sorted_probs(logits, temperature)
     j = int(np.nonzero(order == token)[0][0])
     before = float(np.sum(probs[:j]))
@@ -106,5 +113,12 @@ def sampling_slack(logits: np.ndarray, temperature: float, top_p: float, u: floa
     outside = max(0.0, before - top_p) if j >= int(np.count_nonzero((np.cumsum(probs) - probs) < top_p)) else 0.0
     cdf = np.cumsum(probs[:keep] / probs[:keep].sum())
     cdf /= cdf[-1]
-    lo, hi = (float(cdf[j - 1]) if j else 0.0), float(cdf[j])
+    first = last = j
+    if order_tie > 0:
+        values = np.asarray(logits, dtype=np.float64)
+        if j > 0 and abs(values[order[j - 1]] - values[token]) <= order_tie:
+            first = j - 1
+        if j + 1 < keep and abs(values[order[j + 1]] - values[token]) <= order_tie:
+            last = j + 1
+    lo, hi = (float(cdf[first - 1]) if first else 0.0), float(cdf[last])
     return max(outside, lo - u, u - hi, 0.0)

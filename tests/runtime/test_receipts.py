@@ -580,3 +580,65 @@ def test_cli_sample_over_damaged_local_weights_blames_the_directory_not_the_node
     proc = _cli("shardtool", "verify-receipt", "log-local", "model-damaged", "--operator", "operator.pub", "--trust",
                 "publisher.pub", "--model-id", MODEL_ID, "--sample", "1", cwd=work, check=False)
     _one_line_exit(proc, 1, "model directory failed verification", "head.safetensors")
+
+
+def test_two_near_equal_tokens_sorted_the_other_way_round_in_the_run_are_a_near_tie_not_a_forgery():
+    """The run's logits and the replay's differ by float rounding (~1e-6 measured); two tokens that close sort
+    either way round, and a draw on them selects the other one: the honest receipt is accepted as a near-tie (it
+    was rejected: the swap moves each interval by the other token's whole probability). A token farther away is
+    still refused."""
+    from shardtool.runtime.engine._replay import _check_token, _Stats
+
+    rng = np.random.default_rng(3)
+    replayed = rng.normal(size=64)
+    a, b = np.argsort(-replayed)[[10, 11]]
+    replayed[b] = replayed[a] - 2e-7  # replay: a sorts before b
+    run = replayed.copy()
+    run[b] = replayed[a] + 2e-7  # run: b sorts before a (rounding of 4e-7)
+    order, cdf = nucleus(run, 1.0, 1.0)
+    pos_b = int(np.nonzero(order == b)[0][0])
+    u = float(cdf[pos_b - 1] + 0.25 * (cdf[pos_b] - cdf[pos_b - 1]))  # a draw on b's interval in the run
+    assert sample_token(run, temperature=1.0, rng=_Draws([u])) == b
+    assert sampling_slack(replayed, 1.0, 1.0, u, int(b)) > Tolerances().sample_mass  # the plain check refuses it
+
+    receipt = type("R", (), {"token_ids": [int(b)], "temperature": 1.0, "top_p": 1.0, "seed": 0})()
+    stats = _Stats()
+    assert _check_token(replayed, receipt, 0, _Draws([u]), Tolerances(), stats) is None
+    assert stats.token_ties == 1
+    far = int(np.argsort(-replayed)[30])
+    forged = type("R", (), {"token_ids": [far], "temperature": 1.0, "top_p": 1.0, "seed": 0})()
+    refused = _check_token(replayed, forged, 0, _Draws([u]), Tolerances(), _Stats())
+    assert refused is not None and "does not give token" in refused
+
+
+class _Draws:
+    """A generator whose random() returns the given draws."""
+
+    def __init__(self, draws):
+        self.draws = list(draws)
+
+    def random(self) -> float:
+        return self.draws.pop(0)
+
+
+def test_the_order_tie_admits_only_the_two_neighbours_on_a_long_tail():
+    """On a 150k-token 1/rank tail, dozens of tokens lie within 1e-5 · max|logit| of each other; the order tie
+    lets a draw select only the drawn token's two sorted neighbours, never a token farther along."""
+    from shardtool.runtime.engine._replay import _check_token, _Stats
+    ranks = np.arange(1, 150_001, dtype=np.float64)
+    logits = (-np.log(ranks)).astype(np.float32)[np.random.default_rng(5).permutation(150_000)]
+    order, cdf = nucleus(logits, 1.0, 1.0)
+    for u in (0.9, 0.95, 0.99):
+        drawn = int(np.searchsorted(cdf, u, side="right"))
+        tie = Tolerances().sample_order * float(np.max(np.abs(logits)))
+        assert abs(float(logits[order[drawn + 5]]) - float(logits[order[drawn]])) <= tie  # many near-equal here
+
+        def admitted(tol: Tolerances) -> set[int]:  # sorted positions whose token the check accepts for this draw
+            return {k for k in range(drawn - 12, drawn + 13) if _check_token(
+                logits, type("R", (), {"token_ids": [int(order[k])], "temperature": 1.0, "top_p": 1.0, "seed": 0})(),
+                0, _Draws([u]), tol, _Stats()) is None}
+
+        by_mass = admitted(Tolerances(sample_order=0.0))  # the 1e-6 of mass alone: 2-4 tokens here
+        extra = admitted(Tolerances()) - by_mass
+        assert drawn in by_mass and len(extra) <= 2, (u, sorted(by_mass), sorted(extra))
+        assert extra <= {k + d for k in by_mass for d in (-1, 1)}, (u, sorted(by_mass), sorted(extra))
