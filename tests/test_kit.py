@@ -66,3 +66,22 @@ def test_tiny_builds_each_model_once_per_argument_set(tiny):
     release = tiny.release("mixtral", model_id="kit/once", layers=1, experts=2)
     assert tiny.release("mixtral", model_id="kit/once", experts=2, layers=1) == release
     assert (release / "manifest.msgpack").is_file() and tiny.keypair().with_suffix(".pub").is_file()
+
+
+def test_the_installed_pytest_and_xdist_keep_a_group_on_one_worker(tmp_path):
+    """The marks above are only half of it: xdist must honour them. pytest 9.2 changed what a node id is made of and
+    xdist 3.8's `--dist loadgroup` then spread every group over both workers, silently (each module's model built
+    twice; a Ray test that restarts the node another test killed ran where nobody had killed it)."""
+    import subprocess
+    import sys
+    (tmp_path / "test_grouped.py").write_text(
+        "import pytest\n"
+        "@pytest.mark.xdist_group('g')\n"
+        "@pytest.mark.parametrize('i', range(8))\n"
+        "def test_one(i):\n"
+        "    pass\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-v", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider",
+                        "-p", "no:randomly", "test_grouped.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:]
+    workers = {line.split("]", 1)[0] for line in r.stdout.splitlines() if line.startswith("[gw") and "PASSED" in line}
+    assert len(workers) == 1, r.stdout[-2000:]
