@@ -220,7 +220,7 @@ class NodeSetup:
     cache_policy: str = DEFAULT_POLICY  # which cached expert is evicted first
     key_seed: bytes = field(default=b"", repr=False)  # the node's raw 32-byte Ed25519 private key: signs answers
     owner_pid: int = 0  # the `shardtool node` process on this machine: its actor exits when it does (0: no watch)
-    owner_pid_namespace: int = 0  # the inode of that process's pid namespace: watched only where it is the actor's
+    owner_pid_namespace: int = 0  # the inode of that process's pid namespace: watched only where it is the actor's (0: unknown, no watch)
 
 
 class NodeService:
@@ -330,7 +330,7 @@ class NodeActor:
     pool, is not reachable over the wire; the store ends with the node's process)."""
 
     def __init__(self, setup: NodeSetup):
-        if setup.owner_pid and setup.owner_pid_namespace == pid_namespace():
+        if setup.owner_pid and setup.owner_pid_namespace and setup.owner_pid_namespace == pid_namespace():
             exit_with_owner(setup.owner_pid)
         self._service = NodeService(setup)
         graphs_without_torch()

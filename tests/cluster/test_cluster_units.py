@@ -759,3 +759,20 @@ def test_a_node_actor_whose_node_process_is_already_gone_exits_at_once():
     with pytest.raises(ProcessLookupError):
         exit_with_owner(gone.pid, exit=codes.append)
     assert codes == [0]
+
+
+@pytest.mark.parametrize("actor_ns", [0, 4026531836], ids=["no_proc_either_side", "proc_here_only"])
+def test_a_node_actor_watches_its_owner_only_where_the_pid_namespace_is_known_to_be_the_same(monkeypatch, actor_ns):
+    """pid_namespace() is 0 where /proc/self/ns/pid cannot be read (no /proc, not Linux): two unknowns are not the
+    same namespace, and a pid read in one namespace names another process (or none) in another, whose end would
+    then end a live node's actor (or its absence end it at once)."""
+    from types import SimpleNamespace
+    from shardtool.runtime.engine import _cluster_node as cn
+    watched = []
+    monkeypatch.setattr(cn, "NodeService", lambda setup: None)
+    monkeypatch.setattr(cn, "graphs_without_torch", lambda: None)
+    monkeypatch.setattr(cn, "exit_with_owner", watched.append)
+    monkeypatch.setattr(cn, "pid_namespace", lambda: actor_ns)
+    cn.NodeActor(SimpleNamespace(owner_pid=4242, owner_pid_namespace=0))
+    assert watched == []
+
