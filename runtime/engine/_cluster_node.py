@@ -354,16 +354,20 @@ class NodeActor:
         return b"" if call is None else self.run(call)
 
 
-def exit_with_owner(pid: int, exit=os._exit) -> threading.Thread:
+def exit_with_owner(pid: int, exit=os._exit) -> threading.Thread | None:
     """End this process as soon as process `pid` (the `shardtool node` that started this actor, on this machine)
     has ended. Ray ends an actor whose owner died too, but only once it has noticed, which under load took more than
     20 s here: meanwhile a node the operator killed still answered the cluster, and a node started again under its
-    name was refused. A pidfd (not a pid, which the kernel may hand to another process) says when it ended."""
+    name was refused. A pidfd (not a pid, which the kernel may hand to another process) says when it ended.
+    Where no pidfd can be had (no os.pidfd_open, a kernel or seccomp profile refusing it), no watch (None): Ray's
+    own, slower, detection remains, and the actor still starts."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         exit(0)  # already gone: nobody is behind this actor
         raise  # only reached when `exit` returns (tests)
+    except (OSError, AttributeError):
+        return None
 
     def watch() -> None:
         select.select([fd], [], [])  # readable once the process has exited

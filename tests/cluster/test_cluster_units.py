@@ -776,3 +776,27 @@ def test_a_node_actor_watches_its_owner_only_where_the_pid_namespace_is_known_to
     cn.NodeActor(SimpleNamespace(owner_pid=4242, owner_pid_namespace=0))
     assert watched == []
 
+
+
+@pytest.mark.parametrize("missing", [
+    pytest.param(OSError(38, "Function not implemented"), id="kernel_without_pidfd_ENOSYS"),
+    pytest.param(PermissionError(1, "Operation not permitted"), id="seccomp_refuses_pidfd_EPERM"),
+    pytest.param(OSError(24, "Too many open files"), id="out_of_fds_EMFILE"),
+    pytest.param(None, id="no_os_pidfd_open_not_linux"),
+])
+def test_a_node_actor_without_a_usable_pidfd_still_starts_and_is_not_ended(monkeypatch, missing):
+    """The owner watch only shortens how long a dead node's actor lingers (Ray ends it too, later): where no pidfd
+    can be opened (an older kernel, a container's seccomp profile, no pidfd_open at all) the actor must start and
+    serve, not fail in its constructor and so refuse every node on that machine."""
+    import os
+    from shardtool.runtime.engine._cluster_node import exit_with_owner
+    if missing is None:
+        monkeypatch.delattr(os, "pidfd_open", raising=False)
+    else:
+        def refuse(pid):
+            raise missing
+        monkeypatch.setattr(os, "pidfd_open", refuse)
+    codes = []
+    assert exit_with_owner(os.getpid(), exit=codes.append) is None
+    assert codes == []
+
