@@ -463,11 +463,12 @@ def claim_name(name: str, create, *, grace: float, clock=time.monotonic, sleep=t
     that was SIGKILLed leaves its actor, and so its name, in the cluster until Ray notices that the actor's owner
     is gone (under a second on a quiet machine, seconds under load): a node restarted at once must wait for that,
     not be refused. A name still held after `grace` is another live node's: UsageError."""
+    taken = import_ray().exceptions.ActorAlreadyExistsError  # a ValueError, as Ray's other refusals: only this one
     deadline = clock() + grace
     while True:
         try:
             return create()
-        except ValueError as e:  # the name is taken
+        except taken as e:
             if clock() >= deadline:
                 raise UsageError(f"node name {name!r} is already in use in this cluster (still held after {grace:g} s): "
                                  f"{' '.join(str(e).split())[:200]}") from None

@@ -703,13 +703,14 @@ class _FakeClock:
 def test_a_restarted_node_waits_for_its_killed_predecessor_to_release_the_name():
     """Ray keeps a SIGKILLed node's actor, and its name, until it notices the owner is gone: the node started again
     at once retries until the name is free instead of refusing (the cluster test that restarts mx-b hit this)."""
+    from ray.exceptions import ActorAlreadyExistsError
     from shardtool.runtime.engine._cluster_node import claim_name
     clock, tries = _FakeClock(), []
 
     def create():
         tries.append(clock.now)
         if len(tries) < 4:
-            raise ValueError("The name shardtool-node-b (namespace=shardtool) is already taken.")
+            raise ActorAlreadyExistsError("The name shardtool-node-b (namespace=shardtool) is already taken.")
         return "actor"
 
     assert claim_name("b", create, grace=20.0, clock=clock, sleep=clock.sleep) == "actor"
@@ -717,11 +718,12 @@ def test_a_restarted_node_waits_for_its_killed_predecessor_to_release_the_name()
 
 
 def test_a_name_held_past_the_grace_is_another_live_node_and_refused_as_usage():
+    from ray.exceptions import ActorAlreadyExistsError
     from shardtool.runtime.engine._cluster_node import claim_name
     clock = _FakeClock()
 
     def create():
-        raise ValueError("The name shardtool-node-b (namespace=shardtool) is already taken.")
+        raise ActorAlreadyExistsError("The name shardtool-node-b (namespace=shardtool) is already taken.")
 
     with pytest.raises(UsageError, match=r"node name 'b' is already in use in this cluster \(still held after 5 s\)"):
         claim_name("b", create, grace=5.0, clock=clock, sleep=clock.sleep)
@@ -800,3 +802,25 @@ def test_a_node_actor_without_a_usable_pidfd_still_starts_and_is_not_ended(monke
     assert exit_with_owner(os.getpid(), exit=codes.append) is None
     assert codes == []
 
+
+
+@pytest.mark.parametrize("error", [
+    pytest.param(ValueError("Actor name cannot be an empty string."), id="empty_name"),
+    pytest.param(ValueError("If you're using multi-threaded actors, Ray can't execute actor tasks in order."),
+                 id="bad_actor_options"),
+])
+def test_an_actor_creation_error_that_is_not_the_name_taken_is_not_waited_on_nor_called_name_in_use(error):
+    """Only Ray's 'name already taken' means another node holds the name; any other ValueError from creating the
+    actor is a bug here: it must surface at once as itself (exit 70 with its traceback), not after 30 s of retries
+    as 'node name is already in use' (exit 2, blaming the operator's choice of name)."""
+    from shardtool.runtime.engine._cluster_node import claim_name
+    clock, tries = _FakeClock(), []
+
+    def create():
+        tries.append(clock.now)
+        raise error
+
+    with pytest.raises(ValueError) as raised:
+        claim_name("b", create, grace=30.0, clock=clock, sleep=clock.sleep)
+    assert raised.value is error and not isinstance(raised.value, UsageError)
+    assert tries == [0.0] and clock.now == 0.0
