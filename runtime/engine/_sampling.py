@@ -108,17 +108,22 @@ def sampling_slack(logits: np.ndarray, temperature: float, top_p: float, u: floa
     the mass.) Only the two neighbours: on a long tail, where many tokens lie that close, no wider choice opens."""
     order, probs = _sorted_probs(logits, temperature)
     j = int(np.nonzero(order == token)[0][0])
-    before = float(np.sum(probs[:j]))
-    keep = max(int(np.count_nonzero((np.cumsum(probs) - probs) < top_p)), j + 1)
-    outside = max(0.0, before - top_p) if j >= int(np.count_nonzero((np.cumsum(probs) - probs) < top_p)) else 0.0
-    cdf = np.cumsum(probs[:keep] / probs[:keep].sum())
-    cdf /= cdf[-1]
+    nucleus_size = int(np.count_nonzero((np.cumsum(probs) - probs) < top_p))
     first = last = j
     if order_tie > 0:
         values = np.asarray(logits, dtype=np.float64)
         if j > 0 and abs(values[order[j - 1]] - values[token]) <= order_tie:
             first = j - 1
-        if j + 1 < keep and abs(values[order[j + 1]] - values[token]) <= order_tie:
+        if j + 1 < nucleus_size and abs(values[order[j + 1]] - values[token]) <= order_tie:
             last = j + 1
+        if first < nucleus_size <= j:
+            # A tie across the nucleus cut: sorted first in the run, the token was the nucleus' last and drawn on
+            # that position's interval of this nucleus (not of one stretched to hold both, which would reach into
+            # the interval of the token before them).
+            last = first
+    outside = max(0.0, float(np.sum(probs[:first])) - top_p) if first >= nucleus_size else 0.0
+    keep = max(nucleus_size, last + 1)
+    cdf = np.cumsum(probs[:keep] / probs[:keep].sum())
+    cdf /= cdf[-1]
     lo, hi = (float(cdf[first - 1]) if first else 0.0), float(cdf[last])
     return max(outside, lo - u, u - hi, 0.0)

@@ -642,3 +642,49 @@ def test_the_order_tie_admits_only_the_two_neighbours_on_a_long_tail():
         extra = admitted(Tolerances()) - by_mass
         assert drawn in by_mass and len(extra) <= 2, (u, sorted(by_mass), sorted(extra))
         assert extra <= {k + d for k in by_mass for d in (-1, 1)}, (u, sorted(by_mass), sorted(extra))
+
+
+def _swapped_pair(seed: int, rank: int):
+    """Replayed and run logits of 64 tokens where the tokens at sorted positions `rank` and `rank + 1` of the replay
+    (a, then b) differ by 2e-7 and sort the other way round in the run (float rounding of 4e-7)."""
+    replayed = np.random.default_rng(seed).normal(size=64)
+    a, b = np.argsort(-replayed)[[rank, rank + 1]]
+    replayed[b] = replayed[a] - 2e-7
+    run = replayed.copy()
+    run[b] = replayed[a] + 2e-7
+    return replayed, run, int(a), int(b)
+
+
+def _one_token(token: int, temperature: float, top_p: float):
+    return type("R", (), {"token_ids": [token], "temperature": temperature, "top_p": top_p, "seed": 0})()
+
+
+@pytest.mark.parametrize("rank, temperature", [(0, 1.0), (3, 1.0), (0, 0.01), (0, 1e-6), (3, 100.0)])
+def test_two_near_equal_tokens_swapped_across_the_nucleus_cut_are_a_near_tie_not_a_forgery(rank, temperature):
+    """top_p < 1 cuts the nucleus between the two: in the run b sorted first, was the nucleus' last token and the
+    draw fell on it; the replay sorts a first, so b lies just outside its nucleus. The honest receipt is a counted
+    near-tie (it was refused by how far the nucleus would have had to reach for b, all of a's probability); at a
+    low temperature, where the nucleus is the top token or two, this is the usual case. The same receipt with b
+    not within the tie of a (1e-3 · max|logit| below it) is refused: the cut opens no choice of its own."""
+    from shardtool.runtime.engine._replay import _check_token, _Stats
+    replayed, run, a, b = _swapped_pair(11, rank)
+    order, probs = np.argsort(-run, kind="stable"), np.exp((run - run.max()) / temperature)
+    probs = probs[order] / probs.sum()
+    top_p = float(np.sum(probs[:rank + 1])) - 0.5 * float(probs[rank])  # the run's nucleus ends with b
+    nuc, cdf = nucleus(run, temperature, top_p)
+    assert nuc[-1] == b and a not in nuc and b not in nucleus(replayed, temperature, top_p)[0]
+    lo = float(cdf[-2]) if len(cdf) > 1 else 0.0
+    u = lo + 0.5 * (1.0 - lo)  # a draw on b's interval in the run
+    assert sample_token(run, temperature=temperature, top_p=top_p, rng=_Draws([u])) == b
+
+    stats = _Stats()
+    assert _check_token(replayed, _one_token(b, temperature, top_p), 0, _Draws([u]), Tolerances(), stats) is None
+    assert stats.token_ties == 1
+    if rank:  # a draw near the end of the interval of the token before a (not tied): b is refused
+        rep_cdf = nucleus(replayed, temperature, top_p)[1]
+        early = float(rep_cdf[rank - 1]) - 0.1 * float(rep_cdf[rank - 1] - (rep_cdf[rank - 2] if rank > 1 else 0.0))
+        assert _check_token(replayed, _one_token(b, temperature, top_p), 0, _Draws([early]), Tolerances(), _Stats())
+    apart = replayed.copy()
+    apart[b] = replayed[a] - 1e-3 * float(np.max(np.abs(replayed)))
+    refused = _check_token(apart, _one_token(b, temperature, top_p), 0, _Draws([u]), Tolerances(), _Stats())
+    assert refused is not None and "does not give token" in refused
