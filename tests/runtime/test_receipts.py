@@ -688,3 +688,46 @@ def test_two_near_equal_tokens_swapped_across_the_nucleus_cut_are_a_near_tie_not
     apart[b] = replayed[a] - 1e-3 * float(np.max(np.abs(replayed)))
     refused = _check_token(apart, _one_token(b, temperature, top_p), 0, _Draws([u]), Tolerances(), _Stats())
     assert refused is not None and "does not give token" in refused
+
+
+_TIE_ATTACKS = {  # name: (logits, temperature, top_p): crafted receipts the order tie must judge, never crash on
+    "flat_all_zero": (np.zeros(16, dtype=np.float32), 1.0, 1.0),
+    "flat_all_equal_nucleus_cut": (np.full(16, 3.0, dtype=np.float32), 1.0, 0.3),
+    "two_token_vocabulary_tied": (np.array([1.0, 1.0], dtype=np.float32), 1.0, 1.0),
+    "one_token_vocabulary": (np.array([0.5], dtype=np.float32), 1.0, 1.0),
+    "smallest_temperature": (np.array([2.0, 2.0, 1.0, 2.0], dtype=np.float32), 5e-324, 1.0),
+    "largest_temperature": (np.random.default_rng(1).normal(size=32).astype(np.float32), 1e6, 1.0),
+    "smallest_top_p": (np.array([2.0, 2.0, 2.0, 1.0], dtype=np.float32), 1e-300, 1e-300),
+    "tied_plateau_long_tail": (np.r_[np.float32(5.0), np.full(40, -1.0, dtype=np.float32)], 1.0, 1.0),
+    "tie_with_the_last_nucleus_token": (np.array([3.0, 1.0, 1.0, 1.0, 0.0], dtype=np.float32), 1.0, 0.9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_TIE_ATTACKS))
+def test_the_order_tie_gives_a_verdict_and_at_most_the_drawn_tokens_two_tied_neighbours(name):
+    """For every token of the vocabulary and draws at 0, the ends and inside intervals: _check_token returns a
+    verdict (no IndexError on j = 0, the nucleus' last, a token outside it; no empty nucleus), and a draw admits
+    at most three tokens, the drawn one and its sorted neighbours tied with it (four for a draw exactly on a
+    boundary, a chance of 2^-53): even where every logit is equal, the operator chooses among three, and each
+    choice is a counted near-tie."""
+    from shardtool.runtime.engine._replay import _check_token, _Stats
+    logits, temperature, top_p = _TIE_ATTACKS[name]
+    order, cdf = nucleus(logits, temperature, top_p)
+    ends = [0.0, float(np.nextafter(1.0, 0.0))] + [float(c) for c in cdf[:-1]]
+    mids = [float((lo + hi) / 2) for lo, hi in zip(np.r_[0.0, cdf[:-1]], cdf)]
+    tie = Tolerances().sample_order * max(float(np.max(np.abs(logits))), 1e-30)
+    for u in ends + mids:
+        drawn = sample_token(logits, temperature=temperature, top_p=top_p, rng=_Draws([u]))
+        admitted = []
+        for token in range(len(logits)):
+            stats = _Stats()
+            verdict = _check_token(logits, _one_token(token, temperature, top_p), 0, _Draws([u]), Tolerances(), stats)
+            assert verdict is None or "does not give token" in verdict
+            if verdict is None:
+                admitted.append(token)
+                # (a draw exactly on a boundary selects the later token and is 0 away from the earlier one)
+                assert token == drawn or stats.token_ties == 1 or u in ends, (u, token)
+        assert drawn in admitted and len(admitted) <= (4 if u in ends else 3), (u, drawn, admitted)
+        off = [t for t in admitted if abs(float(logits[t]) - float(logits[drawn])) > tie]
+        assert sampling_slack(logits, temperature, top_p, u, drawn) == 0.0
+        assert all(sampling_slack(logits, temperature, top_p, u, t) <= Tolerances().sample_mass for t in off), off
