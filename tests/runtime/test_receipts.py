@@ -731,3 +731,18 @@ def test_the_order_tie_gives_a_verdict_and_at_most_the_drawn_tokens_two_tied_nei
         off = [t for t in admitted if abs(float(logits[t]) - float(logits[drawn])) > tie]
         assert sampling_slack(logits, temperature, top_p, u, drawn) == 0.0
         assert all(sampling_slack(logits, temperature, top_p, u, t) <= Tolerances().sample_mass for t in off), off
+
+
+def test_order_tie_tokens_count_against_the_receipts_near_ties():
+    """An operator taking the other token of a near-equal pair at every step it can: each is counted, and past
+    max_token_ties the receipt is refused."""
+    from shardtool.runtime.engine._replay import _check_token, _Stats
+    replayed, run, a, b = _swapped_pair(11, 3)
+    order, cdf = nucleus(run, 1.0, 1.0)
+    pos_b = int(np.nonzero(order == b)[0][0])
+    u = float(cdf[pos_b - 1] + 0.5 * (cdf[pos_b] - cdf[pos_b - 1]))
+    stats, tol = _Stats(), Tolerances()
+    verdicts = [_check_token(replayed, _one_token(b, 1.0, 1.0), 0, _Draws([u]), tol, stats)
+                for _ in range(tol.max_token_ties + 1)]
+    assert verdicts[:-1] == [None] * tol.max_token_ties
+    assert "used its 8 tolerated near-tie tokens" in verdicts[-1]
