@@ -116,12 +116,13 @@ def sampling_slack(logits: np.ndarray, temperature: float, top_p: float, u: floa
             first = j - 1
         if j + 1 < nucleus_size and abs(values[order[j + 1]] - values[token]) <= order_tie:
             last = j + 1
-        if first < nucleus_size <= j:
-            # A tie across the nucleus cut: sorted first in the run, the token was the nucleus' last and drawn on
-            # that position's interval of this nucleus (not of one stretched to hold both, which would reach into
-            # the interval of the token before them).
-            last = first
-    outside = max(0.0, float(np.sum(probs[:first])) - top_p) if first >= nucleus_size else 0.0
+    # A tie across the nucleus cut: sorted first in the run, the token was the nucleus' last and drawn on that
+    # position's interval of this nucleus (not of one stretched to hold both, which would reach into the interval
+    # of the token before them).
+    across_cut = first < nucleus_size <= j
+    if across_cut:
+        last = first
+    outside = 0.0 if across_cut or j < nucleus_size else max(0.0, float(np.sum(probs[:j])) - top_p)
     keep = max(nucleus_size, last + 1)
     cdf = np.cumsum(probs[:keep] / probs[:keep].sum())
     cdf /= cdf[-1]
