@@ -726,3 +726,35 @@ def test_a_name_held_past_the_grace_is_another_live_node_and_refused_as_usage():
     with pytest.raises(UsageError, match=r"node name 'b' is already in use in this cluster \(still held after 5 s\)"):
         claim_name("b", create, grace=5.0, clock=clock, sleep=clock.sleep)
     assert 5.0 <= clock.now < 6.0
+
+
+class _Recording:
+    """A transport that keeps what each call would send (no node answers)."""
+
+    def __init__(self):
+        self.sent: list[tuple[str, np.ndarray, dict]] = []
+
+    def submit(self, node, layer, expert_ids, x, rows, nonce):
+        self.sent.append((node, x, rows))
+        return len(self.sent) - 1
+
+
+@pytest.mark.parametrize("x_rows, rows", [
+    pytest.param(1, {0: [0], 1: [0]}, id="decode-step-of-one"),
+    pytest.param(3, {0: [0, 2], 1: [1]}, id="batch-of-three"),
+    pytest.param(2, {0: [1], 1: [1]}, id="one-row-of-two"),
+])
+def test_a_call_sends_the_rows_its_experts_need_renumbered_into_its_block(model, monkeypatch, x_rows, rows):
+    _, _, plan = model
+    transport = _Recording()
+    remote = kit.remote_experts(plan, transport)
+    x = np.arange(x_rows * 16, dtype=np.float32).reshape(x_rows, 16)
+    rows = {e: np.asarray(r, dtype=np.int64) for e, r in rows.items()}
+    used = sorted({int(i) for r in rows.values() for i in r})
+    if x_rows == 1:  # a decode step of one sequence takes no numpy set operation (its cost per round)
+        monkeypatch.setattr(np, "unique", lambda *a, **k: pytest.fail("np.unique at batch one"))
+    remote._send("a", 0, sorted(rows), x, rows)
+    (_, block, local), = transport.sent
+    assert block.dtype == np.float32 and block.flags.c_contiguous and np.array_equal(block, x[used])
+    assert {e: r.tolist() for e, r in local.items()} == {e: [used.index(int(i)) for i in r] for e, r in rows.items()}
+    assert all(r.dtype == np.int64 for r in local.values())
