@@ -758,3 +758,36 @@ def test_a_call_sends_the_rows_its_experts_need_renumbered_into_its_block(model,
     assert block.dtype == np.float32 and block.flags.c_contiguous and np.array_equal(block, x[used])
     assert {e: r.tolist() for e, r in local.items()} == {e: [used.index(int(i)) for i in r] for e, r in rows.items()}
     assert all(r.dtype == np.int64 for r in local.values())
+
+
+@pytest.mark.parametrize("options, error", [
+    pytest.param(dict(graph=True), "--cluster-graph need --cluster", id="graph-without-cluster"),
+    pytest.param(dict(insecure=True), "--cluster-graph need --cluster", id="insecure-without-cluster"),
+])
+def test_cluster_only_options_without_cluster_are_a_usage_error(options, error):
+    from shardtool.cli._common import check_cluster_options
+    with pytest.raises(UsageError, match=error):
+        check_cluster_options(None, None, 30.0, [], **options)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["plain-calls", "compiled-graph"])
+def test_cluster_graph_reaches_connect_cluster_from_the_cli_options(model, monkeypatch, graph):
+    """--cluster-graph: `cluster_args` -> `open_model(cluster_graph=...)` -> `connect_cluster(graph=...)`."""
+    from shardtool.cli._common import cluster_args
+    from shardtool.runtime import open_model
+    from shardtool.runtime.engine import _open
+
+    work, _, _ = model
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def connect(address, plan, *, timeout, insecure, graph):
+        asked.append(graph)
+        raise Stop
+    monkeypatch.setattr(_open, "connect_cluster", connect)
+    args = cluster_args("127.0.0.1:1", work / "plan.json", [work / "op.pub"], False, 5.0, graph)
+    with pytest.raises(Stop):
+        open_model(work / "full", trust=[work / "a.pub"], state_dir=work / "graph-state", memory_budget="1GiB", **args)
+    assert asked == [graph]
