@@ -791,3 +791,26 @@ def test_cluster_graph_reaches_connect_cluster_from_the_cli_options(model, monke
     with pytest.raises(Stop):
         open_model(work / "full", trust=[work / "a.pub"], state_dir=work / "graph-state", memory_budget="1GiB", **args)
     assert asked == [graph]
+
+
+def test_the_proxys_run_calls_carry_no_ray_task_events():
+    """Each task event is buffered in the proxy and the node's worker and sent to the GCS: on shared cores the round
+    paid for it (proxy CPU 1.16 -> 0.85 ms a round without them, docs/scaling.md)."""
+    from shardtool.runtime.engine._cluster_proxy import RayTransport
+    submitted = []
+
+    class Method:
+        def __init__(self, options=None):
+            self.given = options or {}
+
+        def options(self, **options):
+            return Method(options)
+
+        def remote(self, call):
+            submitted.append((self.given, call))
+            return "ref"
+
+    transport = object.__new__(RayTransport)
+    transport._actors = {"a": type("Actor", (), {"run": Method()})()}
+    assert transport.submit("a", b"call") == "ref"
+    assert submitted == [({"enable_task_events": False}, b"call")]
