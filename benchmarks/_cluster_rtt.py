@@ -14,8 +14,14 @@ other jobs share, CPU turns into latency). bench_cluster.py prints the round fro
 decode figures.
 
 With --graph the coordinator's rounds go through a Ray Compiled Graph (`connect_cluster(graph=True)`).
+With --compare plain,graph --repeats 3 the given modes run interleaved on one cluster (plain, graph, plain, graph,
+...), each run a fresh coordinator, and a table gives each run's median and the median of the runs, with the CPU
+seconds per round of the coordinator, its proxy and the Ray session (GCS, raylet, the nodes' actor workers).
+--pin puts the Ray session (the nodes) on CPU 1 and this process and its proxy on CPU 0: a separate row for
+"what separate machines would give", never in place of the plain figure.
 
-Usage: python benchmarks/_cluster_rtt.py [--calls 300] [--graph] [--workdir DIR] [--node-budget MIB]
+Usage: python benchmarks/_cluster_rtt.py [--calls 300] [--graph | --compare plain,graph --repeats 3] [--pin]
+                                         [--workdir DIR] [--node-budget MIB] [--skip-bare]
 """
 
 from __future__ import annotations
@@ -43,9 +49,11 @@ def _ms(values) -> str:
            f"p90 {np.percentile(values, 90) * 1e3:.3f})"
 
 
-def coordinator_rounds(work: Path, address: str, calls: int, *, graph: bool = False) -> dict:
+def coordinator_rounds(work: Path, address: str, calls: int, *, graph: bool = False, session: int | None = None,
+                       on_proxy=None) -> dict:
     """Timed RemoteExperts.run at batch one, through the proxy, as `--cluster` runs it; CPU seconds per round of
-    this process and of the proxy."""
+    this process, of the proxy and (given the Ray head's session id `session`) of the Ray session; `on_proxy(pid)`
+    is called with the proxy's pid before the first round (e.g. to pin it)."""
     from shardtool.keys import load_public_key
     from shardtool.manifest import load_trusted_manifest
     from shardtool.runtime import connect_cluster, load_signed_plan
@@ -54,6 +62,8 @@ def coordinator_rounds(work: Path, address: str, calls: int, *, graph: bool = Fa
                                      work / "probe-state")
     plan = load_signed_plan(work / "plan.json", verified, [load_public_key(work / "op.pub")])
     remote = connect_cluster(address, plan, graph=graph)
+    if on_proxy is not None:
+        on_proxy(remote.transport.pid)
     cfg = bc.LOOP_MODEL
     rng = np.random.default_rng(0)
     node_seconds: list[float] = []
@@ -67,6 +77,7 @@ def coordinator_rounds(work: Path, address: str, calls: int, *, graph: bool = Fa
 
     transport.result = timed_result
     rounds, node_work = [], []
+    ray_cpu = bc.session_cpu(session) if session is not None else 0.0
     proxy_cpu, cpu = _cpu_seconds(transport.pid), time.process_time()
     try:
         for i in range(calls + 20):
@@ -83,11 +94,12 @@ def coordinator_rounds(work: Path, address: str, calls: int, *, graph: bool = Fa
                 rounds.append(dt)
                 node_work.append(max(node_seconds))
         proxy_cpu, cpu = _cpu_seconds(transport.pid) - proxy_cpu, time.process_time() - cpu
+        ray_cpu = bc.session_cpu(session) - ray_cpu if session is not None else float("nan")
     finally:
         transport.submit, transport.result = submit, result
         remote.close()
     return {"round": rounds, "node_work": node_work, "calls_per_round": remote.stats.calls / (calls + 20),
-            "proxy_cpu": proxy_cpu / (calls + 20), "cpu": cpu / (calls + 20)}
+            "proxy_cpu": proxy_cpu / (calls + 20), "cpu": cpu / (calls + 20), "ray_cpu": ray_cpu / (calls + 20)}
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -157,11 +169,85 @@ def bare_ray(work: Path, address: str, calls: int) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def session_by_process(sid: int) -> dict[str, float]:
+    """CPU seconds so far of the Ray session's live processes, by what they are (the command's first word: raylet,
+    gcs_server, ray::NodeActor, ray::IDLE, the Python agents, ...)."""
+    out: dict[str, float] = {}
+    for pid, fields in bc.session_processes(sid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        kind = cmd.rsplit("/", 1)[-1] if "/" in cmd.split(" ")[0] else cmd.split(" ")[0]
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def pin(pid: int, cpu: int) -> None:
+    """Every thread of process `pid` on CPU `cpu` (sched_setaffinity of one pid moves only its main thread)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
+def compare(work: Path, cluster, modes: list[str], repeats: int, calls: int, pinned: bool) -> None:
+    """The modes' rounds interleaved on one cluster, `repeats` runs each; a table of medians."""
+    session = cluster.head.proc.pid
+    if pinned:
+        for pid, _ in bc.session_processes(session):
+            pin(pid, 1)
+        pin(os.getpid(), 0)
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    idle0, t0 = session_by_process(session), time.perf_counter()
+    time.sleep(5.0)
+    idle_rate = {k: v / (time.perf_counter() - t0) for k, v in _delta(session_by_process(session), idle0).items()}
+    parts: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    for _ in range(repeats):
+        for mode in modes:
+            before = session_by_process(session)
+            r = coordinator_rounds(work, cluster.address, calls, graph=mode == "graph", session=session,
+                                   on_proxy=(lambda p: pin(p, 0)) if pinned else None)
+            parts[mode].append({k: v / (calls + 20) for k, v in _delta(session_by_process(session), before).items()})
+            runs[mode].append(r)
+    where = "nodes on CPU 1, coordinator + proxy on CPU 0" if pinned else "unpinned"
+    print(f"## interleaved, {calls} rounds a run, {repeats} runs a mode, {where}; load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print(f"{'mode':<6} {'round ms, median of runs':>24}  {'runs (p10, median, p90)':<60} {'coord':>6} {'proxy':>6} "
+          f"{'Ray':>6} CPU ms per round")
+    for mode, rs in runs.items():
+        per = [f"({np.percentile(r['round'], 10) * 1e3:.2f}, {statistics.median(r['round']) * 1e3:.2f}, "
+               f"{np.percentile(r['round'], 90) * 1e3:.2f})" for r in rs]
+        print(f"{mode:<6} {statistics.median(statistics.median(r['round']) for r in rs) * 1e3:24.3f}  "
+              f"{' '.join(per):<60} {statistics.median(r['cpu'] for r in rs) * 1e3:6.3f} "
+              f"{statistics.median(r['proxy_cpu'] for r in rs) * 1e3:6.3f} "
+              f"{statistics.median(r['ray_cpu'] for r in rs) * 1e3:6.3f}")
+    print("the Ray session idle (5 s, no rounds), CPU ms per second: "
+          + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(idle_rate.items(), key=lambda kv: -kv[1]) if v > 0))
+    for mode in modes:
+        kinds = sorted({k for p in parts[mode] for k in p}, key=lambda k: -statistics.median(p.get(k, 0.0)
+                                                                                           for p in parts[mode]))
+        print(f"the Ray session per round ({mode}), CPU ms, median of runs (wall and idle share included): "
+              + ", ".join(f"{k} {statistics.median(p.get(k, 0.0) for p in parts[mode]) * 1e3:.3f}" for k in kinds
+                          if statistics.median(p.get(k, 0.0) for p in parts[mode]) > 0))
+    print("RESULT " + json.dumps({m: [{k: (v if not isinstance(v, list) else statistics.median(v))
+                                       for k, v in r.items()} for r in rs] for m, rs in runs.items()}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "shardtool-cluster-rtt")
     ap.add_argument("--graph", action="store_true", help="rounds through a Ray Compiled Graph (connect_cluster)")
+    ap.add_argument("--compare", help="modes to interleave, e.g. plain,graph")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each --compare mode")
+    ap.add_argument("--pin", action="store_true", help="with --compare: nodes on CPU 1, coordinator on CPU 0")
+    ap.add_argument("--skip-bare", action="store_true", help="no bare Ray driver figures")
     ap.add_argument("--node-budget", type=int, default=128, help="MiB per node (its experts fit: the round trip only)")
     args = ap.parse_args()
     work = args.workdir
@@ -169,8 +255,14 @@ def main() -> None:
     os.environ.update(bc.RAY_ENV)
     cluster = bc.LoopbackCluster(work, args.node_budget * MIB)
     try:
-        co = coordinator_rounds(work, cluster.address, args.calls, graph=args.graph)
-        bare = bare_ray(work, cluster.address, args.calls)
+        if args.compare:
+            compare(work, cluster, args.compare.split(","), args.repeats, args.calls, args.pin)
+            if not args.skip_bare:
+                for key, values in bare_ray(work, cluster.address, args.calls).items():
+                    print(f"{key:<32} {_ms(values) if isinstance(values, list) else values}")
+            return
+        co = coordinator_rounds(work, cluster.address, args.calls, graph=args.graph, session=cluster.head.proc.pid)
+        bare = {} if args.skip_bare else bare_ray(work, cluster.address, args.calls)
     finally:
         cluster.stop()
     print(f"## one MoE layer's round at batch 1, {args.calls} calls, {co['calls_per_round']:.2f} node calls a round")
@@ -179,6 +271,7 @@ def main() -> None:
     print(f"  the rest: proxy, Ray, checks   {_ms([r - w for r, w in zip(co['round'], co['node_work'])])}")
     print(f"coordinator CPU per round        {co['cpu'] * 1e3:.3f} ms")
     print(f"proxy CPU per round              {co['proxy_cpu'] * 1e3:.3f} ms")
+    print(f"Ray session CPU per round        {co['ray_cpu'] * 1e3:.3f} ms (GCS, raylet, the nodes' actor workers)")
     for key, values in bare.items():
         print(f"{key:<32} {_ms(values) if isinstance(values, list) else values}")
 

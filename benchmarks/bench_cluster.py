@@ -344,14 +344,16 @@ class Group:
         self.handle.close()
 
 
-def one_run(work: Path, directory: str, tokens: int, *, cluster: str | None, budget: int) -> dict:
-    """verify-and-run with --print-ids: the time each token reached stdout, and its JSON report."""
+def one_run(work: Path, directory: str, tokens: int, *, cluster: str | None, budget: int, graph: bool = False) -> dict:
+    """verify-and-run with --print-ids: the time each token reached stdout, and its JSON report; `graph`: with
+    --cluster-graph."""
     report = work / f"report-{time.monotonic_ns()}.json"
     argv = [VENV_BIN / "verify-and-run", work / directory, "--trust", work / "a.pub", "--state-dir", work / "state",
             "--model-id", LOOP_MODEL_ID, "--prompt-ids", LOOP_PROMPT_IDS, "--max-new-tokens", str(tokens), "--print-ids", "-q",
             "--memory-budget", str(budget), "--readers", "1", "--json-report", report]
     if cluster:
         argv += ["--cluster", cluster, "--plan", work / "plan.json", "--plan-trust", work / "op.pub"]
+        argv += ["--cluster-graph"] if graph else []
     proc = subprocess.Popen([str(a) for a in argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=work,
                             env={**os.environ, **RAY_ENV, "XDG_STATE_HOME": str(work)}, stdin=subprocess.DEVNULL)
     cpu0 = _children_cpu()
@@ -362,7 +364,7 @@ def one_run(work: Path, directory: str, tokens: int, *, cluster: str | None, bud
     summary = json.loads(report.read_text())
     report.unlink()
     return {"ids": ids, "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "report": summary,
-            "cpu": _children_cpu() - cpu0}
+            "cpu": _children_cpu() - cpu0, "stderr": err[-4000:]}
 
 
 def stamped_ids(stream, probe=None) -> tuple[list[str], list[float], list]:
@@ -473,15 +475,16 @@ class LoopbackCluster:
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
-def measure_loopback(work: Path, repeats: int, tokens: int) -> dict:
+def measure_loopback(work: Path, repeats: int, tokens: int, *, graph: bool = False) -> dict:
     """The measured part: 1 process vs coordinator + 2 nodes on loopback (same model, each process holding what it
-    serves), and the layer round trip between the decode runs."""
+    serves), and the layer round trip between the decode runs; `graph`: a third set-up, the cluster's rounds
+    through a Ray Compiled Graph (--cluster-graph), and its round trips timed beside the plain ones."""
     build_loopback(work)
     cluster = LoopbackCluster(work, LOOP_NODE_BUDGET)
     address, head = cluster.address, cluster.head
     try:
-        runs = {"1 process": [], "coordinator + 2 nodes": []}
-        rounds = []
+        runs = {"1 process": [], "coordinator + 2 nodes": [], **({"2 nodes, compiled graph": []} if graph else {})}
+        rounds, graph_rounds = [], []
         from _cluster_rtt import coordinator_rounds
         os.environ.update(RAY_ENV)  # the round trips' proxy is this process's child: Ray's token, by file
         for _ in range(repeats):  # interleaved: drift in the machine's load hits both alike
@@ -491,10 +494,20 @@ def measure_loopback(work: Path, repeats: int, tokens: int) -> dict:
             run["ray_cpu"] = session_cpu(head.proc.pid) - ray0
             runs["coordinator + 2 nodes"].append(run)
             rounds.append(coordinator_rounds(work, address, LOOP_ROUND_CALLS))
+            if graph:
+                ray0 = session_cpu(head.proc.pid)
+                run = one_run(work, "coordinator", tokens, cluster=address, budget=LOOP_COORDINATOR_BUDGET,
+                              graph=True)
+                run["ray_cpu"] = session_cpu(head.proc.pid) - ray0
+                runs["2 nodes, compiled graph"].append(run)
+                graph_rounds.append(coordinator_rounds(work, address, LOOP_ROUND_CALLS, graph=True))
     finally:
         cluster.stop()
-    local, remote = runs["1 process"], runs["coordinator + 2 nodes"]
-    same = all(r["ids"] == local[0]["ids"] for r in local + remote)
+    local = runs["1 process"]
+    same = all(r["ids"] == local[0]["ids"] for rs in runs.values() for r in rs)
+    fell_back = sum("plain actor calls from now on" in r["stderr"] for r in runs.get("2 nodes, compiled graph", []))
+    if fell_back:
+        print(f"(the compiled graph fell back to plain calls in {fell_back} of the graph runs)")
     rows = {}
     for name, rs in runs.items():
         decode = [r["report"]["decode_tokens_per_s"] for r in rs]
@@ -528,18 +541,27 @@ def measure_loopback(work: Path, repeats: int, tokens: int) -> dict:
               f"{row['ray_call_share']:13.1%} {row['node_calls_per_fed_token']:12.2f} "
               f"{row['ms_per_layer_round']:15.2f} {row['wall_seconds']:7.3f} {row['coordinator_cpu_seconds']:12.3f} "
               f"{row['ray_session_cpu_seconds']:10.3f}")
+    trip = _round_trips(rounds, "plain actor calls")
+    result = {"same_tokens": same, "rows": rows, "tokens": tokens, "repeats": repeats, "round_trip": trip}
+    if graph:
+        result["round_trip_graph"] = _round_trips(graph_rounds, "compiled graph")
+    return result
+
+
+def _round_trips(rounds: list[dict], how: str) -> dict:
+    """The layer round trips timed between the decode runs (`coordinator_rounds`), medians printed and returned."""
     trip = {"median_ms_per_run": [statistics.median(r["round"]) * 1e3 for r in rounds],
             "node_work_ms_per_run": [statistics.median(r["node_work"]) * 1e3 for r in rounds],
             "coordinator_cpu_ms": statistics.median(r["cpu"] for r in rounds) * 1e3,
             "proxy_cpu_ms": statistics.median(r["proxy_cpu"] for r in rounds) * 1e3,
             "node_calls_per_round": statistics.median(r["calls_per_round"] for r in rounds)}
     trip["median_ms"] = statistics.median(trip["median_ms_per_run"])
-    print(f"one MoE layer's round trip at batch 1 (coordinator -> nodes -> coordinator, {LOOP_ROUND_CALLS} calls a "
-          f"run, {trip['node_calls_per_round']:.2f} node calls a round): median {trip['median_ms']:.2f} ms (runs: "
+    print(f"one MoE layer's round trip at batch 1, {how} (coordinator -> nodes -> coordinator, {LOOP_ROUND_CALLS} "
+          f"calls a run, {trip['node_calls_per_round']:.2f} node calls a round): median {trip['median_ms']:.2f} ms (runs: "
           f"{', '.join(f'{v:.2f}' for v in trip['median_ms_per_run'])}); of it the nodes' own work "
           f"{statistics.median(trip['node_work_ms_per_run']):.2f} ms; CPU per round: coordinator "
           f"{trip['coordinator_cpu_ms']:.2f} ms, its proxy {trip['proxy_cpu_ms']:.2f} ms")
-    return {"same_tokens": same, "rows": rows, "tokens": tokens, "repeats": repeats, "round_trip": trip}
+    return trip
 
 
 def main() -> None:
@@ -555,6 +577,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--tokens", type=int, default=32, help="New tokens per loopback run.")
     ap.add_argument("--loopback-repeats", type=int, default=3, help="Runs of each loopback set-up.")
+    ap.add_argument("--graph", action="store_true", help="Also the cluster through a Ray Compiled Graph "
+                                                          "(verify-and-run --cluster-graph), interleaved.")
     args = ap.parse_args()
 
     results: dict = {}
@@ -579,7 +603,8 @@ def main() -> None:
             "rows": print_scale(cfg, node_read_gbps=node_read, net_gbit=args.net_gbit,
                                 node_memory_bytes=args.node_memory_gb * 1e9, samples=args.samples)}
     if not args.scale_only:
-        results["loopback"] = measure_loopback(args.workdir / "loopback", args.loopback_repeats, args.tokens)
+        results["loopback"] = measure_loopback(args.workdir / "loopback", args.loopback_repeats, args.tokens,
+                                               graph=args.graph)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, allow_nan=False))
     if not results.get("loopback", {"same_tokens": True})["same_tokens"]:

@@ -71,14 +71,17 @@ def load_trusted(paths: list[Path]) -> list:
 
 
 PLAN_TRUST_HELP = "Operator public key the cluster plan's signature (PLAN.sig) must verify with (repeatable)."
+CLUSTER_GRAPH_HELP = ("Each MoE layer's calls to the nodes through a Ray Compiled Graph instead of plain actor calls "
+                      "(falls back to plain calls, saying so, if the graph fails). Faster rounds, but Ray's channel "
+                      "readers busy-wait: each node spends a core while this coordinator is connected.")
 INSECURE_CLUSTER_HELP = ("Use a Ray head that does not enforce token authentication (RAY_AUTH_MODE=token): anyone "
                          "who reaches it could join and run code here. Warns on every start.")
 
 
 def check_cluster_options(cluster: Optional[str], plan_file: Optional[Path], remote_timeout: float,
-                          plan_trust: list[Path] | None = None, insecure: bool = False) -> None:
-    """verify-and-run's and serve's --cluster, --plan, --plan-trust, --insecure-cluster and --remote-timeout,
-    before anything is read."""
+                          plan_trust: list[Path] | None = None, insecure: bool = False, graph: bool = False) -> None:
+    """verify-and-run's and serve's --cluster, --plan, --plan-trust, --insecure-cluster, --cluster-graph and
+    --remote-timeout, before anything is read."""
     import math
 
     if (cluster is None) != (plan_file is None):
@@ -89,17 +92,17 @@ def check_cluster_options(cluster: Optional[str], plan_file: Optional[Path], rem
         raise UsageError(f"--remote-timeout must be a number of seconds, got {remote_timeout}")
     if cluster is not None and not plan_trust:
         raise UsageError("--cluster needs --plan-trust OPERATOR.pub: the plan's signature is checked before it is used")
-    if cluster is None and (plan_trust or insecure):
-        raise UsageError("--plan-trust and --insecure-cluster need --cluster")
+    if cluster is None and (plan_trust or insecure or graph):
+        raise UsageError("--plan-trust, --insecure-cluster and --cluster-graph need --cluster")
 
 
 def cluster_args(cluster: Optional[str], plan_file: Optional[Path], plan_trust: list[Path], insecure: bool,
-                 remote_timeout: float) -> dict:
+                 remote_timeout: float, graph: bool = False) -> dict:
     """The checked cluster options as `open_model`'s arguments (none without --cluster)."""
     if cluster is None:
         return {}
     return dict(cluster=cluster, plan=plan_file, plan_trust=plan_trust, insecure_cluster=insecure,
-                cluster_timeout=remote_timeout)
+                cluster_timeout=remote_timeout, cluster_graph=graph)
 
 
 CACHE_POLICY_HELP = ("Which cached shard is evicted first: lru, lfu or lfu-da (LFU with dynamic aging); default: "

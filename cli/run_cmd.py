@@ -10,9 +10,9 @@ from typing import List, Optional
 
 import typer
 
-from shardtool.cli._common import (CACHE_POLICY_HELP, INSECURE_CLUSTER_HELP, LOOKAHEAD_HELP, PAGE_CACHE_HELP,
-                                   PLAN_TRUST_HELP, check_cache_policy, check_cluster_options, check_page_cache,
-                                   cluster_args as _cluster_args,
+from shardtool.cli._common import (CACHE_POLICY_HELP, CLUSTER_GRAPH_HELP, INSECURE_CLUSTER_HELP, LOOKAHEAD_HELP,
+                                   PAGE_CACHE_HELP, PLAN_TRUST_HELP, check_cache_policy, check_cluster_options,
+                                   check_page_cache, cluster_args as _cluster_args,
                                    keep_freed_memory, load_trusted, parse_size, run_app, say, set_compute_threads,
                                    share_gil_with_readers, unpinned_warning)
 from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP, check_source
@@ -111,6 +111,7 @@ def verify_and_run(
                                                                   "only its coordinator files."),
     plan_trust: List[Path] = typer.Option([], "--plan-trust", help=PLAN_TRUST_HELP),
     insecure_cluster: bool = typer.Option(False, "--insecure-cluster", help=INSECURE_CLUSTER_HELP),
+    cluster_graph: bool = typer.Option(False, "--cluster-graph", help=CLUSTER_GRAPH_HELP),
     remote_timeout: float = typer.Option(30.0, "--remote-timeout", min=0.1, max=3600.0,
                                          help="Seconds a node has to answer one call before its replica is asked."),
     remote_store: List[str] = typer.Option([], "--remote", help=REMOTE_HELP),
@@ -123,7 +124,7 @@ def verify_and_run(
     budget, ids = parse_size(memory_budget), parse_ids(prompt_ids) if prompt_ids is not None else None
     _check_options(prompt, prompt_ids, temperature, top_p, receipt_key, receipt_out, trace_out,
                    receipt_passphrase_file, max_new_tokens)
-    check_cluster_options(cluster, plan_file, remote_timeout, plan_trust, insecure_cluster)
+    check_cluster_options(cluster, plan_file, remote_timeout, plan_trust, insecure_cluster, cluster_graph)
     check_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout)
     page_cache = check_page_cache(page_cache)
     operator_key = None
@@ -143,7 +144,7 @@ def verify_and_run(
                        model_id=expect_model, memory_budget=budget, cache_dir=cache_dir, fetch_timeout=fetch_timeout,
                        manifest=manifest_file, state_dir=state_dir, readers=readers, cache_policy=policy,
                        lookahead=lookahead, page_cache=page_cache or DEFAULT_PAGE_CACHE,
-                       **_cluster_args(cluster, plan_file, plan_trust, insecure_cluster, remote_timeout))
+                       **_cluster_args(cluster, plan_file, plan_trust, insecure_cluster, remote_timeout, cluster_graph))
     with model:
         if ids is None:
             ids = model.encode(prompt)

@@ -9,8 +9,8 @@ from typing import List, Optional
 
 import typer
 
-from shardtool.cli._common import (CACHE_POLICY_HELP, INSECURE_CLUSTER_HELP, LOOKAHEAD_HELP, PAGE_CACHE_HELP,
-                                   PLAN_TRUST_HELP)
+from shardtool.cli._common import (CACHE_POLICY_HELP, CLUSTER_GRAPH_HELP, INSECURE_CLUSTER_HELP, LOOKAHEAD_HELP,
+                                   PAGE_CACHE_HELP, PLAN_TRUST_HELP)
 from shardtool.cli._source import CACHE_HELP, FETCH_TIMEOUT_HELP, REMOTE_HELP
 from shardtool.errors import UsageError
 
@@ -65,6 +65,7 @@ def serve(
                                                                   "only its coordinator files."),
     plan_trust: List[Path] = typer.Option([], "--plan-trust", help=PLAN_TRUST_HELP),
     insecure_cluster: bool = typer.Option(False, "--insecure-cluster", help=INSECURE_CLUSTER_HELP),
+    cluster_graph: bool = typer.Option(False, "--cluster-graph", help=CLUSTER_GRAPH_HELP),
     remote_timeout: float = typer.Option(30.0, "--remote-timeout", min=0.1, max=3600.0,
                                          help="Seconds a node has to answer one call before its replica is asked."),
     remote_store: List[str] = typer.Option([], "--remote", help=REMOTE_HELP),
@@ -99,7 +100,7 @@ def serve(
     receipt_bytes = parse_size(max_receipt_bytes, "--max-receipt-bytes")
     if not math.isfinite(read_timeout):
         raise UsageError(f"--read-timeout must be a number of seconds, got {read_timeout}")
-    check_cluster_options(cluster, plan_file, remote_timeout, plan_trust, insecure_cluster)
+    check_cluster_options(cluster, plan_file, remote_timeout, plan_trust, insecure_cluster, cluster_graph)
     check_source(directory, manifest_file, remote_store, cache_dir, fetch_timeout)
     page_cache = check_page_cache(page_cache)
     # Before anything loads numpy (shardtool.serve does): OpenBLAS sizes its thread pool as it loads. Loaded first,
@@ -129,7 +130,8 @@ def serve(
                                fetch_timeout=fetch_timeout, manifest=manifest_file, state_dir=state_dir,
                                readers=readers, cache_policy=policy, lookahead=lookahead,
                                page_cache=page_cache or DEFAULT_PAGE_CACHE,
-                               **cluster_args(cluster, plan_file, plan_trust, insecure_cluster, remote_timeout))
+                               **cluster_args(cluster, plan_file, plan_trust, insecure_cluster, remote_timeout,
+                                              cluster_graph))
         except Stopped:
             say("shardtool serve: stopped before serving")
             return

@@ -290,9 +290,15 @@ class RemoteExperts:
 
     def _send(self, node: str, layer: int, experts: list[int], x: np.ndarray, rows: Mapping[int, np.ndarray]):
         """Start one call with only the rows these experts need (renumbered into the sent block)."""
-        used = np.unique(np.concatenate([rows[e] for e in experts]))
-        block = np.ascontiguousarray(x[used], dtype=np.float32)
-        local = {e: np.searchsorted(used, rows[e]).astype(np.int64) for e in experts}
+        if len(x) == 1 and all(len(rows[e]) == 1 and rows[e][0] == 0 for e in experts):
+            # A decode step of one sequence (every round of it): the block is x and the rows are [0] as they are;
+            # what the general path below computes, without its ~50 us of numpy set operations per call.
+            block = np.ascontiguousarray(x, dtype=np.float32)
+            local = {e: np.zeros(1, dtype=np.int64) for e in experts}
+        else:
+            used = np.unique(np.concatenate([rows[e] for e in experts]))
+            block = np.ascontiguousarray(x[used], dtype=np.float32)
+            local = {e: np.searchsorted(used, rows[e]).astype(np.int64) for e in experts}
         self.stats.calls += 1
         self.stats.wire_bytes += block.nbytes + sum(r.nbytes for r in local.values())
         nonce = new_nonce()

@@ -334,7 +334,8 @@ class RayTransport:
     def submit(self, node: str, call: bytes):
         """Start node `node`'s run on a call's bytes (`encode_call`); its answer is bytes too."""
         try:
-            return self._actor(node).run.remote(call)
+            # No task events: each would be buffered in both workers and sent to the GCS, CPU the round competes for.
+            return self._actor(node).run.options(enable_task_events=False).remote(call)
         except self.ray.exceptions.RayError as e:
             raise NodeFailed(_ray_line(e)) from None
 

@@ -161,14 +161,16 @@ def open_model(source: str | Path | Sequence[str], *, trust: Sequence, threshold
                memory_budget: int | str = "8GiB", cache_dir: str | Path | None = None, fetch_timeout: float = 60.0,
                manifest: str | Path | None = None, state_dir: str | Path | None = None, cluster: str | None = None,
                plan: str | Path | None = None, plan_trust: Sequence = (), insecure_cluster: bool = False,
-               cluster_timeout: float = 30.0, readers: int = 2, cache_policy: str = DEFAULT_POLICY,
-               lookahead: bool = False, page_cache: str = DEFAULT_PAGE_CACHE) -> VerifiedModel:
+               cluster_graph: bool = False, cluster_timeout: float = 30.0, readers: int = 2,
+               cache_policy: str = DEFAULT_POLICY, lookahead: bool = False,
+               page_cache: str = DEFAULT_PAGE_CACHE) -> VerifiedModel:
     """Verify a split model's signed manifest and open it for generation.
 
     `source`: a split model directory, or a store URL (https://, s3://, hf://; a list of them: mirrors tried in
     order) whose files are fetched into `cache_dir`. `trust`: trusted public keys (key files or loaded keys), of
     which `threshold` must have signed; `model_id` pins the model the manifest must be signed for. `cluster`
-    (HOST:PORT of a Ray head) with a signed `plan` (checked against `plan_trust`) has the nodes compute the experts.
+    (HOST:PORT of a Ray head) with a signed `plan` (checked against `plan_trust`) has the nodes compute the experts;
+    `cluster_graph`: each layer's calls through a Ray Compiled Graph (`connect_cluster(graph=True)`).
     Raises a `ShardtoolError` subclass on anything untrustworthy or malformed; nothing unverified is ever used."""
     from shardtool.keys import trusted_keys
     from shardtool.sizes import parse_size
@@ -188,7 +190,8 @@ def open_model(source: str | Path | Sequence[str], *, trust: Sequence, threshold
     try:
         if cluster is not None:
             signed_plan = load_signed_plan(Path(plan), opened.manifest, trusted_keys(plan_trust, "plan_trust"))
-            remote = connect_cluster(cluster, signed_plan, timeout=cluster_timeout, insecure=insecure_cluster)
+            remote = connect_cluster(cluster, signed_plan, timeout=cluster_timeout, insecure=insecure_cluster,
+                                     graph=cluster_graph)
         return VerifiedModel(opened, budget=budget, readers=readers, cache_policy=cache_policy, lookahead=lookahead,
                              cluster=remote, page_cache=page_cache)
     except BaseException:

@@ -824,3 +824,91 @@ def test_an_actor_creation_error_that_is_not_the_name_taken_is_not_waited_on_nor
         claim_name("b", create, grace=30.0, clock=clock, sleep=clock.sleep)
     assert raised.value is error and not isinstance(raised.value, UsageError)
     assert tries == [0.0] and clock.now == 0.0
+
+
+class _Recording:
+    """A transport that keeps what each call would send (no node answers)."""
+
+    def __init__(self):
+        self.sent: list[tuple[str, np.ndarray, dict]] = []
+
+    def submit(self, node, layer, expert_ids, x, rows, nonce):
+        self.sent.append((node, x, rows))
+        return len(self.sent) - 1
+
+
+@pytest.mark.parametrize("x_rows, rows", [
+    pytest.param(1, {0: [0], 1: [0]}, id="decode-step-of-one"),
+    pytest.param(3, {0: [0, 2], 1: [1]}, id="batch-of-three"),
+    pytest.param(2, {0: [1], 1: [1]}, id="one-row-of-two"),
+])
+def test_a_call_sends_the_rows_its_experts_need_renumbered_into_its_block(model, monkeypatch, x_rows, rows):
+    _, _, plan = model
+    transport = _Recording()
+    remote = kit.remote_experts(plan, transport)
+    x = np.arange(x_rows * 16, dtype=np.float32).reshape(x_rows, 16)
+    rows = {e: np.asarray(r, dtype=np.int64) for e, r in rows.items()}
+    used = sorted({int(i) for r in rows.values() for i in r})
+    if x_rows == 1:  # a decode step of one sequence takes no numpy set operation (its cost per round)
+        monkeypatch.setattr(np, "unique", lambda *a, **k: pytest.fail("np.unique at batch one"))
+    remote._send("a", 0, sorted(rows), x, rows)
+    (_, block, local), = transport.sent
+    assert block.dtype == np.float32 and block.flags.c_contiguous and np.array_equal(block, x[used])
+    assert {e: r.tolist() for e, r in local.items()} == {e: [used.index(int(i)) for i in r] for e, r in rows.items()}
+    assert all(r.dtype == np.int64 for r in local.values())
+
+
+@pytest.mark.parametrize("options, error", [
+    pytest.param(dict(graph=True), "--cluster-graph need --cluster", id="graph-without-cluster"),
+    pytest.param(dict(insecure=True), "--cluster-graph need --cluster", id="insecure-without-cluster"),
+])
+def test_cluster_only_options_without_cluster_are_a_usage_error(options, error):
+    from shardtool.cli._common import check_cluster_options
+    with pytest.raises(UsageError, match=error):
+        check_cluster_options(None, None, 30.0, [], **options)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["plain-calls", "compiled-graph"])
+def test_cluster_graph_reaches_connect_cluster_from_the_cli_options(model, monkeypatch, graph):
+    """--cluster-graph: `cluster_args` -> `open_model(cluster_graph=...)` -> `connect_cluster(graph=...)`."""
+    from shardtool.cli._common import cluster_args
+    from shardtool.runtime import open_model
+    from shardtool.runtime.engine import _open
+
+    work, _, _ = model
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def connect(address, plan, *, timeout, insecure, graph):
+        asked.append(graph)
+        raise Stop
+    monkeypatch.setattr(_open, "connect_cluster", connect)
+    args = cluster_args("127.0.0.1:1", work / "plan.json", [work / "op.pub"], False, 5.0, graph)
+    with pytest.raises(Stop):
+        open_model(work / "full", trust=[work / "a.pub"], state_dir=work / "graph-state", memory_budget="1GiB", **args)
+    assert asked == [graph]
+
+
+def test_the_proxys_run_calls_carry_no_ray_task_events():
+    """Each task event is buffered in the proxy and the node's worker and sent to the GCS: on shared cores the round
+    paid for it (proxy CPU 1.16 -> 0.85 ms a round without them, docs/scaling.md)."""
+    from shardtool.runtime.engine._cluster_proxy import RayTransport
+    submitted = []
+
+    class Method:
+        def __init__(self, options=None):
+            self.given = options or {}
+
+        def options(self, **options):
+            return Method(options)
+
+        def remote(self, call):
+            submitted.append((self.given, call))
+            return "ref"
+
+    transport = object.__new__(RayTransport)
+    transport._actors = {"a": type("Actor", (), {"run": Method()})()}
+    assert transport.submit("a", b"call") == "ref"
+    assert submitted == [({"enable_task_events": False}, b"call")]
