@@ -287,7 +287,7 @@ def test_serve_loses_a_node_mid_request_changing_no_token_and_readmits_it_once_i
     import httpx
 
     model, nodes = mixtral
-    if "mx-b" not in nodes.procs:  # killed by the test above, when it ran on this worker (xdist spreads a module)
+    if "mx-b" not in nodes.procs:  # killed by the test above (run alone, with -k, this test finds mx-b still up)
         nodes.start("mx-b")
     prompt = "The miller said the river"
     expected = kit.verify_and_run(model, model.full, "--prompt", prompt, "--max-new-tokens", str(LONG)).stdout[:-1]
