@@ -105,8 +105,7 @@ def coordinator_rounds(work: Path, address: str, calls: int, *, graph: bool = Fa
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process `pid` so far (/proc/PID/stat)."""
     stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return bc.stat_cpu_seconds(stat[stat.rindex(")") + 2:].split())
 
 
 _RAY_CHILD = r'''
@@ -179,7 +178,7 @@ def session_by_process(sid: int) -> dict[str, float]:
         except OSError:
             continue
         kind = cmd.rsplit("/", 1)[-1] if "/" in cmd.split(" ")[0] else cmd.split(" ")[0]
-        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        out[kind] = out.get(kind, 0.0) + bc.stat_cpu_seconds(fields)
     return out
 
 

@@ -406,10 +406,15 @@ def session_processes(sid: int):
             yield int(entry), fields
 
 
+def stat_cpu_seconds(fields) -> float:
+    """User + system CPU seconds of a process, from its /proc/PID/stat fields after the command name."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def session_cpu(sid: int) -> float:
     """User + system CPU seconds so far of the live processes of session `sid` (a Ray head started in its own
     session: its GCS, raylet and workers, the nodes' actors among them), from /proc."""
-    return sum((int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK") for _, f in session_processes(sid))
+    return sum(stat_cpu_seconds(f) for _, f in session_processes(sid))
 
 
 class LoopbackCluster:

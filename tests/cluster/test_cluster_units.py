@@ -701,8 +701,8 @@ class _FakeClock:
 
 
 def test_a_restarted_node_waits_for_its_killed_predecessor_to_release_the_name():
-    """Ray keeps a SIGKILLed node's actor, and its name, until it notices the owner is gone: the node started again
-    at once retries until the name is free instead of refusing (the cluster test that restarts mx-b hit this)."""
+    """Ray keeps a SIGKILLed node's actor, and its name, until it notices the owner is gone (0.1-0.6 s measured):
+    the node started again at once retries until the name is free instead of refusing."""
     from ray.exceptions import ActorAlreadyExistsError
     from shardtool.runtime.engine._cluster_node import claim_name
     clock, tries = _FakeClock(), []
@@ -732,7 +732,7 @@ def test_a_name_held_past_the_grace_is_another_live_node_and_refused_as_usage():
 
 def test_a_node_actor_exits_as_soon_as_its_node_process_has_ended():
     """The actor watches the `shardtool node` process through a pidfd: once that process is gone (SIGKILL), the actor
-    ends itself instead of serving on until Ray notices its owner died (more than 20 s under load)."""
+    ends itself instead of serving on until Ray notices its owner died."""
     import signal
     import subprocess
     import threading
@@ -779,7 +779,6 @@ def test_a_node_actor_watches_its_owner_only_where_the_pid_namespace_is_known_to
     assert watched == []
 
 
-
 @pytest.mark.parametrize("missing", [
     pytest.param(OSError(38, "Function not implemented"), id="kernel_without_pidfd_ENOSYS"),
     pytest.param(PermissionError(1, "Operation not permitted"), id="seccomp_refuses_pidfd_EPERM"),
@@ -801,7 +800,6 @@ def test_a_node_actor_without_a_usable_pidfd_still_starts_and_is_not_ended(monke
     codes = []
     assert exit_with_owner(os.getpid(), exit=codes.append) is None
     assert codes == []
-
 
 
 @pytest.mark.parametrize("error", [

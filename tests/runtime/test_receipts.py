@@ -589,25 +589,18 @@ def test_two_near_equal_tokens_sorted_the_other_way_round_in_the_run_are_a_near_
     still refused."""
     from shardtool.runtime.engine._replay import _check_token, _Stats
 
-    rng = np.random.default_rng(3)
-    replayed = rng.normal(size=64)
-    a, b = np.argsort(-replayed)[[10, 11]]
-    replayed[b] = replayed[a] - 2e-7  # replay: a sorts before b
-    run = replayed.copy()
-    run[b] = replayed[a] + 2e-7  # run: b sorts before a (rounding of 4e-7)
+    replayed, run, a, b = _swapped_pair(3, 10)  # replay: a sorts before b; run: b before a
     order, cdf = nucleus(run, 1.0, 1.0)
     pos_b = int(np.nonzero(order == b)[0][0])
     u = float(cdf[pos_b - 1] + 0.25 * (cdf[pos_b] - cdf[pos_b - 1]))  # a draw on b's interval in the run
     assert sample_token(run, temperature=1.0, rng=_Draws([u])) == b
     assert sampling_slack(replayed, 1.0, 1.0, u, int(b)) > Tolerances().sample_mass  # the plain check refuses it
 
-    receipt = type("R", (), {"token_ids": [int(b)], "temperature": 1.0, "top_p": 1.0, "seed": 0})()
     stats = _Stats()
-    assert _check_token(replayed, receipt, 0, _Draws([u]), Tolerances(), stats) is None
+    assert _check_token(replayed, _one_token(b, 1.0, 1.0), 0, _Draws([u]), Tolerances(), stats) is None
     assert stats.token_ties == 1
     far = int(np.argsort(-replayed)[30])
-    forged = type("R", (), {"token_ids": [far], "temperature": 1.0, "top_p": 1.0, "seed": 0})()
-    refused = _check_token(replayed, forged, 0, _Draws([u]), Tolerances(), _Stats())
+    refused = _check_token(replayed, _one_token(far, 1.0, 1.0), 0, _Draws([u]), Tolerances(), _Stats())
     assert refused is not None and "does not give token" in refused
 
 
@@ -634,9 +627,8 @@ def test_the_order_tie_admits_only_the_two_neighbours_on_a_long_tail():
         assert abs(float(logits[order[drawn + 5]]) - float(logits[order[drawn]])) <= tie  # many near-equal here
 
         def admitted(tol: Tolerances) -> set[int]:  # sorted positions whose token the check accepts for this draw
-            return {k for k in range(drawn - 12, drawn + 13) if _check_token(
-                logits, type("R", (), {"token_ids": [int(order[k])], "temperature": 1.0, "top_p": 1.0, "seed": 0})(),
-                0, _Draws([u]), tol, _Stats()) is None}
+            return {k for k in range(drawn - 12, drawn + 13)
+                    if _check_token(logits, _one_token(int(order[k]), 1.0, 1.0), 0, _Draws([u]), tol, _Stats()) is None}
 
         by_mass = admitted(Tolerances(sample_order=0.0))  # the 1e-6 of mass alone: 2-4 tokens here
         extra = admitted(Tolerances()) - by_mass
