@@ -15,10 +15,14 @@ Set-ups, each against the same reference, in interleaved rounds:
                --cluster) on a machine of its own capped at M. One warm-up run fills the nodes' caches.
 Figures per run: tokens/s after the first WARMUP tokens (times each id reached stdout), device bytes per token over
 the same tokens from the cgroups (the nodes' and the coordinator's summed), the greedy ids; medians over rounds.
-Then `serve` on the single machine against `serve --cluster` (coordinator capped at M) with 8 concurrent clients.
+Then `serve` on the single machine against `serve --cluster` (coordinator capped at M) with 8 concurrent clients,
+`--serve-repeats` interleaved rounds, each server warmed up by one request first.
+With M above the model (e.g. `--memory 8GiB --read-bps 1.5e9 --serve-clients 1`) the model fits one process: the
+warm serving rounds then give "cluster decode / one process" at a batch of one.
 
 Usage: python benchmarks/bench_cluster_scale.py [--workdir /work/scratch/scale39] [--memory 1.5GiB] [--read-bps 0.85e9]
-       [--repeats 3] [--tokens 24] [--layouts 2x1,3x2] [--serve-clients 8] [--serve-tokens 16] [--quick] [--json F]
+       [--repeats 3] [--tokens 24] [--layouts 2x1,3x2] [--serve-clients 8] [--serve-tokens 16]
+       [--serve-repeats 1] [--cluster-graph] [--quick] [--json F]
 `--quick`: bench_seed's small model (0.2 GiB of experts) under 512 MiB caps, to check the bench itself.
 """
 
@@ -236,6 +240,33 @@ def serve_argv(directory: Path, trust: Path, state: Path, budget: int, tokens: i
             "--max-batch", str(clients), "--state-dir", str(state)]
 
 
+def serve_rounds(work: Path, full: Path, out: Path, address: str, machine: _machine.Machine, args) -> dict:
+    """`serve` on the single machine and `serve --cluster` (coordinator capped at M), `args.serve_repeats` interleaved
+    rounds, each server warmed up with one request first: {"single": median row, "cluster": median row, "rounds":
+    [{"single": row, "cluster": row}, ...]} (a median row: the round whose tok/s is the median's)."""
+    rounds = []
+    for i in range(args.serve_repeats):
+        single = serve_rows(serve_argv(full, work / "a.pub", work / "serve-state", single_budget(machine, args),
+                                       args.serve_tokens, args.serve_clients), machine, full,
+                            work / "serve-single.log", env(work), args.serve_clients, args.serve_tokens)
+        argv = serve_argv(out / "coordinator", out / "a.pub", out / "serve-state",
+                          machine.memory_bytes - PROCESS_OVERHEAD, args.serve_tokens, args.serve_clients)
+        argv += ["--cluster", address, "--plan", str(out / "plan.json"), "--plan-trust", str(out / "op.pub")]
+        argv += ["--cluster-graph"] if args.cluster_graph else []
+        cluster = serve_rows(argv, machine, out, out / "serve-cluster.log", env(out), args.serve_clients,
+                             args.serve_tokens)
+        rounds.append({"single": single, "cluster": cluster})
+        say(f"serving round {i + 1}, {args.serve_clients} clients: single {single['tokens_per_s']:.2f} tok/s, cluster "
+            f"{cluster['tokens_per_s']:.2f} tok/s ({cluster['tokens_per_s'] / single['tokens_per_s']:.2f} x)")
+    return {name: median_row([r[name] for r in rounds]) for name in ("single", "cluster")} | {"rounds": rounds}
+
+
+def median_row(rows: list[dict]) -> dict:
+    """The row whose tokens_per_s is the (lower) median of `rows`."""
+    ordered = sorted(rows, key=lambda r: r["tokens_per_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def measure_layout(work: Path, full: Path, layout: Layout, machine: _machine.Machine, args) -> dict:
     """Interleaved rounds of the single machine and this layout's cluster (one Ray head, nodes on their machines),
     then serving at `args.serve_clients` clients; the cluster and the machines are ended whatever happens."""
@@ -265,18 +296,7 @@ def measure_layout(work: Path, full: Path, layout: Layout, machine: _machine.Mac
         cpu = {"ray_session_cpu_seconds": bc.session_cpu(cluster.head.proc.pid)}
         serving = {}
         if args.serve_clients:
-            serving["single"] = serve_rows(
-                serve_argv(full, work / "a.pub", work / "serve-state", single_budget(machine, args),
-                           args.serve_tokens, args.serve_clients), machine, full, work / "serve-single.log",
-                env(work), args.serve_clients, args.serve_tokens)
-            argv = serve_argv(out / "coordinator", out / "a.pub", out / "serve-state",
-                              machine.memory_bytes - PROCESS_OVERHEAD, args.serve_tokens, args.serve_clients)
-            argv += ["--cluster", cluster.address, "--plan", str(out / "plan.json"), "--plan-trust",
-                     str(out / "op.pub")]
-            serving["cluster"] = serve_rows(argv, machine, out, out / "serve-cluster.log", env(out),
-                                            args.serve_clients, args.serve_tokens)
-            say(f"{layout.label} serving, {args.serve_clients} clients: single {serving['single']['tokens_per_s']:.2f}"
-                f" tok/s, cluster {serving['cluster']['tokens_per_s']:.2f} tok/s")
+            serving = serve_rounds(work, full, out, cluster.address, machine, args)
     knobs = json.loads((work / "knobs.json").read_text())
     floor = max(n["memory_floor"] for n in summary["nodes"])
     single_cache = single_budget(machine, args) - summary["coordinator"]["bytes_on_disk"] - floor
@@ -326,13 +346,16 @@ def report(results: dict, machine: _machine.Machine, model_bytes: int, expert_by
                   f"{', '.join(format(r['tokens_per_s'], '.2f') for r in rows):<24} {str(alike):>8}")
             if not alike:
                 print(f"    ids: {agreement([int(x) for x in rows[0]['ids']], [int(x) for x in reference])}")
-        for name, s in res["serve"].items():
-            print(f"serve {name:<22} {res['serve'][name]['clients']:>3} clients {s['tokens_per_s']:>7.2f} tok/s, "
+        for name in ("single", "cluster") if res["serve"] else ():
+            s = res["serve"][name]
+            runs = ", ".join(format(r[name]["tokens_per_s"], ".2f") for r in res["serve"]["rounds"])
+            print(f"serve {name:<22} {s['clients']:>3} clients {s['tokens_per_s']:>7.2f} tok/s (median; rounds {runs}), "
                   f"device {s['device_bytes_per_token'] / MIB:.1f} MiB/token, all alike {s['all_alike']}, "
                   f"errors {len(s['errors'])}")
-        if len(res["serve"]) == 2:
-            ratio = res["serve"]["cluster"]["tokens_per_s"] / res["serve"]["single"]["tokens_per_s"]
-            print(f"serve --cluster / serve: {ratio:.2f} x")
+        if res["serve"]:
+            ratios = [r["cluster"]["tokens_per_s"] / r["single"]["tokens_per_s"] for r in res["serve"]["rounds"]]
+            print(f"serve --cluster / serve: median of rounds {statistics.median(ratios):.2f} x "
+                  f"({', '.join(format(x, '.2f') for x in ratios)})")
         print(f"budgets: single machine {res['single_budget_bytes'] / MIB:.0f} MiB, coordinator "
               f"{(machine.memory_bytes - PROCESS_OVERHEAD) / MIB:.0f} MiB (both capped at M), each node "
               f"{res['node_budget_bytes'] / MIB:.0f} MiB")
@@ -362,6 +385,8 @@ def main() -> int:
     ap.add_argument("--layouts", default="2x1,3x2", help="NODESxREPLICAS,...")
     ap.add_argument("--serve-clients", type=int, default=8, help="0: no serving")
     ap.add_argument("--serve-tokens", type=int, default=16)
+    ap.add_argument("--serve-repeats", type=int, default=1, help="interleaved serving rounds (each server warmed up)")
+    ap.add_argument("--cluster-graph", action="store_true", help="serve --cluster with --cluster-graph")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()

@@ -113,3 +113,9 @@ def test_stamped_ids_stamp_each_token_when_it_begins(written, ids, positions):
     stream = io.BytesIO(written)
     got, stamps, probes = bench_cluster.stamped_ids(stream, stream.tell)
     assert got == ids and len(stamps) == len(ids) and probes == positions
+
+
+def test_median_row_is_the_round_with_the_median_rate():
+    rows = [{"tokens_per_s": 3.0, "n": "a"}, {"tokens_per_s": 1.0, "n": "b"}, {"tokens_per_s": 2.0, "n": "c"}]
+    assert scale.median_row(rows)["n"] == "c"
+    assert scale.median_row(rows[:2])["n"] == "b"  # an even count: the lower of the two middle rounds
