@@ -16,7 +16,7 @@ from shardtool.errors import UnavailableError, UsageError
 import _clusterkit as kit
 from shardtool.keys import load_private_key, load_public_key
 from shardtool.layout import expert_path
-from shardtool.manifest import load_trusted_manifest, pae
+from shardtool.manifest import load_trusted_manifest
 from shardtool.runtime import (Engine, ErrorEvent, NodeService, SamplingParams, Session, load_signed_plan,
                                prepare_node)
 from shardtool.runtime.engine._cluster import NodeFailed, choose_replica, plan_placement
@@ -176,12 +176,12 @@ def test_connect_refuses_when_a_planned_expert_has_no_node(model):
 # ---------------------------------------------------------------------------------------------------- the node
 
 
-def _call(service: NodeService, layer=0, ids=None, x=None, rows=None):
+def _call(service: NodeService, layer=0, ids=None, x=None, rows=None, session=None):
     held = sorted(e for (lay, e) in service.held if lay == layer)
     ids = held[:2] if ids is None else ids
     x = np.ones((3, service.config.hidden_size), np.float32) if x is None else x
     rows = {e: np.array([0, 2], np.int64) for e in ids} if rows is None else rows
-    return service.run(layer, ids, x, rows, NONCE)
+    return service.run(layer, ids, x, rows, NONCE, session or kit.session(service)[0])
 
 
 @pytest.mark.parametrize("forge", [
@@ -308,20 +308,24 @@ def test_proxy_frame_that_is_not_a_strict_msgpack_map_is_refused(data):
     {"body": "text", "signature": b"s"},
     {"body": b"{}"},
     {"body": b"{}", "signature": b"s", "extra": b""},
-    {"body": b"{}", "signature": b"s", "outputs": {"0": _array()}},
-    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(dtype="<f8", data=bytes(48))]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(dtype="|O")]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(shape=(2, 4))]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(shape=(6,))]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(shape=(1 << 20, 1 << 20))]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(shape=(-2, -3))]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[0, {**_array(), "strides": [1]}]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[0, _array()], [0, _array()]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[-1, _array()]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[True, _array()]]},
-], ids=["body-text", "no-signature", "extra-key", "outputs-map", "float64", "object-dtype", "bytes-short-of-shape",
-        "one-dimension", "huge-shape", "negative-shape", "extra-array-key", "expert-twice", "negative-expert",
-        "bool-expert"])
+    {"body": b"{}", "signature": b"s", "outputs": [[0, _array()]]},  # a reply's outputs beside a signature
+    {"body": b"{}", "mac": b"m"},  # a MAC without outputs
+    {"body": b"{}", "mac": "m", "outputs": []},
+    {"body": b"{}", "signature": b"s", "mac": b"m", "outputs": []},
+    {"body": b"{}", "mac": b"m", "outputs": {"0": _array()}},
+    {"body": b"{}", "mac": b"m", "outputs": [[0, _array(dtype="<f8", data=bytes(48))]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[0, _array(dtype="|O")]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[0, _array(shape=(2, 4))]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[0, _array(shape=(6,))]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[0, _array(shape=(1 << 20, 1 << 20))]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[0, _array(shape=(-2, -3))]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[0, {**_array(), "strides": [1]}]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[0, _array()], [0, _array()]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[-1, _array()]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[True, _array()]]},
+], ids=["body-text", "no-signature", "extra-key", "signature-with-outputs", "mac-without-outputs", "mac-text",
+        "signature-and-mac", "outputs-map", "float64", "object-dtype", "bytes-short-of-shape", "one-dimension",
+        "huge-shape", "negative-shape", "extra-array-key", "expert-twice", "negative-expert", "bool-expert"])
 def test_proxy_answer_of_the_wrong_form_is_refused(answer):
     from shardtool.runtime.engine._cluster_proxy import ProtocolError, decode_answer
     with pytest.raises(ProtocolError):
@@ -331,8 +335,8 @@ def test_proxy_answer_of_the_wrong_form_is_refused(answer):
 def test_proxy_answer_round_trips_as_read_only_float32_arrays():
     from shardtool.runtime.engine._cluster_proxy import decode_answer, encode_answer, pack, unpack
     y = np.arange(6, dtype=np.float32).reshape(2, 3)
-    answer = decode_answer(unpack(pack(encode_answer({"body": b"{}", "signature": b"s", "outputs": {3: y}}))))
-    assert set(answer) == {"body", "signature", "outputs"} and set(answer["outputs"]) == {3}
+    answer = decode_answer(unpack(pack(encode_answer({"body": b"{}", "mac": b"m", "outputs": {3: y}}))))
+    assert set(answer) == {"body", "mac", "outputs"} and set(answer["outputs"]) == {3}
     got = answer["outputs"][3]
     assert type(got) is np.ndarray and got.dtype == np.float32 and (got == y).all() and not got.flags.writeable
     with pytest.raises(NodeFailed, match="not a signed answer"):
@@ -418,7 +422,7 @@ def test_a_lost_node_is_probed_with_a_growing_gap(model):
     remote.connect()
     asked: list[str] = []
     info = transport.info
-    transport.info = lambda node, nonce, timeout: (asked.append(node), info(node, nonce, timeout))[1]
+    transport.info = lambda node, nonce, session, timeout: (asked.append(node), info(node, nonce, session, timeout))[1]
     transport.down.add("c")
     remote._drop("c", "ActorDiedError: test")
     remote.probe()
@@ -438,7 +442,7 @@ def test_a_lost_node_is_probed_with_a_growing_gap(model):
 def _packed_call(**doc) -> bytes:
     import msgpack
     call = {"layer": 0, "experts": [0], "x": _array(), "rows": [[0, _array("<i8", (1,), bytes(8))]],
-            "nonce": NONCE, **doc}
+            "nonce": NONCE, "session": "0" * 32, **doc}
     return msgpack.packb({k: v for k, v in call.items() if v is not None}, use_bin_type=True)
 
 
@@ -446,6 +450,7 @@ def _packed_call(**doc) -> bytes:
     {"layer": 0},  # not bytes (what Ray would hand a node from a caller that pickled a dict)
     b"\xc1",
     _packed_call(nonce=None),
+    _packed_call(session=None),
     _packed_call(extra=1),
     _packed_call(x=_array(dtype="<f8", data=bytes(48))),
     _packed_call(x=_array(shape=(6,))),
@@ -454,7 +459,7 @@ def _packed_call(**doc) -> bytes:
     _packed_call(rows=[[0, _array("<i4", (1,), bytes(4))]]),
     _packed_call(rows=[[0, _array("<i8", (1,), bytes(8))], [0, _array("<i8", (1,), bytes(8))]]),
     _packed_call(rows=[["0", _array("<i8", (1,), bytes(8))]]),
-], ids=["not-bytes", "not-msgpack", "no-nonce", "extra-key", "x-float64", "x-one-dimension", "x-bytes-short",
+], ids=["not-bytes", "not-msgpack", "no-nonce", "no-session", "extra-key", "x-float64", "x-one-dimension", "x-bytes-short",
         "rows-map", "rows-int32", "rows-expert-twice", "rows-expert-text"])
 def test_a_node_actor_refuses_a_call_of_the_wrong_form(model, call):
     from shardtool.runtime.engine._cluster_node import NodeActor
@@ -465,8 +470,10 @@ def test_a_node_actor_refuses_a_call_of_the_wrong_form(model, call):
     assert len(str(info.value)) < 300 and actor._service.calls == 0
 
 
-def test_a_node_actor_answers_a_calls_bytes_with_its_services_signed_answer_as_bytes(model):
-    """One bytes object each way (Ray carries it without pickling arrays): the same signed answer as the service's."""
+def test_a_node_actor_answers_a_calls_bytes_with_its_services_answer_as_bytes(model):
+    """One bytes object each way (Ray carries it without pickling arrays): the same answer as the service's, MACed
+    with the session's key."""
+    from shardtool.runtime.engine._cluster_session import mac
     from shardtool.runtime.engine._cluster_node import NodeActor
     from shardtool.runtime.engine._cluster_wire import decode_answer, encode_call, unpack
     work, verified, plan = model
@@ -475,13 +482,14 @@ def test_a_node_actor_answers_a_calls_bytes_with_its_services_signed_answer_as_b
     ids = sorted(e for (lay, e) in service.held if lay == 0)[:2]
     x = np.arange(3 * service.config.hidden_size, dtype=np.float32).reshape(3, -1) / 100
     rows = {ids[0]: np.array([0, 2], np.int64), ids[1]: np.array([1], np.int64)}
-    packed = actor.run(encode_call(0, ids, x, rows, NONCE))
+    sid, key = kit.session(service)
+    packed = actor.run(encode_call(0, ids, x, rows, NONCE, sid))
     assert type(packed) is bytes
-    got, want = decode_answer(unpack(packed)), _call(service, ids=ids, x=x, rows=rows)
+    got, want = decode_answer(unpack(packed)), _call(service, ids=ids, x=x, rows=rows, session=sid)
     body, expected = json.loads(got["body"]), json.loads(want["body"])
     assert {**body, "seconds": 0} == {**expected, "seconds": 0}
     assert set(got["outputs"]) == set(ids) and all((got["outputs"][e] == want["outputs"][e]).all() for e in ids)
-    plan.node("a").public_key().verify(got["signature"], pae(REPLY_TYPE, got["body"]))
+    assert set(got) == {"body", "mac", "outputs"} and got["mac"] == mac(key, REPLY_TYPE, got["body"])
 
 
 class _FakeRay:
@@ -640,7 +648,7 @@ def _proxy(frames: list[dict], sent: list[dict]):
 def _reply(service, ids, nonce=NONCE):
     from shardtool.runtime.engine._cluster_wire import encode_answer, pack
     return pack(encode_answer(service.run(0, ids, np.ones((1, service.config.hidden_size), np.float32),
-                                          {e: np.array([0], np.int64) for e in ids}, nonce)))
+                                          {e: np.array([0], np.int64) for e in ids}, nonce, kit.session(service)[0])))
 
 
 def test_the_coordinator_sends_a_layers_calls_to_its_proxy_as_one_frame(model):
@@ -650,7 +658,8 @@ def test_the_coordinator_sends_a_layers_calls_to_its_proxy_as_one_frame(model):
     x, rows = np.ones((1, services["a"].config.hidden_size), np.float32), {}
     frames = [{"answers": [[i, {"packed": _reply(services[n], held[n])}] for i, n in enumerate("abc")]}]
     proxy = _proxy(frames, sent)
-    calls = [proxy.submit(n, 0, held[n], x, {e: np.array([0], np.int64) for e in held[n]}, NONCE) for n in "abc"]
+    calls = [proxy.submit(n, 0, held[n], x, {e: np.array([0], np.int64) for e in held[n]}, NONCE, "0" * 32)
+             for n in "abc"]
     assert sent == []  # queued: nothing crosses the pipe before the layer waits for an answer
     got = [proxy.result(c, 5.0) for c in (calls[1], calls[0], calls[2])]
     assert len(sent) == 1 and sent[0]["op"] == "round" and [c["node"] for c in sent[0]["calls"]] == list("abc")
@@ -672,7 +681,7 @@ def test_a_rounds_answer_frame_of_the_wrong_form_breaks_the_proxy_and_a_bad_node
     sent: list[dict] = []
     proxy = _proxy([frame], sent)
     x, rows = np.ones((1, 4), np.float32), {0: np.array([0], np.int64)}
-    calls = [proxy.submit(n, 0, [0], x, rows, NONCE) for n in "ab"]
+    calls = [proxy.submit(n, 0, [0], x, rows, NONCE, "0" * 32) for n in "ab"]
     with pytest.raises(NodeFailed, match=error):
         proxy.result(calls[0], 5.0)
     assert (proxy._broken is not None) == proxy_broken
@@ -830,7 +839,7 @@ class _Recording:
     def __init__(self):
         self.sent: list[tuple[str, np.ndarray, dict]] = []
 
-    def submit(self, node, layer, expert_ids, x, rows, nonce):
+    def submit(self, node, layer, expert_ids, x, rows, nonce, session):
         self.sent.append((node, x, rows))
         return len(self.sent) - 1
 
@@ -849,6 +858,7 @@ def test_a_call_sends_the_rows_its_experts_need_renumbered_into_its_block(model,
     used = sorted({int(i) for r in rows.values() for i in r})
     if x_rows == 1:  # a decode step of one sequence takes no numpy set operation (its cost per round)
         monkeypatch.setattr(np, "unique", lambda *a, **k: pytest.fail("np.unique at batch one"))
+    remote._sessions["a"] = ("0" * 32, bytes(32))  # (no node: nothing answers this call)
     remote._send("a", 0, sorted(rows), x, rows)
     (_, block, local), = transport.sent
     assert block.dtype == np.float32 and block.flags.c_contiguous and np.array_equal(block, x[used])
