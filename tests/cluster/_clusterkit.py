@@ -332,12 +332,16 @@ class Direct:
         return node, layer, expert_ids, x, rows, nonce, session
 
     def result(self, pending, timeout):
+        from shardtool.errors import ShardtoolError
         from shardtool.runtime.engine._cluster import NodeFailed
         node, layer, ids, x, rows, nonce, session = pending
         if node in self.down:
             raise NodeFailed("ActorDiedError: the actor died unexpectedly")
         service = self.services[node]
-        answer = service.run(layer, ids, x, rows, nonce, session)
+        try:
+            answer = service.run(layer, ids, x, rows, nonce, session)
+        except ShardtoolError as e:  # what Ray hands the proxy as a RayTaskError, and the proxy says so
+            raise NodeFailed(f"refused the call: {e.one_line()}") from None
         return self._out(node, answer, self.mac_keys.get(node) or service.sessions.key(session))
 
 

@@ -16,7 +16,7 @@ from shardtool.errors import UnavailableError, UsageError
 import _clusterkit as kit
 from shardtool.keys import load_private_key, load_public_key
 from shardtool.layout import expert_path
-from shardtool.manifest import load_trusted_manifest
+from shardtool.manifest import load_trusted_manifest, pae
 from shardtool.runtime import (Engine, ErrorEvent, NodeService, SamplingParams, Session, load_signed_plan,
                                prepare_node)
 from shardtool.runtime.engine._cluster import NodeFailed, choose_replica, plan_placement
@@ -176,12 +176,15 @@ def test_connect_refuses_when_a_planned_expert_has_no_node(model):
 # ---------------------------------------------------------------------------------------------------- the node
 
 
-def _call(service: NodeService, layer=0, ids=None, x=None, rows=None, session=None):
+NEW_SESSION = object()  # `_call`'s default: a session made for the call
+
+
+def _call(service: NodeService, layer=0, ids=None, x=None, rows=None, session=NEW_SESSION):
     held = sorted(e for (lay, e) in service.held if lay == layer)
     ids = held[:2] if ids is None else ids
     x = np.ones((3, service.config.hidden_size), np.float32) if x is None else x
     rows = {e: np.array([0, 2], np.int64) for e in ids} if rows is None else rows
-    return service.run(layer, ids, x, rows, NONCE, session or kit.session(service)[0])
+    return service.run(layer, ids, x, rows, NONCE, kit.session(service)[0] if session is NEW_SESSION else session)
 
 
 @pytest.mark.parametrize("forge", [
@@ -194,8 +197,15 @@ def _call(service: NodeService, layer=0, ids=None, x=None, rows=None, session=No
     lambda r: {k: v for k, v in r.items() if k != "boot"},
     lambda r: {**r, "boot": r["boot"].upper()},
     lambda r: {**r, "boot": 7},
+    lambda r: {k: v for k, v in r.items() if k != "session"},
+    lambda r: {**r, "session": r["session"]["node"]},
+    lambda r: {**r, "session": {**r["session"], "node": r["session"]["node"][:62]}},
+    lambda r: {**r, "session": {**r["session"], "node": r["session"]["node"].upper()}},
+    lambda r: {**r, "session": {**r["session"], "extra": r["session"]["node"]}},
+    lambda r: {**r, "session": {**r["session"], "node": "00" * 32}},
 ], ids=["failed-key", "failed-int-key", "failed-list", "experts-int", "experts-nested", "experts-bool", "boot-missing",
-        "boot-upper", "boot-int"])
+        "boot-upper", "boot-int", "session-missing", "session-not-a-map", "session-node-short", "session-node-upper",
+        "session-extra-key", "session-node-low-order"])
 def test_a_malformed_info_drops_the_node_at_connect_and_its_replicas_serve(model, forge):
     """A node's info() is untrusted: a malformed one is that node failing (one line), never a crash of the
     coordinator."""
@@ -206,6 +216,83 @@ def test_a_malformed_info_drops_the_node_at_connect_and_its_replicas_serve(model
     remote.connect()
     assert "a" in remote.stats.dropped and "refused" in remote.stats.dropped["a"]
     assert _generate(model, remote) == _generate(model)
+
+
+@pytest.mark.parametrize("session", [
+    "ab" * 31,  # 31 bytes
+    "ab" * 33,
+    "AB" * 32,  # upper case
+    "g" * 64,
+    bytes(32),  # raw bytes, not hex
+    7,
+    "",
+    "ab" * 100_000,
+], ids=["short", "long", "upper-case", "not-hex", "raw-bytes", "int", "empty", "huge"])
+def test_a_node_refuses_an_info_session_key_of_the_wrong_form(model, session):
+    service = _services(model)["a"]
+    with pytest.raises(UsageError, match="info\\(\\)'s session must be an X25519 public key of 64 lowercase hex") as info:
+        service.info(NONCE, session)
+    assert len(str(info.value)) < 200 and len(service.sessions) == 0
+
+
+def test_a_node_refuses_an_info_session_key_of_low_order(model):
+    """An all-zero X25519 key: the shared secret would be all zero, known to anyone."""
+    service = _services(model)["a"]
+    with pytest.raises(UsageError, match="low order"):
+        service.info(NONCE, "00" * 32)
+    assert len(service.sessions) == 0
+
+
+def test_a_node_info_without_a_session_makes_none_and_one_with_signs_both_keys(model):
+    """`shardtool node`'s own health checks ask info() without a session: still answered, no session kept."""
+    from shardtool.runtime.engine._cluster_node import INFO_TYPE
+    service = _services(model)["a"]
+    plain = service.info(NONCE)
+    assert "session" not in json.loads(plain["body"]) and len(service.sessions) == 0
+    sid, key = kit.session(service)
+    answer = service.info(NONCE, "11" * 32)
+    _keys(model)["a"].public.verify(answer["signature"], pae(INFO_TYPE, answer["body"]))
+    assert json.loads(answer["body"])["session"]["coordinator"] == "11" * 32
+    assert len(service.sessions) == 2 and service.sessions.key(sid) == key  # both sides derived the same key
+
+
+@pytest.mark.parametrize("session, error", [
+    ("f" * 32, "is not one of this node process's"),  # unknown: another process's, or evicted
+    ("F" * 32, "session must be 32 lowercase hex digits"),
+    ("f" * 64, "session must be 32 lowercase hex digits"),
+    (None, "session must be 32 lowercase hex digits"),
+    (b"f" * 32, "session must be 32 lowercase hex digits"),
+], ids=["unknown", "upper-case", "long", "none", "bytes"])
+def test_a_node_refuses_a_run_in_a_session_it_does_not_hold(model, session, error):
+    service = _services(model)["a"]
+    kit.session(service)
+    with pytest.raises(UsageError, match=error):
+        _call(service, session=session)
+    assert service.calls == 0
+
+
+def test_a_nodes_session_table_is_bounded_and_evicts_the_least_recently_used():
+    from shardtool.runtime.engine._cluster_session import SessionTable
+    table = SessionTable(cap=3)
+    for i in range(3):
+        table.add(f"{i:032x}", bytes([i]) * 32)
+    assert table.key(f"{0:032x}") == bytes(32)  # 0 used: 1 is now the least recently used
+    table.add(f"{3:032x}", b"3" * 32)
+    assert len(table) == 3
+    with pytest.raises(UsageError, match="is not one of this node process's"):
+        table.key(f"{1:032x}")
+    assert [table.key(f"{i:032x}")[:1] for i in (0, 2, 3)] == [b"\0", b"\2", b"3"]
+
+
+def test_a_node_service_keeps_at_most_max_sessions(model):
+    from shardtool.runtime.engine._cluster_session import MAX_SESSIONS, Handshake
+    service = _services(model)["a"]
+    first, _ = kit.session(service)
+    for _ in range(MAX_SESSIONS):
+        service.info(NONCE, Handshake().public)
+    assert len(service.sessions) == MAX_SESSIONS
+    with pytest.raises(UsageError, match="is not one of this node process's"):
+        _call(service, session=first)
 
 
 def test_only_info_and_run_are_reachable_on_a_node_actor(model):
@@ -407,11 +494,38 @@ def test_a_node_lost_mid_run_changes_no_token_and_is_readmitted_only_as_a_new_ch
     assert "b" in remote.stats.dropped and remote.stats.readmitted == 0
     assert remote.stats.expert_calls["b"] == asked_while_lost
 
+    old_session = remote._sessions["b"]
     services["b"] = NodeService(prepare_node(work / "full", verified, plan, "b", budget=1 << 30, key=_keys(model)["b"]))
     assert _generate(model, remote, GEN) == local
     assert "b" not in remote.stats.dropped and remote.stats.readmitted == 1
     assert remote.stats.expert_calls["b"] > asked_while_lost
     assert any(line.startswith("cluster: node b readmitted: it answered as a new process") for line in logged)
+    assert remote._sessions["b"][0] != old_session[0] and remote._sessions["b"][1] != old_session[1]
+
+
+def test_a_restarted_node_is_refused_in_its_old_session_and_readmitted_in_a_new_one(model):
+    """b restarts (a new process: new boot id, no sessions): the next call in b's old session is refused by b, b
+    is dropped and its replicas serve; the probe's handshake makes a new session, in which b answers again. A reply
+    MACed with the old session's key is refused from then on."""
+    work, verified, plan = model
+    services = _services(model)
+    transport = Direct(services)
+    remote = kit.remote_experts(plan, transport, timeout=5, probe_seconds=3600)
+    remote.connect()
+    local = _generate(model, None, 8)
+    old = remote._sessions["b"]
+    services["b"] = NodeService(prepare_node(work / "full", verified, plan, "b", budget=1 << 30, key=_keys(model)["b"]))
+    assert _generate(model, remote, 8) == local
+    assert "refused the call: session " in remote.stats.dropped["b"]
+    assert "is not one of this node process's" in remote.stats.dropped["b"]
+    remote._probe_at["b"] = (0.0, 1.0)  # due now
+    asked = remote.stats.expert_calls["b"]
+    assert _generate(model, remote, 8) == local
+    assert "b" not in remote.stats.dropped and remote.stats.readmitted == 1
+    assert remote._sessions["b"][0] != old[0] and remote.stats.expert_calls["b"] > asked
+    transport.mac_keys["b"], transport.edit["b"] = old[1], lambda doc: doc  # b's answers MACed with the old key
+    assert _generate(model, remote, 8) == local
+    assert "the reply is not authenticated by node b's session key" in remote.stats.dropped["b"]
 
 
 def test_a_lost_node_is_probed_with_a_growing_gap(model):
