@@ -516,8 +516,8 @@ def test_cluster_member_pickle_runs_in_the_proxy_not_the_coordinator(cluster, co
 
 
 def test_cluster_proxy_gets_no_key_in_argv_environment_or_pipe(cluster, coordinator, monkeypatch):
-    """The coordinator holds a decrypted receipt key and its passphrase is in its environment: neither is in the
-    proxy's command line or environment, nor in any frame sent to it."""
+    """The coordinator holds a decrypted receipt key and its passphrase is in its environment, and a session key
+    per node: none is in the proxy's command line or environment, nor in any frame sent to it."""
     from shardtool.runtime.engine import _cluster_proxy
     from shardtool.runtime.engine._cluster_node import key_seed
     head, _ = coordinator
@@ -534,7 +534,10 @@ def test_cluster_proxy_gets_no_key_in_argv_environment_or_pipe(cluster, coordina
         seen = Path(f"/proc/{pid}/cmdline").read_bytes() + Path(f"/proc/{pid}/environ").read_bytes()
     finally:
         remote.close()
-    assert len(sent) > 3 and b"RAY_AUTH_TOKEN_PATH" in seen
+    sessions = [key for _, key in remote._sessions.values()]
+    assert len(sessions) == 3 and b"RAY_AUTH_TOKEN_PATH" in seen
+    hidden += [form for key in sessions for form in (key, key.hex().encode())]
+    assert len(sent) > 3 and all(sid.encode() in b"".join(sent) for sid, _ in remote._sessions.values())
     assert not any(s in blob for s in hidden for blob in [seen, *sent])
 
 
