@@ -3,10 +3,14 @@
 Per layer, every needed expert goes to the least loaded live node of its replicas (`choose_replica`: fewest expert
 calls in flight from this coordinator, then fewest asked so far, then plan order); each node gets one call with the
 rows its experts need, all nodes in parallel. Every call has a time-out and a fresh nonce.
-A reply must be signed by the key the operator's signed plan names for the node asked (checked first, before its
-body is parsed), its body must name that node, the coordinator's manifest root, the call's nonce, layer and experts,
-and it must carry exactly the requested experts' outputs, each [t_e, H] float32 with the BLAKE3 the body signs;
-anything else (an impostor, another node's reply, a replay, a garbled answer) counts as that node failing. A node that fails (died, timed out, refused, answered
+Each node connection (at connect, and at each readmission) makes a session: the info() request carries a fresh
+X25519 public key of this coordinator's, the node's answer, signed by the key the operator's signed plan names for
+it, carries that key and the node's own, and both sides derive the session key (`_cluster_session`); a signed
+session naming another coordinator key (swapped by someone in between) is refused. A reply must carry the keyed
+BLAKE3 of its body under that session's key (checked first, before its body is parsed), its body must name that
+node, the coordinator's manifest root, the call's nonce, layer and experts, and it must carry exactly the requested
+experts' outputs, each [t_e, H] float32 with the BLAKE3 the body names; anything else (an impostor, another node's
+or another session's reply, a replay, a garbled answer) counts as that node failing. A node that fails (died, timed out, refused, answered
 wrongly) is dropped for the rest of the run; an expert a node reports failed (its shard failed verification there)
 is not asked of that node again. Either way its experts are retried at once on another replica, whose bytes that
 node verified itself (its subset check at join, BLAKE3 on every read); an expert with no replica left raises
@@ -50,6 +54,7 @@ from shardtool.text import printable
 from ._cluster_node import INFO_TYPE, REPLY_TYPE, input_digest, is_int, new_nonce, output_digest
 from ._cluster_plan import MAX_PLAN_BYTES, MAX_SIGNATURE_FILE, ClusterPlan, decode_plan, open_signed_plan
 from ._cluster_proxy import NodeFailed, ProxyTransport
+from ._cluster_session import PUBLIC_KEY, Handshake, mac_matches, session_id, session_key
 
 DEFAULT_TIMEOUT = 30.0
 PROBE_SECONDS = 2.0  # a lost node is asked again this long after it was lost; the gap doubles while it stays away
@@ -57,7 +62,7 @@ MAX_PROBE_SECONDS = 60.0
 PROBE_TIMEOUT = 2.0  # at most this long for a probe's info() (the generation waits for it)
 MAX_HELD_NAMED = 24  # experts a lost node held named in an error line; the rest are counted
 MAX_INFO_ENTRIES = 1 << 20  # [layer, expert] pairs (or failures) one node's info() may list
-MAX_BODY_BYTES = 64 * 2**20  # one signed answer's body (an info() listing every expert of a large model fits)
+MAX_BODY_BYTES = 64 * 2**20  # one answer's body (an info() listing every expert of a large model fits)
 _FAILED_KEY = re.compile(r"[0-9]{1,5}/[0-9]{1,7}")
 _BOOT = re.compile(r"[0-9a-f]{32}")
 
@@ -65,13 +70,15 @@ _BOOT = re.compile(r"[0-9a-f]{32}")
 class Transport(Protocol):
     """How calls reach nodes (Ray actors in production, plain objects in unit tests)."""
 
-    def info(self, node: str, nonce: str, timeout: float) -> dict:
-        """The node's signed info(nonce); raises NodeFailed."""
+    def info(self, node: str, nonce: str, session: str, timeout: float) -> dict:
+        """The node's signed info(nonce, session), `session` this coordinator's X25519 public key (64 hex digits);
+        raises NodeFailed."""
         ...
 
     def submit(self, node: str, layer: int, expert_ids: list[int], x: np.ndarray,
-               rows: dict[int, np.ndarray], nonce: str) -> object:
-        """Start a call; returns a pending handle for `result`. Raises NodeFailed when it cannot start."""
+               rows: dict[int, np.ndarray], nonce: str, session: str) -> object:
+        """Start a call in session `session` (its id); returns a pending handle for `result`. Raises NodeFailed
+        when it cannot start."""
         ...
 
     def result(self, pending: object, timeout: float) -> dict:
@@ -133,6 +140,7 @@ class RemoteExperts:
         self.stats.expert_calls = {node: 0 for node in self.nodes}
         self._in_flight: dict[str, int] = dict.fromkeys(self.nodes, 0)  # expert calls started and not yet collected
         self._boots: dict[str, str] = {}  # node -> the boot id of the process that answered for it
+        self._sessions: dict[str, tuple[str, bytes]] = {}  # node -> (session id, key) of its current session
         self.probe_seconds = probe_seconds
         self._probe_at: dict[str, tuple[float, float]] = {}  # lost node -> (when to ask it next, the gap after that)
 
@@ -147,13 +155,13 @@ class RemoteExperts:
         infos = {}
         for node in self.nodes:
             try:
-                nonce = new_nonce()
-                info = self._check_info(node, self.transport.info(node, nonce, self.timeout), nonce)
+                info, session = self._handshake(node, self.timeout)
             except NodeFailed as e:
                 self._drop(node, str(e))
                 continue
             infos[node] = info
             self._boots[node] = info["boot"]
+            self._sessions[node] = session
             self._failed.setdefault(node, set()).update(_failed_pairs(info["failed"]))
         for (layer, expert), nodes in sorted(self.placement.items()):
             if not self._candidates(layer, expert, set()):
@@ -161,28 +169,27 @@ class RemoteExperts:
                                        f"{', '.join(nodes)})", hint="start the missing nodes, or plan more replicas")
         return infos
 
-    def _open(self, node: str, answer, payload_type: str, nonce: str, what: str, extra: tuple[str, ...] = ()) -> dict:
-        """A node's signed answer -> its body, once the signature verifies with the plan's key for `node` (before
-        the body is parsed) and the body names `node`, this coordinator's root and the call's `nonce`."""
-        if (not isinstance(answer, dict) or set(answer) != {"body", "signature", *extra}
-                or type(answer["body"]) is not bytes or type(answer["signature"]) is not bytes):
-            raise NodeFailed(f"{what} is not a signed answer (a mapping of body and signature bytes"
+    def _body(self, answer, proof: str, what: str, extra: tuple[str, ...] = ()) -> bytes:
+        """An answer's body, once the answer is exactly {body, `proof`, *extra} with bytes in the first two and a
+        body of at most MAX_BODY_BYTES."""
+        if (not isinstance(answer, dict) or set(answer) != {"body", proof, *extra}
+                or type(answer["body"]) is not bytes or type(answer[proof]) is not bytes):
+            kind = "a signed" if proof == "signature" else "an authenticated"
+            raise NodeFailed(f"{what} is not {kind} answer (a mapping of body and {proof} bytes"
                              f"{' and ' + ', '.join(extra) if extra else ''}): refused")
         body = answer["body"]
         if len(body) > MAX_BODY_BYTES:
             raise NodeFailed(f"{what} has a {len(body)}-byte body, at most {MAX_BODY_BYTES}: refused")
-        key = self.keys[node]
-        try:
-            key.verify(answer["signature"], pae(payload_type, body))
-        except SignatureError:
-            raise NodeFailed(f"{what} is not signed by node {node}'s key in the plan (key ID {key.keyid}): an "
-                             f"impostor or another node answering under its name: refused") from None
+        return body
+
+    def _doc(self, node: str, body: bytes, nonce: str, what: str) -> dict:
+        """An authenticated body -> its JSON object, once it names `node`, this coordinator's root and `nonce`."""
         try:
             doc = loads_strict(body)
         except ShardtoolError:
             doc = None
         if not isinstance(doc, dict):
-            raise NodeFailed(f"{what} has a signed body that is not a JSON object: refused")
+            raise NodeFailed(f"{what} has an authenticated body that is not a JSON object: refused")
         if doc.get("name") != node:
             raise NodeFailed(f"{what} as node {printable(str(doc.get('name'))[:80])}: refused")
         if doc.get("root") != self.root:
@@ -193,8 +200,38 @@ class RemoteExperts:
                              f"{nonce}): a replay: refused")
         return doc
 
+    def _handshake(self, node: str, timeout: float) -> tuple[dict, tuple[str, bytes]]:
+        """Ask `node` for its signed info() with a fresh session key pair of this coordinator's: (the checked info,
+        (session id, session key)). The private half of the pair ends with this call."""
+        nonce, mine = new_nonce(), Handshake()
+        info = self._check_info(node, self.transport.info(node, nonce, mine.public, timeout), nonce)
+        session = info.get("session")
+        if not isinstance(session, dict) or set(session) != {"coordinator", "node"} or not all(
+                isinstance(v, str) and PUBLIC_KEY.fullmatch(v) for v in session.values()):
+            raise NodeFailed(f"node {node} answered info() without a session (its and this coordinator's X25519 "
+                             f"public keys, 64 lowercase hex digits each): refused")
+        if session["coordinator"] != mine.public:
+            raise NodeFailed(f"node {node} answered info() for the session key {session['coordinator'][:16]}..., not "
+                             f"the one sent ({mine.public[:16]}...): swapped between this coordinator and the node: "
+                             f"refused")
+        try:
+            shared = mine.shared(session["node"])
+        except ValueError:
+            raise NodeFailed(f"node {node} answered info() with a session key of low order: refused") from None
+        key = session_key(shared, mine.public, session["node"], node, bytes.fromhex(self.root), nonce, info["boot"])
+        return info, (session_id(mine.public, session["node"]), key)
+
     def _check_info(self, node: str, answer, nonce: str) -> dict:
-        info = self._open(node, answer, INFO_TYPE, nonce, f"node {node} answered info()")
+        """A node's info() answer -> its body, once the signature verifies with the plan's key for `node` (before
+        the body is parsed), the body names `node`, this coordinator's root and `nonce`, and its fields are sound."""
+        what = f"node {node} answered info()"
+        body, key = self._body(answer, "signature", what), self.keys[node]
+        try:
+            key.verify(answer["signature"], pae(INFO_TYPE, body))
+        except SignatureError:
+            raise NodeFailed(f"{what} is not signed by node {node}'s key in the plan (key ID {key.keyid}): an "
+                             f"impostor or another node answering under its name: refused") from None
+        info = self._doc(node, body, nonce, what)
         experts, failed = info.get("experts"), info.get("failed")
         if not isinstance(experts, list) or len(experts) > MAX_INFO_ENTRIES or not all(
                 isinstance(p, list) and len(p) == 2 and all(_is_index(v) for v in p) for p in experts):
@@ -229,9 +266,7 @@ class RemoteExperts:
         for node in due:
             old = self._boots.get(node)
             try:
-                nonce = new_nonce()
-                info = self._check_info(node, self.transport.info(node, nonce, min(self.timeout, PROBE_TIMEOUT)),
-                                        nonce)
+                info, session = self._handshake(node, min(self.timeout, PROBE_TIMEOUT))
                 if info["boot"] == old:
                     raise NodeFailed("it answers as the same process that was lost (boot id unchanged): it was "
                                      "not started and checked again")
@@ -245,6 +280,7 @@ class RemoteExperts:
                 if self._probe_at.pop(node, None) is None:
                     continue
                 self._boots[node] = info["boot"]
+                self._sessions[node] = session  # the lost process's session is never accepted again
                 self._failed[node] = _failed_pairs(info["failed"])
                 del self.stats.dropped[node]
                 self.stats.readmitted += 1
@@ -303,7 +339,9 @@ class RemoteExperts:
         self.stats.wire_bytes += block.nbytes + sum(r.nbytes for r in local.values())
         nonce = new_nonce()
         sent = input_digest(block, experts, local)  # what the node must say it computed on
-        return self.transport.submit(node, layer, list(experts), block, local, nonce), (nonce, sent)
+        with self._lock:
+            sid, key = self._sessions[node]
+        return self.transport.submit(node, layer, list(experts), block, local, nonce, sid), (nonce, sent, key)
 
     def run(self, layer: int, x: np.ndarray, rows: Mapping[int, np.ndarray]) -> tuple[dict, dict]:
         """All requested experts' outputs, retried across replicas: ({expert: [t_e, H]}, {expert: why it could
@@ -311,10 +349,16 @@ class RemoteExperts:
         return _LayerCalls(self, layer, x, rows).finish()
 
     def _check_reply(self, node: str, layer: int, experts: list[int], rows: Mapping[int, np.ndarray], reply,
-                     hidden: int, call: tuple[str, str]) -> tuple[dict[int, np.ndarray], dict[int, str]]:
-        """`call`: the call's (nonce, digest of the inputs sent)."""
-        nonce, sent = call
-        doc = self._open(node, reply, REPLY_TYPE, nonce, "the reply", ("outputs",))
+                     hidden: int, call: tuple[str, str, bytes]) -> tuple[dict[int, np.ndarray], dict[int, str]]:
+        """`call`: the call's (nonce, digest of the inputs sent, key of the session it was sent in). The reply's MAC
+        is checked before its body is parsed."""
+        nonce, sent, key = call
+        body = self._body(reply, "mac", "the reply", ("outputs",))
+        if not mac_matches(key, REPLY_TYPE, body, reply["mac"]):
+            raise NodeFailed(f"the reply is not authenticated by node {node}'s session key (made at its signed "
+                             f"info()): an impostor, another node or another session answering under its name: "
+                             f"refused")
+        doc = self._doc(node, body, nonce, "the reply")
         if doc.get("input") != sent:
             raise NodeFailed("the reply was computed on other inputs than the ones sent: refused")
         if doc.get("layer") != layer or isinstance(doc.get("layer"), bool):
@@ -397,7 +441,7 @@ class _LayerCalls:
                 self._round[node] = (experts, *remote._send(node, layer, experts, self.x, self.rows))
             except NodeFailed as err:
                 remote._drop(node, str(err))
-                self._round[node] = (experts, None, ("", ""))
+                self._round[node] = (experts, None, ("", "", b""))
         self._deadline = time.monotonic() + remote.timeout
 
     def _collect(self) -> list[int]:

@@ -7,12 +7,14 @@ checked (types, shapes, dtypes, caps, that this node holds the layer and expert)
 whose shard fails verification is marked failed from then on: reported by `info()` and in every reply, while
 the node keeps serving its other experts.
 
-Every answer is signed with the node's key (the one the operator's signed plan names for it): `{"body": bytes,
-"signature": bytes}` plus, for run(), `"outputs": {expert: [t_e, H] float32}`. The body is canonical JSON naming the
-kind, the node, the manifest root and the caller's nonce, and for run() the layer, the experts asked, each output's
-BLAKE3 and each failure; the signature is Ed25519 over PAE(the kind's payload type, body). Only plain types cross
-the wire: info() takes a string and answers bytes in a plain dict; the actor's run() takes and answers one msgpack
-bytes object each (`_cluster_wire`).
+info() answers are signed with the node's key (the one the operator's signed plan names for it): `{"body": bytes,
+"signature": bytes}`, the signature Ed25519 over PAE(INFO_TYPE, body). A coordinator's info() request carries a fresh
+X25519 public key: the node answers with its own in the signed body and both derive a session key (`_cluster_session`);
+a run call names that session, and its answer is `{"body": bytes, "mac": bytes, "outputs": {expert: [t_e, H]
+float32}}`, the MAC keyed BLAKE3 over PAE(REPLY_TYPE, body) with the session key. Each body is canonical JSON naming
+the kind, the node, the manifest root and the caller's nonce, and for run() the layer, the experts asked, the inputs'
+digest, each output's BLAKE3 and each failure. Only plain types cross the wire: info() takes strings and answers
+bytes in a plain dict; the actor's run() takes and answers one msgpack bytes object each (`_cluster_wire`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from shardtool.manifest.audit import check_file
 from shardtool.remote import RemoteFiles, RemoteSource
 from shardtool.runtime.model import ModelConfig, run_expert
 from ._cluster_plan import NODE_READERS, ClusterPlan, node_memory_floor
+from ._cluster_session import Handshake, SessionTable, check_public_key, mac, session_id, session_key
 from ._cluster_wire import decode_call, encode_answer, pack
 from ._signed import unusable_shards, verified_config
 from shardtool.runtime.store import DEFAULT_POLICY
@@ -218,7 +221,7 @@ class NodeSetup:
     readers: int
     remote: RemoteSource | None = None  # --remote: planned experts not on disk are fetched when first asked for
     cache_policy: str = DEFAULT_POLICY  # which cached expert is evicted first
-    key_seed: bytes = field(default=b"", repr=False)  # the node's raw 32-byte Ed25519 private key: signs answers
+    key_seed: bytes = field(default=b"", repr=False)  # the node's raw 32-byte Ed25519 private key: signs info()
     owner_pid: int = 0  # the `shardtool node` process on this machine: its actor exits when it does (0: no watch)
     owner_pid_namespace: int = 0  # the inode of that process's pid namespace: watched only where it is the actor's (0: unknown, no watch)
 
@@ -243,27 +246,46 @@ class NodeService:
         # Drawn once per service, which `shardtool node` starts only after its subset check passed: a coordinator
         # that lost this node takes it back only under a boot id other than the lost one's.
         self.boot = new_nonce()
+        self.sessions = SessionTable()
 
-    def _signed(self, payload_type: str, doc: dict, nonce: str) -> dict:
-        body = canonical_body({**doc, "name": self.setup.name, "root": self.setup.root.hex(), "nonce": nonce})
-        return {"body": body, "signature": self._key.sign(pae(payload_type, body))}
+    def _body(self, doc: dict, nonce: str) -> bytes:
+        return canonical_body({**doc, "name": self.setup.name, "root": self.setup.root.hex(), "nonce": nonce})
 
-    def info(self, nonce) -> dict:
-        """This node's name, root, boot id, experts and failures, signed for the caller's `nonce`."""
+    def info(self, nonce, session=None) -> dict:
+        """This node's name, root, boot id, experts and failures, signed for the caller's `nonce`. With `session`
+        (the caller's X25519 public key, 64 hex digits) a session is made: both public keys are in the signed body,
+        and the key derived from them authenticates this process's answers to that session's run calls."""
         nonce = _check_nonce(nonce)
         s = self.setup
         with self._lock:
             failed = {f"{layer}/{expert}": why for (layer, expert), why in sorted(self.failed.items())}
-        return self._signed(INFO_TYPE, {"manifest_version": s.manifest_version, "boot": self.boot, "experts": sorted(
+        doc = {"manifest_version": s.manifest_version, "boot": self.boot, "experts": sorted(
             [layer, expert] for layer, expert in self.held), "failed": failed, "calls": self.calls,
-            "store": self.store.stats.as_dict()}, nonce)
+            "store": self.store.stats.as_dict()}
+        if session is not None:
+            coordinator = check_public_key(session, "info()'s session")
+            mine = Handshake()
+            try:
+                shared = mine.shared(coordinator)
+            except ValueError:
+                raise UsageError("info()'s session key is of low order (no secret can be shared with it)") from None
+            key = session_key(shared, coordinator, mine.public, s.name, s.root, nonce, self.boot)
+            self.sessions.add(session_id(coordinator, mine.public), key)
+            doc["session"] = {"coordinator": coordinator, "node": mine.public}
+        body = self._body(doc, nonce)
+        return {"body": body, "signature": self._key.sign(pae(INFO_TYPE, body))}
 
-    def run(self, layer, expert_ids, x, rows, nonce) -> dict:
+    def _maced(self, doc: dict, nonce: str, session: str) -> dict:
+        body = self._body(doc, nonce)
+        return {"body": body, "mac": mac(self.sessions.key(session), REPLY_TYPE, body)}
+
+    def run(self, layer, expert_ids, x, rows, nonce, session) -> dict:
         """Each requested expert's unweighted output on its rows, `run_expert(x[rows[e]])` [t_e, H] float32; an
-        expert that cannot be had is in `failed` with one line. Arguments are checked before anything runs; the
-        answer is signed over the nonce, layer, experts, the inputs' digest, each output's digest, root and this node's
-        name."""
+        expert that cannot be had is in `failed` with one line. Arguments are checked before anything runs, first
+        that `session` is one of this process's; the answer is authenticated by that session's key over the nonce,
+        layer, experts, the inputs' digest, each output's digest, root and this node's name."""
         nonce = _check_nonce(nonce)
+        self.sessions.key(session)
         ids, x, rows = self._check(layer, expert_ids, x, rows)
         t0 = time.perf_counter()
         with self._lock:
@@ -286,7 +308,7 @@ class NodeService:
         body = {"layer": int(layer), "experts": [int(e) for e in ids], "input": input_digest(x, ids, rows),
                 "outputs": {str(e): output_digest(y) for e, y in outputs.items()},
                 "failed": {str(e): why for e, why in failed.items()}, "seconds": time.perf_counter() - t0}
-        return {**self._signed(REPLY_TYPE, body, nonce), "outputs": {int(e): y for e, y in outputs.items()}}
+        return {**self._maced(body, nonce, session), "outputs": {int(e): y for e, y in outputs.items()}}
 
     def _check(self, layer, expert_ids, x, rows) -> tuple[list[int], np.ndarray, dict[int, np.ndarray]]:
         cfg = self.config
@@ -335,14 +357,13 @@ class NodeActor:
         self._service = NodeService(setup)
         graphs_without_torch()
 
-    def info(self, nonce) -> dict:
-        return self._service.info(nonce)
+    def info(self, nonce, session=None) -> dict:
+        return self._service.info(nonce, session)
 
     def run(self, call) -> bytes:
         """A run call as one bytes object (`_cluster_wire.encode_call`), its answer as one too (`encode_answer`,
         packed): Ray carries bytes as they are, where it would pickle and rebuild every array both ways."""
-        layer, expert_ids, x, rows, nonce = decode_call(call)
-        return pack(encode_answer(self._service.run(layer, expert_ids, x, rows, nonce)))
+        return pack(encode_answer(self._service.run(*decode_call(call))))
 
     def graph_run(self, calls) -> bytes:
         """A coordinator's Compiled Graph round: every node of the graph gets the round's {node name: call bytes};
@@ -407,7 +428,7 @@ def key_seed(key: PrivateKey) -> bytes:
 def key_from_seed(seed: bytes) -> PrivateKey:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     if not isinstance(seed, bytes) or len(seed) != 32:
-        raise UsageError("a node needs its 32-byte Ed25519 private key (--node-key) to sign its answers")
+        raise UsageError("a node needs its 32-byte Ed25519 private key (--node-key) to sign its info()")
     return PrivateKey(Ed25519PrivateKey.from_private_bytes(seed))
 
 
@@ -500,7 +521,8 @@ def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan,
                  key: PrivateKey, readers: int = NODE_READERS, remote: RemoteSource | None = None,
                  cache_policy: str = DEFAULT_POLICY) -> NodeSetup:
     """Check this node before it may join. `key` must be the key the (operator-signed) plan names for node
-    `name`: it signs every answer (VerificationError otherwise). The signed config.json (the experts' shapes) is read through
+    `name`: it signs every info() answer, which makes the sessions that authenticate its run answers
+    (VerificationError otherwise). The signed config.json (the experts' shapes) is read through
     verification; `budget` must hold a step over this node's experts; then every file the plan gives node `name`
     is hashed whole and must be present and match the manifest: the first missing or failing one is a
     VerificationError naming it (the node refuses to join). Files the plan gives other nodes may be absent

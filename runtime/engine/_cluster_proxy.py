@@ -8,21 +8,25 @@ otherwise read the coordinator's memory despite PR_SET_DUMPABLE). It dies with t
 the end of its input pipe). The coordinator (`ProxyTransport`, a `Transport`) and the child (`serve`) speak frames
 over a pipe: a 4-byte big-endian length, then one msgpack map (`strict_map_key`, no ext types, size caps), arrays
 as {"dtype", "shape", "data": raw bytes} (`_cluster_wire`). The child re-encodes an info() answer into that form (its
-signed body and signature) and forwards a run's answer, bytes the node encoded in that form, unread; the coordinator
-checks all of it (`RemoteExperts`) as it would a direct answer: code a hostile reply runs, runs in the child, which
-can then only send frames, and a frame is data. A frame that
+signed body and signature) and forwards a run's answer, bytes the node encoded in that form (body, MAC, outputs),
+unread; the coordinator checks all of it (`RemoteExperts`) as it would a direct answer: code a hostile reply runs,
+runs in the child, which can then only send frames, and a frame is data. The child carries each session's handshake
+(the coordinator's and the node's X25519 public keys) and the session id of every call, never a session key: it can
+neither make a run answer's MAC nor read the key from anything it forwards. A frame that
 breaks the protocol, a child that exits or answers late, is the proxy failing: it is killed, and every call from
 then on fails as a failed node does (`NodeFailed`), never a hang.
 
     coordinator -> proxy: {"op": "init", "address", "timeout", "insecure", "nodes"}
                                                                              -> {"ok": true} | {"error": {...}}
-                          {"op": "info", "node", "nonce", "timeout"}         -> {"answer": {...}} | {"failed": line}
+                          {"op": "info", "node", "nonce", "session", "timeout"} -> {"answer": {...}} | {"failed": line}
                           {"op": "round", "timeout", "calls": [{"id", "node", "call": bytes}, ...]}
                                    -> {"answers": [[id, {"packed": bytes} | {"failed": line}], ...]}
                           {"op": "close"}                                    (no answer; the child exits)
-    an answer: {"body": bytes, "signature": bytes[, "outputs": [[expert, array], ...]]}
-    a call's bytes and a packed answer: an encoded call and answer (`_cluster_wire`), which the child forwards as
-    they are: a node's actor takes and returns them, so the child reads none of a run's arrays
+    "session": the coordinator's X25519 public key for this handshake (64 hex digits)
+    an answer: {"body": bytes, "signature": bytes} (info)
+    a call's bytes and a packed answer: an encoded call (naming its session) and answer (body, MAC, outputs:
+    `_cluster_wire`), which the child forwards as they are: a node's actor takes and returns them, so the child
+    reads none of a run's arrays
 
 A layer's calls cross the pipe as one round: `submit` only queues a call, and the first `result` of the round sends
 every queued call in one frame; the child starts them all at once (Ray's futures, the nodes compute in parallel)
@@ -109,16 +113,17 @@ class ProxyTransport:
 
     # -- Transport
 
-    def info(self, node: str, nonce: str, timeout: float) -> dict:
-        return self._answer(self._ask({"op": "info", "node": node, "nonce": nonce, "timeout": float(timeout)},
-                                      timeout + GRACE))
+    def info(self, node: str, nonce: str, session: str, timeout: float) -> dict:
+        return self._answer(self._ask({"op": "info", "node": node, "nonce": nonce, "session": session,
+                                       "timeout": float(timeout)}, timeout + GRACE))
 
-    def submit(self, node, layer, expert_ids, x, rows, nonce) -> int:
+    def submit(self, node, layer, expert_ids, x, rows, nonce, session) -> int:
         """Queue a call; it is sent with the rest of its round by the round's first `result`."""
         call = next(self._ids)
         with self._lock:
             self._check()
-            self._queued.append({"id": call, "node": node, "call": encode_call(layer, expert_ids, x, rows, nonce)})
+            call_bytes = encode_call(layer, expert_ids, x, rows, nonce, session)
+            self._queued.append({"id": call, "node": node, "call": call_bytes})
         return call
 
     def result(self, pending: int, timeout: float) -> dict:
@@ -324,9 +329,9 @@ class RayTransport:
             self._actors[node] = actor
         return actor
 
-    def info(self, node: str, nonce: str, timeout: float) -> dict:
+    def info(self, node: str, nonce: str, session: str, timeout: float) -> dict:
         try:
-            return self.result(self._actor(node).info.remote(nonce), timeout)
+            return self.result(self._actor(node).info.remote(nonce, session), timeout)
         except NodeFailed:
             self._actors.pop(node, None)  # a node that comes back is a new actor under the same name
             raise
@@ -520,7 +525,7 @@ class _Child:
             if op == "init":
                 self.init(doc)
             elif op == "info":
-                self.answer(lambda: self.transport.info(doc["node"], doc["nonce"], doc["timeout"]))
+                self.answer(lambda: self.transport.info(doc["node"], doc["nonce"], doc["session"], doc["timeout"]))
             elif op == "round":
                 self.round(doc)
             elif op == "close":

@@ -3,8 +3,10 @@
 actor takes and returns for a `run` call: one bytes object each way, which Ray carries as it is (no pickled arrays
 to rebuild on either side) and the proxy forwards without reading.
 
-    a call:    {"layer", "experts", "x": array [n, H] float32, "rows": [[expert, array [t_e] int64], ...], "nonce"}
-    an answer: {"body": bytes, "signature": bytes[, "outputs": [[expert, array [t_e, H] float32], ...]]}
+    a call:    {"layer", "experts", "x": array [n, H] float32, "rows": [[expert, array [t_e] int64], ...], "nonce",
+                "session": the session id (`_cluster_session`) whose key authenticates the answer}
+    an answer: info(): {"body": bytes, "signature": bytes (Ed25519)}
+               run():  {"body": bytes, "mac": bytes (keyed BLAKE3), "outputs": [[expert, array [t_e, H] float32], ...]}
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from shardtool.text import printable
 MAX_FRAME = 1 << 30  # one frame: a call's hidden states or a reply's outputs; the caps below bound what it holds
 MAX_ARRAY_ELEMENTS = 1 << 28  # one array of a frame (a 1 GiB float32 block)
 _DTYPES = {"<f4": np.dtype("<f4"), "<i8": np.dtype("<i8")}  # the only arrays that cross the wire
-_ANSWER_KEYS = ({"body", "signature"}, {"body", "signature", "outputs"})
-_CALL_KEYS = {"layer", "experts", "x", "rows", "nonce"}
+# The one key of each answer form that authenticates its body: an info()'s signature, a run's MAC.
+_PROOF = {frozenset({"body", "signature"}): "signature", frozenset({"body", "mac", "outputs"}): "mac"}
+_CALL_KEYS = {"layer", "experts", "x", "rows", "nonce", "session"}
 
 
 class NodeFailed(Exception):
@@ -76,14 +79,24 @@ def decode_array(obj: Any, dtype: str, ndim: int, what: str) -> np.ndarray:
     return np.frombuffer(data, dtype=_DTYPES[dtype]).reshape(shape)
 
 
+def _proof(answer: Any) -> str | None:
+    """Which key authenticates `answer`'s body ("signature" or "mac"), when it has one of the two forms with bytes
+    there; None otherwise."""
+    if not isinstance(answer, dict):
+        return None
+    proof = _PROOF.get(frozenset(answer))
+    return proof if proof and type(answer["body"]) is bytes and type(answer[proof]) is bytes else None
+
+
 def encode_answer(answer: Any) -> dict:
-    """A node's answer as Ray gave it (in the child) -> its wire form: the signed body and signature as bytes, a
-    reply's outputs as [expert, float32 array] pairs. Anything else cannot be carried: NodeFailed."""
-    if (not isinstance(answer, dict) or set(answer) not in _ANSWER_KEYS
-            or type(answer["body"]) is not bytes or type(answer["signature"]) is not bytes):
-        raise NodeFailed("the answer is not a signed answer (a mapping of body and signature bytes, and a "
-                           "reply's outputs): refused")
-    wire = {"body": answer["body"], "signature": answer["signature"]}
+    """A node's answer as Ray gave it (in the child) or as its service made it -> its wire form: the body and its
+    signature or MAC as bytes, a reply's outputs as [expert, float32 array] pairs. Anything else cannot be carried:
+    NodeFailed."""
+    proof = _proof(answer)
+    if proof is None:
+        raise NodeFailed("the answer is not a signed answer (a mapping of body and signature bytes, or of body, MAC "
+                         "and outputs): refused")
+    wire = {"body": answer["body"], proof: answer[proof]}
     if "outputs" in answer:
         outputs = answer["outputs"]
         if not isinstance(outputs, dict) or not all(
@@ -95,12 +108,13 @@ def encode_answer(answer: Any) -> dict:
 
 
 def decode_answer(obj: Any) -> dict:
-    """An answer's wire form (from the child, untrusted) -> the mapping `RemoteExperts` checks: body, signature and
-    for a reply {expert: [t_e, H] float32}. Only the form is checked here; every other check is the coordinator's."""
-    if (not isinstance(obj, dict) or set(obj) not in _ANSWER_KEYS
-            or type(obj["body"]) is not bytes or type(obj["signature"]) is not bytes):
-        raise ProtocolError("an answer that is not body and signature bytes")
-    answer = {"body": obj["body"], "signature": obj["signature"]}
+    """An answer's wire form (from the child, untrusted) -> the mapping `RemoteExperts` checks: body and signature,
+    or for a reply body, MAC and {expert: [t_e, H] float32}. Only the form is checked here; every other check is the
+    coordinator's."""
+    proof = _proof(obj)
+    if proof is None:
+        raise ProtocolError("an answer that is not body and signature bytes, nor body, MAC and outputs")
+    answer = {"body": obj["body"], proof: obj[proof]}
     if "outputs" in obj:
         pairs = obj["outputs"]
         if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and type(p[0]) is int
@@ -114,15 +128,16 @@ def decode_answer(obj: Any) -> dict:
 
 
 
-def encode_call(layer: int, expert_ids, x: np.ndarray, rows, nonce: str) -> bytes:
+def encode_call(layer: int, expert_ids, x: np.ndarray, rows, nonce: str, session: str) -> bytes:
     """One `run` call's arguments as the bytes a node's actor takes (`decode_call`)."""
     return pack({"layer": int(layer), "experts": [int(e) for e in expert_ids], "x": encode_array(x),
-                 "rows": [[int(e), encode_array(r)] for e, r in rows.items()], "nonce": nonce})
+                 "rows": [[int(e), encode_array(r)] for e, r in rows.items()], "nonce": nonce, "session": session})
 
 
-def decode_call(call: Any) -> tuple[Any, Any, np.ndarray, dict[int, np.ndarray], Any]:
+def decode_call(call: Any) -> tuple[Any, Any, np.ndarray, dict[int, np.ndarray], Any, Any]:
     """A call's bytes (at a node, from the wire) -> (layer, expert ids, x [n, H] float32, {expert: rows int64},
-    nonce), their form checked here (a UsageError naming what is wrong); their values are NodeService.run's to check."""
+    nonce, session id), their form checked here (a UsageError naming what is wrong); their values are
+    NodeService.run's to check."""
     if type(call) is not bytes or len(call) > MAX_FRAME:
         raise UsageError(f"a call must be at most {MAX_FRAME} bytes of msgpack, got a {type(call).__name__}")
     try:
@@ -139,4 +154,4 @@ def decode_call(call: Any) -> tuple[Any, Any, np.ndarray, dict[int, np.ndarray],
         x = decode_array(doc["x"], "<f4", 2, "the hidden states")
     except ProtocolError as e:
         raise UsageError(str(e)) from None
-    return doc["layer"], doc["experts"], x, rows, doc["nonce"]
+    return doc["layer"], doc["experts"], x, rows, doc["nonce"], doc["session"]

@@ -1,6 +1,7 @@
 """Attacks on a cluster: a client without Ray's token, a head that does not enforce it, an impostor node, a reply
-signed by another node, a replayed or re-aimed reply, an unsigned or garbled reply, a plan the operator did not sign,
-a member whose reply is a pickle that runs code, a cluster proxy that dies or hangs.
+MACed with another node's or another session's key, a session key swapped at the handshake, a replayed or re-aimed
+reply, an unauthenticated or garbled reply, a plan the operator did not sign, a member whose reply is a pickle that
+runs code, a cluster proxy that dies or hangs.
 In-process nodes (`_clusterkit.Direct`) for the replies; a real local Ray head for the door and the proxy."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from shardtool.manifest import load_trusted_manifest  # noqa: E402
 from shardtool.private_memory import memory_private  # noqa: E402
 from shardtool.runtime import NodeService, Session, load_signed_plan, prepare_node  # noqa: E402
 from shardtool.runtime.engine._cluster_node import REPLY_TYPE  # noqa: E402
+from shardtool.runtime.engine._cluster_session import Handshake, mac  # noqa: E402
 
 PROMPT = [5, 77, 300, 12]
 NODES = ("a", "b", "c")
@@ -55,7 +57,7 @@ def _generate(cluster, remote=None) -> list[int]:
 
 
 def _transport(cluster, **keys) -> ck.Direct:
-    """Nodes a, b, c; a node given in `keys` answers (re-signed) with that key instead of its own."""
+    """Nodes a, b, c; a node given in `keys` answers info() (re-signed) with that key instead of its own."""
     _, _, _, services, own = cluster
     transport = ck.Direct(services, {**own, **keys})
     for node in keys:
@@ -86,16 +88,7 @@ def test_cluster_impostor_node_is_refused_named_and_its_output_never_used(cluste
         ck.remote_experts(cluster[2], transport).connect()
 
 
-def test_cluster_impostor_after_connect_is_dropped_and_replicas_serve(cluster):
-    transport = _transport(cluster)
-    remote = ck.remote_experts(cluster[2], transport)
-    remote.connect()
-    transport.keys["b"], transport.edit["b"] = generate(), _zeros  # b's actor replaced once the run started
-    assert _generate(cluster, remote) == _generate(cluster)
-    assert "not signed by node b's key" in remote.stats.dropped["b"]
-
-
-def test_cluster_reply_signed_by_node_a_presented_as_node_b_is_refused(cluster):
+def test_cluster_info_signed_by_node_a_presented_as_node_b_is_refused(cluster):
     _, _, _, _, keys = cluster
     transport = _transport(cluster, b=keys["a"])  # b's answers, signed with a's (planned, genuine) key
     transport.edit["b"] = _zeros
@@ -103,6 +96,53 @@ def test_cluster_reply_signed_by_node_a_presented_as_node_b_is_refused(cluster):
     remote.connect()
     assert "not signed by node b's key" in remote.stats.dropped["b"]
     assert _generate(cluster, remote) == _generate(cluster)
+
+
+def _other_session(cluster) -> bytes:
+    """Node b's session key with another coordinator (its own handshake with b)."""
+    other = ck.remote_experts(cluster[2], _transport(cluster))
+    other.connect()
+    return other._sessions["b"][1]
+
+
+MAC_KEYS = {  # whose key b's replies are MACed with, once the run started: none is b's session with this coordinator
+    "impostor (b's actor replaced, no session key)": lambda cluster, remote: secrets.token_bytes(32),
+    "node a's session key with this coordinator": lambda cluster, remote: remote._sessions["a"][1],
+    "node b's session key with another coordinator": lambda cluster, remote: _other_session(cluster),
+}
+
+
+@pytest.mark.parametrize("whose", MAC_KEYS)
+def test_cluster_reply_macd_with_a_key_other_than_the_nodes_session_is_refused(cluster, whose):
+    transport = _transport(cluster)
+    remote = ck.remote_experts(cluster[2], transport)
+    remote.connect()
+    transport.mac_keys["b"], transport.edit["b"] = MAC_KEYS[whose](cluster, remote), _zeros
+    assert _generate(cluster, remote) == _generate(cluster)
+    assert "the reply is not authenticated by node b's session key" in remote.stats.dropped["b"]
+
+
+def test_cluster_session_key_swapped_at_the_handshake_is_refused(cluster):
+    """Someone between the coordinator and node b (the proxy, Ray) puts its own X25519 key in b's info() request:
+    b derives its session with that one and signs it; the coordinator sees a session that is not its own."""
+    transport = _transport(cluster)
+    info = transport.info
+    transport.info = lambda node, nonce, session, timeout: info(
+        node, nonce, Handshake().public if node == "b" else session, timeout)
+    remote = ck.remote_experts(cluster[2], transport)
+    remote.connect()
+    assert "swapped between this coordinator and the node: refused" in remote.stats.dropped["b"]
+    assert set(remote.stats.dropped) == {"b"} and "b" not in remote._sessions
+
+
+def test_cluster_info_without_the_session_asked_is_refused(cluster):
+    """b answers info() as to a health check (no session): the coordinator asked for one and has no key for b."""
+    transport = _transport(cluster)
+    info = transport.info
+    transport.info = lambda node, nonce, session, timeout: info(node, nonce, None if node == "b" else session, timeout)
+    remote = ck.remote_experts(cluster[2], transport)
+    remote.connect()
+    assert "answered info() without a session" in remote.stats.dropped["b"]
 
 
 @pytest.mark.parametrize("forge", [
@@ -129,8 +169,8 @@ def test_cluster_answer_computed_on_swapped_inputs_is_refused(cluster):
     transport = _transport(cluster)
     submit = transport.submit
 
-    def swapped(node, layer, ids, x, rows, nonce):
-        return submit(node, layer, ids, x * 2 if node == "b" else x, rows, nonce)
+    def swapped(node, layer, ids, x, rows, nonce, session):
+        return submit(node, layer, ids, x * 2 if node == "b" else x, rows, nonce, session)
 
     transport.submit = swapped
     remote = ck.remote_experts(cluster[2], transport)
@@ -139,9 +179,13 @@ def test_cluster_answer_computed_on_swapped_inputs_is_refused(cluster):
     assert "other inputs than the ones sent" in remote.stats.dropped["b"]
 
 
-def test_cluster_replayed_reply_is_refused(cluster):
-    """b's genuine, signed replies of one run, answered again in order to the same calls of a second run: only the
-    nonce tells them apart."""
+@pytest.mark.parametrize("session, refused", [
+    ("same", "a replay"),
+    ("another", "the reply is not authenticated by node b's session key"),
+], ids=["same-session", "another-session"])
+def test_cluster_replayed_reply_is_refused(cluster, session, refused):
+    """b's genuine replies of one run, answered again in order to the same calls of a second run: in the same
+    session only the nonce tells them apart; in another (a new coordinator, or b readmitted) the MAC does."""
     recorded: list = []
     transport = _transport(cluster)
     transport.answer["b"] = lambda r: recorded.append(r) or r if "outputs" in r else r
@@ -150,40 +194,51 @@ def test_cluster_replayed_reply_is_refused(cluster):
     local = _generate(cluster, remote)
     assert recorded and "b" not in remote.stats.dropped
     replay = iter(recorded)
-    transport = _transport(cluster)
+    if session == "another":
+        transport = _transport(cluster)
+        remote = ck.remote_experts(cluster[2], transport)
+        remote.connect()
     transport.answer["b"] = lambda r: next(replay) if "outputs" in r else r
-    remote = ck.remote_experts(cluster[2], transport)
-    remote.connect()
     assert _generate(cluster, remote) == local
-    assert "a replay" in remote.stats.dropped["b"]
+    assert refused in remote.stats.dropped["b"]
 
 
-@pytest.mark.parametrize("forge", [
-    lambda r: {k: v for k, v in r.items() if k != "signature"},
-    lambda r: {**r, "signature": bytes([r["signature"][0] ^ 1]) + r["signature"][1:]},
-    lambda r: {**r, "body": r["body"] + b" "},
-    lambda r: {**r, "outputs": {e: y + 1 for e, y in r["outputs"].items()}},
-    lambda r: {**r, "extra": 1},
-    lambda r: [r],
-    lambda r: b"\x80\x04garbage",
-], ids=["unsigned", "bad-signature", "body-changed", "outputs-changed", "extra-field", "not-a-dict", "bytes"])
-def test_cluster_unsigned_or_garbled_reply_is_refused(cluster, forge):
+NOT_AUTHENTIC = "the reply is not authenticated by node c's session key"
+NOT_FORM = "the reply is not an authenticated answer"
+GARBLED = {  # c's genuine reply, changed as it crosses the wire -> what the coordinator says
+    "no-mac": (lambda r: {k: v for k, v in r.items() if k != "mac"}, NOT_FORM),
+    "mac-bit-flipped": (lambda r: {**r, "mac": bytes([r["mac"][0] ^ 1]) + r["mac"][1:]}, NOT_AUTHENTIC),
+    "mac-short": (lambda r: {**r, "mac": r["mac"][:16]}, NOT_AUTHENTIC),
+    "mac-empty": (lambda r: {**r, "mac": b""}, NOT_AUTHENTIC),
+    "mac-text": (lambda r: {**r, "mac": r["mac"].hex()}, NOT_FORM),
+    "signature-instead-of-mac": (lambda r: {"body": r["body"], "signature": r["mac"] * 2, "outputs": r["outputs"]},
+                                 NOT_FORM),
+    "body-changed-after-mac": (lambda r: {**r, "body": r["body"] + b" "}, NOT_AUTHENTIC),
+    "outputs-changed": (lambda r: {**r, "outputs": {e: y + 1 for e, y in r["outputs"].items()}},
+                        "is not the one the node signed"),
+    "extra-field": (lambda r: {**r, "extra": 1}, NOT_FORM),
+    "not-a-dict": (lambda r: [r], NOT_FORM),
+    "bytes": (lambda r: b"\x80\x04garbage", NOT_FORM),
+}
+
+
+@pytest.mark.parametrize("garble", GARBLED)
+def test_cluster_unauthenticated_or_garbled_reply_is_refused(cluster, garble):
+    forge, refused = GARBLED[garble]
     transport = _transport(cluster)
     remote = ck.remote_experts(cluster[2], transport)
     remote.connect()
-    transport.answer["c"] = lambda r: forge(r) if "outputs" in r else r
+    transport.answer["c"] = lambda r: forge(r) if isinstance(r, dict) and "outputs" in r else r
     assert _generate(cluster, remote) == _generate(cluster)
-    assert "c" in remote.stats.dropped
+    assert refused in remote.stats.dropped["c"]
 
 
-def test_cluster_signed_body_that_is_not_json_is_refused(cluster):
-    _, _, _, _, keys = cluster
-    from shardtool.manifest import pae
+def test_cluster_authenticated_body_that_is_not_json_is_refused(cluster):
     transport = _transport(cluster)
     remote = ck.remote_experts(cluster[2], transport)
     remote.connect()
-    body = b"\xff not json"
-    transport.answer["c"] = lambda r: {**r, "body": body, "signature": keys["c"].sign(pae(REPLY_TYPE, body))}
+    body, key = b"\xff not json", remote._sessions["c"][1]
+    transport.answer["c"] = lambda r: {**r, "body": body, "mac": mac(key, REPLY_TYPE, body)} if "outputs" in r else r
     assert _generate(cluster, remote) == _generate(cluster)
     assert "not a JSON object" in remote.stats.dropped["c"]
 
@@ -461,8 +516,8 @@ def test_cluster_member_pickle_runs_in_the_proxy_not_the_coordinator(cluster, co
 
 
 def test_cluster_proxy_gets_no_key_in_argv_environment_or_pipe(cluster, coordinator, monkeypatch):
-    """The coordinator holds a decrypted receipt key and its passphrase is in its environment: neither is in the
-    proxy's command line or environment, nor in any frame sent to it."""
+    """The coordinator holds a decrypted receipt key and its passphrase is in its environment, and a session key
+    per node: none is in the proxy's command line or environment, nor in any frame sent to it."""
     from shardtool.runtime.engine import _cluster_proxy
     from shardtool.runtime.engine._cluster_node import key_seed
     head, _ = coordinator
@@ -479,7 +534,10 @@ def test_cluster_proxy_gets_no_key_in_argv_environment_or_pipe(cluster, coordina
         seen = Path(f"/proc/{pid}/cmdline").read_bytes() + Path(f"/proc/{pid}/environ").read_bytes()
     finally:
         remote.close()
-    assert len(sent) > 3 and b"RAY_AUTH_TOKEN_PATH" in seen
+    sessions = [key for _, key in remote._sessions.values()]
+    assert len(sessions) == 3 and b"RAY_AUTH_TOKEN_PATH" in seen
+    hidden += [form for key in sessions for form in (key, key.hex().encode())]
+    assert len(sent) > 3 and all(sid.encode() in b"".join(sent) for sid, _ in remote._sessions.values())
     assert not any(s in blob for s in hidden for blob in [seen, *sent])
 
 

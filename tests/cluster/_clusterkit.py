@@ -304,65 +304,73 @@ def verify_and_run(model: Model, directory: Path, *args, cluster: str | None = N
 
 class Direct:
     """A coordinator transport that calls NodeService objects in-process. `edit[node](plain) -> plain` makes that
-    node lie with its own key (the answer is re-signed with `keys[node]`); `answer[node](signed) -> anything`
-    replaces its signed answer as it crosses the wire (an impostor, a replay, garbage); `down` nodes fail."""
+    node lie with its own keys (an info() is re-signed with `keys[node]`, a reply re-MACed with `mac_keys[node]`, by
+    default its session's key); `answer[node](answer) -> anything` replaces its answer as it crosses the wire (an
+    impostor, a replay, garbage); `down` nodes fail."""
 
     def __init__(self, services: dict, keys: dict):
         self.services, self.keys = services, keys
+        self.mac_keys: dict[str, bytes] = {}
         self.edit: dict = {}
         self.answer: dict = {}
         self.down: set[str] = set()
         self.calls: list[tuple[str, int, list[int]]] = []
 
-    def _out(self, node: str, signed, payload_type: str):
+    def _out(self, node: str, answer, key):
         if node in self.edit:
-            signed = resign(signed, self.edit[node], self.keys[node], payload_type)
-        return self.answer.get(node, lambda r: r)(signed)
+            answer = resign(answer, self.edit[node], key)
+        return self.answer.get(node, lambda r: r)(answer)
 
-    def info(self, node, nonce, timeout):
+    def info(self, node, nonce, session, timeout):
         from shardtool.runtime.engine._cluster import NodeFailed
-        from shardtool.runtime.engine._cluster_node import INFO_TYPE
         if node in self.down or node not in self.services:
             raise NodeFailed(f"no node named {node} has joined the cluster")
-        return self._out(node, self.services[node].info(nonce), INFO_TYPE)
+        return self._out(node, self.services[node].info(nonce, session), self.keys[node])
 
-    def submit(self, node, layer, expert_ids, x, rows, nonce):
+    def submit(self, node, layer, expert_ids, x, rows, nonce, session):
         self.calls.append((node, layer, list(expert_ids)))
-        return node, layer, expert_ids, x, rows, nonce
+        return node, layer, expert_ids, x, rows, nonce, session
 
     def result(self, pending, timeout):
+        from shardtool.errors import ShardtoolError
         from shardtool.runtime.engine._cluster import NodeFailed
-        from shardtool.runtime.engine._cluster_node import REPLY_TYPE
-        node, layer, ids, x, rows, nonce = pending
+        node, layer, ids, x, rows, nonce, session = pending
         if node in self.down:
             raise NodeFailed("ActorDiedError: the actor died unexpectedly")
-        return self._out(node, self.services[node].run(layer, ids, x, rows, nonce), REPLY_TYPE)
+        service = self.services[node]
+        try:
+            answer = service.run(layer, ids, x, rows, nonce, session)
+        except ShardtoolError as e:  # what Ray hands the proxy as a RayTaskError, and the proxy says so
+            raise NodeFailed(f"refused the call: {e.one_line()}") from None
+        return self._out(node, answer, self.mac_keys.get(node) or service.sessions.key(session))
 
 
-def plain(signed: dict) -> dict:
-    """A signed answer's body as a dict, with a reply's output arrays under "outputs" (what a forge edits)."""
+def plain(answer: dict) -> dict:
+    """An answer's body as a dict, with a reply's output arrays under "outputs" (what a forge edits)."""
     import json
-    doc = json.loads(signed["body"])
-    return {**doc, "outputs": signed["outputs"]} if "outputs" in signed else doc
+    doc = json.loads(answer["body"])
+    return {**doc, "outputs": answer["outputs"]} if "outputs" in answer else doc
 
 
-def sign_plain(doc, key, payload_type: str):
-    """`doc` (the `plain` form) signed with `key` as a node signs (a reply's output digests made from its arrays);
+def sign_plain(doc, key):
+    """`doc` (the `plain` form) as a node answers it: an info() signed with `key` (an Ed25519 PrivateKey), a reply
+    (a body with a layer) MACed with `key` (a session key, bytes), its output digests made from its arrays;
     anything but a dict is returned as it is."""
     from shardtool.manifest import pae
-    from shardtool.runtime.engine._cluster_node import canonical_body, output_digest
+    from shardtool.runtime.engine._cluster_node import INFO_TYPE, REPLY_TYPE, canonical_body, output_digest
+    from shardtool.runtime.engine._cluster_session import mac
     if not isinstance(doc, dict):
         return doc
     arrays = doc.get("outputs") if "layer" in doc else None
-    if arrays is not None:
-        doc = {**doc, "outputs": {str(e): output_digest(y) for e, y in arrays.items()}}
-    body = canonical_body(doc)
-    answer = {"body": body, "signature": key.sign(pae(payload_type, body))}
-    return answer if arrays is None else {**answer, "outputs": arrays}
+    if arrays is None:
+        body = canonical_body(doc)
+        return {"body": body, "signature": key.sign(pae(INFO_TYPE, body))}
+    body = canonical_body({**doc, "outputs": {str(e): output_digest(y) for e, y in arrays.items()}})
+    return {"body": body, "mac": mac(key, REPLY_TYPE, body), "outputs": arrays}
 
 
-def resign(signed: dict, edit, key, payload_type: str):
-    return sign_plain(edit(plain(signed)), key, payload_type)
+def resign(answer: dict, edit, key):
+    return sign_plain(edit(plain(answer)), key)
 
 
 def remote_experts(plan, transport, **kwargs):
@@ -371,3 +379,16 @@ def remote_experts(plan, transport, **kwargs):
     from shardtool.runtime.engine._cluster import plan_placement
     return RemoteExperts(plan_placement(plan), plan.root, transport,
                          keys={n.name: n.public_key() for n in plan.nodes}, **{"log": lambda _: None, **kwargs})
+
+
+def session(service, nonce: str = "0" * 32) -> tuple[str, bytes]:
+    """A session with `service` made as a coordinator makes one (its info() with a fresh X25519 key): (session id,
+    the key this side derives)."""
+    import json
+    from shardtool.runtime.engine._cluster_session import Handshake, session_id, session_key
+    mine = Handshake()
+    info = json.loads(service.info(nonce, mine.public)["body"])
+    theirs = info["session"]["node"]
+    key = session_key(mine.shared(theirs), mine.public, theirs, service.setup.name, service.setup.root, nonce,
+                      info["boot"])
+    return session_id(mine.public, theirs), key

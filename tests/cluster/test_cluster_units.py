@@ -176,12 +176,15 @@ def test_connect_refuses_when_a_planned_expert_has_no_node(model):
 # ---------------------------------------------------------------------------------------------------- the node
 
 
-def _call(service: NodeService, layer=0, ids=None, x=None, rows=None):
+NEW_SESSION = object()  # `_call`'s default: a session made for the call
+
+
+def _call(service: NodeService, layer=0, ids=None, x=None, rows=None, session=NEW_SESSION):
     held = sorted(e for (lay, e) in service.held if lay == layer)
     ids = held[:2] if ids is None else ids
     x = np.ones((3, service.config.hidden_size), np.float32) if x is None else x
     rows = {e: np.array([0, 2], np.int64) for e in ids} if rows is None else rows
-    return service.run(layer, ids, x, rows, NONCE)
+    return service.run(layer, ids, x, rows, NONCE, kit.session(service)[0] if session is NEW_SESSION else session)
 
 
 @pytest.mark.parametrize("forge", [
@@ -194,8 +197,15 @@ def _call(service: NodeService, layer=0, ids=None, x=None, rows=None):
     lambda r: {k: v for k, v in r.items() if k != "boot"},
     lambda r: {**r, "boot": r["boot"].upper()},
     lambda r: {**r, "boot": 7},
+    lambda r: {k: v for k, v in r.items() if k != "session"},
+    lambda r: {**r, "session": r["session"]["node"]},
+    lambda r: {**r, "session": {**r["session"], "node": r["session"]["node"][:62]}},
+    lambda r: {**r, "session": {**r["session"], "node": r["session"]["node"].upper()}},
+    lambda r: {**r, "session": {**r["session"], "extra": r["session"]["node"]}},
+    lambda r: {**r, "session": {**r["session"], "node": "00" * 32}},
 ], ids=["failed-key", "failed-int-key", "failed-list", "experts-int", "experts-nested", "experts-bool", "boot-missing",
-        "boot-upper", "boot-int"])
+        "boot-upper", "boot-int", "session-missing", "session-not-a-map", "session-node-short", "session-node-upper",
+        "session-extra-key", "session-node-low-order"])
 def test_a_malformed_info_drops_the_node_at_connect_and_its_replicas_serve(model, forge):
     """A node's info() is untrusted: a malformed one is that node failing (one line), never a crash of the
     coordinator."""
@@ -206,6 +216,83 @@ def test_a_malformed_info_drops_the_node_at_connect_and_its_replicas_serve(model
     remote.connect()
     assert "a" in remote.stats.dropped and "refused" in remote.stats.dropped["a"]
     assert _generate(model, remote) == _generate(model)
+
+
+@pytest.mark.parametrize("session", [
+    "ab" * 31,  # 31 bytes
+    "ab" * 33,
+    "AB" * 32,  # upper case
+    "g" * 64,
+    bytes(32),  # raw bytes, not hex
+    7,
+    "",
+    "ab" * 100_000,
+], ids=["short", "long", "upper-case", "not-hex", "raw-bytes", "int", "empty", "huge"])
+def test_a_node_refuses_an_info_session_key_of_the_wrong_form(model, session):
+    service = _services(model)["a"]
+    with pytest.raises(UsageError, match="info\\(\\)'s session must be an X25519 public key of 64 lowercase hex") as info:
+        service.info(NONCE, session)
+    assert len(str(info.value)) < 200 and len(service.sessions) == 0
+
+
+def test_a_node_refuses_an_info_session_key_of_low_order(model):
+    """An all-zero X25519 key: the shared secret would be all zero, known to anyone."""
+    service = _services(model)["a"]
+    with pytest.raises(UsageError, match="low order"):
+        service.info(NONCE, "00" * 32)
+    assert len(service.sessions) == 0
+
+
+def test_a_node_info_without_a_session_makes_none_and_one_with_signs_both_keys(model):
+    """`shardtool node`'s own health checks ask info() without a session: still answered, no session kept."""
+    from shardtool.runtime.engine._cluster_node import INFO_TYPE
+    service = _services(model)["a"]
+    plain = service.info(NONCE)
+    assert "session" not in json.loads(plain["body"]) and len(service.sessions) == 0
+    sid, key = kit.session(service)
+    answer = service.info(NONCE, "11" * 32)
+    _keys(model)["a"].public.verify(answer["signature"], pae(INFO_TYPE, answer["body"]))
+    assert json.loads(answer["body"])["session"]["coordinator"] == "11" * 32
+    assert len(service.sessions) == 2 and service.sessions.key(sid) == key  # both sides derived the same key
+
+
+@pytest.mark.parametrize("session, error", [
+    ("f" * 32, "is not one of this node process's"),  # unknown: another process's, or evicted
+    ("F" * 32, "session must be 32 lowercase hex digits"),
+    ("f" * 64, "session must be 32 lowercase hex digits"),
+    (None, "session must be 32 lowercase hex digits"),
+    (b"f" * 32, "session must be 32 lowercase hex digits"),
+], ids=["unknown", "upper-case", "long", "none", "bytes"])
+def test_a_node_refuses_a_run_in_a_session_it_does_not_hold(model, session, error):
+    service = _services(model)["a"]
+    kit.session(service)
+    with pytest.raises(UsageError, match=error):
+        _call(service, session=session)
+    assert service.calls == 0
+
+
+def test_a_nodes_session_table_is_bounded_and_evicts_the_least_recently_used():
+    from shardtool.runtime.engine._cluster_session import SessionTable
+    table = SessionTable(cap=3)
+    for i in range(3):
+        table.add(f"{i:032x}", bytes([i]) * 32)
+    assert table.key(f"{0:032x}") == bytes(32)  # 0 used: 1 is now the least recently used
+    table.add(f"{3:032x}", b"3" * 32)
+    assert len(table) == 3
+    with pytest.raises(UsageError, match="is not one of this node process's"):
+        table.key(f"{1:032x}")
+    assert [table.key(f"{i:032x}")[:1] for i in (0, 2, 3)] == [b"\0", b"\2", b"3"]
+
+
+def test_a_node_service_keeps_at_most_max_sessions(model):
+    from shardtool.runtime.engine._cluster_session import MAX_SESSIONS, Handshake
+    service = _services(model)["a"]
+    first, _ = kit.session(service)
+    for _ in range(MAX_SESSIONS):
+        service.info(NONCE, Handshake().public)
+    assert len(service.sessions) == MAX_SESSIONS
+    with pytest.raises(UsageError, match="is not one of this node process's"):
+        _call(service, session=first)
 
 
 def test_only_info_and_run_are_reachable_on_a_node_actor(model):
@@ -308,20 +395,24 @@ def test_proxy_frame_that_is_not_a_strict_msgpack_map_is_refused(data):
     {"body": "text", "signature": b"s"},
     {"body": b"{}"},
     {"body": b"{}", "signature": b"s", "extra": b""},
-    {"body": b"{}", "signature": b"s", "outputs": {"0": _array()}},
-    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(dtype="<f8", data=bytes(48))]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(dtype="|O")]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(shape=(2, 4))]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(shape=(6,))]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(shape=(1 << 20, 1 << 20))]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[0, _array(shape=(-2, -3))]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[0, {**_array(), "strides": [1]}]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[0, _array()], [0, _array()]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[-1, _array()]]},
-    {"body": b"{}", "signature": b"s", "outputs": [[True, _array()]]},
-], ids=["body-text", "no-signature", "extra-key", "outputs-map", "float64", "object-dtype", "bytes-short-of-shape",
-        "one-dimension", "huge-shape", "negative-shape", "extra-array-key", "expert-twice", "negative-expert",
-        "bool-expert"])
+    {"body": b"{}", "signature": b"s", "outputs": [[0, _array()]]},  # a reply's outputs beside a signature
+    {"body": b"{}", "mac": b"m"},  # a MAC without outputs
+    {"body": b"{}", "mac": "m", "outputs": []},
+    {"body": b"{}", "signature": b"s", "mac": b"m", "outputs": []},
+    {"body": b"{}", "mac": b"m", "outputs": {"0": _array()}},
+    {"body": b"{}", "mac": b"m", "outputs": [[0, _array(dtype="<f8", data=bytes(48))]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[0, _array(dtype="|O")]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[0, _array(shape=(2, 4))]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[0, _array(shape=(6,))]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[0, _array(shape=(1 << 20, 1 << 20))]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[0, _array(shape=(-2, -3))]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[0, {**_array(), "strides": [1]}]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[0, _array()], [0, _array()]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[-1, _array()]]},
+    {"body": b"{}", "mac": b"m", "outputs": [[True, _array()]]},
+], ids=["body-text", "no-signature", "extra-key", "signature-with-outputs", "mac-without-outputs", "mac-text",
+        "signature-and-mac", "outputs-map", "float64", "object-dtype", "bytes-short-of-shape", "one-dimension",
+        "huge-shape", "negative-shape", "extra-array-key", "expert-twice", "negative-expert", "bool-expert"])
 def test_proxy_answer_of_the_wrong_form_is_refused(answer):
     from shardtool.runtime.engine._cluster_proxy import ProtocolError, decode_answer
     with pytest.raises(ProtocolError):
@@ -331,8 +422,8 @@ def test_proxy_answer_of_the_wrong_form_is_refused(answer):
 def test_proxy_answer_round_trips_as_read_only_float32_arrays():
     from shardtool.runtime.engine._cluster_proxy import decode_answer, encode_answer, pack, unpack
     y = np.arange(6, dtype=np.float32).reshape(2, 3)
-    answer = decode_answer(unpack(pack(encode_answer({"body": b"{}", "signature": b"s", "outputs": {3: y}}))))
-    assert set(answer) == {"body", "signature", "outputs"} and set(answer["outputs"]) == {3}
+    answer = decode_answer(unpack(pack(encode_answer({"body": b"{}", "mac": b"m", "outputs": {3: y}}))))
+    assert set(answer) == {"body", "mac", "outputs"} and set(answer["outputs"]) == {3}
     got = answer["outputs"][3]
     assert type(got) is np.ndarray and got.dtype == np.float32 and (got == y).all() and not got.flags.writeable
     with pytest.raises(NodeFailed, match="not a signed answer"):
@@ -403,11 +494,38 @@ def test_a_node_lost_mid_run_changes_no_token_and_is_readmitted_only_as_a_new_ch
     assert "b" in remote.stats.dropped and remote.stats.readmitted == 0
     assert remote.stats.expert_calls["b"] == asked_while_lost
 
+    old_session = remote._sessions["b"]
     services["b"] = NodeService(prepare_node(work / "full", verified, plan, "b", budget=1 << 30, key=_keys(model)["b"]))
     assert _generate(model, remote, GEN) == local
     assert "b" not in remote.stats.dropped and remote.stats.readmitted == 1
     assert remote.stats.expert_calls["b"] > asked_while_lost
     assert any(line.startswith("cluster: node b readmitted: it answered as a new process") for line in logged)
+    assert remote._sessions["b"][0] != old_session[0] and remote._sessions["b"][1] != old_session[1]
+
+
+def test_a_restarted_node_is_refused_in_its_old_session_and_readmitted_in_a_new_one(model):
+    """b restarts (a new process: new boot id, no sessions): the next call in b's old session is refused by b, b
+    is dropped and its replicas serve; the probe's handshake makes a new session, in which b answers again. A reply
+    MACed with the old session's key is refused from then on."""
+    work, verified, plan = model
+    services = _services(model)
+    transport = Direct(services)
+    remote = kit.remote_experts(plan, transport, timeout=5, probe_seconds=3600)
+    remote.connect()
+    local = _generate(model, None, 8)
+    old = remote._sessions["b"]
+    services["b"] = NodeService(prepare_node(work / "full", verified, plan, "b", budget=1 << 30, key=_keys(model)["b"]))
+    assert _generate(model, remote, 8) == local
+    assert "refused the call: session " in remote.stats.dropped["b"]
+    assert "is not one of this node process's" in remote.stats.dropped["b"]
+    remote._probe_at["b"] = (0.0, 1.0)  # due now
+    asked = remote.stats.expert_calls["b"]
+    assert _generate(model, remote, 8) == local
+    assert "b" not in remote.stats.dropped and remote.stats.readmitted == 1
+    assert remote._sessions["b"][0] != old[0] and remote.stats.expert_calls["b"] > asked
+    transport.mac_keys["b"], transport.edit["b"] = old[1], lambda doc: doc  # b's answers MACed with the old key
+    assert _generate(model, remote, 8) == local
+    assert "the reply is not authenticated by node b's session key" in remote.stats.dropped["b"]
 
 
 def test_a_lost_node_is_probed_with_a_growing_gap(model):
@@ -418,7 +536,7 @@ def test_a_lost_node_is_probed_with_a_growing_gap(model):
     remote.connect()
     asked: list[str] = []
     info = transport.info
-    transport.info = lambda node, nonce, timeout: (asked.append(node), info(node, nonce, timeout))[1]
+    transport.info = lambda node, nonce, session, timeout: (asked.append(node), info(node, nonce, session, timeout))[1]
     transport.down.add("c")
     remote._drop("c", "ActorDiedError: test")
     remote.probe()
@@ -438,7 +556,7 @@ def test_a_lost_node_is_probed_with_a_growing_gap(model):
 def _packed_call(**doc) -> bytes:
     import msgpack
     call = {"layer": 0, "experts": [0], "x": _array(), "rows": [[0, _array("<i8", (1,), bytes(8))]],
-            "nonce": NONCE, **doc}
+            "nonce": NONCE, "session": "0" * 32, **doc}
     return msgpack.packb({k: v for k, v in call.items() if v is not None}, use_bin_type=True)
 
 
@@ -446,6 +564,7 @@ def _packed_call(**doc) -> bytes:
     {"layer": 0},  # not bytes (what Ray would hand a node from a caller that pickled a dict)
     b"\xc1",
     _packed_call(nonce=None),
+    _packed_call(session=None),
     _packed_call(extra=1),
     _packed_call(x=_array(dtype="<f8", data=bytes(48))),
     _packed_call(x=_array(shape=(6,))),
@@ -454,7 +573,7 @@ def _packed_call(**doc) -> bytes:
     _packed_call(rows=[[0, _array("<i4", (1,), bytes(4))]]),
     _packed_call(rows=[[0, _array("<i8", (1,), bytes(8))], [0, _array("<i8", (1,), bytes(8))]]),
     _packed_call(rows=[["0", _array("<i8", (1,), bytes(8))]]),
-], ids=["not-bytes", "not-msgpack", "no-nonce", "extra-key", "x-float64", "x-one-dimension", "x-bytes-short",
+], ids=["not-bytes", "not-msgpack", "no-nonce", "no-session", "extra-key", "x-float64", "x-one-dimension", "x-bytes-short",
         "rows-map", "rows-int32", "rows-expert-twice", "rows-expert-text"])
 def test_a_node_actor_refuses_a_call_of_the_wrong_form(model, call):
     from shardtool.runtime.engine._cluster_node import NodeActor
@@ -465,8 +584,10 @@ def test_a_node_actor_refuses_a_call_of_the_wrong_form(model, call):
     assert len(str(info.value)) < 300 and actor._service.calls == 0
 
 
-def test_a_node_actor_answers_a_calls_bytes_with_its_services_signed_answer_as_bytes(model):
-    """One bytes object each way (Ray carries it without pickling arrays): the same signed answer as the service's."""
+def test_a_node_actor_answers_a_calls_bytes_with_its_services_answer_as_bytes(model):
+    """One bytes object each way (Ray carries it without pickling arrays): the same answer as the service's, MACed
+    with the session's key."""
+    from shardtool.runtime.engine._cluster_session import mac
     from shardtool.runtime.engine._cluster_node import NodeActor
     from shardtool.runtime.engine._cluster_wire import decode_answer, encode_call, unpack
     work, verified, plan = model
@@ -475,13 +596,14 @@ def test_a_node_actor_answers_a_calls_bytes_with_its_services_signed_answer_as_b
     ids = sorted(e for (lay, e) in service.held if lay == 0)[:2]
     x = np.arange(3 * service.config.hidden_size, dtype=np.float32).reshape(3, -1) / 100
     rows = {ids[0]: np.array([0, 2], np.int64), ids[1]: np.array([1], np.int64)}
-    packed = actor.run(encode_call(0, ids, x, rows, NONCE))
+    sid, key = kit.session(service)
+    packed = actor.run(encode_call(0, ids, x, rows, NONCE, sid))
     assert type(packed) is bytes
-    got, want = decode_answer(unpack(packed)), _call(service, ids=ids, x=x, rows=rows)
+    got, want = decode_answer(unpack(packed)), _call(service, ids=ids, x=x, rows=rows, session=sid)
     body, expected = json.loads(got["body"]), json.loads(want["body"])
     assert {**body, "seconds": 0} == {**expected, "seconds": 0}
     assert set(got["outputs"]) == set(ids) and all((got["outputs"][e] == want["outputs"][e]).all() for e in ids)
-    plan.node("a").public_key().verify(got["signature"], pae(REPLY_TYPE, got["body"]))
+    assert set(got) == {"body", "mac", "outputs"} and got["mac"] == mac(key, REPLY_TYPE, got["body"])
 
 
 class _FakeRay:
@@ -640,7 +762,7 @@ def _proxy(frames: list[dict], sent: list[dict]):
 def _reply(service, ids, nonce=NONCE):
     from shardtool.runtime.engine._cluster_wire import encode_answer, pack
     return pack(encode_answer(service.run(0, ids, np.ones((1, service.config.hidden_size), np.float32),
-                                          {e: np.array([0], np.int64) for e in ids}, nonce)))
+                                          {e: np.array([0], np.int64) for e in ids}, nonce, kit.session(service)[0])))
 
 
 def test_the_coordinator_sends_a_layers_calls_to_its_proxy_as_one_frame(model):
@@ -650,7 +772,8 @@ def test_the_coordinator_sends_a_layers_calls_to_its_proxy_as_one_frame(model):
     x, rows = np.ones((1, services["a"].config.hidden_size), np.float32), {}
     frames = [{"answers": [[i, {"packed": _reply(services[n], held[n])}] for i, n in enumerate("abc")]}]
     proxy = _proxy(frames, sent)
-    calls = [proxy.submit(n, 0, held[n], x, {e: np.array([0], np.int64) for e in held[n]}, NONCE) for n in "abc"]
+    calls = [proxy.submit(n, 0, held[n], x, {e: np.array([0], np.int64) for e in held[n]}, NONCE, "0" * 32)
+             for n in "abc"]
     assert sent == []  # queued: nothing crosses the pipe before the layer waits for an answer
     got = [proxy.result(c, 5.0) for c in (calls[1], calls[0], calls[2])]
     assert len(sent) == 1 and sent[0]["op"] == "round" and [c["node"] for c in sent[0]["calls"]] == list("abc")
@@ -672,7 +795,7 @@ def test_a_rounds_answer_frame_of_the_wrong_form_breaks_the_proxy_and_a_bad_node
     sent: list[dict] = []
     proxy = _proxy([frame], sent)
     x, rows = np.ones((1, 4), np.float32), {0: np.array([0], np.int64)}
-    calls = [proxy.submit(n, 0, [0], x, rows, NONCE) for n in "ab"]
+    calls = [proxy.submit(n, 0, [0], x, rows, NONCE, "0" * 32) for n in "ab"]
     with pytest.raises(NodeFailed, match=error):
         proxy.result(calls[0], 5.0)
     assert (proxy._broken is not None) == proxy_broken
@@ -830,7 +953,7 @@ class _Recording:
     def __init__(self):
         self.sent: list[tuple[str, np.ndarray, dict]] = []
 
-    def submit(self, node, layer, expert_ids, x, rows, nonce):
+    def submit(self, node, layer, expert_ids, x, rows, nonce, session):
         self.sent.append((node, x, rows))
         return len(self.sent) - 1
 
@@ -849,6 +972,7 @@ def test_a_call_sends_the_rows_its_experts_need_renumbered_into_its_block(model,
     used = sorted({int(i) for r in rows.values() for i in r})
     if x_rows == 1:  # a decode step of one sequence takes no numpy set operation (its cost per round)
         monkeypatch.setattr(np, "unique", lambda *a, **k: pytest.fail("np.unique at batch one"))
+    remote._sessions["a"] = ("0" * 32, bytes(32))  # (no node: nothing answers this call)
     remote._send("a", 0, sorted(rows), x, rows)
     (_, block, local), = transport.sent
     assert block.dtype == np.float32 and block.flags.c_contiguous and np.array_equal(block, x[used])
