@@ -20,8 +20,11 @@ seconds per round of the coordinator, its proxy and the Ray session (GCS, raylet
 --pin puts the Ray session (the nodes) on CPU 1 and this process and its proxy on CPU 0: a separate row for
 "what separate machines would give", never in place of the plain figure.
 
+--scale-dir WORKDIR/2x1 times the rounds of bench_cluster_scale's model (top-8 of 120, hidden 2048) on that layout's
+nodes and plan, every node holding its share (made by a bench_cluster_scale run first).
+
 Usage: python benchmarks/_cluster_rtt.py [--calls 300] [--graph | --compare plain,graph --repeats 3] [--pin]
-                                         [--workdir DIR] [--node-budget MIB] [--skip-bare]
+                                         [--workdir DIR] [--node-budget MIB] [--skip-bare] [--scale-dir DIR]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,22 +53,47 @@ def _ms(values) -> str:
            f"p90 {np.percentile(values, 90) * 1e3:.3f})"
 
 
+@dataclass(frozen=True)
+class RoundModel:
+    """What a round asks: a MoE layer, `top_k` of `experts`, a [1, hidden] row; the manifest the plan is for."""
+
+    moe_layers: tuple[int, ...]
+    experts: int
+    top_k: int
+    hidden: int
+    manifest: str  # relative to the work directory
+    warmup: int = 20  # rounds left out: the first calls load and verify the experts
+
+
+LOOP = RoundModel(tuple(range(bc.LOOP_MODEL["layers"])), bc.LOOP_MODEL["experts"], bc.LOOP_MODEL["experts_per_tok"],
+                  bc.LOOP_MODEL["hidden"], "full/manifest.msgpack")
+
+
+def scale_model(work: Path) -> RoundModel:
+    """The rounds of a bench_cluster_scale layout directory (its NxR folder): the model's config.json decides."""
+    cfg = json.loads((work / "coordinator" / "config.json").read_text())
+    dense = cfg.get("first_k_dense_replace", 0)
+    return RoundModel(tuple(range(dense, cfg["num_hidden_layers"])), cfg["n_routed_experts"],
+                      cfg["num_experts_per_tok"], cfg["hidden_size"], "coordinator/manifest.msgpack",
+                      warmup=400)  # 480 experts of 4.5 MiB: loaded and verified once, before any round counts
+
+
 def coordinator_rounds(work: Path, address: str, calls: int, *, graph: bool = False, session: int | None = None,
-                       on_proxy=None) -> dict:
-    """Timed RemoteExperts.run at batch one, through the proxy, as `--cluster` runs it; CPU seconds per round of
-    this process, of the proxy and (given the Ray head's session id `session`) of the Ray session; `on_proxy(pid)`
-    is called with the proxy's pid before the first round (e.g. to pin it)."""
+                       on_proxy=None, model: RoundModel = LOOP, on_timed=None) -> dict:
+    """Timed RemoteExperts.run at batch one, through the proxy, as `--cluster` runs it; CPU seconds per timed round
+    of this process, of the proxy and (given the Ray head's session id `session`) of the Ray session; `on_proxy(pid)`
+    is called with the proxy's pid before the first round (e.g. to pin it), `on_timed()` when the timed rounds
+    start (after `model.warmup` rounds)."""
     from shardtool.keys import load_public_key
     from shardtool.manifest import load_trusted_manifest
     from shardtool.runtime import connect_cluster, load_signed_plan
 
-    verified = load_trusted_manifest(work / "full" / "manifest.msgpack", [load_public_key(work / "a.pub")], 1,
+    verified = load_trusted_manifest(work / model.manifest, [load_public_key(work / "a.pub")], 1,
                                      work / "probe-state")
     plan = load_signed_plan(work / "plan.json", verified, [load_public_key(work / "op.pub")])
     remote = connect_cluster(address, plan, graph=graph)
     if on_proxy is not None:
         on_proxy(remote.transport.pid)
-    cfg = bc.LOOP_MODEL
     rng = np.random.default_rng(0)
     node_seconds: list[float] = []
     transport = remote.transport
@@ -77,20 +106,24 @@ def coordinator_rounds(work: Path, address: str, calls: int, *, graph: bool = Fa
 
     transport.result = timed_result
     rounds, node_work = [], []
-    ray_cpu = bc.session_cpu(session) if session is not None else 0.0
-    proxy_cpu, cpu = _cpu_seconds(transport.pid), time.process_time()
+    total = calls + model.warmup
     try:
-        for i in range(calls + 20):
-            layer = int(rng.integers(cfg["layers"]))
-            experts = sorted(int(e) for e in rng.choice(cfg["experts"], size=cfg["experts_per_tok"], replace=False))
-            x = rng.standard_normal((1, cfg["hidden"]), dtype=np.float32)
+        for i in range(total):
+            if i == model.warmup:
+                ray_cpu = bc.session_cpu(session) if session is not None else 0.0
+                proxy_cpu, cpu = _cpu_seconds(transport.pid), time.process_time()
+                if on_timed is not None:
+                    on_timed()
+            layer = model.moe_layers[int(rng.integers(len(model.moe_layers)))]
+            experts = sorted(int(e) for e in rng.choice(model.experts, size=model.top_k, replace=False))
+            x = rng.standard_normal((1, model.hidden), dtype=np.float32)
             rows = {e: np.zeros(1, dtype=np.int64) for e in experts}
             node_seconds.clear()
             t0 = time.perf_counter()
             outputs, missing = remote.run(layer, x, rows)
             dt = time.perf_counter() - t0
             assert not missing and set(outputs) == set(experts), missing
-            if i >= 20:  # the first calls load and verify the experts: not a round trip's cost
+            if i >= model.warmup:  # the first calls load and verify the experts: not a round trip's cost
                 rounds.append(dt)
                 node_work.append(max(node_seconds))
         proxy_cpu, cpu = _cpu_seconds(transport.pid) - proxy_cpu, time.process_time() - cpu
@@ -98,8 +131,8 @@ def coordinator_rounds(work: Path, address: str, calls: int, *, graph: bool = Fa
     finally:
         transport.submit, transport.result = submit, result
         remote.close()
-    return {"round": rounds, "node_work": node_work, "calls_per_round": remote.stats.calls / (calls + 20),
-            "proxy_cpu": proxy_cpu / (calls + 20), "cpu": cpu / (calls + 20), "ray_cpu": ray_cpu / (calls + 20)}
+    return {"round": rounds, "node_work": node_work, "calls_per_round": remote.stats.calls / total,
+            "proxy_cpu": proxy_cpu / calls, "cpu": cpu / calls, "ray_cpu": ray_cpu / calls}
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -158,8 +191,8 @@ ray.kill(echo)
 '''
 
 
-def bare_ray(work: Path, address: str, calls: int) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _RAY_CHILD, address, str(calls), str(bc.LOOP_MODEL["hidden"])],
+def bare_ray(work: Path, address: str, calls: int, hidden: int = LOOP.hidden) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _RAY_CHILD, address, str(calls), str(hidden)],
                           capture_output=True, text=True, cwd=work, timeout=600,
                           env={**os.environ, **bc.RAY_ENV, "XDG_STATE_HOME": str(work)})
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -195,7 +228,8 @@ def pin(pid: int, cpu: int) -> None:
             pass
 
 
-def compare(work: Path, cluster, modes: list[str], repeats: int, calls: int, pinned: bool) -> None:
+def compare(work: Path, cluster, modes: list[str], repeats: int, calls: int, pinned: bool,
+            model: RoundModel = LOOP) -> None:
     """The modes' rounds interleaved on one cluster, `repeats` runs each; a table of medians."""
     session = cluster.head.proc.pid
     if pinned:
@@ -209,10 +243,11 @@ def compare(work: Path, cluster, modes: list[str], repeats: int, calls: int, pin
     parts: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for _ in range(repeats):
         for mode in modes:
-            before = session_by_process(session)
+            before: dict[str, float] = {}
             r = coordinator_rounds(work, cluster.address, calls, graph=mode == "graph", session=session,
-                                   on_proxy=(lambda p: pin(p, 0)) if pinned else None)
-            parts[mode].append({k: v / (calls + 20) for k, v in _delta(session_by_process(session), before).items()})
+                                   on_proxy=(lambda p: pin(p, 0)) if pinned else None, model=model,
+                                   on_timed=lambda: before.update(session_by_process(session)))
+            parts[mode].append({k: v / calls for k, v in _delta(session_by_process(session), before).items()})
             runs[mode].append(r)
     where = "nodes on CPU 1, coordinator + proxy on CPU 0" if pinned else "unpinned"
     print(f"## interleaved, {calls} rounds a run, {repeats} runs a mode, {where}; load average "
@@ -248,20 +283,29 @@ def main() -> None:
     ap.add_argument("--pin", action="store_true", help="with --compare: nodes on CPU 1, coordinator on CPU 0")
     ap.add_argument("--skip-bare", action="store_true", help="no bare Ray driver figures")
     ap.add_argument("--node-budget", type=int, default=128, help="MiB per node (its experts fit: the round trip only)")
+    ap.add_argument("--scale-dir", type=Path, help="a bench_cluster_scale layout directory (e.g. WORKDIR/2x1): its "
+                                                   "model, plan and nodes instead of the loopback model")
     args = ap.parse_args()
-    work = args.workdir
-    bc.build_loopback(work)
+    if args.scale_dir:
+        work, model = args.scale_dir, scale_model(args.scale_dir)
+        names = tuple(node["name"] for node in json.loads((work / "plan.json").read_text())["nodes"])
+        budget = max(args.node_budget, 4096) * MIB  # every node holds its share
+        bc.ray_token(work)
+    else:
+        work, model, names, budget = args.workdir, LOOP, bc.LOOP_NODES, args.node_budget * MIB
+        bc.build_loopback(work)
     os.environ.update(bc.RAY_ENV)
-    cluster = bc.LoopbackCluster(work, args.node_budget * MIB)
+    cluster = bc.LoopbackCluster(work, budget, names=names)
     try:
         if args.compare:
-            compare(work, cluster, args.compare.split(","), args.repeats, args.calls, args.pin)
+            compare(work, cluster, args.compare.split(","), args.repeats, args.calls, args.pin, model)
             if not args.skip_bare:
-                for key, values in bare_ray(work, cluster.address, args.calls).items():
+                for key, values in bare_ray(work, cluster.address, args.calls, model.hidden).items():
                     print(f"{key:<32} {_ms(values) if isinstance(values, list) else values}")
             return
-        co = coordinator_rounds(work, cluster.address, args.calls, graph=args.graph, session=cluster.head.proc.pid)
-        bare = {} if args.skip_bare else bare_ray(work, cluster.address, args.calls)
+        co = coordinator_rounds(work, cluster.address, args.calls, graph=args.graph, session=cluster.head.proc.pid,
+                                model=model)
+        bare = {} if args.skip_bare else bare_ray(work, cluster.address, args.calls, model.hidden)
     finally:
         cluster.stop()
     print(f"## one MoE layer's round at batch 1, {args.calls} calls, {co['calls_per_round']:.2f} node calls a round")

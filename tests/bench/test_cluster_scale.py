@@ -3,6 +3,7 @@ warm-up, layouts) and _machine.holding, which moves a running process into a cap
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +120,16 @@ def test_median_row_is_the_round_with_the_median_rate():
     rows = [{"tokens_per_s": 3.0, "n": "a"}, {"tokens_per_s": 1.0, "n": "b"}, {"tokens_per_s": 2.0, "n": "c"}]
     assert scale.median_row(rows)["n"] == "c"
     assert scale.median_row(rows[:2])["n"] == "b"  # an even count: the lower of the two middle rounds
+
+
+def test_cluster_rtt_times_the_scale_models_moe_layers_only(tmp_path):
+    from benchmarks import _cluster_rtt as rtt
+
+    (tmp_path / "coordinator").mkdir()
+    (tmp_path / "coordinator" / "config.json").write_text(json.dumps(
+        {"first_k_dense_replace": 1, "num_hidden_layers": 5, "n_routed_experts": 120, "num_experts_per_tok": 8,
+         "hidden_size": 2048}))
+    model = rtt.scale_model(tmp_path)
+    assert model.moe_layers == (1, 2, 3, 4) and (model.experts, model.top_k, model.hidden) == (120, 8, 2048)
+    assert model.manifest == "coordinator/manifest.msgpack"
+    assert rtt.LOOP.moe_layers == (0, 1, 2, 3) and rtt.LOOP.warmup == 20
