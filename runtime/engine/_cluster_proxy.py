@@ -400,11 +400,14 @@ class _Graph:
         done.start()
         done.join(GRAPH_END_SECONDS)
 
+REFUSED = "refused the call: "  # how the line of a node's own refusal (a ShardtoolError it raised) starts
+
+
 def _ray_line(e: BaseException) -> str:
     """One line for a Ray error: its class, and for a task error the node's own one-line message."""
     cause = getattr(e, "cause", None)
     if isinstance(cause, ShardtoolError):
-        return f"refused the call: {cause.one_line()}"
+        return REFUSED + cause.one_line()
     first = next((line for line in str(e).splitlines() if line.strip()), "")
     return f"{type(e).__name__}: {' '.join(first.split())[:200]}"
 

@@ -528,6 +528,56 @@ def test_a_restarted_node_is_refused_in_its_old_session_and_readmitted_in_a_new_
     assert "the reply is not authenticated by node b's session key" in remote.stats.dropped["b"]
 
 
+def test_a_node_that_evicted_the_coordinators_session_is_readmitted_in_a_new_one(model):
+    """b, the same process, evicts this coordinator's session (1,024 newer handshakes: other coordinators, a
+    member's flood): its next call is refused, b is dropped and its replicas serve; the probe then makes a new
+    session with the same process (boot id unchanged: it never stopped nor answered wrongly), and b serves again."""
+    from shardtool.runtime.engine._cluster_session import MAX_SESSIONS, Handshake
+    _, _, plan = model
+    services = _services(model)
+    remote = kit.remote_experts(plan, Direct(services), timeout=5, probe_seconds=3600)
+    logged: list[str] = []
+    remote._log = logged.append
+    remote.connect()
+    local = _generate(model, None, 8)
+    old, boot = remote._sessions["b"], services["b"].boot
+    for _ in range(MAX_SESSIONS):
+        services["b"].info(NONCE, Handshake().public)
+    assert _generate(model, remote, 8) == local
+    assert remote.stats.dropped["b"].startswith(f"refused the call: session {old[0]} is not one of this node process's")
+    remote._probe_at["b"] = (0.0, 1.0)  # due now
+    asked = remote.stats.expert_calls["b"]
+    assert _generate(model, remote, 8) == local
+    assert "b" not in remote.stats.dropped and remote.stats.readmitted == 1 and services["b"].boot == boot
+    assert remote._sessions["b"][0] != old[0] and remote.stats.expert_calls["b"] > asked
+    assert any(line.startswith("cluster: node b readmitted in a new session: ") for line in logged)
+
+
+LOST_SAME_PROCESS = {  # why b (its process unchanged) was dropped -> whether a probe takes it back
+    "refused its session": (lambda sid: f"refused the call: session {sid} is not one of this node process's (it "
+                                        f"was restarted, or the session was evicted): ask for its info() again", True),
+    "refused another session": (lambda sid: f"refused the call: session {'f' * 32} is not one of this node "
+                                            f"process's", False),
+    "timed out": (lambda sid: "no reply within 5.0s", False),
+    "refused something else": (lambda sid: "refused the call: layer 99 is not a MoE layer of this model", False),
+    "quoted the refusal as its name": (lambda sid: f"the reply as node session {sid} is not one of this node "
+                                                   f"process's: refused", False),
+}
+
+
+@pytest.mark.parametrize("why", LOST_SAME_PROCESS)
+def test_a_node_lost_as_the_same_process_is_taken_back_only_when_it_refused_its_session(model, why):
+    _, _, plan = model
+    remote = kit.remote_experts(plan, Direct(_services(model)), timeout=5)
+    remote.connect()
+    reason, taken_back = LOST_SAME_PROCESS[why]
+    remote._drop("b", reason(remote._sessions["b"][0]))
+    remote._probe_at["b"] = (0.0, 1.0)  # due now
+    remote.probe()
+    assert ("b" not in remote.stats.dropped) == taken_back
+    assert remote.stats.readmitted == int(taken_back)
+
+
 def test_a_lost_node_is_probed_with_a_growing_gap(model):
     """While a lost node stays away it is asked less and less often (a probe holds up the step that makes it)."""
     _, _, plan = model
