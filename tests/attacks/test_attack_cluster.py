@@ -475,9 +475,9 @@ def coordinator(member, monkeypatch):
     private_memory._libc().prctl(private_memory.PR_SET_DUMPABLE, 1, 0, 0, 0)
 
 
-def _connect(cluster, head, timeout=30.0):
+def _connect(cluster, head, timeout=30.0, graph=False):
     from shardtool.runtime import connect_cluster
-    return connect_cluster(head.address, cluster[2], timeout=timeout)
+    return connect_cluster(head.address, cluster[2], timeout=timeout, graph=graph)
 
 
 def _exec_records(log: Path) -> list[dict]:
@@ -553,13 +553,16 @@ print("FLOODED", flush=True)
 """
 
 
-def test_cluster_member_flooding_a_nodes_sessions_drops_it_only_until_the_next_probe(cluster, coordinator):
+@pytest.mark.parametrize("graph", [False, True], ids=["plain-calls", "compiled-graph"])
+def test_cluster_member_flooding_a_nodes_sessions_drops_it_only_until_the_next_probe(cluster, coordinator, graph):
     """A member fills node b's session table with its own handshakes: b refuses the coordinator's next call, through
     Ray and the proxy, as a session it does not hold; b is dropped and c serves its experts; the next probe shakes
-    hands with the same process again (boot id unchanged), and b serves in the new session."""
+    hands with the same process again (boot id unchanged), and b serves in the new session. Through a Compiled
+    Graph, whose reader hands b's refusal for c's output too, the round is sent again as plain calls: c is not
+    dropped under b's refusal."""
     head, _ = coordinator
     model, _, _, services, _ = cluster
-    remote = _connect(cluster, head)
+    remote = _connect(cluster, head, graph=graph)
     try:
         shared = sorted(pair for pair, nodes in remote.placement.items() if set(nodes) == {"b", "c"})
         layer = shared[0][0]
@@ -572,7 +575,7 @@ def test_cluster_member_flooding_a_nodes_sessions_drops_it_only_until_the_next_p
         finally:
             flood.stop()
         outputs, missing = remote.run(layer, x, rows)
-        assert set(outputs) == set(rows) and not missing
+        assert set(outputs) == set(rows) and not missing and set(remote.stats.dropped) == {"b"}
         assert remote.stats.dropped["b"].startswith(f"refused the call: session {old} is not one of this node "
                                                     f"process's"), remote.stats.dropped
         remote._probe_at["b"] = (0.0, 1.0)  # due now

@@ -786,6 +786,46 @@ def test_a_compiled_graph_answers_the_nodes_asked_and_is_ended_without_killing_o
     assert compiled.torn_down == [False] and transport.graph_off == "closed"
 
 
+def test_a_nodes_refusal_in_a_compiled_graph_round_is_its_own_not_every_nodes():
+    """Ray's graph reader fails fast: once one node's output is an error, it hands that one error for every output
+    of the round (Ray 2.60's SynchronousReader), so whose refusal it is cannot be told from the graph. The round
+    then goes out as plain calls, where b's refusal (a session it evicted) is b's alone and a answers; the graph is
+    ended without killing an actor. Taken as every node's, it dropped a too, under b's line (never readmitted)."""
+    from shardtool.runtime.engine import _cluster_proxy as cp
+    refusal = _GraphRay.exceptions.RayTaskError("RayTaskError(UsageError)")
+    refusal.cause = UsageError(f"session {'b' * 32} is not one of this node process's")
+
+    class FailingFast(_Compiled):
+        def execute(self, calls):
+            return [(node, bool(calls)) for node in ("a", "b")]
+
+    class Ray(_GraphRay):
+        def get(self, ref, timeout=None):
+            if ref[1]:  # a round with calls (not the warm-up): b refused, so every output is its error
+                raise refusal
+            return b""
+
+    compiled = FailingFast()
+    graph = cp._Graph.__new__(cp._Graph)
+    graph.ray, graph.compiled, graph.nodes = Ray(), compiled, ("a", "b")
+    transport = _ray_transport(lambda: graph)
+    plain = {"a": b"plain a", "b": NodeFailed(f"refused the call: session {'b' * 32} is not one of this node process's")}
+
+    def result(pending, timeout):
+        if isinstance(plain[pending], Exception):
+            raise plain[pending]
+        return plain[pending]
+
+    transport.submit, transport.result = lambda node, call: node, result
+    sent: list[dict] = []
+    child = cp._Child(lambda n: b"", lambda data: sent.append(cp.unpack(data[cp.HEADER.size:])))
+    child.transport = transport
+    child.round({"timeout": 5.0, "calls": [{"id": 1, "node": "a", "call": b"1"}, {"id": 2, "node": "b", "call": b"2"}]})
+    assert sent == [{"answers": [[1, {"packed": b"plain a"}], [2, {"failed": str(plain["b"])}]]}]
+    assert transport._graph is None and compiled.torn_down == [False]
+    assert "refused the call: session" in transport.graph_off
+
+
 class _Proc:
     pid = 0
 
