@@ -235,11 +235,20 @@ def test_a_node_refuses_an_info_session_key_of_the_wrong_form(model, session):
     assert len(str(info.value)) < 200 and len(service.sessions) == 0
 
 
-def test_a_node_refuses_an_info_session_key_of_low_order(model):
-    """An all-zero X25519 key: the shared secret would be all zero, known to anyone."""
+_P = 2**255 - 19
+_SMALL_ORDER = (0, 1, _P - 1, 325606250916557431795983626356110631294008115727848805560023387167927233504,
+                39382357235489614581723060781553021112529911719440698176882885853963445705823)
+# Every encoding of a point of order 1, 2, 4 or 8: canonical, + p where that still fits 255 bits, and each with the
+# top bit set (X25519 ignores it).
+LOW_ORDER = sorted({u | top for v in _SMALL_ORDER for u in (v, v + _P) if u < 2**255 for top in (0, 2**255)})
+
+
+@pytest.mark.parametrize("u", LOW_ORDER, ids=[f"{u:064x}"[:8] + "..." + f"{u:064x}"[-4:] for u in LOW_ORDER])
+def test_a_node_refuses_an_info_session_key_of_low_order(model, u):
+    """A key of low order, in any of its encodings: the shared secret would be all zero, known to anyone."""
     service = _services(model)["a"]
     with pytest.raises(UsageError, match="low order"):
-        service.info(NONCE, "00" * 32)
+        service.info(NONCE, u.to_bytes(32, "little").hex())
     assert len(service.sessions) == 0
 
 
