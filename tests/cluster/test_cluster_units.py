@@ -540,11 +540,13 @@ def test_a_restarted_node_is_refused_in_its_old_session_and_readmitted_in_a_new_
 def test_a_node_that_evicted_the_coordinators_session_is_readmitted_in_a_new_one(model):
     """b, the same process, evicts this coordinator's session (1,024 newer handshakes: other coordinators, a
     member's flood): its next call is refused, b is dropped and its replicas serve; the probe then makes a new
-    session with the same process (boot id unchanged: it never stopped nor answered wrongly), and b serves again."""
+    session with the same process (boot id unchanged: it never stopped nor answered wrongly), and b serves again.
+    A reply MACed with the old session's key is refused from then on."""
     from shardtool.runtime.engine._cluster_session import MAX_SESSIONS, Handshake
     _, _, plan = model
     services = _services(model)
-    remote = kit.remote_experts(plan, Direct(services), timeout=5, probe_seconds=3600)
+    transport = Direct(services)
+    remote = kit.remote_experts(plan, transport, timeout=5, probe_seconds=3600)
     logged: list[str] = []
     remote._log = logged.append
     remote.connect()
@@ -560,6 +562,9 @@ def test_a_node_that_evicted_the_coordinators_session_is_readmitted_in_a_new_one
     assert "b" not in remote.stats.dropped and remote.stats.readmitted == 1 and services["b"].boot == boot
     assert remote._sessions["b"][0] != old[0] and remote.stats.expert_calls["b"] > asked
     assert any(line.startswith("cluster: node b readmitted in a new session: ") for line in logged)
+    transport.mac_keys["b"], transport.edit["b"] = old[1], lambda doc: doc  # b's answers MACed with the old key
+    assert _generate(model, remote, 8) == local
+    assert "the reply is not authenticated by node b's session key" in remote.stats.dropped["b"]
 
 
 LOST_SAME_PROCESS = {  # why b (its process unchanged) was dropped -> whether a probe takes it back
