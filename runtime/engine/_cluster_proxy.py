@@ -316,8 +316,10 @@ class RayTransport:
         """No graph from now on (`why`); the one there was is torn down, its node actors left alive."""
         self.graph_off = why
         graph, self._graph = self._graph, None
-        if why != "closed":  # the coordinator's stderr: an operator sees why rounds are plain calls
-            print(f"shardtool cluster proxy: plain actor calls from now on ({why})", file=sys.stderr, flush=True)
+        if why != "closed":  # the coordinator's stderr: an operator sees why rounds are plain calls (Ray's text
+            # quoted in `why` can be a member's: escaped)
+            print(f"shardtool cluster proxy: plain actor calls from now on ({printable(why)})", file=sys.stderr,
+                  flush=True)
         if graph is not None:
             graph.end()
 

@@ -840,6 +840,33 @@ def test_a_nodes_refusal_in_a_compiled_graph_round_is_its_own_not_every_nodes():
     assert "refused the call: session" in transport.graph_off
 
 
+@pytest.mark.parametrize("when", ["compile", "execution"])
+def test_why_a_proxy_ends_its_graph_is_one_printable_line_on_stderr(when, capsys):
+    """The reason quotes Ray's error, whose text a member can choose (a node's exception): escaped, never a terminal
+    control sequence on the coordinator's stderr."""
+    from shardtool.runtime.engine import _cluster_proxy as cp
+    hostile = RuntimeError("boom \x1b]0;owned\x07\x1b[2J\u202e")
+
+    class Failing(_Compiled):
+        def execute(self, calls):
+            if calls:
+                raise hostile
+            return ["a", "b"]
+
+    def compile_graph():
+        if when == "compile":
+            raise hostile
+        graph = cp._Graph.__new__(cp._Graph)
+        graph.ray, graph.compiled, graph.nodes = _GraphRay(), Failing(), ("a", "b")
+        return graph
+
+    transport = _ray_transport(compile_graph)
+    assert transport.graph_round({"a": b"1"}, 5.0) is None
+    err = capsys.readouterr().err
+    assert "boom" in err and "\x1b" not in err and "\x07" not in err and "\u202e" not in err
+    assert err.count("\n") == 1
+
+
 class _Proc:
     pid = 0
 
