@@ -31,7 +31,8 @@ def node(
     plan_trust: List[Path] = typer.Option([], "--plan-trust", help=PLAN_TRUST_HELP),
     name: str = typer.Option(..., "--name", help="This node's name in the plan."),
     node_key: Optional[Path] = typer.Option(None, "--node-key", help="This node's private key (shardtool keygen): the plan must "
-                                                          "name its .pub for --name; it signs every answer."),
+                                                          "name its .pub for --name; it signs the node's info(), which "
+                                                          "opens the sessions whose keys MAC its answers."),
     node_passphrase_file: Optional[Path] = typer.Option(None, "--node-passphrase-file",
                                                         help="Passphrase of --node-key."),
     insecure_cluster: bool = typer.Option(False, "--insecure-cluster", help=INSECURE_CLUSTER_HELP),
@@ -66,7 +67,7 @@ def node(
     if not plan_trust:
         raise UsageError("give --plan-trust OPERATOR.pub: the plan's signature is checked before it is used")
     if node_key is None:
-        raise UsageError("give --node-key NAME.key: the node signs every answer with the key the plan names for it")
+        raise UsageError("give --node-key NAME.key: the node signs its info() with the key the plan names for it")
     trusted = load_trusted(trust)
     operators = load_trusted(plan_trust)
     key = load_operator_key(node_key, node_passphrase_file, option="--node-passphrase-file")

@@ -23,7 +23,8 @@ and `shardtool node` starts that service only after hashing every file the plan 
 boot id other than the lost one's is therefore, for an unmodified node, one that verified its subset again (the id is
 the node's signed word: a node that holds its key and runs other code can present a fresh one, as it could already
 return wrong outputs); the same boot id (a node that was slow, or answered wrongly, and is still the same process) is
-not readmitted.
+not readmitted, unless that process was lost for refusing a call in a session it no longer held (evicted from its
+bounded table): it is taken back in a new session.
 
 The outputs are combined by `moe_experts`, as local ones are, so greedy and sampled output equal one process's.
 `connect_cluster` reaches Ray through a cluster proxy (`_cluster_proxy`): this process never deserializes anything
@@ -53,8 +54,8 @@ from shardtool.text import printable
 
 from ._cluster_node import INFO_TYPE, REPLY_TYPE, input_digest, is_int, new_nonce, output_digest
 from ._cluster_plan import MAX_PLAN_BYTES, MAX_SIGNATURE_FILE, ClusterPlan, decode_plan, open_signed_plan
-from ._cluster_proxy import NodeFailed, ProxyTransport
-from ._cluster_session import PUBLIC_KEY, Handshake, mac_matches, session_id, session_key
+from ._cluster_proxy import REFUSED, NodeFailed, ProxyTransport
+from ._cluster_session import PUBLIC_KEY, Handshake, mac_matches, session_id, session_key, unknown_session
 
 DEFAULT_TIMEOUT = 30.0
 PROBE_SECONDS = 2.0  # a lost node is asked again this long after it was lost; the gap doubles while it stays away
@@ -256,18 +257,29 @@ class RemoteExperts:
             self._probe_at[node] = (time.monotonic() + self.probe_seconds, self.probe_seconds)
         self._log(f"cluster: node {node} dropped: {why}")
 
+    def _forgot_session(self, node: str) -> bool:
+        """Whether `node` was dropped because its process refused a call for not holding this coordinator's
+        session (evicted from its table by newer ones): a process that neither stopped nor answered wrongly, taken
+        back in a new session. The line is not authenticated; whoever could forge it (the node, the proxy, a Ray
+        member) could already fail that node's every call or make it answer anything, and the new session still
+        takes a signed info() that passes every check of connect."""
+        with self._lock:
+            session, why = self._sessions.get(node), self.stats.dropped.get(node, "")
+        return session is not None and why.startswith(REFUSED + unknown_session(session[0]))
+
     def probe(self) -> None:
         """Ask each lost node whose time has come for its signed info() again. One that answers, checked as at
         connect, with a boot id other than the lost process's is readmitted (with the failures its new process
-        reports); any other outcome leaves it lost and doubles the wait before it is asked again."""
+        reports), and so is the same process when it was lost for no longer holding this coordinator's session;
+        any other outcome leaves it lost and doubles the wait before it is asked again."""
         now = time.monotonic()
         with self._lock:
             due = sorted(node for node, (at, _) in self._probe_at.items() if at <= now)
         for node in due:
-            old = self._boots.get(node)
+            old, forgot = self._boots.get(node), self._forgot_session(node)
             try:
                 info, session = self._handshake(node, min(self.timeout, PROBE_TIMEOUT))
-                if info["boot"] == old:
+                if info["boot"] == old and not forgot:
                     raise NodeFailed("it answers as the same process that was lost (boot id unchanged): it was "
                                      "not started and checked again")
             except NodeFailed:
@@ -284,8 +296,13 @@ class RemoteExperts:
                 self._failed[node] = _failed_pairs(info["failed"])
                 del self.stats.dropped[node]
                 self.stats.readmitted += 1
-            self._log(f"cluster: node {node} readmitted: it answered as a new process (boot id {info['boot'][:8]}), "
-                      f"which checked its {len(info['experts'])} planned experts against the manifest before joining")
+            if info["boot"] == old:
+                self._log(f"cluster: node {node} readmitted in a new session: its process (boot id {old[:8]}, "
+                          f"unchanged) had dropped this coordinator's session from its table")
+            else:
+                self._log(f"cluster: node {node} readmitted: it answered as a new process (boot id "
+                          f"{info['boot'][:8]}), which checked its {len(info['experts'])} planned experts against the "
+                          f"manifest before joining")
 
     def _lost_text(self, node: str) -> str:
         """'node N was lost (why); it held layer 0 experts 1, 3; layer 1 experts 2' (at most MAX_HELD_NAMED named)."""

@@ -37,7 +37,9 @@ the child goes through a Ray Compiled Graph over those nodes (`NodeActor.graph_r
 the round's {node: call}): compiled at the first round, kept while it works. It is torn down without killing any actor (a node's actor is its node's, not this coordinator's: Ray's own
 teardown at shutdown would `ray.kill` them, so the graph is taken out of its reach), and the child falls back to
 plain actor calls for good when it cannot be compiled, its first execution does not answer (a node whose graph
-threads are held by graphs of dead coordinators) or any execution fails. The answers are the same bytes either way.
+threads are held by graphs of dead coordinators) or any execution fails, a node's refusal of its call included (Ray's
+reader then hands that one error for every node of the round: the round goes out again as plain calls, where it is
+that node's alone). The answers are the same bytes either way.
 """
 
 from __future__ import annotations
@@ -285,8 +287,8 @@ class RayTransport:
         self.graph_off: str | None = None if self.nodes else "no nodes named"  # why rounds use plain calls
 
     def graph_round(self, calls: dict[str, bytes], timeout: float) -> dict[str, object] | None:
-        """A round through the Compiled Graph: {node: its answer's bytes, or the NodeFailed of its call}; None when
-        there is no graph (it could not be had, or failed before): the round is then made of plain calls."""
+        """A round through the Compiled Graph: {node: its answer's bytes}; None when there is no graph (it could not
+        be had, or failed, now or before): the round is then made of plain calls."""
         if self.graph_off is not None or not set(calls) <= set(self.nodes):
             return None
         if self._graph is None:
@@ -298,8 +300,8 @@ class RayTransport:
                 return None
         try:
             return self._graph.execute(calls, timeout)
-        except Exception as e:  # noqa: BLE001 - the graph broke (not a node's answer): plain calls from now on
-            self.end_graph(f"the Compiled Graph failed: {type(e).__name__}")
+        except Exception as e:  # noqa: BLE001 - the graph broke, or a node raised: plain calls from now on
+            self.end_graph(f"the Compiled Graph failed: {_ray_line(e)}")
             return None
 
     def _compile(self) -> "_Graph":
@@ -314,8 +316,10 @@ class RayTransport:
         """No graph from now on (`why`); the one there was is torn down, its node actors left alive."""
         self.graph_off = why
         graph, self._graph = self._graph, None
-        if why != "closed":  # the coordinator's stderr: an operator sees why rounds are plain calls
-            print(f"shardtool cluster proxy: plain actor calls from now on ({why})", file=sys.stderr, flush=True)
+        if why != "closed":  # the coordinator's stderr: an operator sees why rounds are plain calls (Ray's text
+            # quoted in `why` can be a member's: escaped)
+            print(f"shardtool cluster proxy: plain actor calls from now on ({printable(why)})", file=sys.stderr,
+                  flush=True)
         if graph is not None:
             graph.end()
 
@@ -375,19 +379,16 @@ class _Graph:
         compiled_dag_node._compiled_dags.pop(compiled.get_id(), None)
         self.ray, self.compiled, self.nodes = ray, compiled, nodes
 
-    def execute(self, calls: dict[str, bytes], timeout: float) -> dict[str, object]:
-        """{node asked: its answer (bytes), or the NodeFailed a node's own error is}; raises when the graph fails
-        (a time-out, a channel or an actor lost): the caller ends the graph."""
+    def execute(self, calls: dict[str, bytes], timeout: float) -> dict[str, bytes]:
+        """{node asked: its answer (bytes)}; raises when the graph fails (a time-out, a channel or an actor lost) and
+        when a node raised (refused its call): Ray's reader then fails fast, handing that one error for every output
+        of the round, so whose it is cannot be told here. Either way the caller ends the graph and the round goes
+        out as plain calls, where each node's refusal is its own."""
         deadline = time.monotonic() + timeout
         refs = self.compiled.execute(calls)
-        out: dict[str, object] = {}
+        out: dict[str, bytes] = {}
         for node, ref in zip(self.nodes, refs):  # every output is read, asked or not: the channels are reused
-            try:
-                value = self.ray.get(ref, timeout=max(deadline - time.monotonic(), 0.001))
-            except self.ray.exceptions.RayTaskError as e:
-                if not isinstance(getattr(e, "cause", None), ShardtoolError):
-                    raise
-                value = NodeFailed(_ray_line(e))  # the node refused the call: its answer, the graph goes on
+            value = self.ray.get(ref, timeout=max(deadline - time.monotonic(), 0.001))
             if node in calls:
                 out[node] = value
         return out
@@ -400,11 +401,14 @@ class _Graph:
         done.start()
         done.join(GRAPH_END_SECONDS)
 
+REFUSED = "refused the call: "  # how the line of a node's own refusal (a ShardtoolError it raised) starts
+
+
 def _ray_line(e: BaseException) -> str:
     """One line for a Ray error: its class, and for a task error the node's own one-line message."""
     cause = getattr(e, "cause", None)
     if isinstance(cause, ShardtoolError):
-        return f"refused the call: {cause.one_line()}"
+        return REFUSED + cause.one_line()
     first = next((line for line in str(e).splitlines() if line.strip()), "")
     return f"{type(e).__name__}: {' '.join(first.split())[:200]}"
 

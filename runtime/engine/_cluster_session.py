@@ -73,6 +73,12 @@ def mac_matches(key: bytes, payload_type: str, body: bytes, tag) -> bool:
     return type(tag) is bytes and hmac.compare_digest(tag, mac(key, payload_type, body))
 
 
+def unknown_session(sid: str) -> str:
+    """How a node's refusal of a run call in session `sid` starts when it does not hold that session (another
+    process's, or evicted): the coordinator that sent the call then shakes hands again with the same process."""
+    return f"session {sid} is not one of this node process's"
+
+
 def check_public_key(value, what: str) -> str:
     """An X25519 public key from the wire: exactly 64 lowercase hex digits (32 bytes); UsageError otherwise."""
     if not isinstance(value, str) or not PUBLIC_KEY.fullmatch(value):
@@ -107,7 +113,7 @@ class SessionTable:
         with self._lock:
             key = self._keys.get(sid)
             if key is None:
-                raise UsageError(f"session {sid} is not one of this node process's (it was restarted, or the session "
-                                 f"was evicted): ask for its info() again")
+                raise UsageError(f"{unknown_session(sid)} (it was restarted, or the session was evicted): ask for "
+                                 f"its info() again")
             self._keys.move_to_end(sid)
             return key

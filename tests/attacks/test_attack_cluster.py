@@ -1,7 +1,7 @@
 """Attacks on a cluster: a client without Ray's token, a head that does not enforce it, an impostor node, a reply
 MACed with another node's or another session's key, a session key swapped at the handshake, a replayed or re-aimed
 reply, an unauthenticated or garbled reply, a plan the operator did not sign, a member whose reply is a pickle that
-runs code, a cluster proxy that dies or hangs.
+runs code, a member flooding a node's session table, a cluster proxy that dies or hangs.
 In-process nodes (`_clusterkit.Direct`) for the replies; a real local Ray head for the door and the proxy."""
 
 from __future__ import annotations
@@ -475,9 +475,9 @@ def coordinator(member, monkeypatch):
     private_memory._libc().prctl(private_memory.PR_SET_DUMPABLE, 1, 0, 0, 0)
 
 
-def _connect(cluster, head, timeout=30.0):
+def _connect(cluster, head, timeout=30.0, graph=False):
     from shardtool.runtime import connect_cluster
-    return connect_cluster(head.address, cluster[2], timeout=timeout)
+    return connect_cluster(head.address, cluster[2], timeout=timeout, graph=graph)
 
 
 def _exec_records(log: Path) -> list[dict]:
@@ -539,6 +539,54 @@ def test_cluster_proxy_gets_no_key_in_argv_environment_or_pipe(cluster, coordina
     hidden += [form for key in sessions for form in (key, key.hex().encode())]
     assert len(sent) > 3 and all(sid.encode() in b"".join(sent) for sid, _ in remote._sessions.values())
     assert not any(s in blob for s in hidden for blob in [seen, *sent])
+
+
+# A member's flood of node NAME's session table: MAX_SESSIONS handshakes, each with a fresh key of its own.
+FLOOD = r"""
+import sys, ray
+from shardtool.runtime.engine._cluster_node import NAMESPACE, actor_name, init_ray
+from shardtool.runtime.engine._cluster_session import MAX_SESSIONS, Handshake
+init_ray(ray, sys.argv[1], 30.0)
+node = ray.get_actor(actor_name(sys.argv[2]), namespace=NAMESPACE)
+ray.get([node.info.remote("0" * 32, Handshake().public) for _ in range(MAX_SESSIONS)])
+print("FLOODED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["plain-calls", "compiled-graph"])
+def test_cluster_member_flooding_a_nodes_sessions_drops_it_only_until_the_next_probe(cluster, coordinator, graph):
+    """A member fills node b's session table with its own handshakes: b refuses the coordinator's next call, through
+    Ray and the proxy, as a session it does not hold; b is dropped and c serves its experts; the next probe shakes
+    hands with the same process again (boot id unchanged), and b serves in the new session. Through a Compiled
+    Graph, whose reader hands b's refusal for c's output too, the round is sent again as plain calls: c is not
+    dropped under b's refusal."""
+    head, _ = coordinator
+    model, _, _, services, _ = cluster
+    remote = _connect(cluster, head, graph=graph)
+    try:
+        shared = sorted(pair for pair, nodes in remote.placement.items() if set(nodes) == {"b", "c"})
+        layer = shared[0][0]
+        rows = {e: np.zeros(1, np.int64) for lay, e in shared if lay == layer}
+        x = np.ones((1, services["b"].config.hidden_size), np.float32)
+        old = remote._sessions["b"][0]
+        flood = ck.start([sys.executable, "-c", FLOOD, head.address, "b"], model.work / "flood.log", model.work)
+        try:
+            flood.wait_for("FLOODED", 240)
+        finally:
+            flood.stop()
+        outputs, missing = remote.run(layer, x, rows)
+        assert set(outputs) == set(rows) and not missing and set(remote.stats.dropped) == {"b"}
+        assert remote.stats.dropped["b"].startswith(f"refused the call: session {old} is not one of this node "
+                                                    f"process's"), remote.stats.dropped
+        remote._probe_at["b"] = (0.0, 1.0)  # due now
+        remote.probe()
+        assert "b" not in remote.stats.dropped and remote.stats.readmitted == 1 and remote._sessions["b"][0] != old
+        asked = remote.stats.expert_calls["b"]
+        outputs, missing = remote.run(layer, x, rows)
+        assert set(outputs) == set(rows) and not missing and "b" not in remote.stats.dropped
+        assert remote.stats.expert_calls["b"] > asked
+    finally:
+        remote.close()
 
 
 @pytest.mark.parametrize("fault", ["killed", "stopped"])

@@ -235,11 +235,20 @@ def test_a_node_refuses_an_info_session_key_of_the_wrong_form(model, session):
     assert len(str(info.value)) < 200 and len(service.sessions) == 0
 
 
-def test_a_node_refuses_an_info_session_key_of_low_order(model):
-    """An all-zero X25519 key: the shared secret would be all zero, known to anyone."""
+_P = 2**255 - 19
+_SMALL_ORDER = (0, 1, _P - 1, 325606250916557431795983626356110631294008115727848805560023387167927233504,
+                39382357235489614581723060781553021112529911719440698176882885853963445705823)
+# Every encoding of a point of order 1, 2, 4 or 8: canonical, + p where that still fits 255 bits, and each with the
+# top bit set (X25519 ignores it).
+LOW_ORDER = sorted({u | top for v in _SMALL_ORDER for u in (v, v + _P) if u < 2**255 for top in (0, 2**255)})
+
+
+@pytest.mark.parametrize("u", LOW_ORDER, ids=[f"{u:064x}"[:8] + "..." + f"{u:064x}"[-4:] for u in LOW_ORDER])
+def test_a_node_refuses_an_info_session_key_of_low_order(model, u):
+    """A key of low order, in any of its encodings: the shared secret would be all zero, known to anyone."""
     service = _services(model)["a"]
     with pytest.raises(UsageError, match="low order"):
-        service.info(NONCE, "00" * 32)
+        service.info(NONCE, u.to_bytes(32, "little").hex())
     assert len(service.sessions) == 0
 
 
@@ -528,6 +537,61 @@ def test_a_restarted_node_is_refused_in_its_old_session_and_readmitted_in_a_new_
     assert "the reply is not authenticated by node b's session key" in remote.stats.dropped["b"]
 
 
+def test_a_node_that_evicted_the_coordinators_session_is_readmitted_in_a_new_one(model):
+    """b, the same process, evicts this coordinator's session (1,024 newer handshakes: other coordinators, a
+    member's flood): its next call is refused, b is dropped and its replicas serve; the probe then makes a new
+    session with the same process (boot id unchanged: it never stopped nor answered wrongly), and b serves again.
+    A reply MACed with the old session's key is refused from then on."""
+    from shardtool.runtime.engine._cluster_session import MAX_SESSIONS, Handshake
+    _, _, plan = model
+    services = _services(model)
+    transport = Direct(services)
+    remote = kit.remote_experts(plan, transport, timeout=5, probe_seconds=3600)
+    logged: list[str] = []
+    remote._log = logged.append
+    remote.connect()
+    local = _generate(model, None, 8)
+    old, boot = remote._sessions["b"], services["b"].boot
+    for _ in range(MAX_SESSIONS):
+        services["b"].info(NONCE, Handshake().public)
+    assert _generate(model, remote, 8) == local
+    assert remote.stats.dropped["b"].startswith(f"refused the call: session {old[0]} is not one of this node process's")
+    remote._probe_at["b"] = (0.0, 1.0)  # due now
+    asked = remote.stats.expert_calls["b"]
+    assert _generate(model, remote, 8) == local
+    assert "b" not in remote.stats.dropped and remote.stats.readmitted == 1 and services["b"].boot == boot
+    assert remote._sessions["b"][0] != old[0] and remote.stats.expert_calls["b"] > asked
+    assert any(line.startswith("cluster: node b readmitted in a new session: ") for line in logged)
+    transport.mac_keys["b"], transport.edit["b"] = old[1], lambda doc: doc  # b's answers MACed with the old key
+    assert _generate(model, remote, 8) == local
+    assert "the reply is not authenticated by node b's session key" in remote.stats.dropped["b"]
+
+
+LOST_SAME_PROCESS = {  # why b (its process unchanged) was dropped -> whether a probe takes it back
+    "refused its session": (lambda sid: f"refused the call: session {sid} is not one of this node process's (it "
+                                        f"was restarted, or the session was evicted): ask for its info() again", True),
+    "refused another session": (lambda sid: f"refused the call: session {'f' * 32} is not one of this node "
+                                            f"process's", False),
+    "timed out": (lambda sid: "no reply within 5.0s", False),
+    "refused something else": (lambda sid: "refused the call: layer 99 is not a MoE layer of this model", False),
+    "quoted the refusal as its name": (lambda sid: f"the reply as node session {sid} is not one of this node "
+                                                   f"process's: refused", False),
+}
+
+
+@pytest.mark.parametrize("why", LOST_SAME_PROCESS)
+def test_a_node_lost_as_the_same_process_is_taken_back_only_when_it_refused_its_session(model, why):
+    _, _, plan = model
+    remote = kit.remote_experts(plan, Direct(_services(model)), timeout=5)
+    remote.connect()
+    reason, taken_back = LOST_SAME_PROCESS[why]
+    remote._drop("b", reason(remote._sessions["b"][0]))
+    remote._probe_at["b"] = (0.0, 1.0)  # due now
+    remote.probe()
+    assert ("b" not in remote.stats.dropped) == taken_back
+    assert remote.stats.readmitted == int(taken_back)
+
+
 def test_a_lost_node_is_probed_with_a_growing_gap(model):
     """While a lost node stays away it is asked less and less often (a probe holds up the step that makes it)."""
     _, _, plan = model
@@ -734,6 +798,73 @@ def test_a_compiled_graph_answers_the_nodes_asked_and_is_ended_without_killing_o
     assert transport._graph is graph
     transport.close()
     assert compiled.torn_down == [False] and transport.graph_off == "closed"
+
+
+def test_a_nodes_refusal_in_a_compiled_graph_round_is_its_own_not_every_nodes():
+    """Ray's graph reader fails fast: once one node's output is an error, it hands that one error for every output
+    of the round (Ray 2.60's SynchronousReader), so whose refusal it is cannot be told from the graph. The round
+    then goes out as plain calls, where b's refusal (a session it evicted) is b's alone and a answers; the graph is
+    ended without killing an actor. Taken as every node's, it dropped a too, under b's line (never readmitted)."""
+    from shardtool.runtime.engine import _cluster_proxy as cp
+    refusal = _GraphRay.exceptions.RayTaskError("RayTaskError(UsageError)")
+    refusal.cause = UsageError(f"session {'b' * 32} is not one of this node process's")
+
+    class FailingFast(_Compiled):
+        def execute(self, calls):
+            return [(node, bool(calls)) for node in ("a", "b")]
+
+    class Ray(_GraphRay):
+        def get(self, ref, timeout=None):
+            if ref[1]:  # a round with calls (not the warm-up): b refused, so every output is its error
+                raise refusal
+            return b""
+
+    compiled = FailingFast()
+    graph = cp._Graph.__new__(cp._Graph)
+    graph.ray, graph.compiled, graph.nodes = Ray(), compiled, ("a", "b")
+    transport = _ray_transport(lambda: graph)
+    plain = {"a": b"plain a", "b": NodeFailed(f"refused the call: session {'b' * 32} is not one of this node process's")}
+
+    def result(pending, timeout):
+        if isinstance(plain[pending], Exception):
+            raise plain[pending]
+        return plain[pending]
+
+    transport.submit, transport.result = lambda node, call: node, result
+    sent: list[dict] = []
+    child = cp._Child(lambda n: b"", lambda data: sent.append(cp.unpack(data[cp.HEADER.size:])))
+    child.transport = transport
+    child.round({"timeout": 5.0, "calls": [{"id": 1, "node": "a", "call": b"1"}, {"id": 2, "node": "b", "call": b"2"}]})
+    assert sent == [{"answers": [[1, {"packed": b"plain a"}], [2, {"failed": str(plain["b"])}]]}]
+    assert transport._graph is None and compiled.torn_down == [False]
+    assert "refused the call: session" in transport.graph_off
+
+
+@pytest.mark.parametrize("when", ["compile", "execution"])
+def test_why_a_proxy_ends_its_graph_is_one_printable_line_on_stderr(when, capsys):
+    """The reason quotes Ray's error, whose text a member can choose (a node's exception): escaped, never a terminal
+    control sequence on the coordinator's stderr."""
+    from shardtool.runtime.engine import _cluster_proxy as cp
+    hostile = RuntimeError("boom \x1b]0;owned\x07\x1b[2J\u202e")
+
+    class Failing(_Compiled):
+        def execute(self, calls):
+            if calls:
+                raise hostile
+            return ["a", "b"]
+
+    def compile_graph():
+        if when == "compile":
+            raise hostile
+        graph = cp._Graph.__new__(cp._Graph)
+        graph.ray, graph.compiled, graph.nodes = _GraphRay(), Failing(), ("a", "b")
+        return graph
+
+    transport = _ray_transport(compile_graph)
+    assert transport.graph_round({"a": b"1"}, 5.0) is None
+    err = capsys.readouterr().err
+    assert "boom" in err and "\x1b" not in err and "\x07" not in err and "\u202e" not in err
+    assert err.count("\n") == 1
 
 
 class _Proc:
