@@ -398,7 +398,7 @@ class RemoteExperts:
             if type(y) is not np.ndarray or y.dtype != np.float32 or y.shape != want:
                 raise NodeFailed(f"expert {e}'s output is not a float32 array of shape {want}")
             if output_digest(y) != digests[str(e)]:
-                raise NodeFailed(f"expert {e}'s output is not the one the node signed: refused")
+                raise NodeFailed(f"expert {e}'s output is not the one the node authenticated: refused")
             if not np.isfinite(y).all():
                 raise NodeFailed(f"expert {e}'s output is not finite")
         return outputs, {asked[e]: printable(str(why)[:300]) for e, why in failed.items()}

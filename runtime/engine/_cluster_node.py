@@ -78,8 +78,8 @@ def output_digest(y: np.ndarray) -> str:
 
 def input_digest(x: np.ndarray, ids, rows) -> str:
     """BLAKE3 of what a call computed on: the hidden-state block [n, H] (shape, then float32 bytes) and each
-    requested expert's row indices in the order asked (id, count, int64 bytes). A node signs it, so an answer
-    computed on inputs someone between the coordinator and the node swapped is refused."""
+    requested expert's row indices in the order asked (id, count, int64 bytes). A node's authenticated answer
+    names it, so an answer computed on inputs someone between the coordinator and the node swapped is refused."""
     h = blake3.blake3(np.asarray(x.shape, dtype="<i8").tobytes())
     h.update(np.ascontiguousarray(x, dtype="<f4").tobytes())
     for e in ids:

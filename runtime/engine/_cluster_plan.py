@@ -388,7 +388,7 @@ def _check_request(nodes: Sequence[tuple[str, int, int | None]], replicas: int,
     if unknown:
         raise UsageError(f"a key is given for {unknown[0][:40]!r}, which is not a node of the plan")
     for name, key in sorted(node_keys.items()):
-        if key.algorithm != "ed25519":  # a node signs its replies with Ed25519; a plan names 32 raw bytes
+        if key.algorithm != "ed25519":  # a node signs its info() with Ed25519; a plan names 32 raw bytes
             raise UsageError(f"node {name[:40]!r}: its key is {key.algorithm}; a node key is Ed25519")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= MAX_REPLICAS:
         raise UsageError(f"--replicas must be an integer in [1, {MAX_REPLICAS}], got {replicas!r}")

@@ -12,7 +12,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -45,12 +44,19 @@ def cluster(tmp_path_factory):
     return model, verified, plan, services, keys
 
 
-def _generate(cluster, remote=None) -> list[int]:
+def _generate(cluster, remote=None, on_token=None) -> list[int]:
+    """8 greedy tokens; `on_token(i)` is called after the i-th token is out (0 first)."""
     model, verified, *_ = cluster
     session = Session(model.full, verified, budget=1 << 30, max_tokens=len(PROMPT) + 8, remote=remote)
     try:
         out: list[int] = []
-        session.generate(PROMPT, 8, temperature=0.0, top_p=1.0, seed=None, on_token=out.append)
+
+        def token(t: int) -> None:
+            out.append(t)
+            if on_token is not None:
+                on_token(len(out) - 1)
+
+        session.generate(PROMPT, 8, temperature=0.0, top_p=1.0, seed=None, on_token=token)
         return out
     finally:
         session.close()
@@ -215,7 +221,7 @@ GARBLED = {  # c's genuine reply, changed as it crosses the wire -> what the coo
                                  NOT_FORM),
     "body-changed-after-mac": (lambda r: {**r, "body": r["body"] + b" "}, NOT_AUTHENTIC),
     "outputs-changed": (lambda r: {**r, "outputs": {e: y + 1 for e, y in r["outputs"].items()}},
-                        "is not the one the node signed"),
+                        "is not the one the node authenticated"),
     "extra-field": (lambda r: {**r, "extra": 1}, NOT_FORM),
     "not-a-dict": (lambda r: [r], NOT_FORM),
     "bytes": (lambda r: b"\x80\x04garbage", NOT_FORM),
@@ -598,14 +604,16 @@ def test_cluster_proxy_that_dies_or_hangs_mid_run_fails_the_request_without_a_ha
     timeout = 3.0
     remote = _connect(cluster, head, timeout)
     sig = signal.SIGKILL if fault == "killed" else signal.SIGSTOP
+
+    def fault_after_the_first_token(i: int) -> None:  # the run is under way, whatever the machine's speed
+        if i == 0:
+            os.kill(remote.transport.pid, sig)
+
     try:
-        killer = threading.Timer(0.05, os.kill, (remote.transport.pid, sig))
         t0 = time.monotonic()
-        killer.start()
         with pytest.raises(UnavailableError, match="no replica left"):
-            _generate(cluster, remote)
+            _generate(cluster, remote, on_token=fault_after_the_first_token)
         elapsed = time.monotonic() - t0
-        killer.join()
     finally:
         remote.close()
     assert elapsed < timeout + GRACE + 10, elapsed

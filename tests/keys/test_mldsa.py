@@ -71,7 +71,7 @@ def test_a_signature_of_no_algorithms_size_is_refused(size, raises_exactly):
 
 
 def test_a_cluster_node_key_must_stay_ed25519(pq, raises_exactly):
-    """A node signs its replies with Ed25519 and a plan names 32 raw bytes: an ML-DSA node key is refused when the
+    """A node signs its info() with Ed25519 and a plan names 32 raw bytes: an ML-DSA node key is refused when the
     plan is made, not by the node that later cannot read the plan."""
     from shardtool.errors import UsageError
     from shardtool.runtime.engine._cluster_plan import make_plan
