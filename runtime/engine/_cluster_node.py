@@ -275,9 +275,9 @@ class NodeService:
         body = self._body(doc, nonce)
         return {"body": body, "signature": self._key.sign(pae(INFO_TYPE, body))}
 
-    def _maced(self, doc: dict, nonce: str, session: str) -> dict:
+    def _maced(self, doc: dict, nonce: str, key: bytes) -> dict:
         body = self._body(doc, nonce)
-        return {"body": body, "mac": mac(self.sessions.key(session), REPLY_TYPE, body)}
+        return {"body": body, "mac": mac(key, REPLY_TYPE, body)}
 
     def run(self, layer, expert_ids, x, rows, nonce, session) -> dict:
         """Each requested expert's unweighted output on its rows, `run_expert(x[rows[e]])` [t_e, H] float32; an
@@ -285,7 +285,7 @@ class NodeService:
         that `session` is one of this process's; the answer is authenticated by that session's key over the nonce,
         layer, experts, the inputs' digest, each output's digest, root and this node's name."""
         nonce = _check_nonce(nonce)
-        self.sessions.key(session)
+        key = self.sessions.key(session)  # the answer's MAC key, looked up once
         ids, x, rows = self._check(layer, expert_ids, x, rows)
         t0 = time.perf_counter()
         with self._lock:
@@ -308,7 +308,7 @@ class NodeService:
         body = {"layer": int(layer), "experts": [int(e) for e in ids], "input": input_digest(x, ids, rows),
                 "outputs": {str(e): output_digest(y) for e, y in outputs.items()},
                 "failed": {str(e): why for e, why in failed.items()}, "seconds": time.perf_counter() - t0}
-        return {**self._maced(body, nonce, session), "outputs": {int(e): y for e, y in outputs.items()}}
+        return {**self._maced(body, nonce, key), "outputs": {int(e): y for e, y in outputs.items()}}
 
     def _check(self, layer, expert_ids, x, rows) -> tuple[list[int], np.ndarray, dict[int, np.ndarray]]:
         cfg = self.config

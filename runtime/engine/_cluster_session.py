@@ -27,7 +27,6 @@ from shardtool.manifest import pae
 CONTEXT = "shardtool cluster session v1"  # BLAKE3 derive_key context: this key is used for nothing else
 PUBLIC_KEY = re.compile(r"[0-9a-f]{64}", re.ASCII)  # an X25519 public key on the wire: 32 bytes, lowercase hex
 SESSION_ID = re.compile(r"[0-9a-f]{32}", re.ASCII)  # what a run call names its session by
-MAC_BYTES = 32
 MAX_SESSIONS = 1024  # sessions a node keeps (one per coordinator connection and readmission); the oldest go first
 _LENGTH = struct.Struct(">Q")
 
