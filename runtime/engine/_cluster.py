@@ -26,6 +26,11 @@ return wrong outputs); the same boot id (a node that was slow, or answered wrong
 not readmitted, unless that process was lost for refusing a call in a session it no longer held (evicted from its
 bounded table): it is taken back in a new session.
 
+With a pipeline plan each node runs a span of whole layers instead (`_cluster_spans`): `span` makes one call per
+node per step, checked as a reply is (the MAC first; the body names the node, root, nonce, span and inputs; the one
+output [n, H] float32 with the BLAKE3 the body names; the routes, when asked, [n, k] expert ids per MoE layer). A node
+that fails is dropped and probed as above; with one copy of each span the step's requests fail (503) naming it.
+
 The outputs are combined by `moe_experts`, as local ones are, so greedy and sampled output equal one process's.
 `connect_cluster` reaches Ray through a cluster proxy (`_cluster_proxy`): this process never deserializes anything
 from Ray, and every check above runs on what the proxy's pipe carries.
@@ -55,6 +60,7 @@ from shardtool.text import printable
 from ._cluster_node import INFO_TYPE, REPLY_TYPE, input_digest, is_int, new_nonce, output_digest
 from ._cluster_plan import MAX_PLAN_BYTES, MAX_SIGNATURE_FILE, ClusterPlan, decode_plan, open_signed_plan
 from ._cluster_proxy import REFUSED, NodeFailed, ProxyTransport
+from ._cluster_spans import span_failure, span_input_digest
 from ._cluster_session import PUBLIC_KEY, Handshake, mac_matches, session_id, session_key, unknown_session
 
 DEFAULT_TIMEOUT = 30.0
@@ -80,6 +86,11 @@ class Transport(Protocol):
                rows: dict[int, np.ndarray], nonce: str, session: str) -> object:
         """Start a call in session `session` (its id); returns a pending handle for `result`. Raises NodeFailed
         when it cannot start."""
+        ...
+
+    def submit_span(self, node: str, span: tuple[int, int], x: np.ndarray, segments: list, drop: list[int],
+                    routes: bool, nonce: str, session: str) -> object:
+        """Start a span call at `node` (a pipeline plan's); its answer comes from `result`."""
         ...
 
     def result(self, pending: object, timeout: float) -> dict:
@@ -122,10 +133,13 @@ class RemoteExperts:
 
     def __init__(self, placement: Mapping[tuple[int, int], Sequence[str]], root: bytes, transport: Transport, *,
                  keys: Mapping[str, PublicKey], timeout: float = DEFAULT_TIMEOUT,
-                 log: Callable[[str], None] | None = None, probe_seconds: float = PROBE_SECONDS):
+                 log: Callable[[str], None] | None = None, probe_seconds: float = PROBE_SECONDS,
+                 spans: Sequence[tuple[str, tuple[int, ...]]] = ()):
         """`placement`: (layer, expert) -> the nodes holding it, in plan order (ties of `choose_replica` go to the
         first); `keys`: node -> the key its answers must be signed with (from the operator-signed plan);
-        `probe_seconds`: how long after it was lost a node is first asked again."""
+        `probe_seconds`: how long after it was lost a node is first asked again; `spans`: a pipeline plan's (node,
+        its layers) in layer order (`ClusterPlan.spans`), empty for an expert-parallel plan."""
+        self.spans = tuple((node, tuple(layers)) for node, layers in spans)
         self.placement = {key: tuple(nodes) for key, nodes in placement.items()}
         unkeyed = sorted({n for nodes in self.placement.values() for n in nodes} - set(keys))
         if unkeyed:
@@ -242,6 +256,10 @@ class RemoteExperts:
             raise NodeFailed(f"node {node} answered info() without a mapping of 'layer/expert' failures: refused")
         if not isinstance(info.get("boot"), str) or not _BOOT.fullmatch(info["boot"]):
             raise NodeFailed(f"node {node} answered info() without a boot id (32 lowercase hex digits): refused")
+        span = dict(self.spans).get(node)
+        if span is not None and info.get("layers") != list(span):
+            raise NodeFailed(f"node {node} runs layers {printable(str(info.get('layers'))[:40])}, the plan gives it "
+                             f"{list(span)[:8]}: refused")
         held = {(int(a), int(b)) for a, b in experts}
         planned = {key for key, nodes in self.placement.items() if node in nodes}
         if not planned <= held:
@@ -364,6 +382,107 @@ class RemoteExperts:
         """All requested experts' outputs, retried across replicas: ({expert: [t_e, H]}, {expert: why it could
         not be had})."""
         return _LayerCalls(self, layer, x, rows).finish()
+
+    # ---------------------------------------------------------------- a pipeline node's span
+
+    def span(self, node: str, span: tuple[int, int], x: np.ndarray, segments: list[tuple[int, int, int]],
+             drop: list[int], routes: bool) -> tuple[np.ndarray, list[np.ndarray]]:
+        """# x [n, H] through node `node`'s layers span[0]..span[1]-1 -> (x' [n, H], per MoE layer of the span the
+        experts each row chose [n, k] when `routes`). A node that fails is dropped (UnavailableError naming it and
+        its layers); rows it could not run raise ExpertUnavailable for those rows."""
+        self.probe()
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                lost = node in self.stats.dropped
+                sid, key = self._sessions.get(node, ("", b""))
+            if lost:
+                raise UnavailableError(self._lost_span(node, span))
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            nonce = new_nonce()
+            sent = span_input_digest(span, x, segments, drop, routes)
+            self.stats.calls += 1
+            self.stats.wire_bytes += 2 * x.nbytes
+            try:
+                pending = self.transport.submit_span(node, span, x, segments, drop, routes, nonce, sid)
+                reply = self.transport.result(pending, self.timeout)
+                return self._check_span_reply(node, span, x.shape, routes, reply, (nonce, sent, key))
+            except NodeFailed as err:
+                self._drop(node, str(err))
+                raise UnavailableError(self._lost_span(node, span)) from None
+        finally:
+            self.stats.remote_seconds += time.perf_counter() - t0
+
+    def _lost_span(self, node: str, span: tuple[int, int]) -> str:
+        with self._lock:
+            why = self.stats.dropped.get(node, "")
+        return (f"layers {span[0]}..{span[1] - 1} have no node left: node {node}, which runs them (the plan keeps "
+                f"one copy of each span), was lost ({why})")
+
+    def _check_span_reply(self, node: str, span: tuple[int, int], shape: tuple[int, int], routes: bool, reply,
+                          call: tuple[str, str, bytes]) -> tuple[np.ndarray, list[np.ndarray]]:
+        nonce, sent, key = call
+        body = self._body(reply, "mac", "the reply", ("outputs",))
+        if not mac_matches(key, REPLY_TYPE, body, reply["mac"]):
+            raise NodeFailed(f"the reply is not authenticated by node {node}'s session key (made at its signed "
+                             f"info()): an impostor, another node or another session answering under its name: "
+                             f"refused")
+        doc = self._doc(node, body, nonce, "the reply")
+        if doc.get("input") != sent:
+            raise NodeFailed("the reply was computed on other inputs than the ones sent: refused")
+        if doc.get("span") != list(span):
+            raise NodeFailed(f"the reply is for layers {printable(str(doc.get('span'))[:40])}, asked {list(span)}: "
+                             f"refused")
+        digests, failed, outputs = doc.get("outputs"), doc.get("failed"), reply["outputs"]
+        if not isinstance(digests, dict) or not isinstance(failed, dict) or not isinstance(outputs, dict):
+            raise NodeFailed("the reply has no outputs/failed mappings")
+        if failed:
+            if digests or outputs:
+                raise NodeFailed("the reply both fails and answers the span: refused")
+            try:
+                raise span_failure(node, span, failed, shape[0])
+            except ValueError as e:
+                raise NodeFailed(f"the reply's failure is malformed ({e}): refused") from None
+        y = outputs.get(0)
+        if set(digests) != {"0"} or set(outputs) != {0}:
+            raise NodeFailed("the reply does not carry exactly the span's one output")
+        if type(y) is not np.ndarray or y.dtype != np.float32 or y.shape != shape:
+            raise NodeFailed(f"the span's output is not a float32 array of shape {shape}")
+        if output_digest(y) != digests["0"]:
+            raise NodeFailed("the span's output is not the one the node authenticated: refused")
+        if not np.isfinite(y).all():
+            raise NodeFailed("the span's output is not finite")
+        return y, self._span_routes(doc.get("routes"), span, shape[0]) if routes else []
+
+    def _span_routes(self, raw, span: tuple[int, int], rows: int) -> list[np.ndarray]:
+        """The routes a span reply names: per MoE layer of the span, [rows, k] expert ids in [0, E)."""
+        moe = [layer for layer in range(*span) if layer in self._moe_layers()]
+        if not isinstance(raw, list) or len(raw) != len(moe):
+            raise NodeFailed(f"the reply names routes for {len(raw) if isinstance(raw, list) else 'no'} MoE layers, "
+                             f"the span has {len(moe)}: refused")
+        out = []
+        for layer, idx in zip(moe, raw):
+            experts = self._moe_layers()[layer]
+            try:
+                a = np.asarray(idx, dtype=np.int64)
+            except (ValueError, TypeError, OverflowError):
+                a = None
+            if a is None or a.ndim != 2 or a.shape[0] != rows or not 1 <= a.shape[1] <= len(experts) or (
+                    a.size and not np.isin(a, experts).all()):
+                raise NodeFailed(f"the reply's routes at layer {layer} are not [{rows}, k] ids of that layer's "
+                                 f"experts: refused")
+            out.append(a)
+        return out
+
+    def _moe_layers(self) -> dict[int, np.ndarray]:
+        """MoE layer -> its expert ids (the plan's), sorted."""
+        found = self.__dict__.get("_moe_index")
+        if found is None:
+            by_layer: dict[int, list[int]] = {}
+            for layer, expert in self.placement:
+                by_layer.setdefault(layer, []).append(expert)
+            found = self._moe_index = {layer: np.asarray(sorted(ids), dtype=np.int64) for layer, ids in by_layer.items()}
+        return found
 
     def _check_reply(self, node: str, layer: int, experts: list[int], rows: Mapping[int, np.ndarray], reply,
                      hidden: int, call: tuple[str, str, bytes]) -> tuple[dict[int, np.ndarray], dict[int, str]]:
@@ -569,7 +688,8 @@ def connect_cluster(address: str, plan: ClusterPlan, *, timeout: float = DEFAULT
     # loaded 2-core loopback its readers' polling made a round slower, docs/scaling.md).
     nodes = tuple(node.name for node in plan.nodes) if graph else ()
     transport = ProxyTransport(address, timeout, insecure=insecure, nodes=nodes)
-    remote = RemoteExperts(plan_placement(plan), plan.root, transport, keys=keys, timeout=timeout)
+    remote = RemoteExperts(plan_placement(plan), plan.root, transport, keys=keys, timeout=timeout,
+                           spans=plan.spans() if getattr(plan, "pipeline", False) else ())
     try:
         remote.connect()
     except BaseException:

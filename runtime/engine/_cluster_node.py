@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Mapping
 
 import blake3
@@ -43,7 +44,9 @@ from shardtool.remote import RemoteFiles, RemoteSource
 from shardtool.runtime.model import ModelConfig, run_expert
 from ._cluster_plan import NODE_READERS, ClusterPlan, node_memory_floor
 from ._cluster_session import Handshake, SessionTable, check_public_key, mac, session_id, session_key
-from ._cluster_wire import decode_call, encode_answer, pack
+from ._cluster_spans import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_SEQUENCES, SpanRunner, span_input_digest, span_kv_bytes
+from ._cluster_wire import decode_any_call, encode_answer, pack
+from ._provider import VerifiedWeights
 from ._signed import unusable_shards, verified_config
 from shardtool.runtime.store import DEFAULT_POLICY
 from shardtool.runtime.store import DEFAULT_PAGE_CACHE, ShardStore, header_memo_bytes, page_cache_mode
@@ -224,6 +227,9 @@ class NodeSetup:
     key_seed: bytes = field(default=b"", repr=False)  # the node's raw 32-byte Ed25519 private key: signs info()
     owner_pid: int = 0  # the `shardtool node` process on this machine: its actor exits when it does (0: no watch)
     owner_pid_namespace: int = 0  # the inode of that process's pid namespace: watched only where it is the actor's (0: unknown, no watch)
+    layers: tuple[int, ...] = ()  # a pipeline plan's span: the layers this node runs whole (their trunk in `entries`)
+    max_sequences: int = DEFAULT_MAX_SEQUENCES  # a span node's sequences kept (keys and values), least recent out
+    max_context: int = DEFAULT_MAX_CONTEXT  # a span node's tokens per sequence
 
 
 class NodeService:
@@ -232,7 +238,7 @@ class NodeService:
     def __init__(self, setup: NodeSetup):
         self.setup = setup
         self.config = setup.config
-        self.held: dict[tuple[int, int], Entry] = {(e.layer, e.expert): e for e in setup.entries}
+        self.held: dict[tuple[int, int], Entry] = {(e.layer, e.expert): e for e in setup.entries if e.kind == "expert"}
         self.fetcher = RemoteFiles(Path(setup.directory), setup.remote) if setup.remote is not None else None
         self.store = ShardStore(Path(setup.directory), budget_bytes=setup.budget, readers=setup.readers,
                                 fetch_missing=self.fetcher.fetch if self.fetcher is not None else None,
@@ -247,6 +253,10 @@ class NodeService:
         # that lost this node takes it back only under a boot id other than the lost one's.
         self.boot = new_nonce()
         self.sessions = SessionTable()
+        self.spans = None if not setup.layers else SpanRunner(
+            self.config, VerifiedWeights(self.store, _Listed(setup.entries), self.config.num_layers,
+                                         window=self.config.top_k),
+            setup.layers, max_sequences=setup.max_sequences, max_context=setup.max_context)
 
     def _body(self, doc: dict, nonce: str) -> bytes:
         return canonical_body({**doc, "name": self.setup.name, "root": self.setup.root.hex(), "nonce": nonce})
@@ -261,7 +271,7 @@ class NodeService:
             failed = {f"{layer}/{expert}": why for (layer, expert), why in sorted(self.failed.items())}
         doc = {"manifest_version": s.manifest_version, "boot": self.boot, "experts": sorted(
             [layer, expert] for layer, expert in self.held), "failed": failed, "calls": self.calls,
-            "store": self.store.stats.as_dict()}
+            "store": self.store.stats.as_dict(), **({"layers": list(s.layers)} if s.layers else {})}
         if session is not None:
             coordinator = check_public_key(session, "info()'s session")
             mine = Handshake()
@@ -310,6 +320,27 @@ class NodeService:
                 "failed": {str(e): why for e, why in failed.items()}, "seconds": time.perf_counter() - t0}
         return {**self._maced(body, nonce, key), "outputs": {int(e): y for e, y in outputs.items()}}
 
+    def run_span(self, span, x, segments, drop, routes, nonce, session) -> dict:
+        """A pipeline node's layers on a step's rows (`SpanRunner`): {body, mac, outputs: {0: x' [n, H] float32}},
+        the body naming the span, the inputs' digest, the output's digest, a failure of some rows (then no output)
+        and, when asked, the experts each row chose at each MoE layer. Checked as `run`'s call is, first the
+        session."""
+        nonce = _check_nonce(nonce)
+        key = self.sessions.key(session)
+        if self.spans is None:
+            raise UsageError(f"node {self.setup.name} holds experts, not a span of layers (the plan is not a "
+                             f"pipeline plan)")
+        checked, dropped = self.spans.check(span, x, segments, drop, routes)
+        t0 = time.perf_counter()
+        with self._lock:
+            self.calls += 1
+        y, chosen, failed = self.spans.run(session, x, checked, dropped, routes)
+        body = {"span": list(self.spans.span), "input": span_input_digest(span, x, segments, drop, routes),
+                "outputs": {} if y is None else {"0": output_digest(y)}, "failed": failed,
+                "routes": [idx.tolist() for idx in chosen] if routes and y is not None else None,
+                "seconds": time.perf_counter() - t0}
+        return {**self._maced(body, nonce, key), "outputs": {} if y is None else {0: y}}
+
     def _check(self, layer, expert_ids, x, rows) -> tuple[list[int], np.ndarray, dict[int, np.ndarray]]:
         cfg = self.config
         if not is_int(layer) or not 0 <= layer < cfg.num_layers or not cfg.moe_layers[layer]:
@@ -347,6 +378,16 @@ class NodeService:
             self.fetcher.close()
 
 
+class _Listed:
+    """A span node's entries as `VerifiedWeights` looks them up (by path): its own shards of the verified manifest."""
+
+    def __init__(self, entries: tuple[Entry, ...]):
+        self._by_path = MappingProxyType({e.path: e for e in entries})
+
+    def by_path(self) -> Mapping[str, Entry]:
+        return self._by_path
+
+
 class NodeActor:
     """What the cluster may call on a node: info(), run() and graph_run() only (NodeService.close, which shuts the reader
     pool, is not reachable over the wire; the store ends with the node's process)."""
@@ -363,7 +404,9 @@ class NodeActor:
     def run(self, call) -> bytes:
         """A run call as one bytes object (`_cluster_wire.encode_call`), its answer as one too (`encode_answer`,
         packed): Ray carries bytes as they are, where it would pickle and rebuild every array both ways."""
-        return pack(encode_answer(self._service.run(*decode_call(call))))
+        kind, args = decode_any_call(call)
+        service = self._service
+        return pack(encode_answer(service.run_span(*args) if kind == "span" else service.run(*args)))
 
     def graph_run(self, calls) -> bytes:
         """A coordinator's Compiled Graph round: every node of the graph gets the round's {node name: call bytes};
@@ -519,7 +562,8 @@ def leave_cluster(actor) -> None:
 
 def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan, name: str, *, budget: int,
                  key: PrivateKey, readers: int = NODE_READERS, remote: RemoteSource | None = None,
-                 cache_policy: str = DEFAULT_POLICY) -> NodeSetup:
+                 cache_policy: str = DEFAULT_POLICY, max_sequences: int = DEFAULT_MAX_SEQUENCES,
+                 max_context: int = DEFAULT_MAX_CONTEXT) -> NodeSetup:
     """Check this node before it may join. `key` must be the key the (operator-signed) plan names for node
     `name`: it signs every info() answer, which makes the sessions that authenticate its run answers
     (VerificationError otherwise). The signed config.json (the experts' shapes) is read through
@@ -527,7 +571,9 @@ def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan,
     is hashed whole and must be present and match the manifest: the first missing or failing one is a
     VerificationError naming it (the node refuses to join). Files the plan gives other nodes may be absent
     (present-only semantics) and are not read. With `remote`, a planned expert not on disk yet is not a refusal:
-    it is fetched (verified) the first time the coordinator asks for it; one present but wrong still is."""
+    it is fetched (verified) the first time the coordinator asks for it; one present but wrong still is. A node of a
+    pipeline plan also holds its span's trunk files (kept cached whole) and the keys and values of up to
+    `max_sequences` sequences of `max_context` tokens: its budget must hold those too."""
     node = plan.node(name)
     planned = node.public_key()
     if key.public != planned:
@@ -544,10 +590,15 @@ def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan,
     root = Path(directory)
     config = verified_config(root, manifest)
     per_layer = max((len(ids) for ids in node.experts.values()), default=0)
-    need = node_memory_floor([e.size for e in entries], per_layer, config.top_k, readers)
+    experts = [e for e in entries if e.kind == "expert"]
+    trunk = sum(e.size for e in entries if e.kind != "expert")
+    layers = tuple(getattr(node, "layers", ()))
+    kv = span_kv_bytes(config, layers, max_sequences, max_context) if layers else 0
+    need = node_memory_floor([e.size for e in experts], per_layer, config.top_k, readers) + trunk + kv
     if budget < need:
         raise UsageError(f"--memory-budget {budget} bytes cannot hold a step of node {name}: it needs {need} bytes "
-                         f"(a shard cache of top-k + 1 of its experts and working buffers)",
+                         f"(a shard cache of top-k + 1 of its experts and working buffers"
+                         f"{', its layers trunk and keys and values' if layers else ''})",
                          hint=f"raise --memory-budget to at least {-(-need // 2**20)}MiB")
     for entry in entries:
         finding = check_file(root, entry)
@@ -556,8 +607,9 @@ def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan,
                                     path=finding.path)
     # The floor's shard cache is top-k + 1 experts; what the budget has beyond the floor caches more.
     k = min(max(config.top_k, 1), per_layer)
-    largest = max((e.size for e in entries), default=0)
+    largest = max((e.size for e in experts), default=0)
     head = manifest.head
     return NodeSetup(name=name, directory=str(Path(directory).resolve()), root=head.merkle_root, manifest_version=head.version,
-                     config=config, entries=tuple(entries), budget=budget - need + largest * (k + 1), readers=readers,
-                     remote=remote, cache_policy=cache_policy, key_seed=key_seed(key))
+                     config=config, entries=tuple(entries), budget=budget - need + largest * (k + 1) + trunk,
+                     readers=readers, remote=remote, cache_policy=cache_policy, key_seed=key_seed(key), layers=layers,
+                     max_sequences=max_sequences, max_context=max_context)

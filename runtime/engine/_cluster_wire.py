@@ -5,6 +5,10 @@ to rebuild on either side) and the proxy forwards without reading.
 
     a call:    {"layer", "experts", "x": array [n, H] float32, "rows": [[expert, array [t_e] int64], ...], "nonce",
                 "session": the session id (`_cluster_session`) whose key authenticates the answer}
+    a span call (a pipeline plan's node runs its layers): {"span": [first layer, last layer + 1], "x": array
+                [n, H] float32, "segments": [[sequence, start, t], ...] (the rows of each sequence, in order),
+                "drop": [sequence, ...] (sequences whose keys the node may forget), "routes": bool, "nonce",
+                "session"}; its answer has the reply's form, the one output under 0
     an answer: info(): {"body": bytes, "signature": bytes (Ed25519)}
                run():  {"body": bytes, "mac": bytes (keyed BLAKE3), "outputs": [[expert, array [t_e, H] float32], ...]}
 """
@@ -26,6 +30,7 @@ _DTYPES = {"<f4": np.dtype("<f4"), "<i8": np.dtype("<i8")}  # the only arrays th
 # The one key of each answer form that authenticates its body: an info()'s signature, a run's MAC.
 _PROOF = {frozenset({"body", "signature"}): "signature", frozenset({"body", "mac", "outputs"}): "mac"}
 _CALL_KEYS = {"layer", "experts", "x", "rows", "nonce", "session"}
+_SPAN_KEYS = {"span", "x", "segments", "drop", "routes", "nonce", "session"}
 
 
 class NodeFailed(Exception):
@@ -134,14 +139,46 @@ def encode_call(layer: int, expert_ids, x: np.ndarray, rows, nonce: str, session
                  "rows": [[int(e), encode_array(r)] for e, r in rows.items()], "nonce": nonce, "session": session})
 
 
+def encode_span_call(span: tuple[int, int], x: np.ndarray, segments, drop, routes: bool, nonce: str,
+                     session: str) -> bytes:
+    """One span call's arguments as the bytes a pipeline node's actor takes (`decode_any_call`)."""
+    return pack({"span": [int(span[0]), int(span[1])], "x": encode_array(x),
+                 "segments": [[int(q), int(start), int(t)] for q, start, t in segments],
+                 "drop": [int(q) for q in drop], "routes": bool(routes), "nonce": nonce, "session": session})
+
+
+def decode_any_call(call: Any) -> tuple[str, tuple]:
+    """A call's bytes (at a node, from the wire) -> ("run", `decode_call`'s tuple) or ("span", (span, x [n, H]
+    float32, segments, drop, routes, nonce, session id)), the form checked here (a UsageError naming what is
+    wrong); the values are the node's to check."""
+    doc = _unpack_call(call)
+    if set(doc) != _SPAN_KEYS:
+        return "run", _run_call(doc)
+    try:
+        x = decode_array(doc["x"], "<f4", 2, "the hidden states")
+    except ProtocolError as e:
+        raise UsageError(str(e)) from None
+    return "span", (doc["span"], x, doc["segments"], doc["drop"], doc["routes"], doc["nonce"], doc["session"])
+
+
+def _unpack_call(call: Any) -> dict:
+    if type(call) is not bytes or len(call) > MAX_FRAME:
+        raise UsageError(f"a call must be at most {MAX_FRAME} bytes of msgpack, got a {type(call).__name__}")
+    try:
+        return unpack(call)
+    except ProtocolError as e:
+        raise UsageError(str(e)) from None
+
+
 def decode_call(call: Any) -> tuple[Any, Any, np.ndarray, dict[int, np.ndarray], Any, Any]:
     """A call's bytes (at a node, from the wire) -> (layer, expert ids, x [n, H] float32, {expert: rows int64},
     nonce, session id), their form checked here (a UsageError naming what is wrong); their values are
     NodeService.run's to check."""
-    if type(call) is not bytes or len(call) > MAX_FRAME:
-        raise UsageError(f"a call must be at most {MAX_FRAME} bytes of msgpack, got a {type(call).__name__}")
+    return _run_call(_unpack_call(call))
+
+
+def _run_call(doc: dict) -> tuple[Any, Any, np.ndarray, dict[int, np.ndarray], Any, Any]:
     try:
-        doc = unpack(call)
         if set(doc) != _CALL_KEYS:
             raise ProtocolError(f"a call must have exactly the keys {sorted(_CALL_KEYS)}")
         pairs = doc["rows"]

@@ -43,6 +43,7 @@ from shardtool.runtime.model import (ExpertFetch, ExpertUnavailable, KVCache, Mo
                                      step_rows)
 from shardtool.runtime.store import DEFAULT_PAGE_CACHE, DEFAULT_POLICY, ShardStore, page_cache_mode
 
+from ._cluster_spans import PipelineLayers
 from ._plan import BudgetPlan, plan_budget
 from ._provider import VerifiedWeights
 from ._record import RunRecord
@@ -192,6 +193,8 @@ class Engine:
                                        lookahead=lookahead and remote is None)
         self.remote = remote
         self._weights = PackedWeights(self.config, self.weights, remote.fetch if remote is not None else None)
+        # A pipeline plan's nodes run the decoder layers (each its span); the embedding and the head stay here.
+        self._layers = PipelineLayers(remote, remote.spans) if remote is not None and remote.spans else None
         self._rope = inv_freq(self.config.rope)
         self.bytes_per_token = bytes_per_token(self.config)
         self.stats = EngineStats()
@@ -497,7 +500,7 @@ class Engine:
                                 StepTrace() if ticket.record is not None else None)
                         for ticket, ids in plan]
             try:
-                logits = forward_batch(self.config, self._weights, self._rope, segments)
+                logits = forward_batch(self.config, self._weights, self._rope, segments, self._layers)
                 return logits, plan, [seg.trace for seg in segments]
             except ExpertUnavailable as e:  # only the sequences whose rows chose that expert needed it
                 bounds = np.cumsum([0] + [len(ids) for _, ids in plan])
@@ -592,7 +595,7 @@ class Engine:
             segment = Segment(part, cache, "all" if start + len(part) > logits_from else "none",
                               StepTrace(alternatives=True))
             try:
-                logits = forward_batch(self.config, self._weights, self._rope, [segment])
+                logits = forward_batch(self.config, self._weights, self._rope, [segment], self._layers)
             except ExpertUnavailable as e:
                 raise e.cause from None
             yield start, logits, segment.trace

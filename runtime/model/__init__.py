@@ -10,7 +10,7 @@ from ._activations import prefill_chunk, step_bytes, step_rows
 from ._cache import KVCache, bytes_per_token
 from ._config import MlaConfig, ModelConfig, RopeConfig
 from ._dtypes import dequantize, to_float32
-from ._forward import Model, forward, forward_batch
+from ._forward import Layers, Model, forward, forward_batch, run_layers, step_attends
 from ._layers import (ExpertFetch, ExpertOutputs, ExpertUnavailable, attention, decoder_layer, expert_mlp, gqa_attention,
                       mla_attention, moe_layer, rms_norm, route_deepseek, route_softmax_topk)
 from ._packed import MAX_THREADS, kernels, set_threads
@@ -25,7 +25,7 @@ __all__ = [
     "MlaConfig", "Model", "ModelConfig", "PackedWeights", "Prefetcher", "RopeConfig", "Tensors",
     "WeightProvider", "apply_rope", "apply_rope_interleave", "attention", "bytes_per_token", "decoder_layer",
     "dequantize", "expert_mlp", "forward", "gqa_attention", "inv_freq", "kernels", "mla_attention", "moe_layer",
-    "Segment", "StepTrace", "forward_batch", "prefill_chunk", "prepare_expert", "prepare_layer",
+    "Layers", "Segment", "StepTrace", "forward_batch", "run_layers", "step_attends", "prefill_chunk", "prepare_expert", "prepare_layer",
     "rms_norm", "route_deepseek", "route_softmax_topk", "run_expert", "set_threads", "step_bytes", "step_rows",
     "to_float32", "trunk_shapes",
 ]

@@ -3,7 +3,7 @@ at a time."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from itertools import accumulate, chain
 
@@ -16,7 +16,8 @@ from ._activations import prefill_chunk
 from ._cache import KVCache
 from ._config import ModelConfig
 from ._llama4 import chunked_mask
-from ._layers import GQA, MLA, Attend, AttentionParts, ExpertUnavailable, causal_mask, decoder_layer, rms_norm
+from ._layers import (GQA, MLA, Attend, AttentionParts, ExpertUnavailable, ObserveRoute, causal_mask, decoder_layer,
+                      rms_norm)
 from ._packed import matmul_t
 from ._rope import cos_sin, inv_freq
 from ._segment import Segment
@@ -24,8 +25,14 @@ from ._view import PackedWeights
 from ._weights import WeightProvider
 
 
+# What runs a step's decoder layers when they are not all this process's (a pipeline cluster's nodes run spans of
+# them): (hidden states [sum t, H] after the embedding, the step's segments, their row bounds, observe or None)
+# -> the hidden states after the last layer [sum t, H].
+Layers = Callable[[np.ndarray, Sequence[Segment], Sequence[int], ObserveRoute | None], np.ndarray]
+
+
 def forward_batch(cfg: ModelConfig, weights: PackedWeights, rope: tuple[np.ndarray, float],
-                  segments: Sequence[Segment]) -> np.ndarray | None:
+                  segments: Sequence[Segment], layers: Layers | None = None) -> np.ndarray | None:
     """# segments of t_i token ids -> logits [n, V] for the rows the segments ask for, in segment order
     (None when none asks).
 
@@ -33,14 +40,14 @@ def forward_batch(cfg: ModelConfig, weights: PackedWeights, rope: tuple[np.ndarr
     its scores each segment against its own cache and positions; the MLP and the experts run on all rows at once,
     so an expert chosen by several sequences is fetched once per step. Each segment's keys and values are appended
     to its cache, and every cache commits only after the last layer and the head succeeded: a step that fails
-    leaves all as they were.
+    leaves all as they were. `layers`, when given, runs the decoder layers instead of this process (`Layers`): the
+    embedding, the head, the traces and the commits stay here.
     """
-    if _decode_row.applies(cfg, segments):  # one sequence's decode row: the same result with less Python
+    if layers is None and _decode_row.applies(cfg, segments):  # one decode row: the same result, less Python
         return _decode_row.step(cfg, weights, rope, segments[0])
     for seg in segments:
         seg.cache.check_room(len(seg.ids))
     bounds = list(accumulate([len(seg.ids) for seg in segments], initial=0))  # segment i: rows bounds[i]:bounds[i+1]
-    attends = _attends(cfg, rope, segments, bounds)
     traced = [(seg.trace, lo, hi) for seg, lo, hi in zip(segments, bounds, bounds[1:]) if seg.trace is not None]
     observe = None
     if traced:
@@ -49,10 +56,10 @@ def forward_batch(cfg: ModelConfig, weights: PackedWeights, rope: tuple[np.ndarr
                 trace.observe(idx[lo:hi], scores[lo:hi])
     ids = segments[0].ids if len(segments) == 1 else np.concatenate([seg.ids for seg in segments])
     x = weights.embed_rows(ids)  # [sum t, H]
-    for layer, attend in enumerate(attends):
-        x = decoder_layer(x, weights.layer(layer), cfg, layer, attend, weights.expert_fetch(layer),
-                          weights.observer(layer, observe))
-        weights.lookahead(layer + 1, x)  # layer + 1's experts start loading while its attention computes
+    if layers is not None:
+        x = layers(x, segments, bounds, observe)
+    else:
+        x = run_layers(cfg, weights, x, step_attends(cfg, rope, segments, bounds), range(cfg.num_layers), observe)
     if traced:
         norm, _ = weights.head()
         for trace, lo, hi in traced:
@@ -70,8 +77,19 @@ def forward_batch(cfg: ModelConfig, weights: PackedWeights, rope: tuple[np.ndarr
     return logits
 
 
-def _attends(cfg: ModelConfig, rope: tuple[np.ndarray, float], segments: Sequence[Segment],
-             bounds: Sequence[int]) -> list[Attend]:
+def run_layers(cfg: ModelConfig, weights: PackedWeights, x: np.ndarray, attends: Sequence[Attend],
+               layers: Iterable[int], observe: ObserveRoute | None = None) -> np.ndarray:
+    """# [sum t, H] -> [sum t, H] through `layers` in order (ascending), each with its `Attend` (`step_attends`):
+    the decoder layers of a step, all of them (`forward_batch`) or a pipeline node's span of them."""
+    for layer in layers:
+        x = decoder_layer(x, weights.layer(layer), cfg, layer, attends[layer], weights.expert_fetch(layer),
+                          weights.observer(layer, observe))
+        weights.lookahead(layer + 1, x)  # layer + 1's experts start loading while its attention computes
+    return x
+
+
+def step_attends(cfg: ModelConfig, rope: tuple[np.ndarray, float], segments: Sequence[Segment],
+                 bounds: Sequence[int]) -> list[Attend]:
     """Per layer, the step's `Attend`: each segment's rows against its own cache, at its own positions, under the
     layer's mask (sliding window, attention chunk), appending the segment's keys and values for that layer. The
     positions' cos/sin and each kind of mask are built once per segment for the whole step."""
