@@ -21,9 +21,11 @@ With M above the model (e.g. `--memory 8GiB --read-bps 1.5e9 --serve-clients 1`)
 warm serving rounds then give "cluster decode / one process" at a batch of one.
 
 Usage: python benchmarks/bench_cluster_scale.py [--workdir /work/scratch/scale39] [--memory 1.5GiB] [--read-bps 0.85e9]
-       [--repeats 3] [--tokens 24] [--layouts 2x1,3x2] [--serve-clients 8] [--serve-tokens 16]
+       [--repeats 3] [--tokens 24] [--layouts 2x1,3x2,2x1p] [--serve-clients 8] [--serve-tokens 16]
        [--serve-repeats 1] [--cluster-graph] [--quick] [--json F]
 `--quick`: bench_seed's small model (0.2 GiB of experts) under 512 MiB caps, to check the bench itself.
+A layout NxRp (e.g. 2x1p) is a pipeline plan (`shardtool plan --pipeline`): each node runs a span of whole layers,
+trunk and experts, so a token makes N rounds instead of one per MoE layer.
 """
 
 from __future__ import annotations
@@ -64,10 +66,13 @@ class Layout:
 
     nodes: int
     replicas: int
+    pipeline: bool = False  # each node holds a span of whole layers (`shardtool plan --pipeline`), not experts
 
     def __post_init__(self) -> None:
         if not 1 <= self.replicas <= self.nodes:
             raise ValueError(f"replicas must be in 1..nodes ({self.nodes}), got {self.replicas}")
+        if self.pipeline and self.replicas != 1:
+            raise ValueError("a pipeline layout has one copy of each span (R = 1)")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -75,12 +80,18 @@ class Layout:
 
     @property
     def label(self) -> str:
-        return f"{self.nodes} nodes, R = {self.replicas}"
+        return f"{self.nodes} nodes, " + ("pipeline" if self.pipeline else f"R = {self.replicas}")
+
+    @property
+    def key(self) -> str:
+        return f"{self.nodes}x{self.replicas}{'p' if self.pipeline else ''}"
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        nodes, _, replicas = text.partition("x")
-        return cls(int(nodes), int(replicas or 1))
+        """NxR, or NxRp for a pipeline plan ("2x1p")."""
+        pipeline = text.endswith("p")
+        nodes, _, replicas = text.removesuffix("p").partition("x")
+        return cls(int(nodes), int(replicas or 1), pipeline)
 
 
 def node_cap(planned: list[dict], *, memory: int | None, overhead: int = ACTOR_OVERHEAD) -> int:
@@ -158,7 +169,7 @@ def prepare(work: Path, knobs: dict) -> Path:
 def plan(work: Path, full: Path, layout: Layout, memory: int | None) -> tuple[Path, int, dict]:
     """A signed plan of `layout` in work/NxR (its coordinator's and nodes' directories hard-linked), with each node's
     budget its cap less ACTOR_OVERHEAD. Returns (that directory, the node cap, the plan's summary)."""
-    out = work / f"{layout.nodes}x{layout.replicas}"
+    out = work / layout.key
     out.mkdir(exist_ok=True)
     for f in work.glob("*.pub"):
         shutil.copy2(f, out / f.name)
@@ -167,7 +178,7 @@ def plan(work: Path, full: Path, layout: Layout, memory: int | None) -> tuple[Pa
 
     def summary(budget: int) -> dict:
         r = bc.sh(VENV_BIN / "shardtool", "plan", full, "--trust", "a.pub", "--state-dir", out / "plan-state",
-                  "--model-id", MODEL_ID, "--replicas", layout.replicas,
+                  "--model-id", MODEL_ID, "--replicas", layout.replicas, *(["--pipeline"] if layout.pipeline else []),
                   *[x for n in layout.names for x in ("--node", f"{n}={budget},key=node-{n}.pub")],
                   "--out", out / "plan.json", "--sign-key", work / "op.key", "--json", cwd=out)
         return json.loads(r.stdout)
@@ -303,7 +314,8 @@ def measure_layout(work: Path, full: Path, layout: Layout, machine: _machine.Mac
     prediction = {"single": predicted(knobs, summary, 1, 1, single_cache, machine.read_bps),
                   "cluster": predicted(knobs, summary, layout.nodes, layout.replicas, cap - ACTOR_OVERHEAD - floor,
                                        machine.read_bps)}
-    return {"layout": {"nodes": layout.nodes, "replicas": layout.replicas}, "node_cap_bytes": cap,
+    return {"layout": {"nodes": layout.nodes, "replicas": layout.replicas, "pipeline": layout.pipeline},
+            "node_cap_bytes": cap,
             "predicted_seconds_per_token": prediction, "single_budget_bytes": single_budget(machine, args),
             "node_budget_bytes": cap - ACTOR_OVERHEAD, "plan": summary, "warmup_run": warm, "rounds": rounds,
             "node_peak_memory_bytes": node_peaks, "node_oom_kills": node_ooms, **cpu, "serve": serving}
@@ -335,7 +347,7 @@ def report(results: dict, machine: _machine.Machine, model_bytes: int, expert_by
         single = res["rounds"]["single"]
         reference = reference or single[0]["ids"]
         base = median_of(single, "tokens_per_s")
-        label = f"{res['layout']['nodes']} nodes, R = {res['layout']['replicas']}"
+        label = Layout(**res["layout"]).label
         for name, rows, cap in (("single machine", single, machine.memory_bytes),
                                 (label, res["rounds"]["cluster"], res["node_cap_bytes"])):
             alike = all(r["ids"] == reference for r in rows)
@@ -401,7 +413,7 @@ def main() -> int:
     started = time.time()
     try:
         for layout in layouts:
-            results[f"{layout.nodes}x{layout.replicas}"] = measure_layout(a.workdir, full, layout, machine, a)
+            results[layout.key] = measure_layout(a.workdir, full, layout, machine, a)
     except _machine.MachineUnavailableError as e:
         say(f"no emulated machine here: {e}")
         return 3

@@ -53,6 +53,11 @@ def node(
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=CACHE_HELP + " A node fetches only the "
                                                                                     "experts it is asked for."),
     fetch_timeout: float = typer.Option(60.0, "--fetch-timeout", help=FETCH_TIMEOUT_HELP),
+    max_sequences: int = typer.Option(16, "--max-sequences", min=1, max=4096,  # _cluster_spans.DEFAULT_MAX_SEQUENCES
+                                      help="A pipeline plan's node: sequences whose keys and values it keeps (the "
+                                           "least recently used is forgotten first); the budget holds them."),
+    max_context: int = typer.Option(4096, "--max-context", min=2, max=1 << 20,  # DEFAULT_MAX_CONTEXT
+                                    help="A pipeline plan's node: the most tokens of one sequence it runs."),
 ) -> None:
     """Verify the manifest and the plan, check every planned file (a missing or bad one: refuse to join, exit 1),
     then serve this node's experts to the cluster's coordinator; every load verified, also after eviction."""
@@ -82,7 +87,8 @@ def node(
     plan = load_signed_plan(plan_file, verified, operators)
 
     setup = prepare_node(directory, verified, plan, name, budget=budget, key=key, readers=readers,
-                         remote=source.spec, cache_policy=policy or DEFAULT_CACHE_POLICY)
+                         remote=source.spec, cache_policy=policy or DEFAULT_CACHE_POLICY,
+                         max_sequences=max_sequences, max_context=max_context)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     actor = None

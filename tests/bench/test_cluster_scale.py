@@ -62,6 +62,15 @@ def test_too_few_tokens_after_warmup(fn, values, warmup):
 def test_layout(text, nodes, replicas, names):
     layout = scale.Layout.parse(text)
     assert (layout.nodes, layout.replicas, layout.names) == (nodes, replicas, names)
+    assert not layout.pipeline and layout.key == f"{nodes}x{replicas}"
+
+
+def test_a_pipeline_layout_has_its_own_key_and_label():
+    layout = scale.Layout.parse("2x1p")
+    assert (layout.nodes, layout.replicas, layout.pipeline) == (2, 1, True)
+    assert (layout.key, layout.label) == ("2x1p", "2 nodes, pipeline")
+    with pytest.raises(ValueError, match="one copy of each span"):
+        scale.Layout.parse("3x2p")
 
 
 @pytest.mark.parametrize("text", [pytest.param("2x3", id="more-copies-than-nodes"),
