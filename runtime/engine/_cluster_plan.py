@@ -226,7 +226,8 @@ def _node(raw: Any, i: int) -> NodePlan:
 def _layers(raw: Any, name: str) -> tuple[int, ...]:
     """A node's "layers": 1 to MAX_LAYER + 1 layer numbers, each one more than the one before."""
     if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_LAYER + 1:
-        found = f"{len(raw)} entries" if isinstance(raw, list) else f"a {type(raw).__name__}"
+        found = (("an empty list" if not raw else f"{len(raw)} entries") if isinstance(raw, list)
+                 else type(raw).__name__)
         raise UsageError(f"node {name}: layers must be a list of 1 to {MAX_LAYER + 1} consecutive layer numbers, got "
                          f"{found} (an expert node has no layers key)")
     for i, layer in enumerate(raw):
@@ -428,7 +429,7 @@ def _check_spans(plan: ClusterPlan, experts: Mapping[tuple[int, int], int], laye
             raise UsageError(f"layer {start} is held by no node: node {node.name} starts at layer {first}"
                              + (" (the first node starts at layer 0)" if start == 0 else ""))
         if first < start:
-            raise UsageError(f"node {node.name} holds layers {first}..{last}, overlapping the nodes before it "
+            raise UsageError(f"node {node.name} holds layers {_span(node.layers)}, overlapping the nodes before it "
                              f"(they hold up to layer {start - 1})")
         if last >= layers:
             raise UsageError(f"node {node.name} holds layer {last}, the manifest has layers 0..{layers - 1}")
@@ -441,10 +442,14 @@ def _check_spans(plan: ClusterPlan, experts: Mapping[tuple[int, int], int], laye
         outside = next((layer for layer in node.experts if layer not in node.layers), None)
         if outside is not None:
             raise UsageError(f"node {node.name} holds layer {outside} expert {node.experts[outside][0]}, outside its "
-                             f"layers {first}..{last}")
+                             f"layers {_span(node.layers)}")
     if start < layers:
         raise UsageError(f"layer {start} is held by no node: the last node, {plan.nodes[-1].name}, ends at layer "
                          f"{start - 1}")
+
+
+def _span(layers: Sequence[int]) -> str:
+    return f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else str(layers[0])
 
 
 def _check_fit(node: NodePlan, sizes: Mapping[str, int], top_k: int) -> None:
