@@ -498,7 +498,7 @@ def make_plan(manifest: VerifiedManifest, nodes: Sequence[tuple[str, int, int | 
     top_k = experts_per_token(manifest)
     if pipeline:
         spans = _cut_spans(_layer_bytes(manifest, experts), [budget for _, budget, _ in nodes])
-        held: list[Mapping[int, Iterable[int]]] = [_experts_of(experts, span) for span in spans]
+        held = [_experts_of(experts, span) for span in spans]
     else:
         spans = [()] * len(nodes)
         held = _place(experts, nodes, replicas)
