@@ -1,4 +1,5 @@
-"""`shardtool plan`: place a verified model's experts on the nodes of a cluster (runtime/engine/_cluster_plan.py)."""
+"""`shardtool plan`: place a verified model's experts, or with --pipeline its whole decoder layers, on the nodes of
+a cluster (runtime/engine/_cluster_plan.py)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ def plan(
     node: List[str] = typer.Option([], "--node", help="NAME=BUDGET[,disk=SIZE][,key=N.pub] (repeatable, in plan "
                                                       "order): memory budget, disk and public key of one node."),
     replicas: int = typer.Option(1, "--replicas", min=1, max=16, help="Copies of each expert, on distinct nodes."),
+    pipeline: bool = typer.Option(False, "--pipeline", help="place whole layers (trunk and experts) on nodes, in "
+                                                            "order: one round per node per token instead of one per "
+                                                            "MoE layer; replicas 1"),
     disk_gbps: float = typer.Option(2.0, "--disk-gbps", min=0.001, max=1e6, help=DISK_GBPS_HELP),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the plan here (atomically)."),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Operator private key: sign the plan (PLAN.sig "
@@ -61,7 +65,8 @@ def plan(
     passphrase_file: Optional[Path] = typer.Option(None, "--passphrase-file", help="Passphrase of --sign-key."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as one JSON document on stdout."),
 ) -> None:
-    """Verify DIR's manifest, then place R copies of every expert on the nodes in proportion to their budgets."""
+    """Verify DIR's manifest, then place R copies of every expert on the nodes in proportion to their budgets (with
+    --pipeline: consecutive spans of whole layers, one per node in the order given)."""
     from shardtool.atomic import atomic_write_bytes
     from shardtool.manifest import load_trusted_manifest
     from shardtool.keys import load_public_key
@@ -90,7 +95,7 @@ def plan(
         operator = load_operator_key(sign_key, passphrase_file, option="--passphrase-file")
     verified = load_trusted_manifest(manifest_path(directory, manifest_file), trusted, threshold, state_dir,
                                      model_id=expect_model)
-    made = make_plan(verified, nodes, replicas, keys)
+    made = make_plan(verified, nodes, replicas, keys, pipeline=pipeline)
     summary = summarize(made, verified, disk_gbps)
     if out is not None:
         data = encode_plan(made)
@@ -115,17 +120,26 @@ def _size(n: int | None) -> str:
     return "-" if n is None else format_size(n)
 
 
+def _span(layers: list[int]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
+
+
 def render(s: dict[str, Any]) -> str:
-    """The summary as a table: one row per node, then the coordinator, the cluster and one machine."""
+    """The summary as a table: one row per node (with its layers in a pipeline plan), then the coordinator, the
+    cluster and one machine."""
     rate = disk_rate(s["disk_gbps"])
-    head = ("node", "memory", "disk", "files", "on disk", "expert bytes/token", f"s/token at {rate}")
-    rows = [(n["name"], _size(n["memory_budget"]), _size(n["disk"]), str(n["files"]), _size(n["bytes_on_disk"]),
-             _size(n["expert_bytes_per_token"]), f"{n['seconds_per_token']:.3g}") for n in s["nodes"]]
-    rows.append(("(coordinator)", "", "", str(s["coordinator"]["files"]), _size(s["coordinator"]["bytes_on_disk"]),
-                 "trunk", ""))
+    pipeline = s["placement"] == "pipeline"
+    head = ("node", *(("layers",) if pipeline else ()), "memory", "disk", "files", "on disk", "expert bytes/token",
+            f"s/token at {rate}")
+    rows = [(n["name"], *((_span(n["layers"]),) if pipeline else ()), _size(n["memory_budget"]), _size(n["disk"]),
+             str(n["files"]), _size(n["bytes_on_disk"]), _size(n["expert_bytes_per_token"]),
+             f"{n['seconds_per_token']:.3g}") for n in s["nodes"]]
+    rows.append(("(coordinator)", *(("",) if pipeline else ()), "", "", str(s["coordinator"]["files"]),
+                 _size(s["coordinator"]["bytes_on_disk"]), "embed, head" if pipeline else "trunk", ""))
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    placement = "whole layers per node (pipeline)" if pipeline else f"{s['replicas']} replica(s)"
     lines = [f"plan for {s['model_id']} version {s['manifest_version']} (root {s['root'][:16]}...), "
-             f"{s['replicas']} replica(s), {s['experts_per_token']} experts per token"]
+             f"{placement}, {s['experts_per_token']} experts per token"]
     lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
               for r in [head, *rows]]
     c, one = s["cluster"], s["single_machine"]

@@ -1,4 +1,5 @@
-"""The cluster plan: which node of an expert-parallel cluster holds which routed experts of a verified model.
+"""The cluster plan: which node of a cluster holds which routed experts (or which whole decoder layers) of a
+verified model.
 
 Pure functions over bytes and the verified manifest; no I/O. A plan is made by `shardtool plan` and handed to
 the coordinator and to every node, possibly by another machine, so `decode_plan` treats it as untrusted input:
@@ -8,12 +9,22 @@ plan must name exactly the verified manifest (model ID, version, Merkle root) an
 The file (`encode_plan`, canonical: sorted keys, no insignificant whitespace, ASCII):
 
     {"coordinator_files": ["config.json", "trunk/embed.safetensors", ...],   every non-expert path, sorted
-     "format": "shardtool-plan/1",
+     "format": "shardtool-plan/2",
      "manifest_version": 3, "model_id": "org/model", "root": "<64 hex digits: the signed Merkle root>",
      "nodes": [{"disk": null | bytes, "experts": {"<layer>": [expert ids, ascending], ...},
-                "key": null | "<64 hex digits: the node's raw Ed25519 public key>", "memory_budget": bytes,
-                "name": "a"}, ...],
+                "key": null | "<64 hex digits: the node's raw Ed25519 public key>",
+                "layers": [first, ..., last],        only in a pipeline plan: consecutive decoder layers
+                "memory_budget": bytes, "name": "a"}, ...],
      "replicas": 2}
+
+Two placements. Experts (expert parallelism, no node has "layers"): the coordinator runs every layer's trunk and
+sends each MoE layer's selected experts to their holders, `replicas` copies of each expert on distinct nodes: one
+round per MoE layer per token. Pipeline (every node has "layers"): the nodes, in plan order, hold consecutive spans
+of decoder layers that together cover layers 0..n-1 (n: the manifest's trunk/layer-NNN files), each node the trunk
+file of each of its layers and every routed expert of them and nothing else; replicas is 1. A token makes one
+round per node. In both, coordinator_files is every non-expert path: the coordinator keeps the trunk on disk (a
+pipeline coordinator loads only the layers outside the spans: embedding and head). A plan with no "layers" key
+encodes exactly as before pipeline plans existed, so its signature stays valid.
 
 A plan used by a cluster is signed by the operator (`sign_plan`): a detached signature file beside it (PLAN.sig,
 `{"format": "shardtool-plan-signature/1", "keyid": ..., "sig": "<128 hex digits>"}`), an Ed25519 signature over
@@ -23,7 +34,9 @@ before the plan is parsed; the node keys the plan names are then what every node
 Load model (`summarize`): tokens are assumed to route uniformly over a layer's experts, and a node holding a
 copy of an expert takes 1/R of that expert's calls (the coordinator spreads an expert's calls over its R
 holders). A coordinator that sends every call to the first holder and keeps the others as standby would
-put the whole load (R = 1 figures) on the first holders.
+put the whole load (R = 1 figures) on the first holders. In a pipeline plan a layer's experts all sit on one
+node and the nodes run one after the other, so the cluster's cold reads per token are one machine's: what a
+pipeline buys is memory per node (its span's trunk stays resident, counted in its memory floor) and rounds.
 """
 
 from __future__ import annotations
@@ -61,18 +74,21 @@ _NAME = re.compile(NAME_PATTERN, re.ASCII)
 _LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,4}", re.ASCII)
 _TOP_KEYS = ("coordinator_files", "format", "manifest_version", "model_id", "nodes", "replicas", "root")
 _NODE_KEYS = ("disk", "experts", "key", "memory_budget", "name")
+_NODE_OPTIONAL = ("layers",)  # written only when non-empty: an expert plan encodes as before
 _HEX_KEY = re.compile(r"[0-9a-f]{64}", re.ASCII)
 
 
 @dataclass(frozen=True)
 class NodePlan:
-    """One node: its name, the budgets the plan was made for, and the experts it holds."""
+    """One node: its name, the budgets the plan was made for, the experts it holds and, in a pipeline plan, the
+    decoder layers it runs."""
 
     name: str
     memory_budget: int  # bytes of memory the node may use (its shard cache, working buffers)
     disk: int | None  # bytes of disk for its files; None: not limited
     experts: dict[int, tuple[int, ...]] = field(hash=False)  # MoE layer -> expert ids this node holds, ascending
     key: bytes | None = None  # the node's raw Ed25519 public key: its replies must verify with it; None: no cluster use
+    layers: tuple[int, ...] = ()  # decoder layers whose trunk it holds and runs, consecutive; (): an expert node
 
     def public_key(self) -> PublicKey:
         """The key this node's replies are checked against; a plan without one cannot run a cluster."""
@@ -82,8 +98,10 @@ class NodePlan:
         return PublicKey(self.key)
 
     def files(self) -> list[str]:
-        """The split-layout paths of the experts this node holds, sorted: what it must have and audit."""
-        return sorted(layout.expert_path(layer, e) for layer, ids in self.experts.items() for e in ids)
+        """The split-layout paths of the experts and layer trunks this node holds, sorted: what it must have and
+        audit."""
+        return sorted([*(layout.expert_path(layer, e) for layer, ids in self.experts.items() for e in ids),
+                       *(layout.trunk_path(layer) for layer in self.layers)])
 
     def pairs(self) -> list[tuple[int, int]]:
         """(layer, expert) for every expert held, by layer then expert."""
@@ -92,7 +110,8 @@ class NodePlan:
 
 @dataclass(frozen=True)
 class ClusterPlan:
-    """Which node holds which experts of one verified manifest; the trunk stays with the coordinator."""
+    """Which node holds which experts (and, in a pipeline plan, which decoder layers) of one verified manifest;
+    every non-expert file also stays with the coordinator."""
 
     model_id: str
     manifest_version: int
@@ -111,6 +130,15 @@ class ClusterPlan:
             index = MappingProxyType({k: tuple(v) for k, v in found.items()})
             object.__setattr__(self, "_holders", index)  # a derived cache on a frozen instance
         return index
+
+    @property
+    def pipeline(self) -> bool:
+        """True when the nodes hold spans of decoder layers (`check_plan`: then every node does)."""
+        return any(node.layers for node in self.nodes)
+
+    def spans(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """(node name, its layers) in plan order, which `check_plan` made layer order; () for an expert plan."""
+        return tuple((node.name, node.layers) for node in self.nodes) if self.pipeline else ()
 
     def holders(self, layer: int, expert: int) -> tuple[str, ...]:
         """Names of the nodes holding this expert, in plan order (empty if none does)."""
@@ -135,18 +163,19 @@ def encode_plan(plan: ClusterPlan) -> bytes:
         "root": plan.root.hex(), "replicas": plan.replicas, "coordinator_files": list(plan.coordinator_files),
         "nodes": [{"name": n.name, "memory_budget": n.memory_budget, "disk": n.disk,
                    "key": None if n.key is None else n.key.hex(),
-                   "experts": {str(layer): list(n.experts[layer]) for layer in sorted(n.experts)}}
+                   "experts": {str(layer): list(n.experts[layer]) for layer in sorted(n.experts)},
+                   **({"layers": list(n.layers)} if n.layers else {})}
                   for n in plan.nodes],
     }
     return (json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
             + "\n").encode("ascii")
 
 
-def _fields(obj: Any, keys: Sequence[str], what: str) -> dict[str, Any]:
+def _fields(obj: Any, keys: Sequence[str], what: str, optional: Sequence[str] = ()) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise UsageError(f"{what} must be a JSON object, got {type(obj).__name__}")
     missing = [k for k in keys if k not in obj]
-    unknown = sorted(set(obj) - set(keys))
+    unknown = sorted(set(obj) - set(keys) - set(optional))
     if missing or unknown:
         parts = ([f"lacks {', '.join(missing)}"] if missing else []) + \
                 ([f"has unknown key(s) {', '.join(repr(k[:40]) for k in unknown[:4])}"] if unknown else [])
@@ -163,7 +192,7 @@ def _int(value: Any, lo: int, hi: int, what: str) -> int:
 
 
 def _node(raw: Any, i: int) -> NodePlan:
-    d = _fields(raw, _NODE_KEYS, f"node {i}")
+    d = _fields(raw, _NODE_KEYS, f"node {i}", _NODE_OPTIONAL)
     name = d["name"]
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise UsageError(f"node {i}: name must match {NAME_PATTERN}, got {str(name)[:40]!r}")
@@ -190,7 +219,22 @@ def _node(raw: Any, i: int) -> NodePlan:
             seen.add(e)
         experts[layer] = tuple(sorted(seen))
     return NodePlan(name, budget, disk, dict(sorted(experts.items())),
-                    None if node_key is None else bytes.fromhex(node_key))
+                    None if node_key is None else bytes.fromhex(node_key),
+                    _layers(d["layers"], name) if "layers" in d else ())
+
+
+def _layers(raw: Any, name: str) -> tuple[int, ...]:
+    """A node's "layers": 1 to MAX_LAYER + 1 layer numbers, each one more than the one before."""
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_LAYER + 1:
+        found = (("an empty list" if not raw else f"{len(raw)} entries") if isinstance(raw, list)
+                 else type(raw).__name__)
+        raise UsageError(f"node {name}: layers must be a list of 1 to {MAX_LAYER + 1} consecutive layer numbers, got "
+                         f"{found} (an expert node has no layers key)")
+    for i, layer in enumerate(raw):
+        _int(layer, 0, MAX_LAYER, f"node {name}: layers entry {i}")
+        if i and layer != raw[i - 1] + 1:
+            raise UsageError(f"node {name}: layers must be consecutive and ascending, got {raw[i - 1]} then {layer}")
+    return tuple(raw)
 
 
 def decode_plan(data: bytes, manifest: VerifiedManifest, *, what: str) -> ClusterPlan:
@@ -295,9 +339,40 @@ def node_memory_floor(sizes: Iterable[int], per_layer: int, top_k: int, readers:
             + MIN_ACTIVATION_RESERVE)
 
 
-def _node_floor(node: NodePlan, experts: Mapping[tuple[int, int], int], top_k: int) -> int:
-    return node_memory_floor((experts[p] for p in node.pairs()), max(map(len, node.experts.values()), default=0),
-                             top_k)
+def pipeline_node_floor(node: NodePlan, sizes: Mapping[str, int], top_k: int, readers: int = NODE_READERS) -> int:
+    """The least memory node `node` needs: `node_memory_floor` over its experts plus, for a pipeline node, the trunk
+    files of its layers (they stay resident). `sizes`: path -> bytes from the verified manifest, with every path of
+    `node.files()` (`check_plan` made sure)."""
+    per_layer = max(map(len, node.experts.values()), default=0)
+    expert_floor = node_memory_floor([sizes[layout.expert_path(layer, e)] for layer, e in node.pairs()], per_layer,
+                                     top_k, readers)
+    return expert_floor + sum(sizes[layout.trunk_path(layer)] for layer in node.layers)
+
+
+def _sizes(manifest: VerifiedManifest) -> dict[str, int]:
+    return {entry.path: entry.size for entry in manifest.entries}
+
+
+def _decoder_layers(manifest: VerifiedManifest, experts: Mapping[tuple[int, int], int]) -> list[int]:
+    """The trunk file's bytes of each decoder layer 0..n-1, what a pipeline plan places; the manifest must list
+    trunk/layer-NNN for every one of them and no expert of a layer beyond."""
+    trunks: dict[int, int] = {}
+    for entry in manifest.entries:
+        kind, layer, _ = layout.classify(entry.path)
+        if kind == "trunk" and layer is not None:
+            trunks[layer] = entry.size
+    if not trunks:
+        raise UsageError("the manifest lists no trunk/layer-NNN.safetensors: a pipeline plan places whole decoder "
+                         "layers", hint="plan needs a directory made by shardtool split")
+    gap = next((layer for layer in range(len(trunks)) if layer not in trunks), None)
+    if gap is not None:
+        raise UsageError(f"the manifest lists {len(trunks)} layer trunks but not {layout.trunk_path(gap)}: a pipeline "
+                         f"plan needs layers 0..{len(trunks) - 1}")
+    beyond = max(layer for layer, _ in experts)
+    if beyond >= len(trunks):
+        raise UsageError(f"the manifest lists experts of layer {beyond} but no {layout.trunk_path(beyond)}: a "
+                         f"pipeline plan places each layer's trunk with its experts")
+    return [trunks[layer] for layer in range(len(trunks))]
 
 
 def check_plan(plan: ClusterPlan, manifest: VerifiedManifest) -> None:
@@ -323,23 +398,70 @@ def check_plan(plan: ClusterPlan, manifest: VerifiedManifest) -> None:
                 raise UsageError(f"node {node.name} holds layer {pair[0]} expert {pair[1]}, which the manifest "
                                  f"does not list")
             count[pair] += 1
+    if plan.pipeline:
+        _check_spans(plan, experts, len(_decoder_layers(manifest, experts)))
     for pair in sorted(experts):
         if count[pair] < plan.replicas:
             raise UsageError(f"layer {pair[0]} expert {pair[1]} is held by {count[pair]} node(s), the plan "
                              f"promises {plan.replicas} replica(s)")
+    sizes = _sizes(manifest)
     for node in plan.nodes:
-        _check_fit(node, experts, top_k)
+        _check_fit(node, sizes, top_k)
 
 
-def _check_fit(node: NodePlan, experts: Mapping[tuple[int, int], int], top_k: int) -> None:
-    held = sum(experts[p] for p in node.pairs())
+def _check_spans(plan: ClusterPlan, experts: Mapping[tuple[int, int], int], layers: int) -> None:
+    """A pipeline plan: every node holds a span, one copy, the spans in plan order cover layers 0..layers-1
+    once, and each node holds exactly the experts of its layers."""
+    bare = next((n.name for n in plan.nodes if not n.layers), None)
+    if bare is not None:
+        raise UsageError(f"node {bare} holds no layers but other nodes of the plan do: a plan places whole layers "
+                         f"on every node or on none")
+    if plan.replicas != 1:
+        raise UsageError(f"pipeline plans have one copy of each layer (replicas 1), the plan has replicas "
+                         f"{plan.replicas}")
+    of_layer: dict[int, list[int]] = defaultdict(list)
+    for layer, e in sorted(experts):
+        of_layer[layer].append(e)
+    start = 0  # the first layer no node before this one holds
+    for node in plan.nodes:
+        first, last = node.layers[0], node.layers[-1]
+        if first > start:
+            raise UsageError(f"layer {start} is held by no node: node {node.name} starts at layer {first}"
+                             + (" (the first node starts at layer 0)" if start == 0 else ""))
+        if first < start:
+            raise UsageError(f"node {node.name} holds layers {_span(node.layers)}, overlapping the nodes before it "
+                             f"(they hold up to layer {start - 1})")
+        if last >= layers:
+            raise UsageError(f"node {node.name} holds layer {last}, the manifest has layers 0..{layers - 1}")
+        start = last + 1
+        for layer in node.layers:
+            lacking = sorted(set(of_layer.get(layer, ())) - set(node.experts.get(layer, ())))
+            if lacking:
+                raise UsageError(f"node {node.name} lacks layer {layer} expert {lacking[0]}: a pipeline node holds "
+                                 f"every routed expert of its layers")
+        outside = next((layer for layer in node.experts if layer not in node.layers), None)
+        if outside is not None:
+            raise UsageError(f"node {node.name} holds layer {outside} expert {node.experts[outside][0]}, outside its "
+                             f"layers {_span(node.layers)}")
+    if start < layers:
+        raise UsageError(f"layer {start} is held by no node: the last node, {plan.nodes[-1].name}, ends at layer "
+                         f"{start - 1}")
+
+
+def _span(layers: Sequence[int]) -> str:
+    return f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else str(layers[0])
+
+
+def _check_fit(node: NodePlan, sizes: Mapping[str, int], top_k: int) -> None:
+    held = sum(sizes[path] for path in node.files())
+    what = "its experts and layer trunks" if node.layers else "its experts"
     if node.disk is not None and held > node.disk:
-        raise UsageError(f"node {node.name} is short of disk by {held - node.disk} bytes: its experts take "
+        raise UsageError(f"node {node.name} is short of disk by {held - node.disk} bytes: {what} take "
                          f"{held} bytes, its disk is {node.disk}")
-    floor = _node_floor(node, experts, top_k)
+    floor = pipeline_node_floor(node, sizes, top_k)
     if node.memory_budget < floor:
         raise UsageError(f"node {node.name} is short of memory by {floor - node.memory_budget} bytes: one step "
-                         f"over its experts needs {floor} bytes, its budget is {node.memory_budget}",
+                         f"over {what} needs {floor} bytes, its budget is {node.memory_budget}",
                          hint=f"raise its budget to at least {math.ceil(floor / 2**20)}MiB")
 
 
@@ -356,28 +478,83 @@ def _check_distinct_keys(keys: Sequence[tuple[str, bytes | None]]) -> None:
 
 
 def make_plan(manifest: VerifiedManifest, nodes: Sequence[tuple[str, int, int | None]], replicas: int,
-              keys: Mapping[str, PublicKey] | None = None) -> ClusterPlan:
+              keys: Mapping[str, PublicKey] | None = None, *, pipeline: bool = False) -> ClusterPlan:
     """Place `replicas` copies of every routed expert on distinct nodes, balancing expert bytes (and so the
     expected per-token load) across nodes in proportion to their memory budgets, within each node's disk.
 
     Deterministic: layer by layer, experts by decreasing size then id, each copy goes to the node (not yet
     holding it, with room on its disk) whose held bytes after taking it are the smallest share of its budget;
     ties go to the node listed first. The trunk and every other non-expert file stay with the coordinator.
-    `keys`: node name -> its public key, named in the plan (a node without one cannot serve a cluster)."""
+    `keys`: node name -> its public key, named in the plan (a node without one cannot serve a cluster).
+
+    `pipeline`: instead, give the nodes, in the order listed, consecutive spans of decoder layers (each layer's
+    trunk file and all its experts), cut where the bytes so far cross each node's share of the budgets
+    (`_cut_spans`); replicas must be 1."""
     node_keys = dict(keys or {})
     _check_request(nodes, replicas, node_keys)
+    if pipeline and replicas != 1:
+        raise UsageError(f"pipeline plans have one copy of each layer (replicas 1), got --replicas {replicas}")
     experts, others = _model(manifest)
     top_k = experts_per_token(manifest)
-    held = _place(experts, nodes, replicas)
+    if pipeline:
+        spans = _cut_spans(_layer_bytes(manifest, experts), [budget for _, budget, _ in nodes])
+        held = [_experts_of(experts, span) for span in spans]
+    else:
+        spans = [()] * len(nodes)
+        held = _place(experts, nodes, replicas)
     plan_nodes = tuple(NodePlan(name, budget, disk, {layer: tuple(sorted(ids)) for layer, ids in sorted(h.items())},
-                                key=node_keys[name].raw if name in node_keys else None)
-                       for (name, budget, disk), h in zip(nodes, held))
+                                key=node_keys[name].raw if name in node_keys else None, layers=span)
+                       for (name, budget, disk), h, span in zip(nodes, held, spans))
     _check_distinct_keys([(n.name, n.key) for n in plan_nodes])
     head = manifest.head
     plan = ClusterPlan(head.model_id, head.version, head.merkle_root, replicas, others, plan_nodes)
+    sizes = _sizes(manifest)
     for node in plan.nodes:
-        _check_fit(node, experts, top_k)
+        _check_fit(node, sizes, top_k)
     return plan
+
+
+def _layer_bytes(manifest: VerifiedManifest, experts: Mapping[tuple[int, int], int]) -> list[int]:
+    """Bytes of each decoder layer 0..n-1: its trunk file and its routed experts."""
+    total = _decoder_layers(manifest, experts)
+    for (layer, _), size in experts.items():
+        total[layer] += size
+    return total
+
+
+def _experts_of(experts: Mapping[tuple[int, int], int], span: Sequence[int]) -> dict[int, list[int]]:
+    """Layer -> its expert ids, for the MoE layers of `span` (a dense layer has no entry)."""
+    held: dict[int, list[int]] = defaultdict(list)
+    for layer, e in sorted(experts):
+        if span[0] <= layer <= span[-1]:
+            held[layer].append(e)
+    return held
+
+
+def _cut_spans(layer_bytes: Sequence[int], budgets: Sequence[int]) -> list[tuple[int, ...]]:
+    """Consecutive spans of layers, one per budget in order, each at least one layer: node i's span ends at the
+    layer where the bytes so far come nearest the budgets' share up to node i (a layer goes to the earlier node
+    when its midpoint is at or before the share). Exact integer arithmetic: the same input cuts the same way."""
+    n, m = len(layer_bytes), len(budgets)
+    if m > n:
+        raise UsageError(f"a pipeline plan gives each node at least one decoder layer: {m} nodes for {n} layers",
+                         hint="give fewer --node, or leave out --pipeline")
+    total, whole = sum(layer_bytes), sum(budgets)
+    spans: list[tuple[int, ...]] = []
+    start = done = 0  # the first layer not placed yet; the bytes of the layers before it
+    share = 0  # the budgets of the nodes placed so far, this one included
+    for i, budget in enumerate(budgets):
+        share += budget
+        end = start + 1  # every node gets a layer
+        done += layer_bytes[start]
+        # Take the next layer while its midpoint is within this node's cumulative share and enough layers
+        # remain for the nodes after it; the last node takes the rest.
+        while end < n - (m - 1 - i) and (i == m - 1 or (2 * done + layer_bytes[end]) * whole <= 2 * total * share):
+            done += layer_bytes[end]
+            end += 1
+        spans.append(tuple(range(start, end)))
+        start = end
+    return spans
 
 
 def _check_request(nodes: Sequence[tuple[str, int, int | None]], replicas: int,
@@ -497,7 +674,8 @@ def summarize(plan: ClusterPlan, manifest: VerifiedManifest, disk_gbps: float) -
     """Per node: files, bytes on disk, expected expert bytes per token and the seconds per token its disk
     needs for them at `disk_gbps` GB/s (cold: no expert cached); the cluster's figure (each layer waits for
     its busiest node: the sum over layers of the largest per-node share) next to one machine's
-    (the contract's expert_bytes_per_token_cold). See the module docstring for the load model."""
+    (the contract's expert_bytes_per_token_cold). See the module docstring for the load model. A pipeline node's
+    row also has its layers, and its bytes on disk and memory floor count its layers' trunk files."""
     if not (isinstance(disk_gbps, (int, float)) and math.isfinite(disk_gbps) and disk_gbps > 0):
         raise UsageError(f"--disk-gbps must be a finite number > 0, got {disk_gbps!r}")
     experts, others = _model(manifest)
@@ -507,19 +685,19 @@ def summarize(plan: ClusterPlan, manifest: VerifiedManifest, disk_gbps: float) -
     for layer, _ in experts:
         per_layer[layer] += 1
     by_entry = manifest.by_path()
+    sizes = _sizes(manifest)
     rows = []
     layer_load: dict[int, list[float]] = defaultdict(list)
     for node in plan.nodes:
-        pairs = node.pairs()
-        on_disk = sum(experts[p] for p in pairs)
+        files = node.files()
         load = 0.0
         for layer, ids in node.experts.items():
             share = top_k * sum(experts[(layer, e)] for e in ids) / (per_layer[layer] * plan.replicas)
             layer_load[layer].append(share)
             load += share
         rows.append({"name": node.name, "memory_budget": node.memory_budget, "disk": node.disk,
-                     "files": len(pairs), "bytes_on_disk": on_disk,
-                     "memory_floor": _node_floor(node, experts, top_k),
+                     "layers": list(node.layers), "files": len(files), "bytes_on_disk": sum(sizes[p] for p in files),
+                     "memory_floor": pipeline_node_floor(node, sizes, top_k),
                      "expert_bytes_per_token": round(load),
                      "seconds_per_token": load / rate})
     contract = manifest.head.contract or {}
@@ -527,6 +705,7 @@ def summarize(plan: ClusterPlan, manifest: VerifiedManifest, disk_gbps: float) -
         top_k * max(s for (lay, _), s in experts.items() if lay == layer) for layer in per_layer)
     cluster = sum(max(loads) for loads in layer_load.values())
     return {"model_id": plan.model_id, "manifest_version": plan.manifest_version, "root": plan.root.hex(),
+            "placement": "pipeline" if plan.pipeline else "experts",
             "replicas": plan.replicas, "disk_gbps": disk_gbps, "experts_per_token": top_k,
             "coordinator": {"files": len(plan.coordinator_files),
                             "bytes_on_disk": sum(by_entry[p].size for p in plan.coordinator_files)},

@@ -99,3 +99,36 @@ def test_nodes_that_cannot_hold_the_model_exit_2_naming_the_node(cli, split_mode
 def test_options_it_cannot_read_exit_2(cli, split_model, args, expected):
     r = _plan(cli, split_model, *args)
     assert r.code == 2 and expected in _one_line(r.err), r.err
+
+
+def test_pipeline_plan_holds_whole_layers_and_reads_back(cli, split_model, tmp_path):
+    out = tmp_path / "pipe.plan"
+    r = _plan(cli, split_model, "--node", "a=64MiB", "--node", "b=128MiB", "--pipeline", "--out", out, "--json")
+    assert r.code == 0, r.err
+    summary = json.loads(r.out)
+    verified = load_trusted_manifest(split_model / "model" / "manifest.msgpack",
+                                     [load_public_key(split_model / "pub.pub")], 1, tmp_path / "st")
+    plan = decode_plan(out.read_bytes(), verified, what=str(out))
+    trunks = sorted(e.layer for e in verified.entries if e.kind == "trunk" and e.layer is not None)
+    assert plan.pipeline and [layer for _, span in plan.spans() for layer in span] == trunks == list(range(len(trunks)))
+    assert summary["placement"] == "pipeline" and summary["replicas"] == 1
+    assert [(n["name"], tuple(n["layers"])) for n in summary["nodes"]] == list(plan.spans())
+    for node in plan.nodes:  # each node: the trunk and every expert of its layers, nothing else
+        assert node.files() == sorted(e.path for e in verified.entries
+                                      if e.kind in ("expert", "trunk") and e.layer in node.layers)
+
+    table = _plan(cli, split_model, "--node", "a=64MiB", "--node", "b=128MiB", "--pipeline")
+    assert table.code == 0 and table.out == "" and "whole layers per node (pipeline)" in table.err
+    rows = {line.split()[0]: line.split()[1] for line in table.err.splitlines() if line.split()[:1] in (["a"], ["b"])}
+    assert rows == {name: (f"{span[0]}-{span[-1]}" if len(span) > 1 else str(span[0])) for name, span in plan.spans()}
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--node", "a=64MiB", "--node", "b=64MiB", "--replicas", "2"], "pipeline plans have one copy of each layer"),
+    ([f"--node=n{i}=64MiB" for i in range(5)], "a pipeline plan gives each node at least one decoder layer: 5 nodes"),
+    (["--node", "a=64MiB", "--node", "small=2MiB"], "node small is short of memory by"),
+])
+def test_pipeline_plans_it_cannot_make_exit_2(cli, split_model, tmp_path, args, expected):
+    out = tmp_path / "p"
+    r = _plan(cli, split_model, *args, "--pipeline", "--out", out)
+    assert r.code == 2 and expected in _one_line(r.err) and not out.exists(), r.err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -97,9 +98,9 @@ def _paths(doc, prefix=()):
 PATHS = [p for p in _paths(DOC) if p]
 
 
-@given(st.sampled_from(PATHS), JSON_VALUES, st.booleans())
-def test_fuzz_plan_one_hostile_field(path, value, delete):
-    doc = json.loads(DATA)
+def _hostile(data: bytes, path, value, delete: bool) -> bytes:
+    """`data` with the value at `path` replaced by `value`, or deleted."""
+    doc = json.loads(data)
     target = doc
     for key in path[:-1]:
         target = target[key]
@@ -107,9 +108,62 @@ def test_fuzz_plan_one_hostile_field(path, value, delete):
         del target[path[-1]]
     else:
         target[path[-1]] = value
-    _check(json.dumps(doc).encode())
+    return json.dumps(doc).encode()
 
 
-@given(st.data())
-def test_fuzz_plan_mutated_bytes(data):
-    _check(data.draw(mutated(DATA, max_ops=6)))
+# A pipeline plan: three decoder layers (0 dense), each node a span of them with every expert of its layers.
+def _layered_manifest() -> VerifiedManifest:
+    entries = [Entry("config.json", "config", 20, b"\x01" * 32), Entry(layout.EMBED, "trunk", 500, b"\x02" * 32)]
+    for layer in range(3):
+        entries.append(Entry(layout.trunk_path(layer), "trunk", 300 + layer, bytes([9, layer]) * 16, layer=layer))
+        for e in range(4 if layer else 0):
+            entries.append(Entry(layout.expert_path(layer, e), "expert", 1000 + e, bytes([layer, e]) * 16,
+                                 layer=layer, expert=e))
+    built = build_manifest(entries, model_id="fuzz/pipeline", version=2,
+                           contract={"experts_per_token": 2, "expert_bytes_per_token_cold": 2 * 2 * 1003})
+    return VerifiedManifest(built.head, built.entries, ())
+
+
+LAYERED = _layered_manifest()
+PIPE = make_plan(LAYERED, [("a", 2**30, None), ("b", 2**30, 10**6)], replicas=1, pipeline=True)
+PIPE_DATA = encode_plan(PIPE)
+PIPE_PATHS = [p for p in _paths(json.loads(PIPE_DATA)) if p]
+
+
+def _check_pipeline(data: bytes) -> None:
+    """A pipeline plan that decodes: its spans cover the layers once, in order, each node holding exactly the
+    experts of its own layers; one that decodes without spans is an expert plan keeping an expert plan's promises."""
+    plan = only_our_errors(decode_plan, data, LAYERED, what="fuzz.plan")
+    if isinstance(plan, ShardtoolError):
+        return
+    if not plan.pipeline:
+        assert all(node.layers == () for node in plan.nodes)
+        return
+    assert plan.replicas == 1 and all(node.layers for node in plan.nodes)
+    assert [layer for _, span in plan.spans() for layer in span] == [0, 1, 2]
+    listed = {(e.layer, e.expert) for e in LAYERED.entries if e.kind == "expert"}
+    for node in plan.nodes:
+        assert set(node.pairs()) == {(layer, e) for layer, e in listed if layer in node.layers}
+    assert decode_plan(encode_plan(plan), LAYERED, what="again") == plan
+
+
+def test_genuine_pipeline_plan_round_trips():
+    assert decode_plan(PIPE_DATA, LAYERED, what="p") == PIPE and PIPE.spans() == (("a", (0, 1)), ("b", (2,)))
+
+
+# A genuine plan of each placement, the places a value sits in it, and what a plan decoded from it must keep.
+GENUINE_PLANS = {"experts": (DATA, PATHS, _check), "pipeline": (PIPE_DATA, PIPE_PATHS, _check_pipeline)}
+
+
+@pytest.mark.parametrize("placement", GENUINE_PLANS)
+@given(data=st.data())
+def test_fuzz_plan_one_hostile_field(placement, data):
+    genuine, paths, check = GENUINE_PLANS[placement]
+    check(_hostile(genuine, data.draw(st.sampled_from(paths)), data.draw(JSON_VALUES), data.draw(st.booleans())))
+
+
+@pytest.mark.parametrize("placement", GENUINE_PLANS)
+@given(data=st.data())
+def test_fuzz_plan_mutated_bytes(placement, data):
+    genuine, _, check = GENUINE_PLANS[placement]
+    check(data.draw(mutated(genuine, max_ops=6)))

@@ -11,9 +11,9 @@ from shardtool import layout
 from shardtool.errors import ShardtoolError, UsageError, VerificationError
 from shardtool.keys import generate
 from shardtool.manifest import Entry, VerifiedManifest, build_manifest
-from shardtool.runtime import (ClusterPlan, NodePlan, decode_plan, encode_plan, make_plan, node_memory_floor,
+from shardtool.runtime import (ClusterPlan, NodePlan, decode_plan, encode_plan, make_plan, node_files, node_memory_floor,
                                summarize)
-from shardtool.runtime.engine._cluster_plan import MAX_PLAN_BYTES
+from shardtool.runtime.engine._cluster_plan import MAX_PLAN_BYTES, pipeline_node_floor
 from shardtool.runtime.engine._plan import MIN_ACTIVATION_RESERVE
 from shardtool.runtime.store._store import HEADER_MEMO_MIN
 
@@ -26,18 +26,22 @@ def _digest(i: int) -> bytes:
 
 
 def _manifest(layers: int = 2, experts: int = 8, size=lambda layer, e: 1000, top_k: int = 2, version: int = 3,
-              model_id: str = "test/plan", contract: bool = True) -> VerifiedManifest:
+              model_id: str = "test/plan", contract: bool = True, dense: tuple[int, ...] = (),
+              trunk=lambda layer: 300, without: tuple[str, ...] = ()) -> VerifiedManifest:
+    """`dense`: layers without routed experts; `trunk`: bytes of a layer's trunk file; `without`: paths left out."""
     entries = [Entry("config.json", "config", 20, _digest(1)), Entry("tokenizer.json", "tokenizer", 30, _digest(2)),
                Entry(layout.EMBED, "trunk", 500, _digest(3)), Entry(layout.HEAD, "trunk", 400, _digest(4))]
     n = 10
     for layer in range(layers):
-        entries.append(Entry(layout.trunk_path(layer), "trunk", 300, _digest(n), layer=layer))
+        entries.append(Entry(layout.trunk_path(layer), "trunk", trunk(layer), _digest(n), layer=layer))
         n += 1
-        for e in range(experts):
+        for e in range(0 if layer in dense else experts):
             entries.append(Entry(layout.expert_path(layer, e), "expert", size(layer, e), _digest(n), layer=layer,
                                  expert=e))
             n += 1
-    cold = sum(top_k * max((size(layer, e) for e in range(experts)), default=0) for layer in range(layers))
+    cold = sum(top_k * max((size(layer, e) for e in range(experts)), default=0) for layer in range(layers)
+               if layer not in dense)
+    entries = [entry for entry in entries if entry.path not in without]
     built = build_manifest(entries, model_id=model_id, version=version, contract={
         "experts_per_token": top_k, "expert_bytes_per_token_cold": cold} if contract else None)
     return VerifiedManifest(built.head, built.entries, ())
@@ -302,3 +306,172 @@ def test_a_plan_assumes_the_readers_a_node_starts_with_by_default():
     command = typer.main.get_command(build_app(("node_cmd",))).commands["node"]  # the group's one command
     readers = next(p for p in command.params if p.name == "readers")
     assert readers.default == NODE_READERS
+
+
+# ---------------------------------------------------------------------------------------------- pipeline plans
+
+def test_expert_plans_encode_to_the_bytes_they_had_before_pipeline_plans():
+    """A plan made before nodes could hold layers (SHA-256 of its encoding, recorded then): same bytes, so every
+    signed expert plan still verifies; no node writes a "layers" key."""
+    import hashlib
+
+    plan = make_plan(M, [("a", BUDGET, None), ("b", BUDGET, 20000), ("c", 2 * BUDGET, None)], replicas=2)
+    data = encode_plan(plan)
+    assert hashlib.sha256(data).hexdigest() == "b5ee4e4247f3d1c29276bfd41ad026c0f9531c66f8b0e6ea1882a37209090ea3"
+    assert b'"layers"' not in data and b'"layers"' not in encode_plan(GOOD)
+    assert not plan.pipeline and plan.spans() == () and all(n.layers == () for n in plan.nodes)
+
+
+# Four decoder layers, layer 0 dense (DeepSeek-V3's layout), four 1000-byte experts in each MoE layer: layer
+# bytes 300, 4300, 4300, 4300. Equal budgets cut after layer 1 (its midpoint 2450 is within a third of 13200).
+P_M = _manifest(layers=4, experts=4, dense=(0,))
+P_KEYS = {name: generate().public for name in ("a", "b", "c")}
+PIPE = make_plan(P_M, [("a", BUDGET, None), ("b", BUDGET, 20000), ("c", BUDGET, None)], 1, keys=P_KEYS,
+                 pipeline=True)
+
+
+def test_a_pipeline_plan_round_trips_and_names_each_nodes_files():
+    assert PIPE.pipeline and PIPE.spans() == (("a", (0, 1)), ("b", (2,)), ("c", (3,)))
+    data = encode_plan(PIPE)
+    got = decode_plan(data, P_M, what=WHAT)
+    assert got == PIPE and encode_plan(got) == data and got.spans() == PIPE.spans()
+    assert [n["layers"] for n in json.loads(data)["nodes"]] == [[0, 1], [2], [3]]
+    a = PIPE.node("a")
+    assert a.experts == {1: (0, 1, 2, 3)}  # layer 0 is dense: no "0" key
+    assert a.files() == sorted([layout.trunk_path(0), layout.trunk_path(1), *(layout.expert_path(1, e)
+                                                                              for e in range(4))])
+    assert node_files(PIPE, "b") == sorted(["config.json", layout.trunk_path(2),
+                                            *(layout.expert_path(2, e) for e in range(4))])
+    # The coordinator keeps every non-expert file, the nodes' layer trunks too.
+    assert PIPE.holders(3, 2) == ("c",)
+    assert PIPE.coordinator_files == tuple(sorted(e.path for e in P_M.entries if e.kind != "expert"))
+
+
+def _pipe_edit(change):
+    doc = _doc(PIPE)
+    change(doc)
+    return _bytes(doc)
+
+
+def _drop_node(i):
+    return lambda d: d["nodes"].pop(i)
+
+
+EXPERT_FLOOR_A = node_memory_floor([1000] * 4, 4, 2)  # node a's experts alone; its trunk adds 300 + 300
+PIPE_REFUSALS = [
+    ("layers not a list", _set(["nodes", 0, "layers"], 5), "node a: layers must be a list of 1 to 65536"),
+    ("layers an object", _set(["nodes", 0, "layers"], {"0": 1}), "got dict"),
+    ("layers empty", _set(["nodes", 0, "layers"], []), "got an empty list (an expert node has no layers key)"),
+    ("layers too long", _set(["nodes", 0, "layers"], list(range(65537))), "got 65537 entries"),
+    ("a bool layer", _set(["nodes", 0, "layers"], [True]), "node a: layers entry 0 must be an integer, got bool"),
+    ("a float layer", _set(["nodes", 0, "layers"], [0, 1.0]), "node a: layers entry 1 must be an integer, got float"),
+    ("a str layer", _set(["nodes", 0, "layers"], ["0"]), "layers entry 0 must be an integer, got str"),
+    ("a null layer", _set(["nodes", 0, "layers"], [None]), "layers entry 0 must be an integer, got NoneType"),
+    ("a negative layer", _set(["nodes", 0, "layers"], [-1, 0]), "layers entry 0 must be in [0, 65535], got -1"),
+    ("a layer past MAX_LAYER", _set(["nodes", 2, "layers"], [65536]), "node c: layers entry 0 must be in [0, 65535]"),
+    ("descending", _set(["nodes", 0, "layers"], [1, 0]), "consecutive and ascending, got 1 then 0"),
+    ("a gap", _set(["nodes", 0, "layers"], [0, 2]), "consecutive and ascending, got 0 then 2"),
+    ("a repeat", _set(["nodes", 0, "layers"], [0, 0, 1]), "consecutive and ascending, got 0 then 0"),
+    ("mixing", lambda d: d["nodes"][1].pop("layers"), "node b holds no layers but other nodes of the plan do"),
+    ("replicas 2", _set(["replicas"], 2), "pipeline plans have one copy of each layer (replicas 1), the plan has "
+                                          "replicas 2"),
+    ("overlapping spans", _set(["nodes", 1, "layers"], [1, 2]),
+     "node b holds layers 1..2, overlapping the nodes before it (they hold up to layer 1)"),
+    ("a layer in the middle held by none", _drop_node(1), "layer 2 is held by no node: node c starts at layer 3"),
+    ("the last layer held by none", _drop_node(2), "layer 3 is held by no node: the last node, b, ends at layer 2"),
+    ("not starting at 0", _set(["nodes", 0, "layers"], [1]),
+     "layer 0 is held by no node: node a starts at layer 1 (the first node starts at layer 0)"),
+    ("a layer past the model", _set(["nodes", 2, "layers"], [3, 4]), "node c holds layer 4, the manifest has "
+                                                                     "layers 0..3"),
+    ("a node missing one expert of its layer", _set(["nodes", 1, "experts", "2"], [0, 1, 3]),
+     "node b lacks layer 2 expert 2: a pipeline node holds every routed expert of its layers"),
+    ("an expert outside the span", _set(["nodes", 2, "experts", "2"], [0]),
+     "node c holds layer 2 expert 0, outside its layers 3"),
+    ("an expert the manifest does not list", _set(["nodes", 2, "experts", "3"], [0, 1, 2, 3, 4]),
+     "node c holds layer 3 expert 4, which the manifest does not list"),
+    ("too little memory for the trunk", _set(["nodes", 0, "memory_budget"], EXPERT_FLOOR_A + 599),
+     "node a is short of memory by 1 bytes: one step over its experts and layer trunks needs"),
+    ("too little disk for the trunk", _set(["nodes", 1, "disk"], 4000),
+     "node b is short of disk by 300 bytes: its experts and layer trunks take 4300 bytes"),
+]
+
+
+@pytest.mark.parametrize("change, expected", [c[1:] for c in PIPE_REFUSALS], ids=[c[0] for c in PIPE_REFUSALS])
+def test_every_pipeline_refusal_is_one_usage_error_line(change, expected):
+    with pytest.raises(ShardtoolError) as e:
+        decode_plan(_pipe_edit(change), P_M, what=WHAT)
+    assert type(e.value) is UsageError, (type(e.value), str(e.value))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{WHAT}: ") and expected in msg, msg
+
+
+def test_the_pipeline_refusal_table_starts_from_a_plan_that_decodes():
+    assert decode_plan(_bytes(_doc(PIPE)), P_M, what=WHAT) == PIPE
+    decode_plan(_pipe_edit(_set(["nodes", 0, "memory_budget"], EXPERT_FLOOR_A + 600)), P_M, what=WHAT)
+    decode_plan(_pipe_edit(_set(["nodes", 1, "disk"], 4300)), P_M, what=WHAT)
+
+
+# Eight layers of uneven bytes, layer 0 dense: the cuts must follow the bytes, not the layer count.
+U_EXPERT = lambda layer, e: 800 + 150 * layer + 10 * e  # noqa: E731
+U_M = _manifest(layers=8, experts=6, dense=(0,), size=U_EXPERT, trunk=lambda layer: 200 + 50 * layer)
+U_LAYER = [200 + 50 * layer + (0 if layer == 0 else sum(U_EXPERT(layer, e) for e in range(6))) for layer in range(8)]
+
+
+@pytest.mark.parametrize("budgets", [(1, 1), (1, 3), (3, 1), (1, 1, 1), (1, 2, 4), (4, 1, 1)])
+def test_make_plan_pipeline_cuts_consecutive_spans_by_budget(budgets):
+    nodes = [(name, b * BUDGET, None) for name, b in zip("abc", budgets)]
+    plan = make_plan(U_M, nodes, 1, pipeline=True)
+    spans = [layers for _, layers in plan.spans()]
+    assert [layer for span in spans for layer in span] == list(range(8)) and all(spans)
+    held = [sum(U_LAYER[layer] for layer in span) for span in spans]
+    total, whole = sum(held), sum(budgets)
+    for i in range(len(budgets)):  # each cut within one layer of the budgets' share
+        assert abs(sum(held[:i + 1]) - total * sum(budgets[:i + 1]) / whole) <= max(U_LAYER), (budgets, held)
+    for i in range(len(budgets)):
+        for j in range(len(budgets)):
+            if budgets[i] > budgets[j]:
+                assert held[i] >= held[j], (budgets, held)
+    for node in plan.nodes:  # every expert of its layers, nothing else
+        assert node.pairs() == [(layer, e) for layer in node.layers if layer != 0 for e in range(6)]
+    assert encode_plan(make_plan(U_M, nodes, 1, pipeline=True)) == encode_plan(plan)  # deterministic
+    assert decode_plan(encode_plan(plan), U_M, what=WHAT) == plan
+
+
+def test_make_plan_pipeline_puts_the_trunk_in_the_memory_floor():
+    sizes = {e.path: e.size for e in P_M.entries}
+    floor = pipeline_node_floor(PIPE.node("a"), sizes, 2)
+    assert floor == EXPERT_FLOOR_A + 600
+    assert pipeline_node_floor(GOOD.node("a"), {e.path: e.size for e in M.entries}, 2) == \
+        node_memory_floor([1000] * len(GOOD.node("a").pairs()), max(map(len, GOOD.node("a").experts.values())), 2)
+    with pytest.raises(UsageError) as e:
+        make_plan(P_M, [("a", floor - 1, None), ("b", BUDGET, None), ("c", BUDGET, None)], 1, pipeline=True)
+    assert "node a is short of memory by 1 bytes" in str(e.value)
+
+
+@pytest.mark.parametrize("manifest, nodes, replicas, expected", [
+    (P_M, 5, 1, "a pipeline plan gives each node at least one decoder layer: 5 nodes for 4 layers"),
+    (P_M, 2, 2, "pipeline plans have one copy of each layer (replicas 1), got --replicas 2"),
+    (_manifest(without=(layout.trunk_path(0), layout.trunk_path(1))), 1, 1, "the manifest lists no trunk/layer-NNN"),
+    (_manifest(layers=3, without=(layout.trunk_path(1),)), 1, 1,
+     "the manifest lists 2 layer trunks but not trunk/layer-001.safetensors"),
+    (_manifest(layers=3, without=(layout.trunk_path(2),)), 1, 1,
+     "the manifest lists experts of layer 2 but no trunk/layer-002.safetensors"),
+])
+def test_make_plan_pipeline_refusals(manifest, nodes, replicas, expected):
+    with pytest.raises(UsageError) as e:
+        make_plan(manifest, [(f"n{i}", BUDGET, None) for i in range(nodes)], replicas, pipeline=True)
+    assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_summary_of_a_pipeline_plan_counts_each_nodes_trunk():
+    s = summarize(PIPE, P_M, 2.0)
+    assert s["placement"] == "pipeline" and s["replicas"] == 1
+    assert [n["layers"] for n in s["nodes"]] == [[0, 1], [2], [3]]
+    assert [n["files"] for n in s["nodes"]] == [6, 5, 5]
+    assert [n["bytes_on_disk"] for n in s["nodes"]] == [4600, 4300, 4300]
+    assert s["nodes"][0]["memory_floor"] == EXPERT_FLOOR_A + 600
+    # Each layer's experts sit on one node: per token, 2 of 4 experts of each MoE layer, on that layer's node.
+    assert [n["expert_bytes_per_token"] for n in s["nodes"]] == [2000, 2000, 2000]
+    assert s["cluster"]["expert_bytes_per_token"] == 6000 == s["single_machine"]["expert_bytes_per_token"]
+    expert = summarize(GOOD, M, 2.0)
+    assert expert["placement"] == "experts" and all(n["layers"] == [] for n in expert["nodes"])
