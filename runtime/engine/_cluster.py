@@ -161,7 +161,8 @@ class RemoteExperts:
 
     @property
     def nodes(self) -> list[str]:
-        return sorted({n for nodes in self.placement.values() for n in nodes})
+        """Every planned node: those holding experts and a pipeline's span nodes (one may run dense layers only)."""
+        return sorted({n for nodes in self.placement.values() for n in nodes} | {node for node, _ in self.spans})
 
     def connect(self) -> dict[str, dict]:
         """Ask every planned node for its info(); drop those that do not answer, answer for another root or name,
@@ -178,6 +179,10 @@ class RemoteExperts:
             self._boots[node] = info["boot"]
             self._sessions[node] = session
             self._failed.setdefault(node, set()).update(_failed_pairs(info["failed"]))
+        for node, layers in self.spans:
+            if node in self.stats.dropped:
+                raise UnavailableError(self._lost_span(node, (layers[0], layers[-1] + 1)),
+                                       hint="start the missing nodes")
         for (layer, expert), nodes in sorted(self.placement.items()):
             if not self._candidates(layer, expert, set()):
                 raise UnavailableError(f"no live node holds layer {layer} expert {expert} (planned on "
@@ -416,8 +421,9 @@ class RemoteExperts:
     def _lost_span(self, node: str, span: tuple[int, int]) -> str:
         with self._lock:
             why = self.stats.dropped.get(node, "")
-        return (f"layers {span[0]}..{span[1] - 1} have no node left: node {node}, which runs them (the plan keeps "
-                f"one copy of each span), was lost ({why})")
+        layers = f"layers {span[0]}..{span[1] - 1} have" if span[1] - span[0] > 1 else f"layer {span[0]} has"
+        return (f"{layers} no node left: node {node}, which runs them (the plan keeps one copy of each span), was "
+                f"lost ({why})")
 
     def _check_span_reply(self, node: str, span: tuple[int, int], shape: tuple[int, int], routes: bool, reply,
                           call: tuple[str, str, bytes]) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -689,7 +695,7 @@ def connect_cluster(address: str, plan: ClusterPlan, *, timeout: float = DEFAULT
     nodes = tuple(node.name for node in plan.nodes) if graph else ()
     transport = ProxyTransport(address, timeout, insecure=insecure, nodes=nodes)
     remote = RemoteExperts(plan_placement(plan), plan.root, transport, keys=keys, timeout=timeout,
-                           spans=plan.spans() if getattr(plan, "pipeline", False) else ())
+                           spans=plan.spans())
     try:
         remote.connect()
     except BaseException:

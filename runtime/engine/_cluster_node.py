@@ -42,7 +42,7 @@ from shardtool.manifest import Entry, VerifiedManifest, pae
 from shardtool.manifest.audit import check_file
 from shardtool.remote import RemoteFiles, RemoteSource
 from shardtool.runtime.model import ModelConfig, run_expert
-from ._cluster_plan import NODE_READERS, ClusterPlan, node_memory_floor
+from ._cluster_plan import NODE_READERS, ClusterPlan, pipeline_node_floor
 from ._cluster_session import Handshake, SessionTable, check_public_key, mac, session_id, session_key
 from ._cluster_spans import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_SEQUENCES, SpanRunner, span_input_digest, span_kv_bytes
 from ._cluster_wire import decode_any_call, encode_answer, pack
@@ -592,9 +592,9 @@ def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan,
     per_layer = max((len(ids) for ids in node.experts.values()), default=0)
     experts = [e for e in entries if e.kind == "expert"]
     trunk = sum(e.size for e in entries if e.kind != "expert")
-    layers = tuple(getattr(node, "layers", ()))
+    layers = node.layers
     kv = span_kv_bytes(config, layers, max_sequences, max_context) if layers else 0
-    need = node_memory_floor([e.size for e in experts], per_layer, config.top_k, readers) + trunk + kv
+    need = pipeline_node_floor(node, {e.path: e.size for e in entries}, config.top_k, readers) + kv
     if budget < need:
         raise UsageError(f"--memory-budget {budget} bytes cannot hold a step of node {name}: it needs {need} bytes "
                          f"(a shard cache of top-k + 1 of its experts and working buffers"

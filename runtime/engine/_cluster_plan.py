@@ -353,26 +353,22 @@ def _sizes(manifest: VerifiedManifest) -> dict[str, int]:
     return {entry.path: entry.size for entry in manifest.entries}
 
 
-def _decoder_layers(manifest: VerifiedManifest, experts: Mapping[tuple[int, int], int]) -> list[int]:
-    """The trunk file's bytes of each decoder layer 0..n-1, what a pipeline plan places; the manifest must list
-    trunk/layer-NNN for every one of them and no expert of a layer beyond."""
-    trunks: dict[int, int] = {}
-    for entry in manifest.entries:
-        kind, layer, _ = layout.classify(entry.path)
-        if kind == "trunk" and layer is not None:
-            trunks[layer] = entry.size
-    if not trunks:
-        raise UsageError("the manifest lists no trunk/layer-NNN.safetensors: a pipeline plan places whole decoder "
-                         "layers", hint="plan needs a directory made by shardtool split")
-    gap = next((layer for layer in range(len(trunks)) if layer not in trunks), None)
-    if gap is not None:
-        raise UsageError(f"the manifest lists {len(trunks)} layer trunks but not {layout.trunk_path(gap)}: a pipeline "
-                         f"plan needs layers 0..{len(trunks) - 1}")
-    beyond = max(layer for layer, _ in experts)
-    if beyond >= len(trunks):
-        raise UsageError(f"the manifest lists experts of layer {beyond} but no {layout.trunk_path(beyond)}: a "
-                         f"pipeline plan places each layer's trunk with its experts")
-    return [trunks[layer] for layer in range(len(trunks))]
+def _decoder_layers(manifest: VerifiedManifest) -> list[int]:
+    """The trunk file's bytes of each decoder layer 0..n-1 (n: the signed contract's num_layers), what a pipeline
+    plan places; the manifest must list trunk/layer-NNN for every one of them. Layers past n (DeepSeek's
+    multi-token-prediction layers: stored, never run to generate) stay out of the spans: their trunk with the
+    coordinator's files, their experts with the last node."""
+    contract = manifest.head.contract or {}
+    n = contract.get("num_layers")
+    if type(n) is not int or not 1 <= n <= MAX_LAYER + 1:
+        raise UsageError("the manifest carries no resource contract with num_layers: a pipeline plan places whole "
+                         "decoder layers", hint="plan needs a manifest written by shardtool split")
+    listed = manifest.by_path()
+    lacking = next((layer for layer in range(n) if layout.trunk_path(layer) not in listed), None)
+    if lacking is not None:
+        raise UsageError(f"the manifest does not list {layout.trunk_path(lacking)}: a pipeline plan needs the trunk "
+                         f"of every decoder layer 0..{n - 1}", hint="plan needs a directory made by shardtool split")
+    return [listed[layout.trunk_path(layer)].size for layer in range(n)]
 
 
 def check_plan(plan: ClusterPlan, manifest: VerifiedManifest) -> None:
@@ -399,7 +395,7 @@ def check_plan(plan: ClusterPlan, manifest: VerifiedManifest) -> None:
                                  f"does not list")
             count[pair] += 1
     if plan.pipeline:
-        _check_spans(plan, experts, len(_decoder_layers(manifest, experts)))
+        _check_spans(plan, experts, len(_decoder_layers(manifest)))
     for pair in sorted(experts):
         if count[pair] < plan.replicas:
             raise UsageError(f"layer {pair[0]} expert {pair[1]} is held by {count[pair]} node(s), the plan "
@@ -439,7 +435,9 @@ def _check_spans(plan: ClusterPlan, experts: Mapping[tuple[int, int], int], laye
             if lacking:
                 raise UsageError(f"node {node.name} lacks layer {layer} expert {lacking[0]}: a pipeline node holds "
                                  f"every routed expert of its layers")
-        outside = next((layer for layer in node.experts if layer not in node.layers), None)
+        last_node = node is plan.nodes[-1]  # it also holds the experts of layers past the decoder's, never run
+        outside = next((layer for layer in node.experts
+                        if layer not in node.layers and not (last_node and layer >= layers)), None)
         if outside is not None:
             raise UsageError(f"node {node.name} holds layer {outside} expert {node.experts[outside][0]}, outside its "
                              f"layers {_span(node.layers)}")
@@ -498,7 +496,9 @@ def make_plan(manifest: VerifiedManifest, nodes: Sequence[tuple[str, int, int | 
     top_k = experts_per_token(manifest)
     if pipeline:
         spans = _cut_spans(_layer_bytes(manifest, experts), [budget for _, budget, _ in nodes])
-        held = [_experts_of(experts, span) for span in spans]
+        # the last node also holds the experts of layers past the decoder's (stored, never run)
+        held = [_experts_of(experts, (span[0], 1 << 30) if i == len(spans) - 1 else span)
+                for i, span in enumerate(spans)]
     else:
         spans = [()] * len(nodes)
         held = _place(experts, nodes, replicas)
@@ -516,9 +516,10 @@ def make_plan(manifest: VerifiedManifest, nodes: Sequence[tuple[str, int, int | 
 
 def _layer_bytes(manifest: VerifiedManifest, experts: Mapping[tuple[int, int], int]) -> list[int]:
     """Bytes of each decoder layer 0..n-1: its trunk file and its routed experts."""
-    total = _decoder_layers(manifest, experts)
+    total = _decoder_layers(manifest)
     for (layer, _), size in experts.items():
-        total[layer] += size
+        if layer < len(total):
+            total[layer] += size
     return total
 
 

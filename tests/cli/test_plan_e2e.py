@@ -109,13 +109,16 @@ def test_pipeline_plan_holds_whole_layers_and_reads_back(cli, split_model, tmp_p
     verified = load_trusted_manifest(split_model / "model" / "manifest.msgpack",
                                      [load_public_key(split_model / "pub.pub")], 1, tmp_path / "st")
     plan = decode_plan(out.read_bytes(), verified, what=str(out))
+    n = verified.head.contract["num_layers"]  # the decoder's layers; DeepSeek's MTP layer comes after them
     trunks = sorted(e.layer for e in verified.entries if e.kind == "trunk" and e.layer is not None)
-    assert plan.pipeline and [layer for _, span in plan.spans() for layer in span] == trunks == list(range(len(trunks)))
+    assert trunks == list(range(n + verified.head.contract["mtp_layers"]))
+    assert plan.pipeline and [layer for _, span in plan.spans() for layer in span] == list(range(n))
     assert summary["placement"] == "pipeline" and summary["replicas"] == 1
     assert [(n["name"], tuple(n["layers"])) for n in summary["nodes"]] == list(plan.spans())
-    for node in plan.nodes:  # each node: the trunk and every expert of its layers, nothing else
-        assert node.files() == sorted(e.path for e in verified.entries
-                                      if e.kind in ("expert", "trunk") and e.layer in node.layers)
+    for i, node in enumerate(plan.nodes):  # each node: the trunk and every expert of its layers, nothing else
+        past = (lambda layer: layer >= n) if i == len(plan.nodes) - 1 else (lambda layer: False)  # the last: MTP's
+        assert node.files() == sorted(e.path for e in verified.entries if (e.kind == "trunk" and e.layer in node.layers)
+                                      or (e.kind == "expert" and (e.layer in node.layers or past(e.layer))))
 
     table = _plan(cli, split_model, "--node", "a=64MiB", "--node", "b=128MiB", "--pipeline")
     assert table.code == 0 and table.out == "" and "whole layers per node (pipeline)" in table.err

@@ -102,9 +102,10 @@ class Model:
 
 
 def build_model(work: Path, family: str, *, replicas: int, nodes: tuple[str, ...], experts: int = 8,
-                layers: int = 2, **knobs) -> Model:
-    """make_tiny_moe -> split -> sign -> a plan over `nodes` -> one directory per node (its planned experts,
-    config.json and the manifest) and one for the coordinator (its files and the manifest)."""
+                layers: int = 2, pipeline: bool = False, **knobs) -> Model:
+    """make_tiny_moe -> split -> sign -> a plan over `nodes` (`pipeline`: spans of whole layers) -> one directory
+    per node (its planned files, config.json and the manifest) and one for the coordinator (its files and the
+    manifest)."""
     work.mkdir(parents=True, exist_ok=True)
     for key in ("a", "op", *(f"node-{n}" for n in nodes)):  # the publisher, the operator (signs the plan), each node
         if not (work / f"{key}.key").exists():
@@ -114,7 +115,7 @@ def build_model(work: Path, family: str, *, replicas: int, nodes: tuple[str, ...
     ok("shardtool", "split", "-q", work / "hf", work / "full", "--model-id", model_id, "--version", "1", cwd=work)
     ok("shardtool", "sign", work / "full", "--key", "a.key", cwd=work)
     plan = work / "plan.json"
-    _write_plan(work, plan, nodes, replicas)
+    _write_plan(work, plan, nodes, replicas, pipeline)
     model = Model(work, work / "full", model_id, plan, list(nodes), work / "coordinator")
     from shardtool.runtime import decode_plan
     from shardtool.keys import load_public_key
@@ -129,11 +130,11 @@ def build_model(work: Path, family: str, *, replicas: int, nodes: tuple[str, ...
     return model
 
 
-def _write_plan(work: Path, plan: Path, nodes: tuple[str, ...], replicas: int) -> None:
+def _write_plan(work: Path, plan: Path, nodes: tuple[str, ...], replicas: int, pipeline: bool = False) -> None:
     """`shardtool plan`, each node with the same budget and its own key, signed by the operator (op.key)."""
     ok("shardtool", "plan", work / "full", "--trust", "a.pub", "--state-dir", work / "plan-state", "--replicas",
        replicas, *[x for n in nodes for x in ("--node", f"{n}=256MiB,key=node-{n}.pub")], "--out", plan,
-       "--sign-key", "op.key", cwd=work)
+       "--sign-key", "op.key", *(["--pipeline"] if pipeline else []), cwd=work)
 
 
 def copy_files(src: Path, dst: Path, paths) -> None:

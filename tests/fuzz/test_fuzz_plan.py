@@ -120,7 +120,7 @@ def _layered_manifest() -> VerifiedManifest:
             entries.append(Entry(layout.expert_path(layer, e), "expert", 1000 + e, bytes([layer, e]) * 16,
                                  layer=layer, expert=e))
     built = build_manifest(entries, model_id="fuzz/pipeline", version=2,
-                           contract={"experts_per_token": 2, "expert_bytes_per_token_cold": 2 * 2 * 1003})
+                           contract={"experts_per_token": 2, "expert_bytes_per_token_cold": 2 * 2 * 1003, "num_layers": 3})
     return VerifiedManifest(built.head, built.entries, ())
 
 

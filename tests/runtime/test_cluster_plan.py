@@ -27,8 +27,9 @@ def _digest(i: int) -> bytes:
 
 def _manifest(layers: int = 2, experts: int = 8, size=lambda layer, e: 1000, top_k: int = 2, version: int = 3,
               model_id: str = "test/plan", contract: bool = True, dense: tuple[int, ...] = (),
-              trunk=lambda layer: 300, without: tuple[str, ...] = ()) -> VerifiedManifest:
-    """`dense`: layers without routed experts; `trunk`: bytes of a layer's trunk file; `without`: paths left out."""
+              trunk=lambda layer: 300, without: tuple[str, ...] = (), mtp: int = 0) -> VerifiedManifest:
+    """`dense`: layers without routed experts; `trunk`: bytes of a layer's trunk file; `without`: paths left out;
+    `mtp`: how many of the layers come after the decoder's (the contract's num_layers is `layers - mtp`)."""
     entries = [Entry("config.json", "config", 20, _digest(1)), Entry("tokenizer.json", "tokenizer", 30, _digest(2)),
                Entry(layout.EMBED, "trunk", 500, _digest(3)), Entry(layout.HEAD, "trunk", 400, _digest(4))]
     n = 10
@@ -43,7 +44,8 @@ def _manifest(layers: int = 2, experts: int = 8, size=lambda layer, e: 1000, top
                if layer not in dense)
     entries = [entry for entry in entries if entry.path not in without]
     built = build_manifest(entries, model_id=model_id, version=version, contract={
-        "experts_per_token": top_k, "expert_bytes_per_token_cold": cold} if contract else None)
+        "experts_per_token": top_k, "expert_bytes_per_token_cold": cold, "num_layers": layers - mtp}
+        if contract else None)
     return VerifiedManifest(built.head, built.entries, ())
 
 
@@ -451,11 +453,13 @@ def test_make_plan_pipeline_puts_the_trunk_in_the_memory_floor():
 @pytest.mark.parametrize("manifest, nodes, replicas, expected", [
     (P_M, 5, 1, "a pipeline plan gives each node at least one decoder layer: 5 nodes for 4 layers"),
     (P_M, 2, 2, "pipeline plans have one copy of each layer (replicas 1), got --replicas 2"),
-    (_manifest(without=(layout.trunk_path(0), layout.trunk_path(1))), 1, 1, "the manifest lists no trunk/layer-NNN"),
+    (_manifest(without=(layout.trunk_path(0), layout.trunk_path(1))), 1, 1,
+     "the manifest does not list trunk/layer-000.safetensors: a pipeline plan needs the trunk of every decoder "
+     "layer 0..1"),
     (_manifest(layers=3, without=(layout.trunk_path(1),)), 1, 1,
-     "the manifest lists 2 layer trunks but not trunk/layer-001.safetensors"),
+     "the manifest does not list trunk/layer-001.safetensors"),
     (_manifest(layers=3, without=(layout.trunk_path(2),)), 1, 1,
-     "the manifest lists experts of layer 2 but no trunk/layer-002.safetensors"),
+     "the manifest does not list trunk/layer-002.safetensors"),
 ])
 def test_make_plan_pipeline_refusals(manifest, nodes, replicas, expected):
     with pytest.raises(UsageError) as e:
@@ -475,3 +479,18 @@ def test_summary_of_a_pipeline_plan_counts_each_nodes_trunk():
     assert s["cluster"]["expert_bytes_per_token"] == 6000 == s["single_machine"]["expert_bytes_per_token"]
     expert = summarize(GOOD, M, 2.0)
     assert expert["placement"] == "experts" and all(n["layers"] == [] for n in expert["nodes"])
+
+
+def test_a_pipeline_plan_leaves_layers_past_the_decoder_out_of_the_spans_and_their_experts_to_the_last_node():
+    """DeepSeek's multi-token-prediction layers are stored, never run to generate: the contract's num_layers stops
+    before them. Their trunk stays with the coordinator's files, their experts go to the last node."""
+    m = _manifest(layers=4, mtp=1)  # decoder layers 0..2, layer 3 past them
+    plan = make_plan(m, [("a", BUDGET, None), ("b", BUDGET, None)], 1, pipeline=True)
+    assert [n.layers for n in plan.nodes][-1][-1] == 2 and sum(len(n.layers) for n in plan.nodes) == 3
+    assert 3 in plan.nodes[-1].experts and 3 not in plan.nodes[0].experts
+    assert layout.trunk_path(3) in plan.coordinator_files
+    assert decode_plan(encode_plan(plan), m, what="plan.json") == plan
+    moved = json.loads(encode_plan(plan))
+    moved["nodes"][0]["experts"]["3"] = moved["nodes"][1]["experts"].pop("3")  # the first node may not hold them
+    with pytest.raises(UsageError, match="holds layer 3 expert 0, outside its layers"):
+        decode_plan(json.dumps(moved).encode(), m, what="plan.json")
