@@ -258,8 +258,9 @@ def sh(*argv, cwd: Path) -> subprocess.CompletedProcess:
     return r
 
 
-def build_loopback(work: Path) -> None:
-    """Model, split, signature, plan (R = 1 over the two nodes), and the per-node and coordinator directories."""
+def build_loopback(work: Path, *, pipeline: bool = False) -> None:
+    """Model, split, signature, plan (R = 1 over the two nodes; `pipeline`: each node a span of whole layers), and the
+    per-node and coordinator directories."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     ray_token(work)
@@ -271,7 +272,7 @@ def build_loopback(work: Path) -> None:
     sh(VENV_BIN / "shardtool", "sign", work / "full", "--key", "a.key", cwd=work)
     sh(VENV_BIN / "shardtool", "plan", work / "full", "--trust", "a.pub", "--state-dir", work / "plan-state",
        *[x for n in LOOP_NODES for x in ("--node", f"{n}={LOOP_NODE_BUDGET},key=node-{n}.pub")], "--out",
-       work / "plan.json", "--sign-key", "op.key", cwd=work)
+       work / "plan.json", "--sign-key", "op.key", *(["--pipeline"] if pipeline else []), cwd=work)
     lay_out(work / "full", work / "plan.json", work / "a.pub", work, copy=shutil.copyfile)
 
 
@@ -480,12 +481,15 @@ class LoopbackCluster:
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
-def measure_loopback(work: Path, repeats: int, tokens: int, *, graph: bool = False) -> dict:
+def measure_loopback(work: Path, repeats: int, tokens: int, *, graph: bool = False, pipeline: bool = False) -> dict:
     """The measured part: 1 process vs coordinator + 2 nodes on loopback (same model, each process holding what it
     serves), and the layer round trip between the decode runs; `graph`: a third set-up, the cluster's rounds
-    through a Ray Compiled Graph (--cluster-graph), and its round trips timed beside the plain ones."""
-    build_loopback(work)
-    cluster = LoopbackCluster(work, LOOP_NODE_BUDGET)
+    through a Ray Compiled Graph (--cluster-graph), and its round trips timed beside the plain ones; `pipeline`: the
+    nodes run spans of whole layers (`shardtool plan --pipeline`; the round trips timed are still expert calls)."""
+    build_loopback(work, pipeline=pipeline)
+    # a span node also keeps its layers' trunk and the keys and values of `shardtool node --max-sequences` sequences
+    node_budget = LOOP_NODE_BUDGET + (192 * MIB if pipeline else 0)
+    cluster = LoopbackCluster(work, node_budget)
     address, head = cluster.address, cluster.head
     try:
         runs = {"1 process": [], "coordinator + 2 nodes": [], **({"2 nodes, compiled graph": []} if graph else {})}
@@ -536,7 +540,8 @@ def measure_loopback(work: Path, repeats: int, tokens: int, *, graph: bool = Fal
     ref = rows["1 process"]["decode_tokens_per_s"]
     print(f"\n## coordinator + {len(LOOP_NODES)} nodes vs 1 process on loopback ({tokens} new tokens, "
           f"{repeats} runs each; budgets: 1 process {LOOP_TOTAL_BUDGET // MIB} MiB, coordinator "
-          f"{LOOP_COORDINATOR_BUDGET // MIB} MiB, each node {LOOP_NODE_BUDGET // MIB} MiB; same tokens: {same})")
+          f"{LOOP_COORDINATOR_BUDGET // MIB} MiB, each node {node_budget // MIB} MiB"
+          f"{', whole layers (pipeline)' if pipeline else ''}; same tokens: {same})")
     print(f"{'set-up':<24} {'decode tok/s':>12} {'ratio':>6} {'p50 s/token':>12} {'wire B/token':>13} "
           f"{'in Ray calls':>13} {'calls/token':>12} {'ms/layer round':>15} {'wall s':>7} {'coord CPU s':>12} "
           f"{'Ray CPU s':>10}")
@@ -584,6 +589,8 @@ def main() -> None:
     ap.add_argument("--loopback-repeats", type=int, default=3, help="Runs of each loopback set-up.")
     ap.add_argument("--graph", action="store_true", help="Also the cluster through a Ray Compiled Graph "
                                                           "(verify-and-run --cluster-graph), interleaved.")
+    ap.add_argument("--pipeline", action="store_true", help="The loopback cluster's plan places whole layers "
+                                                             "(shardtool plan --pipeline).")
     args = ap.parse_args()
 
     results: dict = {}
@@ -608,8 +615,9 @@ def main() -> None:
             "rows": print_scale(cfg, node_read_gbps=node_read, net_gbit=args.net_gbit,
                                 node_memory_bytes=args.node_memory_gb * 1e9, samples=args.samples)}
     if not args.scale_only:
-        results["loopback"] = measure_loopback(args.workdir / "loopback", args.loopback_repeats, args.tokens,
-                                               graph=args.graph)
+        results["loopback"] = measure_loopback(args.workdir / ("loopback-pipeline" if args.pipeline else "loopback"),
+                                               args.loopback_repeats, args.tokens, graph=args.graph,
+                                               pipeline=args.pipeline)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, allow_nan=False))
     if not results.get("loopback", {"same_tokens": True})["same_tokens"]:
