@@ -60,7 +60,7 @@ from shardtool.text import printable
 from ._cluster_node import INFO_TYPE, REPLY_TYPE, input_digest, is_int, new_nonce, output_digest
 from ._cluster_plan import MAX_PLAN_BYTES, MAX_SIGNATURE_FILE, ClusterPlan, decode_plan, open_signed_plan
 from ._cluster_proxy import REFUSED, NodeFailed, ProxyTransport
-from ._cluster_spans import span_failure, span_input_digest
+from ._cluster_spans import PipelineLayers, span_failure, span_input_digest
 from ._cluster_session import PUBLIC_KEY, Handshake, mac_matches, session_id, session_key, unknown_session
 
 DEFAULT_TIMEOUT = 30.0
@@ -140,6 +140,7 @@ class RemoteExperts:
         `probe_seconds`: how long after it was lost a node is first asked again; `spans`: a pipeline plan's (node,
         its layers) in layer order (`ClusterPlan.spans`), empty for an expert-parallel plan."""
         self.spans = tuple((node, tuple(layers)) for node, layers in spans)
+        self.layers = PipelineLayers(self, self.spans) if self.spans else None  # the engine's `ExpertCluster.layers`
         self.placement = {key: tuple(nodes) for key, nodes in placement.items()}
         unkeyed = sorted({n for nodes in self.placement.values() for n in nodes} - set(keys))
         if unkeyed:

@@ -38,12 +38,11 @@ import numpy as np
 from shardtool.errors import (CheckpointFormatError, OverloadedError, RequestRefusedError, ShardtoolError,
                               UnavailableError, UsageError, VerificationError)
 from shardtool.manifest import Entry, VerifiedManifest
-from shardtool.runtime.model import (ExpertFetch, ExpertUnavailable, KVCache, ModelConfig, PackedWeights, Segment,
-                                     StepTrace, bytes_per_token, forward_batch, inv_freq, prefill_chunk, prepare_expert,
-                                     step_rows)
+from shardtool.runtime.model import (ExpertFetch, ExpertUnavailable, KVCache, Layers, ModelConfig, PackedWeights,
+                                     Segment, StepTrace, bytes_per_token, forward_batch, inv_freq, prefill_chunk,
+                                     prepare_expert, step_rows)
 from shardtool.runtime.store import DEFAULT_PAGE_CACHE, DEFAULT_POLICY, ShardStore, page_cache_mode
 
-from ._cluster_spans import PipelineLayers
 from ._plan import BudgetPlan, plan_budget
 from ._provider import VerifiedWeights
 from ._record import RunRecord
@@ -56,6 +55,9 @@ class ExpertCluster(Protocol):
     of them. Defined here so the engine does not import the cluster that implements it."""
 
     stats: Any  # the cluster's figures: calls, wire_bytes, remote_seconds, retries, dropped, as_dict()
+    # The forward pass's `Layers` when the nodes run whole layers (a pipeline plan: the embedding and the head stay
+    # here), None when they compute experts only.
+    layers: Layers | None
 
     def fetch(self, layer: int) -> ExpertFetch:
         """The forward pass's `ExpertFetch` for MoE layer `layer`."""
@@ -193,8 +195,7 @@ class Engine:
                                        lookahead=lookahead and remote is None)
         self.remote = remote
         self._weights = PackedWeights(self.config, self.weights, remote.fetch if remote is not None else None)
-        # A pipeline plan's nodes run the decoder layers (each its span); the embedding and the head stay here.
-        self._layers = PipelineLayers(remote, remote.spans) if remote is not None and remote.spans else None
+        self._layers = remote.layers if remote is not None else None  # a pipeline plan's nodes run the layers
         self._rope = inv_freq(self.config.rope)
         self.bytes_per_token = bytes_per_token(self.config)
         self.stats = EngineStats()
