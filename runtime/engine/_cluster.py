@@ -158,6 +158,8 @@ class RemoteExperts:
         self._sessions: dict[str, tuple[str, bytes]] = {}  # node -> (session id, key) of its current session
         self.probe_seconds = probe_seconds
         self._probe_at: dict[str, tuple[float, float]] = {}  # lost node -> (when to ask it next, the gap after that)
+        self._span_room: tuple[int, int] | None = None  # (max batch, max context) every span node must hold
+        self._span_infos: dict[str, dict] = {}  # span node -> its info() at connect
 
     @property
     def nodes(self) -> list[str]:
@@ -176,6 +178,8 @@ class RemoteExperts:
                 self._drop(node, str(e))
                 continue
             infos[node] = info
+            if node in dict(self.spans):
+                self._span_infos[node] = info
             self._boots[node] = info["boot"]
             self._sessions[node] = session
             self._failed.setdefault(node, set()).update(_failed_pairs(info["failed"]))
@@ -262,15 +266,34 @@ class RemoteExperts:
         if not isinstance(info.get("boot"), str) or not _BOOT.fullmatch(info["boot"]):
             raise NodeFailed(f"node {node} answered info() without a boot id (32 lowercase hex digits): refused")
         span = dict(self.spans).get(node)
-        if span is not None and info.get("layers") != list(span):
-            raise NodeFailed(f"node {node} runs layers {printable(str(info.get('layers'))[:40])}, the plan gives it "
-                             f"{list(span)[:8]}: refused")
+        if span is not None:
+            if info.get("layers") != list(span):
+                raise NodeFailed(f"node {node} runs layers {printable(str(info.get('layers'))[:40])}, the plan gives "
+                                 f"it {list(span)[:8]}: refused")
+            if not all(_is_index(info.get(k)) and info[k] >= 1 for k in ("max_sequences", "max_context")):
+                raise NodeFailed(f"node {node} answered info() without the sequences and tokens it keeps "
+                                 f"(max_sequences, max_context): refused")
+            short = self._span_room and _short_room(node, info, *self._span_room)
+            if short:
+                raise NodeFailed(short)
         held = {(int(a), int(b)) for a, b in experts}
         planned = {key for key, nodes in self.placement.items() if node in nodes}
         if not planned <= held:
             layer, expert = min(planned - held)
             raise NodeFailed(f"node {node} does not hold layer {layer} expert {expert}, which the plan gives it")
         return info
+
+    def check_span_room(self, max_batch: int, max_context: int) -> None:
+        """A pipeline coordinator stepping up to `max_batch` sequences of up to `max_context` tokens: each span node
+        (as its info() at connect said) must keep that many sequences of that many tokens, so every call of a step fits it
+        (its rows then fit the node's activation reserve, `span_activations`). UsageError naming the first that
+        does not; a node readmitted later must hold as much."""
+        for node, _ in self.spans:
+            short = _short_room(node, self._span_infos[node], max_batch, max_context)
+            if short:
+                raise UsageError(short, hint="lower --max-batch or --max-context here (verify-and-run: the prompt "
+                                             "plus --max-new-tokens), or start the node with larger ones")
+        self._span_room = (max_batch, max_context)
 
     def _drop(self, node: str, why: str) -> None:
         with self._lock:
@@ -706,6 +729,18 @@ def connect_cluster(address: str, plan: ClusterPlan, *, timeout: float = DEFAULT
 
 def _is_index(v) -> bool:
     return is_int(v) and 0 <= v < 1 << 31
+
+
+def _short_room(node: str, info: Mapping, max_batch: int, max_context: int) -> str | None:
+    """Why span node `node` (its checked info()) cannot run a coordinator's steps of up to `max_batch` sequences of
+    up to `max_context` tokens; None when it can."""
+    if info["max_sequences"] < max_batch:
+        return (f"node {node} keeps {info['max_sequences']} sequences (its --max-sequences), this coordinator steps "
+                f"up to {max_batch} at once")
+    if info["max_context"] < max_context:
+        return (f"node {node} runs sequences of at most {info['max_context']} tokens (its --max-context), this "
+                f"coordinator's may reach {max_context}")
+    return None
 
 
 def _failed_pairs(failed: Mapping[str, str]) -> set[tuple[int, int]]:

@@ -332,15 +332,27 @@ class Direct:
         self.calls.append((node, layer, list(expert_ids)))
         return node, layer, expert_ids, x, rows, nonce, session
 
+    def submit_span(self, node, span, x, segments, drop, routes, nonce, session):
+        """A span call as its wire bytes (what a node's actor takes), run by `result`."""
+        from shardtool.runtime.engine._cluster_wire import encode_span_call
+        self.calls.append((node, tuple(span), [list(s) for s in segments]))
+        return node, encode_span_call(span, x, segments, drop, routes, nonce, session)
+
     def result(self, pending, timeout):
         from shardtool.errors import ShardtoolError
         from shardtool.runtime.engine._cluster import NodeFailed
-        node, layer, ids, x, rows, nonce, session = pending
+        from shardtool.runtime.engine._cluster_wire import decode_any_call
+        node = pending[0]
         if node in self.down:
             raise NodeFailed("ActorDiedError: the actor died unexpectedly")
         service = self.services[node]
         try:
-            answer = service.run(layer, ids, x, rows, nonce, session)
+            if len(pending) == 2:  # a span call's bytes
+                _, args = decode_any_call(pending[1])
+                answer, session = service.run_span(*args), args[-1]
+            else:
+                _, layer, ids, x, rows, nonce, session = pending
+                answer = service.run(layer, ids, x, rows, nonce, session)
         except ShardtoolError as e:  # what Ray hands the proxy as a RayTaskError, and the proxy says so
             raise NodeFailed(f"refused the call: {e.one_line()}") from None
         return self._out(node, answer, self.mac_keys.get(node) or service.sessions.key(session))
