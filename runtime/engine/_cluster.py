@@ -61,6 +61,7 @@ from ._cluster_node import INFO_TYPE, REPLY_TYPE, input_digest, is_int, new_nonc
 from ._cluster_plan import MAX_PLAN_BYTES, MAX_SIGNATURE_FILE, ClusterPlan, decode_plan, open_signed_plan
 from ._cluster_proxy import REFUSED, NodeFailed, ProxyTransport
 from ._cluster_spans import span_failure, span_input_digest
+from ._cluster_wire import encode_span_call
 from ._cluster_session import PUBLIC_KEY, Handshake, mac_matches, session_id, session_key, unknown_session
 
 DEFAULT_TIMEOUT = 30.0
@@ -88,9 +89,9 @@ class Transport(Protocol):
         when it cannot start."""
         ...
 
-    def submit_span(self, node: str, span: tuple[int, int], x: np.ndarray, segments: list, drop: list[int],
-                    routes: bool, nonce: str, session: str) -> object:
-        """Start a span call at `node` (a pipeline plan's); its answer comes from `result`."""
+    def submit_span(self, node: str, call: bytes) -> object:
+        """Start a span call at `node` (a pipeline plan's; its authenticated bytes, `encode_span_call`); its answer
+        comes from `result`."""
         ...
 
     def result(self, pending: object, timeout: float) -> dict:
@@ -160,6 +161,7 @@ class RemoteExperts:
         self._probe_at: dict[str, tuple[float, float]] = {}  # lost node -> (when to ask it next, the gap after that)
         self._span_room: tuple[int, int] | None = None  # (max batch, max context) every span node must hold
         self._span_infos: dict[str, dict] = {}  # span node -> its info() at connect
+        self._call_numbers: dict[str, int] = {}  # session id -> the number of its last span call
 
     @property
     def nodes(self) -> list[str]:
@@ -424,6 +426,7 @@ class RemoteExperts:
             with self._lock:
                 lost = node in self.stats.dropped
                 sid, key = self._sessions.get(node, ("", b""))
+                number = self._call_numbers[sid] = self._call_numbers.get(sid, 0) + 1
             if lost:
                 raise UnavailableError(self._lost_span(node, span))
             x = np.ascontiguousarray(x, dtype=np.float32)
@@ -432,7 +435,8 @@ class RemoteExperts:
             self.stats.calls += 1
             self.stats.wire_bytes += 2 * x.nbytes
             try:
-                pending = self.transport.submit_span(node, span, x, segments, drop, routes, nonce, sid)
+                call = encode_span_call(span, x, segments, drop, routes, nonce, number, (sid, key))
+                pending = self.transport.submit_span(node, call)
                 reply = self.transport.result(pending, self.timeout)
                 return self._check_span_reply(node, span, x.shape, routes, reply, (nonce, sent, key))
             except NodeFailed as err:

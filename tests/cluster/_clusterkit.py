@@ -332,11 +332,10 @@ class Direct:
         self.calls.append((node, layer, list(expert_ids)))
         return node, layer, expert_ids, x, rows, nonce, session
 
-    def submit_span(self, node, span, x, segments, drop, routes, nonce, session):
-        """A span call as its wire bytes (what a node's actor takes), run by `result`."""
-        from shardtool.runtime.engine._cluster_wire import encode_span_call
-        self.calls.append((node, tuple(span), [list(s) for s in segments]))
-        return node, encode_span_call(span, x, segments, drop, routes, nonce, session)
+    def submit_span(self, node, call):
+        """A span call's wire bytes (what a node's actor takes), run by `result`; `sent` keeps them."""
+        self.calls.append((node, call))
+        return node, call
 
     def result(self, pending, timeout):
         from shardtool.errors import ShardtoolError
@@ -349,7 +348,7 @@ class Direct:
         try:
             if len(pending) == 2:  # a span call's bytes
                 _, args = decode_any_call(pending[1])
-                answer, session = service.run_span(*args), args[-1]
+                answer, session = service.run_span(*args), args[0]
             else:
                 _, layer, ids, x, rows, nonce, session = pending
                 answer = service.run(layer, ids, x, rows, nonce, session)

@@ -5,6 +5,7 @@ coordinator whose steps a node cannot hold is refused at start, in one line."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import _clusterkit as kit
@@ -12,6 +13,8 @@ from shardtool.errors import UsageError
 from shardtool.keys import load_private_key, load_public_key
 from shardtool.manifest import load_trusted_manifest
 from shardtool.runtime import NodeService, Session, load_signed_plan, prepare_node
+from shardtool.runtime.engine._cluster_session import mac
+from shardtool.runtime.engine._cluster_wire import SPAN_CALL_TYPE, decode_any_call, encode_span_call, pack
 
 PROMPT = [5, 77, 300, 12]
 
@@ -75,3 +78,68 @@ def test_a_coordinator_batching_more_sequences_than_a_span_node_keeps_is_refused
                                          "up to 3 at once"):
         Engine(work / "full", verified, budget=1 << 30, max_batch=3, max_context=64, remote=remote)
     Engine(work / "full", verified, budget=1 << 30, max_batch=2, max_context=64, remote=remote).close()
+
+
+def _rows(services, n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, services["a"].config.hidden_size)).astype(np.float32)
+
+
+def _next_step_after(model, between) -> np.ndarray:
+    """Node a's answer to sequence 0's fifth row after its first four, with `between(services, remote, transport)`
+    done in between (by someone on the wire)."""
+    services = _services(model)
+    remote, transport = _remote(model, services)
+    remote.span("a", (0, 1), _rows(services, 4, 0), [(0, 0, 4)], [], False)
+    between(services, remote, transport)
+    y, _ = remote.span("a", (0, 1), _rows(services, 1, 1), [(0, 4, 1)], [], False)
+    return y
+
+
+def _forge(services, remote, _):
+    """A call naming the coordinator's session (its id crosses the wire) rewriting position 3, without its key."""
+    forged = encode_span_call((0, 1), np.full_like(_rows(services, 1, 2), 7.0), [(0, 3, 1)], [], False, "1" * 32, 99,
+                              (remote._sessions["a"][0], bytes(32)))
+    with pytest.raises(UsageError, match="the span call is not authenticated by session [0-9a-f]{32}'s key"):
+        services["a"].run_span(*decode_any_call(forged)[1])
+
+
+def _replay(services, remote, transport):
+    """The first call's bytes sent again: they would rewrite the keys of positions 0..3 and roll the sequence back."""
+    first = next(call for node, call in transport.calls if node == "a")
+    with pytest.raises(UsageError, match="call 1 of session [0-9a-f]{32} comes after call 1: a replayed"):
+        services["a"].run_span(*decode_any_call(first)[1])
+
+
+@pytest.mark.parametrize("attack", [_forge, _replay], ids=["forged", "replayed"])
+def test_a_span_call_forged_or_replayed_on_the_wire_is_refused_and_changes_no_later_answer(model, attack):
+    assert np.array_equal(_next_step_after(model, attack), _next_step_after(model, lambda *_: None))
+
+
+def test_a_replayed_call_after_a_rolled_back_step_cannot_put_its_keys_back(model):
+    """Row A at position 4 ran here but the step failed further on; the coordinator sent row B at 4 instead. The
+    call with A, replayed, would leave A's keys at 4 under a length the coordinator's next call accepts."""
+    services = _services(model)
+    remote, transport = _remote(model, services)
+    remote.span("a", (0, 1), _rows(services, 4, 0), [(0, 0, 4)], [], False)
+    remote.span("a", (0, 1), _rows(services, 1, 5), [(0, 4, 1)], [], False)  # A
+    with_a = transport.calls[-1][1]
+    remote.span("a", (0, 1), _rows(services, 1, 6), [(0, 4, 1)], [], False)  # B, after the rollback
+    with pytest.raises(UsageError, match="a replayed or reordered call"):
+        services["a"].run_span(*decode_any_call(with_a)[1])
+    assert services["a"].spans._length(remote._sessions["a"][0], 0) == 5
+
+
+def test_a_span_call_of_the_wrong_form_is_refused_in_one_line(model):
+    services = _services(model)
+    remote, _ = _remote(model, services)
+    sid, key = remote._sessions["a"]
+    cases = [(pack({"session": sid, "span_call": "text", "mac": b""}), "carry its call and its MAC as bytes"),
+             (pack({"session": "x", "span_call": b"", "mac": b""}), "session must be 32 lowercase hex"),
+             (pack({"session": sid, "span_call": b"\x80", "mac": mac(key, SPAN_CALL_TYPE, b"\x80")}),
+              "a span call must have exactly the keys")]
+    for call, message in cases:
+        with pytest.raises(UsageError, match=message):
+            services["a"].run_span(*decode_any_call(call)[1])
+    number_zero = encode_span_call((0, 1), _rows(services, 1, 0), [(0, 0, 1)], [], False, "1" * 32, 0, (sid, key))
+    with pytest.raises(UsageError, match="a call's number must be an integer in"):
+        services["a"].run_span(*decode_any_call(number_zero)[1])
