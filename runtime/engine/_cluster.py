@@ -496,10 +496,13 @@ class RemoteExperts:
         out = []
         for layer, idx in zip(moe, raw):
             experts = self._moe_layers()[layer]
-            try:
-                a = np.asarray(idx, dtype=np.int64)
-            except (ValueError, TypeError, OverflowError):
-                a = None
+            a = None
+            # JSON integers only: numpy would turn 1.5, true or "3" into an expert id
+            if isinstance(idx, list) and all(isinstance(r, list) and all(type(v) is int for v in r) for r in idx):
+                try:
+                    a = np.asarray(idx, dtype=np.int64)
+                except (ValueError, OverflowError):
+                    pass
             if a is None or a.ndim != 2 or a.shape[0] != rows or not 1 <= a.shape[1] <= len(experts) or (
                     a.size and not np.isin(a, experts).all()):
                 raise NodeFailed(f"the reply's routes at layer {layer} are not [{rows}, k] ids of that layer's "

@@ -366,14 +366,14 @@ def plain(answer: dict) -> dict:
 
 def sign_plain(doc, key):
     """`doc` (the `plain` form) as a node answers it: an info() signed with `key` (an Ed25519 PrivateKey), a reply
-    (a body with a layer) MACed with `key` (a session key, bytes), its output digests made from its arrays;
+    (a body with a layer or a span) MACed with `key` (a session key, bytes), its output digests made from its arrays;
     anything but a dict is returned as it is."""
     from shardtool.manifest import pae
     from shardtool.runtime.engine._cluster_node import INFO_TYPE, REPLY_TYPE, canonical_body, output_digest
     from shardtool.runtime.engine._cluster_session import mac
     if not isinstance(doc, dict):
         return doc
-    arrays = doc.get("outputs") if "layer" in doc else None
+    arrays = doc.get("outputs") if "layer" in doc or "span" in doc else None
     if arrays is None:
         body = canonical_body(doc)
         return {"body": body, "signature": key.sign(pae(INFO_TYPE, body))}

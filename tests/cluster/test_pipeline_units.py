@@ -143,3 +143,32 @@ def test_a_span_call_of_the_wrong_form_is_refused_in_one_line(model):
     number_zero = encode_span_call((0, 1), _rows(services, 1, 0), [(0, 0, 1)], [], False, "1" * 32, 0, (sid, key))
     with pytest.raises(UsageError, match="a call's number must be an integer in"):
         services["a"].run_span(*decode_any_call(number_zero)[1])
+
+
+def _routes(change):
+    def edit(doc):
+        doc["routes"] = change(doc["routes"])
+        return doc
+    return edit
+
+
+BAD_ROUTES = [
+    ("a float id", _routes(lambda r: [[[row[0] + 0.5, *row[1:]] for row in r[0]]])),
+    ("a bool id", _routes(lambda r: [[[True, *row[1:]] for row in r[0]]])),
+    ("a string id", _routes(lambda r: [[[str(row[0]), *row[1:]] for row in r[0]]])),
+    ("an id outside the layer", _routes(lambda r: [[[10 ** 6, *row[1:]] for row in r[0]]])),
+    ("ragged rows", _routes(lambda r: [[r[0][0], r[0][1][:1], *r[0][2:]]])),
+    ("a row too few", _routes(lambda r: [r[0][:-1]])),
+    ("a layer too many", _routes(lambda r: r + r)),
+    ("no routes", _routes(lambda r: None)),
+]
+
+
+@pytest.mark.parametrize("name,edit", BAD_ROUTES, ids=[b[0] for b in BAD_ROUTES])
+def test_a_span_reply_whose_authenticated_routes_are_malformed_drops_the_node(model, name, edit):
+    from shardtool.errors import UnavailableError
+    services = _services(model)
+    remote, transport = _remote(model, services)
+    transport.edit["a"] = edit  # node a's own session key MACs the edited body
+    with pytest.raises(UnavailableError, match="node a, which runs them .* was lost .*routes"):
+        remote.span("a", (0, 1), _rows(services, 3, 0), [(0, 0, 3)], [], True)
