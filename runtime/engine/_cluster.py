@@ -61,6 +61,7 @@ from ._cluster_node import INFO_TYPE, REPLY_TYPE, input_digest, is_int, new_nonc
 from ._cluster_plan import MAX_PLAN_BYTES, MAX_SIGNATURE_FILE, ClusterPlan, decode_plan, open_signed_plan
 from ._cluster_proxy import REFUSED, NodeFailed, ProxyTransport
 from ._cluster_spans import PipelineLayers, span_failure, span_input_digest
+from ._cluster_wire import encode_span_call
 from ._cluster_session import PUBLIC_KEY, Handshake, mac_matches, session_id, session_key, unknown_session
 
 DEFAULT_TIMEOUT = 30.0
@@ -88,9 +89,9 @@ class Transport(Protocol):
         when it cannot start."""
         ...
 
-    def submit_span(self, node: str, span: tuple[int, int], x: np.ndarray, segments: list, drop: list[int],
-                    routes: bool, nonce: str, session: str) -> object:
-        """Start a span call at `node` (a pipeline plan's); its answer comes from `result`."""
+    def submit_span(self, node: str, call: bytes) -> object:
+        """Start a span call at `node` (a pipeline plan's; its authenticated bytes, `encode_span_call`); its answer
+        comes from `result`."""
         ...
 
     def result(self, pending: object, timeout: float) -> dict:
@@ -159,6 +160,9 @@ class RemoteExperts:
         self._sessions: dict[str, tuple[str, bytes]] = {}  # node -> (session id, key) of its current session
         self.probe_seconds = probe_seconds
         self._probe_at: dict[str, tuple[float, float]] = {}  # lost node -> (when to ask it next, the gap after that)
+        self._span_room: tuple[int, int] | None = None  # (max batch, max context) every span node must hold
+        self._span_infos: dict[str, dict] = {}  # span node -> its info() at connect
+        self._call_numbers: dict[str, int] = {}  # session id -> the number of its last span call
 
     @property
     def nodes(self) -> list[str]:
@@ -177,6 +181,8 @@ class RemoteExperts:
                 self._drop(node, str(e))
                 continue
             infos[node] = info
+            if node in dict(self.spans):
+                self._span_infos[node] = info
             self._boots[node] = info["boot"]
             self._sessions[node] = session
             self._failed.setdefault(node, set()).update(_failed_pairs(info["failed"]))
@@ -263,15 +269,34 @@ class RemoteExperts:
         if not isinstance(info.get("boot"), str) or not _BOOT.fullmatch(info["boot"]):
             raise NodeFailed(f"node {node} answered info() without a boot id (32 lowercase hex digits): refused")
         span = dict(self.spans).get(node)
-        if span is not None and info.get("layers") != list(span):
-            raise NodeFailed(f"node {node} runs layers {printable(str(info.get('layers'))[:40])}, the plan gives it "
-                             f"{list(span)[:8]}: refused")
+        if span is not None:
+            if info.get("layers") != list(span):
+                raise NodeFailed(f"node {node} runs layers {printable(str(info.get('layers'))[:40])}, the plan gives "
+                                 f"it {list(span)[:8]}: refused")
+            if not all(_is_index(info.get(k)) and info[k] >= 1 for k in ("max_sequences", "max_context")):
+                raise NodeFailed(f"node {node} answered info() without the sequences and tokens it keeps "
+                                 f"(max_sequences, max_context): refused")
+            short = self._span_room and _short_room(node, info, *self._span_room)
+            if short:
+                raise NodeFailed(short)
         held = {(int(a), int(b)) for a, b in experts}
         planned = {key for key, nodes in self.placement.items() if node in nodes}
         if not planned <= held:
             layer, expert = min(planned - held)
             raise NodeFailed(f"node {node} does not hold layer {layer} expert {expert}, which the plan gives it")
         return info
+
+    def check_span_room(self, max_batch: int, max_context: int) -> None:
+        """A pipeline coordinator stepping up to `max_batch` sequences of up to `max_context` tokens: each span node
+        (as its info() at connect said) must keep that many sequences of that many tokens, so every call of a step fits it
+        (its rows then fit the node's activation reserve, `span_activations`). UsageError naming the first that
+        does not; a node readmitted later must hold as much."""
+        for node, _ in self.spans:
+            short = _short_room(node, self._span_infos[node], max_batch, max_context)
+            if short:
+                raise UsageError(short, hint="lower --max-batch or --max-context here (verify-and-run: the prompt "
+                                             "plus --max-new-tokens), or start the node with larger ones")
+        self._span_room = (max_batch, max_context)
 
     def _drop(self, node: str, why: str) -> None:
         with self._lock:
@@ -402,6 +427,7 @@ class RemoteExperts:
             with self._lock:
                 lost = node in self.stats.dropped
                 sid, key = self._sessions.get(node, ("", b""))
+                number = self._call_numbers[sid] = self._call_numbers.get(sid, 0) + 1
             if lost:
                 raise UnavailableError(self._lost_span(node, span))
             x = np.ascontiguousarray(x, dtype=np.float32)
@@ -410,7 +436,8 @@ class RemoteExperts:
             self.stats.calls += 1
             self.stats.wire_bytes += 2 * x.nbytes
             try:
-                pending = self.transport.submit_span(node, span, x, segments, drop, routes, nonce, sid)
+                call = encode_span_call(span, x, segments, drop, routes, nonce, number, (sid, key))
+                pending = self.transport.submit_span(node, call)
                 reply = self.transport.result(pending, self.timeout)
                 return self._check_span_reply(node, span, x.shape, routes, reply, (nonce, sent, key))
             except NodeFailed as err:
@@ -470,10 +497,13 @@ class RemoteExperts:
         out = []
         for layer, idx in zip(moe, raw):
             experts = self._moe_layers()[layer]
-            try:
-                a = np.asarray(idx, dtype=np.int64)
-            except (ValueError, TypeError, OverflowError):
-                a = None
+            a = None
+            # JSON integers only: numpy would turn 1.5, true or "3" into an expert id
+            if isinstance(idx, list) and all(isinstance(r, list) and all(type(v) is int for v in r) for r in idx):
+                try:
+                    a = np.asarray(idx, dtype=np.int64)
+                except (ValueError, OverflowError):
+                    pass
             if a is None or a.ndim != 2 or a.shape[0] != rows or not 1 <= a.shape[1] <= len(experts) or (
                     a.size and not np.isin(a, experts).all()):
                 raise NodeFailed(f"the reply's routes at layer {layer} are not [{rows}, k] ids of that layer's "
@@ -707,6 +737,18 @@ def connect_cluster(address: str, plan: ClusterPlan, *, timeout: float = DEFAULT
 
 def _is_index(v) -> bool:
     return is_int(v) and 0 <= v < 1 << 31
+
+
+def _short_room(node: str, info: Mapping, max_batch: int, max_context: int) -> str | None:
+    """Why span node `node` (its checked info()) cannot run a coordinator's steps of up to `max_batch` sequences of
+    up to `max_context` tokens; None when it can."""
+    if info["max_sequences"] < max_batch:
+        return (f"node {node} keeps {info['max_sequences']} sequences (its --max-sequences), this coordinator steps "
+                f"up to {max_batch} at once")
+    if info["max_context"] < max_context:
+        return (f"node {node} runs sequences of at most {info['max_context']} tokens (its --max-context), this "
+                f"coordinator's may reach {max_context}")
+    return None
 
 
 def _failed_pairs(failed: Mapping[str, str]) -> set[tuple[int, int]]:

@@ -43,9 +43,11 @@ from shardtool.manifest.audit import check_file
 from shardtool.remote import RemoteFiles, RemoteSource
 from shardtool.runtime.model import ModelConfig, run_expert
 from ._cluster_plan import NODE_READERS, ClusterPlan, pipeline_node_floor
-from ._cluster_session import Handshake, SessionTable, check_public_key, mac, session_id, session_key
-from ._cluster_spans import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_SEQUENCES, SpanRunner, span_input_digest, span_kv_bytes
-from ._cluster_wire import decode_any_call, encode_answer, pack
+from ._cluster_session import Handshake, SessionTable, check_public_key, mac, mac_matches, session_id, session_key
+from ._cluster_spans import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_SEQUENCES, SpanRunner, span_activations, span_input_digest,
+                             span_kv_bytes)
+from ._plan import MIN_ACTIVATION_RESERVE
+from ._cluster_wire import SPAN_CALL_TYPE, decode_any_call, decode_span_call, encode_answer, pack
 from ._provider import VerifiedWeights
 from ._signed import unusable_shards, verified_config
 from shardtool.runtime.store import DEFAULT_POLICY
@@ -271,7 +273,10 @@ class NodeService:
             failed = {f"{layer}/{expert}": why for (layer, expert), why in sorted(self.failed.items())}
         doc = {"manifest_version": s.manifest_version, "boot": self.boot, "experts": sorted(
             [layer, expert] for layer, expert in self.held), "failed": failed, "calls": self.calls,
-            "store": self.store.stats.as_dict(), **({"layers": list(s.layers)} if s.layers else {})}
+            "store": self.store.stats.as_dict(),
+            # what a coordinator's steps must fit (`RemoteExperts.check_span_room`)
+            **({"layers": list(s.layers), "max_sequences": s.max_sequences, "max_context": s.max_context}
+               if s.layers else {})}
         if session is not None:
             coordinator = check_public_key(session, "info()'s session")
             mine = Handshake()
@@ -320,16 +325,22 @@ class NodeService:
                 "failed": {str(e): why for e, why in failed.items()}, "seconds": time.perf_counter() - t0}
         return {**self._maced(body, nonce, key), "outputs": {int(e): y for e, y in outputs.items()}}
 
-    def run_span(self, span, x, segments, drop, routes, nonce, session) -> dict:
+    def run_span(self, session, call, tag) -> dict:
         """A pipeline node's layers on a step's rows (`SpanRunner`): {body, mac, outputs: {0: x' [n, H] float32}},
         the body naming the span, the inputs' digest, the output's digest, a failure of some rows (then no output)
-        and, when asked, the experts each row chose at each MoE layer. Checked as `run`'s call is, first the
-        session."""
-        nonce = _check_nonce(nonce)
+        and, when asked, the experts each row chose at each MoE layer. The call's bytes must carry `session`'s MAC
+        (checked before they are read) and a number above the session's last: this node's keys and values outlive
+        the call, so a forged or replayed one would change what later authenticated answers compute on. Then
+        checked as `run`'s call is."""
         key = self.sessions.key(session)
+        if not mac_matches(key, SPAN_CALL_TYPE, call, tag):
+            raise UsageError(f"the span call is not authenticated by session {session}'s key: refused")
+        span, x, segments, drop, routes, nonce, number = decode_span_call(call)
+        nonce = _check_nonce(nonce)
         if self.spans is None:
             raise UsageError(f"node {self.setup.name} holds experts, not a span of layers (the plan is not a "
                              f"pipeline plan)")
+        self.sessions.advance(session, number)
         checked, dropped = self.spans.check(span, x, segments, drop, routes)
         t0 = time.perf_counter()
         with self._lock:
@@ -593,12 +604,14 @@ def prepare_node(directory: Path, manifest: VerifiedManifest, plan: ClusterPlan,
     experts = [e for e in entries if e.kind == "expert"]
     trunk = sum(e.size for e in entries if e.kind != "expert")
     layers = node.layers
-    kv = span_kv_bytes(config, layers, max_sequences, max_context) if layers else 0
+    # the floor reserves MIN_ACTIVATION_RESERVE for a step's temporaries; a span's steps may need more
+    kv = (span_kv_bytes(config, layers, max_sequences, max_context)
+          + span_activations(config, max_sequences, max_context) - MIN_ACTIVATION_RESERVE) if layers else 0
     need = pipeline_node_floor(node, {e.path: e.size for e in entries}, config.top_k, readers) + kv
     if budget < need:
         raise UsageError(f"--memory-budget {budget} bytes cannot hold a step of node {name}: it needs {need} bytes "
                          f"(a shard cache of top-k + 1 of its experts and working buffers"
-                         f"{', its layers trunk and keys and values' if layers else ''})",
+                         f"{', its layers trunk, keys and values and step temporaries' if layers else ''})",
                          hint=f"raise --memory-budget to at least {-(-need // 2**20)}MiB")
     for entry in entries:
         finding = check_file(root, entry)

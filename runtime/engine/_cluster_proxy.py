@@ -60,8 +60,7 @@ from shardtool.errors import ShardtoolError, UnavailableError, UsageError, Verif
 from shardtool.private_memory import child_environment
 from shardtool.text import printable
 from ._cluster_node import NAMESPACE, actor_name, graphs_without_torch, import_ray, init_ray
-from ._cluster_wire import (MAX_FRAME, NodeFailed, ProtocolError, decode_answer, encode_answer, encode_call,
-                            encode_span_call, pack, unpack)
+from ._cluster_wire import MAX_FRAME, NodeFailed, ProtocolError, decode_answer, encode_answer, encode_call, pack, unpack
 
 HEADER = struct.Struct(">I")
 MAX_LINE = 300  # characters of a failure line the child sends
@@ -123,9 +122,9 @@ class ProxyTransport:
         """Queue a call; it is sent with the rest of its round by the round's first `result`."""
         return self._queue(node, encode_call(layer, expert_ids, x, rows, nonce, session))
 
-    def submit_span(self, node, span, x, segments, drop, routes, nonce, session) -> int:
-        """Queue a span call (a pipeline plan's node); sent by its `result`."""
-        return self._queue(node, encode_span_call(span, x, segments, drop, routes, nonce, session))
+    def submit_span(self, node, call: bytes) -> int:
+        """Queue a span call (a pipeline plan's node, its authenticated bytes); sent by its `result`."""
+        return self._queue(node, call)
 
     def _queue(self, node: str, call_bytes: bytes) -> int:
         call = next(self._ids)

@@ -93,6 +93,7 @@ class SessionTable:
     def __init__(self, cap: int = MAX_SESSIONS):
         self.cap = cap
         self._keys: OrderedDict[str, bytes] = OrderedDict()
+        self._numbers: dict[str, int] = {}  # session id -> the last call number it was given (`advance`)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -103,7 +104,7 @@ class SessionTable:
             self._keys[sid] = key
             self._keys.move_to_end(sid)
             while len(self._keys) > self.cap:
-                self._keys.popitem(last=False)
+                self._numbers.pop(self._keys.popitem(last=False)[0], None)
 
     def key(self, sid) -> bytes:
         """The key of session `sid`; UsageError when it is not one (malformed, unknown or evicted)."""
@@ -116,3 +117,16 @@ class SessionTable:
                                  f"its info() again")
             self._keys.move_to_end(sid)
             return key
+
+    def advance(self, sid: str, number) -> None:
+        """Take call `number` of session `sid` (held, its MAC checked): it must be above every number the session
+        was given before, or the call is a replay (or reordered): UsageError."""
+        if type(number) is not int or not 0 < number < 1 << 63:
+            raise UsageError("a call's number must be an integer in [1, 2**63)")
+        with self._lock:
+            last = self._numbers.get(sid, 0)
+            if number <= last:
+                raise UsageError(f"call {number} of session {sid} comes after call {last}: a replayed or reordered "
+                                 f"call: refused")
+            if sid in self._keys:
+                self._numbers[sid] = number

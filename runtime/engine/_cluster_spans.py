@@ -27,7 +27,9 @@ import numpy as np
 
 from shardtool.errors import UnavailableError, UsageError
 from shardtool.runtime.model import (ExpertUnavailable, KVCache, ModelConfig, PackedWeights, Segment, WeightProvider,
-                                     bytes_per_token, inv_freq, run_layers, step_attends)
+                                     bytes_per_token, inv_freq, run_layers, step_attends, step_bytes)
+
+from ._plan import MIN_ACTIVATION_RESERVE
 
 MAX_SEGMENTS = 1 << 12  # sequences in one step: far above any --max-batch
 MAX_DROP = 1 << 12  # sequences forgotten in one call
@@ -53,6 +55,14 @@ def span_kv_bytes(cfg: ModelConfig, layers: Sequence[int], max_sequences: int, m
     return bytes_per_token(cfg) * len(layers) // max(cfg.num_layers, 1) * max_sequences * max_context
 
 
+def span_activations(cfg: ModelConfig, max_sequences: int, max_context: int) -> int:
+    """The bytes a span node keeps for one call's temporaries: a step of all its sequences over the longest context
+    (what one process reserves for a decode step of its batch, `plan_budget`), at least MIN_ACTIVATION_RESERVE. A
+    coordinator whose --max-batch and --max-context are at most the node's never sends a call needing more
+    (`RemoteExperts.check_span_room`); the node refuses one that does before it computes anything."""
+    return max(MIN_ACTIVATION_RESERVE, step_bytes(cfg, max_sequences, max_context))
+
+
 def _int(v, lo: int, hi: int, what: str) -> int:
     if type(v) is not int or not lo <= v <= hi:
         raise UsageError(f"{what} must be an integer in [{lo}, {hi}], got {str(v)[:40]}")
@@ -70,6 +80,7 @@ class SpanRunner:
         self.cfg, self.layers = cfg, tuple(layers)
         self.span = (self.layers[0], self.layers[-1] + 1)
         self.max_sequences, self.max_context = max_sequences, max_context
+        self.activations = span_activations(cfg, max_sequences, max_context)
         self.weights = PackedWeights(cfg, provider)
         self.rope = inv_freq(cfg.rope)
         self._caches: OrderedDict[tuple[str, int], KVCache] = OrderedDict()  # least recently used first
@@ -77,14 +88,18 @@ class SpanRunner:
 
     def check(self, span, x: np.ndarray, segments, drop, routes) -> tuple[list[tuple[int, int, int]], list[int]]:
         """A span call's values (their wire form checked by `decode_any_call`): the span must be this node's,
-        x [n, H] with n the segments' rows, each segment [sequence, start, rows] once, within the context."""
+        x [n, H] with n the segments' rows, each segment [sequence, start, rows] once, within the context, at most
+        max_sequences of them, and a step whose temporaries fit this node's activation reserve."""
         if not isinstance(span, list) or span != list(self.span):
             raise UsageError(f"the call is for layers {str(span)[:40]}, this node runs layers "
                              f"{self.span[0]}..{self.span[1] - 1}")
         if x.shape[1] != self.cfg.hidden_size or not 1 <= x.shape[0] <= MAX_SEGMENTS * self.max_context:
             raise UsageError(f"hidden states have shape {x.shape}, expected [rows, {self.cfg.hidden_size}]")
-        if not isinstance(segments, list) or not 1 <= len(segments) <= MAX_SEGMENTS:
-            raise UsageError(f"segments must be a list of 1 to {MAX_SEGMENTS} [sequence, start, rows]")
+        most = min(MAX_SEGMENTS, self.max_sequences)  # more would evict this very call's sequences
+        if not isinstance(segments, list) or not 1 <= len(segments) <= most:
+            raise UsageError(f"segments must be a list of 1 to {most} [sequence, start, rows] (this node's "
+                             f"--max-sequences is {self.max_sequences}), got "
+                             f"{len(segments) if isinstance(segments, list) else 'a ' + type(segments).__name__}")
         checked, seen = [], set()
         for seg in segments:
             if not isinstance(seg, list) or len(seg) != 3:
@@ -99,6 +114,12 @@ class SpanRunner:
             checked.append((q, start, t))
         if sum(t for _, _, t in checked) != x.shape[0]:
             raise UsageError(f"the segments have {sum(t for _, _, t in checked)} rows, the hidden states {x.shape[0]}")
+        keys = max(start + t for _, start, t in checked)
+        need = step_bytes(self.cfg, x.shape[0], keys)  # attention scores alone are [heads, t, keys] per segment
+        if need > self.activations:
+            raise UsageError(f"a step of {x.shape[0]} rows over {keys} keys needs {need} bytes of temporaries, this "
+                             f"node keeps {self.activations} (for --max-sequences {self.max_sequences} over "
+                             f"--max-context {self.max_context}): send fewer rows per call")
         if not isinstance(drop, list) or len(drop) > MAX_DROP:
             raise UsageError(f"drop must be a list of at most {MAX_DROP} sequences")
         dropped = [_int(q, 0, MAX_SEQUENCE, "a dropped sequence") for q in drop]

@@ -5,10 +5,14 @@ to rebuild on either side) and the proxy forwards without reading.
 
     a call:    {"layer", "experts", "x": array [n, H] float32, "rows": [[expert, array [t_e] int64], ...], "nonce",
                 "session": the session id (`_cluster_session`) whose key authenticates the answer}
-    a span call (a pipeline plan's node runs its layers): {"span": [first layer, last layer + 1], "x": array
-                [n, H] float32, "segments": [[sequence, start, t], ...] (the rows of each sequence, in order),
-                "drop": [sequence, ...] (sequences whose keys the node may forget), "routes": bool, "nonce",
-                "session"}; its answer has the reply's form, the one output under 0
+    a span call (a pipeline plan's node runs its layers): {"session": its id, "span_call": bytes, "mac": keyed
+                BLAKE3 of those bytes under the session's key}, the bytes a msgpack map {"span": [first layer,
+                last layer + 1], "x": array [n, H] float32, "segments": [[sequence, start, t], ...] (the rows of
+                each sequence, in order), "drop": [sequence, ...] (sequences whose keys the node may forget),
+                "routes": bool, "nonce", "number": the session's call number, increasing}. A span node keeps
+                state (keys and values) between calls: a call someone between could forge or replay would change
+                what later, authenticated answers compute on. Its answer has the reply's form, the one output
+                under 0
     an answer: info(): {"body": bytes, "signature": bytes (Ed25519)}
                run():  {"body": bytes, "mac": bytes (keyed BLAKE3), "outputs": [[expert, array [t_e, H] float32], ...]}
 """
@@ -24,13 +28,17 @@ import numpy as np
 from shardtool.errors import UsageError
 from shardtool.text import printable
 
+from ._cluster_session import mac
+
 MAX_FRAME = 1 << 30  # one frame: a call's hidden states or a reply's outputs; the caps below bound what it holds
 MAX_ARRAY_ELEMENTS = 1 << 28  # one array of a frame (a 1 GiB float32 block)
 _DTYPES = {"<f4": np.dtype("<f4"), "<i8": np.dtype("<i8")}  # the only arrays that cross the wire
 # The one key of each answer form that authenticates its body: an info()'s signature, a run's MAC.
 _PROOF = {frozenset({"body", "signature"}): "signature", frozenset({"body", "mac", "outputs"}): "mac"}
 _CALL_KEYS = {"layer", "experts", "x", "rows", "nonce", "session"}
-_SPAN_KEYS = {"span", "x", "segments", "drop", "routes", "nonce", "session"}
+_SPAN_KEYS = {"session", "span_call", "mac"}
+_SPAN_CALL_KEYS = {"span", "x", "segments", "drop", "routes", "nonce", "number"}
+SPAN_CALL_TYPE = "application/vnd.shardtool.span-call+msgpack"  # what a span call's MAC is over (PAE)
 
 
 class NodeFailed(Exception):
@@ -139,26 +147,40 @@ def encode_call(layer: int, expert_ids, x: np.ndarray, rows, nonce: str, session
                  "rows": [[int(e), encode_array(r)] for e, r in rows.items()], "nonce": nonce, "session": session})
 
 
-def encode_span_call(span: tuple[int, int], x: np.ndarray, segments, drop, routes: bool, nonce: str,
-                     session: str) -> bytes:
-    """One span call's arguments as the bytes a pipeline node's actor takes (`decode_any_call`)."""
-    return pack({"span": [int(span[0]), int(span[1])], "x": encode_array(x),
+def encode_span_call(span: tuple[int, int], x: np.ndarray, segments, drop, routes: bool, nonce: str, number: int,
+                     session: tuple[str, bytes]) -> bytes:
+    """One span call's arguments as the bytes a pipeline node's actor takes (`decode_any_call`), authenticated by
+    `session`'s (id, key) as call `number` of that session."""
+    sid, key = session
+    call = pack({"span": [int(span[0]), int(span[1])], "x": encode_array(x),
                  "segments": [[int(q), int(start), int(t)] for q, start, t in segments],
-                 "drop": [int(q) for q in drop], "routes": bool(routes), "nonce": nonce, "session": session})
+                 "drop": [int(q) for q in drop], "routes": bool(routes), "nonce": nonce, "number": int(number)})
+    return pack({"session": sid, "span_call": call, "mac": mac(key, SPAN_CALL_TYPE, call)})
 
 
 def decode_any_call(call: Any) -> tuple[str, tuple]:
-    """A call's bytes (at a node, from the wire) -> ("run", `decode_call`'s tuple) or ("span", (span, x [n, H]
-    float32, segments, drop, routes, nonce, session id)), the form checked here (a UsageError naming what is
-    wrong); the values are the node's to check."""
+    """A call's bytes (at a node, from the wire) -> ("run", `decode_call`'s tuple) or ("span", (session id, the
+    span call's bytes, their MAC)), the form checked here (a UsageError naming what is wrong); a span call's bytes
+    are read (`decode_span_call`) only once their MAC is checked, the values are the node's to check."""
     doc = _unpack_call(call)
     if set(doc) != _SPAN_KEYS:
         return "run", _run_call(doc)
+    if type(doc["span_call"]) is not bytes or type(doc["mac"]) is not bytes:
+        raise UsageError("a span call must carry its call and its MAC as bytes")
+    return "span", (doc["session"], doc["span_call"], doc["mac"])
+
+
+def decode_span_call(call: bytes) -> tuple[Any, np.ndarray, Any, Any, Any, Any, Any]:
+    """A span call's authenticated bytes -> (span, x [n, H] float32, segments, drop, routes, nonce, number), the
+    form checked here (a UsageError naming what is wrong)."""
     try:
+        doc = unpack(call)
+        if set(doc) != _SPAN_CALL_KEYS:
+            raise ProtocolError(f"a span call must have exactly the keys {sorted(_SPAN_CALL_KEYS)}")
         x = decode_array(doc["x"], "<f4", 2, "the hidden states")
     except ProtocolError as e:
         raise UsageError(str(e)) from None
-    return "span", (doc["span"], x, doc["segments"], doc["drop"], doc["routes"], doc["nonce"], doc["session"])
+    return doc["span"], x, doc["segments"], doc["drop"], doc["routes"], doc["nonce"], doc["number"]
 
 
 def _unpack_call(call: Any) -> dict:

@@ -63,6 +63,11 @@ class ExpertCluster(Protocol):
         """The forward pass's `ExpertFetch` for MoE layer `layer`."""
         ...
 
+    def check_span_room(self, max_batch: int, max_context: int) -> None:
+        """A pipeline plan's: UsageError unless every span node runs steps of `max_batch` sequences of
+        `max_context` tokens."""
+        ...
+
 
 @dataclass(frozen=True)
 class TokenEvent:
@@ -196,6 +201,8 @@ class Engine:
         self.remote = remote
         self._weights = PackedWeights(self.config, self.weights, remote.fetch if remote is not None else None)
         self._layers = remote.layers if remote is not None else None  # a pipeline plan's nodes run the layers
+        if self._layers is not None:  # every step's call must fit each node, or the node refuses it (and is lost)
+            remote.check_span_room(max_batch, max_context)
         self._rope = inv_freq(self.config.rope)
         self.bytes_per_token = bytes_per_token(self.config)
         self.stats = EngineStats()

@@ -332,15 +332,26 @@ class Direct:
         self.calls.append((node, layer, list(expert_ids)))
         return node, layer, expert_ids, x, rows, nonce, session
 
+    def submit_span(self, node, call):
+        """A span call's wire bytes (what a node's actor takes), run by `result`; `sent` keeps them."""
+        self.calls.append((node, call))
+        return node, call
+
     def result(self, pending, timeout):
         from shardtool.errors import ShardtoolError
         from shardtool.runtime.engine._cluster import NodeFailed
-        node, layer, ids, x, rows, nonce, session = pending
+        from shardtool.runtime.engine._cluster_wire import decode_any_call
+        node = pending[0]
         if node in self.down:
             raise NodeFailed("ActorDiedError: the actor died unexpectedly")
         service = self.services[node]
         try:
-            answer = service.run(layer, ids, x, rows, nonce, session)
+            if len(pending) == 2:  # a span call's bytes
+                _, args = decode_any_call(pending[1])
+                answer, session = service.run_span(*args), args[0]
+            else:
+                _, layer, ids, x, rows, nonce, session = pending
+                answer = service.run(layer, ids, x, rows, nonce, session)
         except ShardtoolError as e:  # what Ray hands the proxy as a RayTaskError, and the proxy says so
             raise NodeFailed(f"refused the call: {e.one_line()}") from None
         return self._out(node, answer, self.mac_keys.get(node) or service.sessions.key(session))
@@ -355,14 +366,14 @@ def plain(answer: dict) -> dict:
 
 def sign_plain(doc, key):
     """`doc` (the `plain` form) as a node answers it: an info() signed with `key` (an Ed25519 PrivateKey), a reply
-    (a body with a layer) MACed with `key` (a session key, bytes), its output digests made from its arrays;
+    (a body with a layer or a span) MACed with `key` (a session key, bytes), its output digests made from its arrays;
     anything but a dict is returned as it is."""
     from shardtool.manifest import pae
     from shardtool.runtime.engine._cluster_node import INFO_TYPE, REPLY_TYPE, canonical_body, output_digest
     from shardtool.runtime.engine._cluster_session import mac
     if not isinstance(doc, dict):
         return doc
-    arrays = doc.get("outputs") if "layer" in doc else None
+    arrays = doc.get("outputs") if "layer" in doc or "span" in doc else None
     if arrays is None:
         body = canonical_body(doc)
         return {"body": body, "signature": key.sign(pae(INFO_TYPE, body))}

@@ -177,3 +177,30 @@ def test_a_malformed_span_call_is_refused_before_anything_runs(name, change, mes
         call["x"] = np.zeros((call["x"].shape[0], cfg.hidden_size), np.float32)
     with pytest.raises(UsageError, match=message):
         runner.check(call["span"], call["x"], call["segments"], call["drop"], call["routes"])
+
+
+def _check(runner, segments):
+    rows = sum(t for _, _, t in segments)
+    x = np.zeros((rows, runner.cfg.hidden_size), np.float32)
+    return runner.check([1, 3], x, [list(s) for s in segments], [], False)
+
+
+def test_a_call_whose_temporaries_outgrow_the_nodes_reserve_is_refused_before_it_runs():
+    from shardtool.runtime.model import step_bytes
+    cfg, state = make("mixtral")
+    runner = SpanRunner(cfg, DictWeightProvider(state), (1, 2), max_sequences=1, max_context=8192)
+    # a whole prompt in one call: attention scores [heads, t, t]; the most rows whose step fits are accepted
+    fits = max(t for t in range(1, 8193) if step_bytes(cfg, t, t) <= runner.activations)
+    assert 1 < fits < 8192
+    _check(runner, [(0, 0, fits)])
+    with pytest.raises(UsageError, match=f"a step of {fits + 1} rows over {fits + 1} keys needs .* this node keeps "
+                                         f"{runner.activations} "):
+        _check(runner, [(0, 0, fits + 1)])
+
+
+def test_a_call_stepping_more_sequences_than_the_node_keeps_is_refused():
+    cfg, state = make("mixtral")
+    runner = SpanRunner(cfg, DictWeightProvider(state), (1, 2), max_sequences=2)
+    _check(runner, [(0, 0, 1), (1, 0, 1)])
+    with pytest.raises(UsageError, match="segments must be a list of 1 to 2 .* --max-sequences is 2.*got 3"):
+        _check(runner, [(0, 0, 1), (1, 0, 1), (2, 0, 1)])
