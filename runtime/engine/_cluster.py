@@ -455,21 +455,10 @@ class RemoteExperts:
 
     def _check_span_reply(self, node: str, span: tuple[int, int], shape: tuple[int, int], routes: bool, reply,
                           call: tuple[str, str, bytes]) -> tuple[np.ndarray, list[np.ndarray]]:
-        nonce, sent, key = call
-        body = self._body(reply, "mac", "the reply", ("outputs",))
-        if not mac_matches(key, REPLY_TYPE, body, reply["mac"]):
-            raise NodeFailed(f"the reply is not authenticated by node {node}'s session key (made at its signed "
-                             f"info()): an impostor, another node or another session answering under its name: "
-                             f"refused")
-        doc = self._doc(node, body, nonce, "the reply")
-        if doc.get("input") != sent:
-            raise NodeFailed("the reply was computed on other inputs than the ones sent: refused")
+        doc, digests, failed, outputs = self._reply(node, reply, call)
         if doc.get("span") != list(span):
             raise NodeFailed(f"the reply is for layers {printable(str(doc.get('span'))[:40])}, asked {list(span)}: "
                              f"refused")
-        digests, failed, outputs = doc.get("outputs"), doc.get("failed"), reply["outputs"]
-        if not isinstance(digests, dict) or not isinstance(failed, dict) or not isinstance(outputs, dict):
-            raise NodeFailed("the reply has no outputs/failed mappings")
         if failed:
             if digests or outputs:
                 raise NodeFailed("the reply both fails and answers the span: refused")
@@ -480,12 +469,7 @@ class RemoteExperts:
         y = outputs.get(0)
         if set(digests) != {"0"} or set(outputs) != {0}:
             raise NodeFailed("the reply does not carry exactly the span's one output")
-        if type(y) is not np.ndarray or y.dtype != np.float32 or y.shape != shape:
-            raise NodeFailed(f"the span's output is not a float32 array of shape {shape}")
-        if output_digest(y) != digests["0"]:
-            raise NodeFailed("the span's output is not the one the node authenticated: refused")
-        if not np.isfinite(y).all():
-            raise NodeFailed("the span's output is not finite")
+        _check_output(y, shape, digests["0"], "the span's output")
         return y, self._span_routes(doc.get("routes"), span, shape[0]) if routes else []
 
     def _span_routes(self, raw, span: tuple[int, int], rows: int) -> list[np.ndarray]:
@@ -521,10 +505,10 @@ class RemoteExperts:
             found = self._moe_index = {layer: np.asarray(sorted(ids), dtype=np.int64) for layer, ids in by_layer.items()}
         return found
 
-    def _check_reply(self, node: str, layer: int, experts: list[int], rows: Mapping[int, np.ndarray], reply,
-                     hidden: int, call: tuple[str, str, bytes]) -> tuple[dict[int, np.ndarray], dict[int, str]]:
-        """`call`: the call's (nonce, digest of the inputs sent, key of the session it was sent in). The reply's MAC
-        is checked before its body is parsed."""
+    def _reply(self, node: str, reply, call: tuple[str, str, bytes]) -> tuple[dict, dict, dict, dict]:
+        """A run or span answer -> (its body, the body's output digests and failures, the outputs), once its MAC
+        verifies under the call's session key (before the body is parsed) and the body names `node`, this
+        coordinator's root, the call's nonce and the digest of the inputs sent. `call`: (nonce, that digest, key)."""
         nonce, sent, key = call
         body = self._body(reply, "mac", "the reply", ("outputs",))
         if not mac_matches(key, REPLY_TYPE, body, reply["mac"]):
@@ -534,30 +518,40 @@ class RemoteExperts:
         doc = self._doc(node, body, nonce, "the reply")
         if doc.get("input") != sent:
             raise NodeFailed("the reply was computed on other inputs than the ones sent: refused")
+        digests, failed, outputs = doc.get("outputs"), doc.get("failed"), reply["outputs"]
+        if not isinstance(digests, dict) or not isinstance(failed, dict) or not isinstance(outputs, dict):
+            raise NodeFailed("the reply has no outputs/failed mappings")
+        return doc, digests, failed, outputs
+
+    def _check_reply(self, node: str, layer: int, experts: list[int], rows: Mapping[int, np.ndarray], reply,
+                     hidden: int, call: tuple[str, str, bytes]) -> tuple[dict[int, np.ndarray], dict[int, str]]:
+        """`call`: the call's (nonce, digest of the inputs sent, key of the session it was sent in)."""
+        doc, digests, failed, outputs = self._reply(node, reply, call)
         if doc.get("layer") != layer or isinstance(doc.get("layer"), bool):
             raise NodeFailed(f"the reply is for layer {printable(str(doc.get('layer'))[:20])}, asked {layer}: refused")
         if doc.get("experts") != list(experts):
             raise NodeFailed(f"the reply is for experts {printable(str(doc.get('experts'))[:80])}, asked {experts}: "
                              f"refused")
-        digests, failed, outputs = doc.get("outputs"), doc.get("failed"), reply["outputs"]
-        if not isinstance(digests, dict) or not isinstance(failed, dict) or not isinstance(outputs, dict):
-            raise NodeFailed("the reply has no outputs/failed mappings")
         asked = {str(e): e for e in experts}
         if (set(digests) | set(failed) != set(asked) or set(digests) & set(failed)
                 or set(outputs) != {asked[k] for k in digests}):
             raise NodeFailed(f"the reply covers experts {printable(str(sorted(set(digests) | set(failed)))[:80])}, "
                              f"asked {experts}")
         for e, y in outputs.items():
-            want = (len(rows[e]), hidden)
-            # exactly an ndarray (a subclass could change what `*` and `+=` do), finite: a NaN from a node would
-            # otherwise surface as 'the signed weights give non-finite logits' and never drop the node.
-            if type(y) is not np.ndarray or y.dtype != np.float32 or y.shape != want:
-                raise NodeFailed(f"expert {e}'s output is not a float32 array of shape {want}")
-            if output_digest(y) != digests[str(e)]:
-                raise NodeFailed(f"expert {e}'s output is not the one the node authenticated: refused")
-            if not np.isfinite(y).all():
-                raise NodeFailed(f"expert {e}'s output is not finite")
+            _check_output(y, (len(rows[e]), hidden), digests[str(e)], f"expert {e}'s output")
         return outputs, {asked[e]: printable(str(why)[:300]) for e, why in failed.items()}
+
+
+def _check_output(y, shape: tuple[int, int], digest: str, what: str) -> None:
+    """One output a node authenticated: exactly an ndarray (a subclass could change what `*` and `+=` do), float32 of
+    `shape`, with the BLAKE3 the body names, finite (a NaN from a node would otherwise surface as 'the signed weights
+    give non-finite logits' and never drop the node)."""
+    if type(y) is not np.ndarray or y.dtype != np.float32 or y.shape != shape:
+        raise NodeFailed(f"{what} is not a float32 array of shape {shape}")
+    if output_digest(y) != digest:
+        raise NodeFailed(f"{what} is not the one the node authenticated: refused")
+    if not np.isfinite(y).all():
+        raise NodeFailed(f"{what} is not finite")
 
 
 class _LayerCalls:

@@ -404,3 +404,28 @@ def session(service, nonce: str = "0" * 32) -> tuple[str, bytes]:
     key = session_key(mine.shared(theirs), mine.public, theirs, service.setup.name, service.setup.root, nonce,
                       info["boot"])
     return session_id(mine.public, theirs), key
+
+
+def receipt_runs(model: Model, address: str, sampling: tuple[str, ...], prompt_ids: str) -> dict:
+    """The same `verify-and-run` one process on the whole model ("local") and as a cluster's coordinator ("cluster"),
+    each signing a receipt and writing its trace: where -> (token ids, the receipt's fields but its id and time, the
+    trace). Each run must say nothing on stderr (-q, and no node dropped)."""
+    import msgpack
+
+    from shardtool.keys import load_public_key
+    from shardtool.manifest import open_receipt
+
+    operator = [load_public_key(model.work / "op.pub")]
+    runs = {}
+    for where, directory, cluster in (("local", model.full, None), ("cluster", model.coordinator, address)):
+        r = verify_and_run(model, directory, "--prompt-ids", prompt_ids, "--print-ids", "--max-new-tokens", "16",
+                           *sampling, "--receipt-key", "op.key", "--receipt-out", f"{where}.receipt", "--trace-out",
+                           f"{where}.trace", cluster=cluster)
+        receipt, _ = open_receipt((model.work / f"{where}.receipt").read_bytes(), operator)
+        trace = msgpack.unpackb((model.work / f"{where}.trace").read_bytes())
+        assert trace.pop("receipt_id") == receipt.id
+        # All but the receipt's own id and time: tokens, routing root, hidden-state fingerprints, the trace.
+        runs[where] = ([int(t) for t in r.stdout.split()],
+                       {k: v for k, v in receipt.__dict__.items() if k not in ("id", "created")}, trace)
+        assert r.stderr.strip() == ""
+    return runs

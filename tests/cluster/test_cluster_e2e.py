@@ -13,7 +13,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import msgpack
 import pytest
 
 import _clusterkit as kit
@@ -153,19 +152,8 @@ def test_a_file_planned_for_another_node_may_be_absent_but_a_foreign_plan_is_ref
 
 def test_greedy_sampled_and_receipts_equal_one_process(mixtral, head):
     model, _ = mixtral
-    operator = [load_public_key(model.work / "op.pub")]
     for sampling in (("--seed", "11"), ("--temperature", "0.9", "--seed", "7")):
-        runs = {}
-        for where, directory, cluster in (("local", model.full, None), ("cluster", model.coordinator, head.address)):
-            r = kit.verify_and_run(model, directory, "--prompt-ids", PROMPT_IDS, "--print-ids", "--max-new-tokens",
-                                   "16", *sampling, "--receipt-key", "op.key", "--receipt-out", f"{where}.receipt",
-                                   "--trace-out", f"{where}.trace", cluster=cluster)
-            receipt, _ = open_receipt((model.work / f"{where}.receipt").read_bytes(), operator)
-            trace = msgpack.unpackb((model.work / f"{where}.trace").read_bytes())
-            assert trace.pop("receipt_id") == receipt.id
-            # All but the receipt's own id and time: tokens, routing root, hidden-state fingerprints, the trace.
-            runs[where] = (_ids(r), {k: v for k, v in receipt.__dict__.items() if k not in ("id", "created")}, trace)
-            assert r.stderr.strip() == ""  # -q, and nothing went wrong: no node dropped
+        runs = kit.receipt_runs(model, head.address, sampling, PROMPT_IDS)
         assert runs["cluster"] == runs["local"] and len(runs["local"][0]) >= 1
     # The receipt a coordinator signed checks out against the whole model, replayed in one process.
     kit.ok("shardtool", "verify-receipt", "cluster.receipt", model.full, "--operator", "op.pub", "--trust", "a.pub",

@@ -11,13 +11,10 @@ import signal
 import subprocess
 import time
 
-import msgpack
 import openai
 import pytest
 
 import _clusterkit as kit
-from shardtool.keys import load_public_key
-from shardtool.manifest import open_receipt
 
 PROMPT_IDS = "5,77,300,12"
 NODES = ("pp-a", "pp-b")
@@ -59,18 +56,8 @@ def test_the_plan_gives_each_node_whole_layers_and_the_node_holds_only_those(pip
 
 def test_pipeline_tokens_and_receipts_equal_one_process(pipeline, head):
     model, _ = pipeline
-    operator = [load_public_key(model.work / "op.pub")]
     for sampling in (("--seed", "11"), ("--temperature", "0.9", "--seed", "7")):
-        runs = {}
-        for where, directory, cluster in (("local", model.full, None), ("cluster", model.coordinator, head.address)):
-            r = kit.verify_and_run(model, directory, "--prompt-ids", PROMPT_IDS, "--print-ids", "--max-new-tokens",
-                                   "16", *sampling, "--receipt-key", "op.key", "--receipt-out", f"{where}.receipt",
-                                   "--trace-out", f"{where}.trace", cluster=cluster)
-            receipt, _ = open_receipt((model.work / f"{where}.receipt").read_bytes(), operator)
-            trace = msgpack.unpackb((model.work / f"{where}.trace").read_bytes())
-            assert trace.pop("receipt_id") == receipt.id
-            runs[where] = (_ids(r), {k: v for k, v in receipt.__dict__.items() if k not in ("id", "created")}, trace)
-            assert r.stderr.strip() == ""
+        runs = kit.receipt_runs(model, head.address, sampling, PROMPT_IDS)
         assert runs["cluster"] == runs["local"] and len(runs["local"][0]) >= 1
     kit.ok("shardtool", "verify-receipt", "cluster.receipt", model.full, "--operator", "op.pub", "--trust", "a.pub",
            "--model-id", model.model_id, "--state-dir", model.work / "state-receipt", cwd=model.work)
