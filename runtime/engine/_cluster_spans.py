@@ -2,7 +2,7 @@
 the hidden states a coordinator sends, and keeps every sequence's keys and values for those layers between steps.
 A token then makes one round per node instead of one per MoE layer.
 
-Node side, `SpanRunner`: checks a span call (`check_span_call`, every field capped before use), then runs its layers
+Node side, `SpanRunner`: checks a span call (`SpanRunner.check`, every field capped before use), then runs its layers
 with the same functions a single process runs (`step_attends`, `run_layers`): the same float32 bits. Each sequence
 is keyed by (the caller's session id, its number), so one coordinator never reaches another's keys. A call says
 where each sequence's rows start; keys past that position (a step that failed after this node ran it) are
@@ -142,6 +142,9 @@ class SpanRunner:
                 return None, [], {"why": f"this node has no keys for sequence {lost[0][0]} up to its position "
                                          f"(it restarted or evicted them; it keeps {self.max_sequences})",
                                   "rows": rows}
+            for q, _, _ in segments:  # this call's sequences first in line to stay: a new one evicts another's
+                if (session, q) in self._caches:
+                    self._caches.move_to_end((session, q))
             segs = [Segment(np.zeros(t, np.int64), self._cache(session, q, start), "none") for q, start, t in segments]
             bounds = [0, *itertools.accumulate(t for _, _, t in segments)]
             chosen: list[np.ndarray] = []
@@ -165,6 +168,8 @@ class SpanRunner:
         key = (session, q)
         cache = self._caches.get(key)
         if cache is None:
+            if start:  # (`run` checked every sequence's keys first, and none of its own is evicted here)
+                raise RuntimeError(f"sequence {q}'s keys went missing during the call")
             cache = self._caches[key] = KVCache(self.cfg, max_tokens=self.max_context)
             while len(self._caches) > self.max_sequences:
                 self._caches.popitem(last=False)

@@ -204,3 +204,21 @@ def test_a_call_stepping_more_sequences_than_the_node_keeps_is_refused():
     _check(runner, [(0, 0, 1), (1, 0, 1)])
     with pytest.raises(UsageError, match="segments must be a list of 1 to 2 .* --max-sequences is 2.*got 3"):
         _check(runner, [(0, 0, 1), (1, 0, 1), (2, 0, 1)])
+
+
+def test_a_new_sequence_never_evicts_another_sequence_of_the_same_call():
+    """At its limit of sequences, a node taking a call with a new sequence and an old one evicts neither of the call's
+    own: the old one's keys stay (else they would be rebuilt empty at its position and attend to garbage)."""
+    cfg, state = make("mixtral")
+    model = Model(cfg, DictWeightProvider(state))
+    _, layers = pipeline(cfg, state, max_sequences=2)
+    a, b, c = KVCache(cfg), KVCache(cfg), KVCache(cfg)
+    ref_a, ref_c = KVCache(cfg), KVCache(cfg)
+    for cache in (a, b):
+        forward_batch(cfg, model._weights, model._rope, [Segment(np.array([1, 2]), cache)], layers)
+    forward_batch(cfg, model._weights, model._rope, [Segment(np.array([1, 2]), ref_a)])
+    got = forward_batch(cfg, model._weights, model._rope, [Segment(np.array([5]), c), Segment(np.array([3]), a)],
+                        layers)  # a is the least recently used: c must evict b, not a
+    want = forward_batch(cfg, model._weights, model._rope, [Segment(np.array([5]), ref_c),
+                                                             Segment(np.array([3]), ref_a)])
+    np.testing.assert_array_equal(got, want)
