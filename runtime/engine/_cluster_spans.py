@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import blake3
@@ -32,7 +32,7 @@ from shardtool.runtime.model import (ExpertUnavailable, KVCache, ModelConfig, Pa
 from ._plan import MIN_ACTIVATION_RESERVE
 
 MAX_SEGMENTS = 1 << 12  # sequences in one step: far above any --max-batch
-MAX_DROP = 1 << 12  # sequences forgotten in one call
+MAX_DROP = 1 << 12  # sequences forgotten in one call; also the most a coordinator keeps to forget at one node
 MAX_SEQUENCE = (1 << 63) - 1
 DEFAULT_MAX_SEQUENCES = 16
 DEFAULT_MAX_CONTEXT = 4096
@@ -191,7 +191,11 @@ class PipelineLayers:
         self.remote, self.spans = remote, tuple(spans)
         self._numbers: weakref.WeakKeyDictionary[KVCache, int] = weakref.WeakKeyDictionary()
         self._next = itertools.count()
-        self._gone: dict[str, list[int]] = {node: [] for node, _ in self.spans}
+        # Per node, the numbers of caches gone, dropped there with its next call. Bounded: a node that is lost, or
+        # comes after one, is not called, and the newest MAX_DROP are kept (a node keeps at most 4,096 sequences,
+        # `shardtool node --max-sequences`); a number never dropped only holds a slot until the node's least
+        # recently used order evicts it, since numbers are never reused.
+        self._gone: dict[str, deque[int]] = {node: deque(maxlen=MAX_DROP) for node, _ in self.spans}
         self._lock = threading.Lock()
 
     def _number(self, cache: KVCache) -> int:
@@ -209,9 +213,8 @@ class PipelineLayers:
 
     def _drops(self, node: str) -> list[int]:
         with self._lock:
-            gone = self._gone[node][:MAX_DROP]
-            del self._gone[node][:len(gone)]
-            return gone
+            gone = self._gone[node]
+            return [gone.popleft() for _ in range(len(gone))]
 
     def __call__(self, x: np.ndarray, segments: Sequence[Segment], bounds: Sequence[int], observe) -> np.ndarray:
         if any(seg.trace is not None and seg.trace.alternatives for seg in segments):

@@ -22,14 +22,14 @@ from test_model_numpy import make  # noqa: E402
 
 class InProcess:
     """`RemoteExperts.span` without the wire: each node's SpanRunner called directly; `fail_next[node]` raises there
-    once (a node lost mid-step)."""
+    once (a node lost mid-step), `down[node]` every time (a node lost for good)."""
 
     def __init__(self, runners: dict[str, SpanRunner]):
-        self.runners, self.fail_next, self.calls = runners, set(), []
+        self.runners, self.fail_next, self.down, self.calls = runners, set(), set(), []
 
     def span(self, node, span, x, segments, drop, routes):
         self.calls.append((node, span, list(segments), list(drop)))
-        if node in self.fail_next:
+        if node in self.fail_next or node in self.down:
             self.fail_next.discard(node)
             raise UsageError(f"node {node} lost")
         runner = self.runners[node]
@@ -145,6 +145,23 @@ def test_an_evicted_sequence_fails_only_its_own_rows_and_a_finished_one_is_dropp
     assert remote.calls[-2][3] == remote.calls[-1][3] == [0]  # a cache that is gone: dropped at each node's next call
     forward_batch(cfg, model._weights, model._rope, [Segment(np.array([4]), b)], layers)
     assert remote.calls[-1][3] == []
+
+
+def test_the_numbers_to_drop_at_a_node_behind_a_lost_one_stay_bounded_and_the_newest_are_sent():
+    """While n0 is lost no step reaches n1: every request's cache that ends adds its number to n1's drops."""
+    from shardtool.runtime.engine._cluster_spans import MAX_DROP
+    cfg, state = make("mixtral")
+    model = Model(cfg, DictWeightProvider(state))
+    remote, layers = pipeline(cfg, state)
+    remote.down.add("n0")
+    for _ in range(MAX_DROP + 50):  # a request each: its step fails at n0 (503), its cache is gone
+        with pytest.raises(UsageError, match="n0 lost"):
+            forward_batch(cfg, model._weights, model._rope, [Segment(np.array([1]), KVCache(cfg))], layers)
+    assert len(layers._gone["n1"]) <= MAX_DROP
+    remote.down.clear()
+    forward_batch(cfg, model._weights, model._rope, [Segment(np.array([1]), KVCache(cfg))], layers)
+    sent = remote.calls[-1][3]  # n1's drops: the newest numbers, at most one call's worth
+    assert sent == list(range(50, MAX_DROP + 50))
 
 
 BAD_CALLS = [
