@@ -194,7 +194,8 @@ class PipelineLayers:
         # Per node, the numbers of caches gone, dropped there with its next call. Bounded: a node that is lost, or
         # comes after one, is not called, and the newest MAX_DROP are kept (a node keeps at most 4,096 sequences,
         # `shardtool node --max-sequences`); a number never dropped only holds a slot until the node's least
-        # recently used order evicts it, since numbers are never reused.
+        # recently used order evicts it, since numbers are never reused. Appended without a lock: a cache's
+        # finaliser may run in a garbage collection that an allocation inside `self._lock` set off, on this thread.
         self._gone: dict[str, deque[int]] = {node: deque(maxlen=MAX_DROP) for node, _ in self.spans}
         self._lock = threading.Lock()
 
@@ -207,9 +208,8 @@ class PipelineLayers:
             return q
 
     def _forget(self, q: int) -> None:
-        with self._lock:
-            for gone in self._gone.values():
-                gone.append(q)
+        for gone in self._gone.values():  # (deque.append is atomic; `_drops` alone takes from the left)
+            gone.append(q)
 
     def _drops(self, node: str) -> list[int]:
         with self._lock:

@@ -164,6 +164,32 @@ def test_the_numbers_to_drop_at_a_node_behind_a_lost_one_stay_bounded_and_the_ne
     assert sent == list(range(50, MAX_DROP + 50))
 
 
+def test_a_finished_cache_collected_while_its_numbering_holds_the_lock_does_not_hang_the_coordinator():
+    """A cache in a reference cycle is freed by a garbage collection, which any allocation may set off, including
+    one inside `PipelineLayers`' lock (numbering a cache allocates): its finaliser runs there, on that thread."""
+    import gc
+    import threading
+    cfg, state = make("mixtral")
+    _, layers = pipeline(cfg, state)
+    ran = threading.Event()
+
+    def collect_inside_the_lock():
+        with layers._lock:
+            gc.collect()
+        ran.set()
+    gc.disable()  # (no collection of its own before the one under test)
+    try:
+        cycle: list = [KVCache(cfg)]
+        cycle[0].cycle = cycle  # only the cyclic collector frees it
+        layers._number(cycle[0])
+        del cycle
+        threading.Thread(target=collect_inside_the_lock, daemon=True).start()
+        assert ran.wait(10), "the cache's finaliser waited for a lock its own thread held"
+    finally:
+        gc.enable()
+    assert list(layers._drops("n0")) == [0]
+
+
 BAD_CALLS = [
     ("another span", dict(span=[0, 1]), "this node runs layers"),
     ("span not a list", dict(span=(0, 2)), "this node runs layers"),
