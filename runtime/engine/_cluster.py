@@ -341,7 +341,10 @@ class RemoteExperts:
                 if self._probe_at.pop(node, None) is None:
                     continue
                 self._boots[node] = info["boot"]
+                lost_session = self._sessions.get(node)
                 self._sessions[node] = session  # the lost process's session is never accepted again
+                if lost_session is not None:  # nor called: its span calls' counter goes with it
+                    self._call_numbers.pop(lost_session[0], None)
                 self._failed[node] = _failed_pairs(info["failed"])
                 del self.stats.dropped[node]
                 self.stats.readmitted += 1

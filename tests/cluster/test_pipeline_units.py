@@ -172,3 +172,20 @@ def test_a_span_reply_whose_authenticated_routes_are_malformed_drops_the_node(mo
     transport.edit["a"] = edit  # node a's own session key MACs the edited body
     with pytest.raises(UnavailableError, match="node a, which runs them .* was lost .*routes"):
         remote.span("a", (0, 1), _rows(services, 3, 0), [(0, 0, 3)], [], True)
+
+
+def test_a_span_node_readmitted_again_and_again_leaves_no_call_counter_behind(model):
+    """Each readmission is a new session with its own call numbers; the lost session's counter goes with it."""
+    from shardtool.errors import UnavailableError
+    services = _services(model)
+    remote, transport = _remote(model, services)
+    remote.probe_seconds = 0.0
+    for restart in range(4):
+        remote.span("a", (0, 1), _rows(services, 1, 0), [(restart, 0, 1)], [], False)
+        services["a"] = _services(model)["a"]  # a new process under the same name: the session is not its
+        transport.keys["a"] = services["a"]._key
+        with pytest.raises(UnavailableError, match="node a, which runs them .* was lost"):
+            remote.span("a", (0, 1), _rows(services, 1, 0), [(restart, 1, 1)], [], False)
+    remote.span("a", (0, 1), _rows(services, 1, 0), [(9, 0, 1)], [], False)  # readmitted by the call's probe
+    assert remote.stats.readmitted == 4
+    assert set(remote._call_numbers) <= {sid for sid, _ in remote._sessions.values()}
