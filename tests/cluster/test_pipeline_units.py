@@ -189,3 +189,31 @@ def test_a_span_node_readmitted_again_and_again_leaves_no_call_counter_behind(mo
     remote.span("a", (0, 1), _rows(services, 1, 0), [(9, 0, 1)], [], False)  # readmitted by the call's probe
     assert remote.stats.readmitted == 4
     assert set(remote._call_numbers) <= {sid for sid, _ in remote._sessions.values()}
+
+
+def _scored(engine, prompt, new: int) -> list:
+    """A completion with echo and logprobs, as serve submits it: the prompt's scores, then each token's."""
+    from shardtool.runtime.engine._engine import ErrorEvent
+    from shardtool.runtime.engine._sampling import SamplingParams
+    events: list = []
+    engine.submit(prompt, SamplingParams(max_new_tokens=new, temperature=0.0, top_p=1.0, seed=1), events.append,
+                  logprobs=3, score_prompt=True)
+    while engine._running:
+        engine.step()
+    assert not any(isinstance(e, ErrorEvent) for e in events), events
+    return [repr(e) for e in events]
+
+
+def test_prompt_scores_and_logprobs_through_span_nodes_equal_one_process(model):
+    """Every prompt row's logits ("all"), computed by the coordinator's head on the last node's hidden states."""
+    from shardtool.runtime import Engine
+    work, verified, _ = model
+    remote, _ = _remote(model, _services(model))
+    engines = [Engine(work / "full", verified, budget=1 << 30, max_batch=2, max_context=64, remote=r)
+               for r in (None, remote)]
+    try:
+        for prompt, new in ((PROMPT + [9, 8], 4), ([1, 2, 3], 0)):
+            assert _scored(engines[1], prompt, new) == _scored(engines[0], prompt, new)
+    finally:
+        for engine in engines:
+            engine.close()
