@@ -142,7 +142,12 @@ class RemoteExperts:
         its layers) in layer order (`ClusterPlan.spans`), empty for an expert-parallel plan."""
         self.spans = tuple((node, tuple(layers)) for node, layers in spans)
         self.layers = PipelineLayers(self, self.spans) if self.spans else None  # the engine's `ExpertCluster.layers`
+        self._span_of = dict(self.spans)  # node -> its layers
         self.placement = {key: tuple(nodes) for key, nodes in placement.items()}
+        by_layer: dict[int, list[int]] = {}
+        for layer, expert in self.placement:
+            by_layer.setdefault(layer, []).append(expert)
+        self._layer_experts = {layer: np.asarray(sorted(ids), dtype=np.int64) for layer, ids in by_layer.items()}
         unkeyed = sorted({n for nodes in self.placement.values() for n in nodes} - set(keys))
         if unkeyed:
             raise UsageError(f"no key for node {unkeyed[0]}: every node's answers are checked against its key")
@@ -181,7 +186,7 @@ class RemoteExperts:
                 self._drop(node, str(e))
                 continue
             infos[node] = info
-            if node in dict(self.spans):
+            if node in self._span_of:
                 self._span_infos[node] = info
             self._boots[node] = info["boot"]
             self._sessions[node] = session
@@ -268,7 +273,7 @@ class RemoteExperts:
             raise NodeFailed(f"node {node} answered info() without a mapping of 'layer/expert' failures: refused")
         if not isinstance(info.get("boot"), str) or not _BOOT.fullmatch(info["boot"]):
             raise NodeFailed(f"node {node} answered info() without a boot id (32 lowercase hex digits): refused")
-        span = dict(self.spans).get(node)
+        span = self._span_of.get(node)
         if span is not None:
             if info.get("layers") != list(span):
                 raise NodeFailed(f"node {node} runs layers {printable(str(info.get('layers'))[:40])}, the plan gives "
@@ -477,13 +482,13 @@ class RemoteExperts:
 
     def _span_routes(self, raw, span: tuple[int, int], rows: int) -> list[np.ndarray]:
         """The routes a span reply names: per MoE layer of the span, [rows, k] expert ids in [0, E)."""
-        moe = [layer for layer in range(*span) if layer in self._moe_layers()]
+        moe = [layer for layer in range(*span) if layer in self._layer_experts]  # its MoE layers
         if not isinstance(raw, list) or len(raw) != len(moe):
             raise NodeFailed(f"the reply names routes for {len(raw) if isinstance(raw, list) else 'no'} MoE layers, "
                              f"the span has {len(moe)}: refused")
         out = []
         for layer, idx in zip(moe, raw):
-            experts = self._moe_layers()[layer]
+            experts = self._layer_experts[layer]
             a = None
             # JSON integers only: numpy would turn 1.5, true or "3" into an expert id
             if isinstance(idx, list) and all(isinstance(r, list) and all(type(v) is int for v in r) for r in idx):
@@ -497,16 +502,6 @@ class RemoteExperts:
                                  f"experts: refused")
             out.append(a)
         return out
-
-    def _moe_layers(self) -> dict[int, np.ndarray]:
-        """MoE layer -> its expert ids (the plan's), sorted."""
-        found = self.__dict__.get("_moe_index")
-        if found is None:
-            by_layer: dict[int, list[int]] = {}
-            for layer, expert in self.placement:
-                by_layer.setdefault(layer, []).append(expert)
-            found = self._moe_index = {layer: np.asarray(sorted(ids), dtype=np.int64) for layer, ids in by_layer.items()}
-        return found
 
     def _reply(self, node: str, reply, call: tuple[str, str, bytes]) -> tuple[dict, dict, dict, dict]:
         """A run or span answer -> (its body, the body's output digests and failures, the outputs), once its MAC

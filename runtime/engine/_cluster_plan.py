@@ -20,8 +20,9 @@ The file (`encode_plan`, canonical: sorted keys, no insignificant whitespace, AS
 Two placements. Experts (expert parallelism, no node has "layers"): the coordinator runs every layer's trunk and
 sends each MoE layer's selected experts to their holders, `replicas` copies of each expert on distinct nodes: one
 round per MoE layer per token. Pipeline (every node has "layers"): the nodes, in plan order, hold consecutive spans
-of decoder layers that together cover layers 0..n-1 (n: the manifest's trunk/layer-NNN files), each node the trunk
-file of each of its layers and every routed expert of them and nothing else; replicas is 1. A token makes one
+of decoder layers that together cover layers 0..n-1 (n: the signed contract's num_layers), each node the trunk
+file of each of its layers and every routed expert of them and nothing else (the last node also the experts of
+layers past n, DeepSeek's multi-token prediction: stored, never run); replicas is 1. A token makes one
 round per node. In both, coordinator_files is every non-expert path: the coordinator keeps the trunk on disk (a
 pipeline coordinator loads only the layers outside the spans: embedding and head). A plan with no "layers" key
 encodes exactly as before pipeline plans existed, so its signature stays valid.

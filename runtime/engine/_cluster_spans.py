@@ -135,18 +135,17 @@ class SpanRunner:
         with self._lock:
             for q in drop:
                 self._caches.pop((session, q), None)
-            lost = [(q, lo) for (q, start, t), lo in zip(segments, _starts(segments))
+            bounds = [0, *itertools.accumulate(t for _, _, t in segments)]  # segment i: rows bounds[i]:bounds[i+1]
+            lost = [(q, lo, t) for (q, start, t), lo in zip(segments, bounds)
                     if start and self._length(session, q) < start]
             if lost:
-                rows = [lo + r for q, lo in lost for r in range(next(t for s, _, t in segments if s == q))]
                 return None, [], {"why": f"this node has no keys for sequence {lost[0][0]} up to its position "
                                          f"(it restarted or evicted them; it keeps {self.max_sequences})",
-                                  "rows": rows}
+                                  "rows": [r for _, lo, t in lost for r in range(lo, lo + t)]}
             for q, _, _ in segments:  # this call's sequences first in line to stay: a new one evicts another's
                 if (session, q) in self._caches:
                     self._caches.move_to_end((session, q))
             segs = [Segment(np.zeros(t, np.int64), self._cache(session, q, start), "none") for q, start, t in segments]
-            bounds = [0, *itertools.accumulate(t for _, _, t in segments)]
             chosen: list[np.ndarray] = []
             observe = (lambda idx, scores: chosen.append(np.sort(idx, axis=1))) if routes else None
             try:
@@ -176,10 +175,6 @@ class SpanRunner:
         self._caches.move_to_end(key)
         cache.length = start  # (never above what it holds: `run` checked it)
         return cache
-
-
-def _starts(segments: Sequence[tuple[int, int, int]]) -> list[int]:
-    return [0, *itertools.accumulate(t for _, _, t in segments)][:-1]
 
 
 class PipelineLayers:
@@ -239,5 +234,3 @@ def span_failure(node: str, span: tuple[int, int], failed: dict, rows: int) -> E
     cause = UnavailableError(f"node {node} could not run layers {span[0]}..{span[1] - 1} for these rows: "
                              f"{why[:300]}")
     return ExpertUnavailable(cause, np.asarray(sorted(set(failed_rows)), dtype=np.int64))
-
-

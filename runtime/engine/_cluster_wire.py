@@ -142,7 +142,7 @@ def decode_answer(obj: Any) -> dict:
 
 
 def encode_call(layer: int, expert_ids, x: np.ndarray, rows, nonce: str, session: str) -> bytes:
-    """One `run` call's arguments as the bytes a node's actor takes (`decode_call`)."""
+    """One `run` call's arguments as the bytes a node's actor takes (`decode_any_call`)."""
     return pack({"layer": int(layer), "experts": [int(e) for e in expert_ids], "x": encode_array(x),
                  "rows": [[int(e), encode_array(r)] for e, r in rows.items()], "nonce": nonce, "session": session})
 
@@ -159,7 +159,7 @@ def encode_span_call(span: tuple[int, int], x: np.ndarray, segments, drop, route
 
 
 def decode_any_call(call: Any) -> tuple[str, tuple]:
-    """A call's bytes (at a node, from the wire) -> ("run", `decode_call`'s tuple) or ("span", (session id, the
+    """A call's bytes (at a node, from the wire) -> ("run", `_run_call`'s tuple) or ("span", (session id, the
     span call's bytes, their MAC)), the form checked here (a UsageError naming what is wrong); a span call's bytes
     are read (`decode_span_call`) only once their MAC is checked, the values are the node's to check."""
     doc = _unpack_call(call)
@@ -192,14 +192,9 @@ def _unpack_call(call: Any) -> dict:
         raise UsageError(str(e)) from None
 
 
-def decode_call(call: Any) -> tuple[Any, Any, np.ndarray, dict[int, np.ndarray], Any, Any]:
-    """A call's bytes (at a node, from the wire) -> (layer, expert ids, x [n, H] float32, {expert: rows int64},
-    nonce, session id), their form checked here (a UsageError naming what is wrong); their values are
-    NodeService.run's to check."""
-    return _run_call(_unpack_call(call))
-
-
 def _run_call(doc: dict) -> tuple[Any, Any, np.ndarray, dict[int, np.ndarray], Any, Any]:
+    """A run call's map -> (layer, expert ids, x [n, H] float32, {expert: rows int64}, nonce, session id), their
+    form checked here (a UsageError naming what is wrong); their values are NodeService.run's to check."""
     try:
         if set(doc) != _CALL_KEYS:
             raise ProtocolError(f"a call must have exactly the keys {sorted(_CALL_KEYS)}")
